@@ -1,0 +1,16 @@
+"""jcompilemask: attention masks written once as region-based MaskSpecs, compiled to
+per-row visible intervals and tile-state bitmaps, run by flash-attention kernels.
+
+>>> import jcompilemask as jcm
+>>> print(jcm.masks.causal())
+MaskSpec 'causal'  (metadata: none; mask heads: 1)
+  region 0: rows [0, q_len)
+      visible: k <= q
+"""
+from . import masks, spec
+from .lower import CompiledMask, ExecutionDescriptor, TileConfig, compile, from_dense
+from .spec import MaskSpec, Region
+
+__version__ = "0.1.0"
+__all__ = ["masks", "spec", "MaskSpec", "Region", "compile", "CompiledMask",
+           "ExecutionDescriptor", "TileConfig", "from_dense"]

@@ -1,0 +1,579 @@
+"""SM90 (Hopper) forward attention driven by the Execution Descriptor.
+
+One CTA owns one `block_q`-row query tile of one (batch, query head). It reads the
+tile-state word(s) of its tile row and visits only the key tiles whose compute bit is
+set: an empty tile costs no TMA load and no MMA. A full tile runs with no masking; a
+partial tile (mask bit set) — and the ragged last key tile, which the descriptor does
+not flag because its bits count in-range elements only — runs the interval check
+``OR_m uint32(j - start_m) < uint32(length_m)`` over the row's K intervals, which each
+thread loads once for its rows before the key loop.
+
+Warp specialization (FlashAttention-3's layout of the work, written here for the
+descriptor): warpgroup 0 is the producer (one warp issues TMA loads of Q once and of K
+and V per visited tile into a `num_stages`-deep ring); warpgroups 1 and 2 are
+consumers, each owning 64 query rows. Each consumer overlaps its own softmax with
+its own P@V wgmma (S of tile t+1 is issued before P_t @ V_t), and the two consumers
+alternate tensor-core issue through a pair of named barriers so that one's softmax
+hides behind the other's GEMMs.
+
+Scores stay in registers (P is the register A operand of the P@V wgmma). Softmax uses
+exp2 with the scale folded into one FFMA; a row that sees no key keeps max = -inf and
+sum = 0 and ends with o = 0, lse = -inf (never NaN).
+"""
+
+from __future__ import annotations
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils as cutlass_utils
+import cutlass.utils.hopper_helpers as sm90_helpers
+from cutlass import Boolean, Float32, Int32, Uint32, const_expr
+from cutlass._mlir.dialects import arith
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cutlass_dsl import dsl_user_op
+from cutlass.tensor_utils import LayoutEnum
+
+# Named barrier ids. 0 is __syncthreads; the two consumer warpgroups each own one
+# scheduling barrier that the other one arrives on (tensor-core ping-pong).
+_BARRIER_SCHED_WG1 = 1
+_LOG2_E = math.log2(math.e)
+_LN_2 = math.log(2.0)
+
+
+def preferred_forward_tiles(head_dim: int, dtype: str = "bfloat16") -> tuple[int, int]:
+    """(block_q, block_kv) the SM90 forward kernel wants its descriptor built at.
+
+    128 x 128 for head dim <= 128: two consumer warpgroups of 64 rows each, a 128-key
+    tile that keeps S (64 fp32 registers per thread) and O (64 more) in registers;
+    FlashAttention-3 uses the same shape for hdim 128 on H100 (its tile_size_fwd_sm90).
+    Head dim 256 would need a narrower key tile (80) to fit O; not built yet.
+    """
+    del dtype  # bf16 and fp16 share the shape
+    if head_dim <= 128:
+        return (128, 128)
+    return (128, 80)
+
+
+@dsl_user_op
+def _unsigned_lt(a, b, *, loc=None, ip=None) -> Boolean:
+    """uint32(a) < uint32(b) for Int32 operands.
+
+    Spelled as an explicit `arith.cmpi ult`: `Uint32(x) < Uint32(y)` on Int32 values
+    was lowered to a signed compare (setp.lt.s32) by CuTe DSL 4.8.1, which would make
+    every key left of an interval's start visible.
+    """
+    return Boolean(
+        arith.cmpi(
+            arith.CmpIPredicate.ult,
+            Int32(a).ir_value(loc=loc, ip=ip),
+            Int32(b).ir_value(loc=loc, ip=ip),
+            loc=loc,
+            ip=ip,
+        )
+    )
+
+
+def _rows_view(acc: cute.Tensor) -> cute.Tensor:
+    """A wgmma accumulator ((2, 2, V), M, N) seen as (rows, cols) of this thread.
+
+    In an SM90 accumulator fragment mode 0 is (column pair, row +8, column group of 8);
+    softmax wants rows first, so regroup as ((row +8, M), (column pair, group, N)).
+    """
+    flat = cute.make_layout(acc.layout.shape)
+    shape = (
+        (flat.shape[0][1], flat.shape[1]),
+        (flat.shape[0][0], flat.shape[0][2], flat.shape[2]),
+    )
+    stride = (
+        (flat.stride[0][1], flat.stride[1]),
+        (flat.stride[0][0], flat.stride[0][2], flat.stride[2]),
+    )
+    return cute.make_tensor(acc.iterator, cute.composition(acc.layout, cute.make_layout(shape, stride=stride)))
+
+
+def _as_a_operand(acc: cute.Tensor) -> cute.Tensor:
+    """An accumulator ((2, 2, V), M, N) regrouped as a register A operand ((2, 2, 2), M, (V/2, N)).
+
+    The k=16 slice of a bf16 wgmma A fragment is two column groups of 8, so pairs of
+    accumulator column groups form one A k-block; no data moves, only the view.
+    """
+    split = cute.logical_divide(acc.layout, ((None, None, 2), None, None))
+    layout = cute.make_layout(
+        (
+            (split.shape[0][0], split.shape[0][1], split.shape[0][2][0]),
+            split.shape[1],
+            (split.shape[0][2][1], split.shape[2]),
+        ),
+        stride=(
+            (split.stride[0][0], split.stride[0][1], split.stride[0][2][0]),
+            split.stride[1],
+            (split.stride[0][2][1], split.stride[2]),
+        ),
+    )
+    return cute.make_tensor(acc.iterator, layout)
+
+
+class FlashForwardSm90:
+    """Forward attention over a tile-state descriptor, one class for SM90's forward pass.
+
+    Static choices (the compile key) are fixed here; shapes B, Nq, Nk, heads are runtime.
+    Inputs of ``__call__`` (layouts of ``jax.nn.dot_product_attention``):
+      mQ [B, Nq, Hq, D], mK [B, Nk, Hkv, D], mV [B, Nk, Hkv, Dv] (dtype),
+      mIntervals int32 [Bm, Hm, Nq, K, 2], mTiles uint32 [Bm, Hm, Tq, W],
+      mO [B, Nq, Hq, Dv] (dtype), mLSE float32 [B, Hq, Nq].
+    """
+
+    num_consumer_wgs = 2
+    threads_per_wg = 128
+
+    def __init__(
+        self,
+        dtype: type[cutlass.Numeric],
+        head_dim: int,
+        head_dim_v: int,
+        num_intervals: int,
+        scale: float,
+        *,
+        block_q: int = 128,
+        block_kv: int = 128,
+        broadcast_batch: bool = False,
+        broadcast_head: bool = False,
+        num_stages: int = 2,
+    ):
+        assert dtype in (cutlass.BFloat16, cutlass.Float16), dtype
+        assert block_q == 64 * self.num_consumer_wgs, "each consumer warpgroup owns 64 rows"
+        assert block_kv % 16 == 0 and head_dim % 16 == 0 and head_dim_v % 16 == 0
+        assert 1 <= num_intervals <= 8
+        self.dtype = dtype
+        self.head_dim = head_dim
+        self.head_dim_v = head_dim_v
+        self.num_intervals = num_intervals
+        self.scale_log2 = float(scale) * _LOG2_E
+        self.scale = float(scale)
+        self.block_q = block_q
+        self.block_kv = block_kv
+        self.broadcast_batch = broadcast_batch
+        self.broadcast_head = broadcast_head
+        self.num_stages = num_stages
+        self.num_threads = self.threads_per_wg * (1 + self.num_consumer_wgs)
+        # Producer keeps few registers so the consumers can hold S, P and O (FA3's split).
+        self.producer_regs = 24
+        self.consumer_regs = 240
+
+    # ------------------------------------------------------------------ host side
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mIntervals: cute.Tensor,
+        mTiles: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        stream,
+    ):
+        # (B, N, H, D) -> (N, D, H, B): row, contraction dim, then the batch modes.
+        mQt = cute.make_tensor(mQ.iterator, cute.select(mQ.layout, mode=[1, 3, 2, 0]))
+        mKt = cute.make_tensor(mK.iterator, cute.select(mK.layout, mode=[1, 3, 2, 0]))
+        mOt = cute.make_tensor(mO.iterator, cute.select(mO.layout, mode=[1, 3, 2, 0]))
+        # V as the B operand of O = P @ V: (Dv, Nk, H, B), Dv contiguous (MN-major).
+        mVt = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[3, 1, 2, 0]))
+
+        tiled_mma_qk = sm90_helpers.make_trivial_tiled_mma(
+            self.dtype, self.dtype,
+            warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
+            Float32, (self.num_consumer_wgs, 1, 1), (64, self.block_kv),
+        )
+        tiled_mma_pv = sm90_helpers.make_trivial_tiled_mma(
+            self.dtype, self.dtype,
+            warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN,
+            Float32, (self.num_consumer_wgs, 1, 1), (64, self.head_dim_v),
+            warpgroup.OperandSource.RMEM,
+        )
+        sQ_layout = sm90_helpers.make_smem_layout_a(
+            LayoutEnum.ROW_MAJOR, (self.block_q, self.block_kv, self.head_dim), self.dtype, 1
+        )
+        sK_layout = sm90_helpers.make_smem_layout_b(
+            LayoutEnum.ROW_MAJOR, (self.block_q, self.block_kv, self.head_dim), self.dtype, self.num_stages
+        )
+        sV_layout = sm90_helpers.make_smem_layout_b(
+            LayoutEnum.COL_MAJOR, (self.block_q, self.head_dim_v, self.block_kv), self.dtype, self.num_stages
+        )
+        g2s = cpasync.CopyBulkTensorTileG2SOp()
+        tma_atom_q, mQ_tma = cpasync.make_tiled_tma_atom(
+            g2s, mQt, cute.slice_(sQ_layout, (None, None, 0)), (self.block_q, self.head_dim)
+        )
+        tma_atom_k, mK_tma = cpasync.make_tiled_tma_atom(
+            g2s, mKt, cute.slice_(sK_layout, (None, None, 0)), (self.block_kv, self.head_dim)
+        )
+        tma_atom_v, mV_tma = cpasync.make_tiled_tma_atom(
+            g2s, mVt, cute.slice_(sV_layout, (None, None, 0)), (self.head_dim_v, self.block_kv)
+        )
+        self.bytes_q = cute.size_in_bytes(self.dtype, cute.slice_(sQ_layout, (None, None, 0)))
+        self.bytes_k = cute.size_in_bytes(self.dtype, cute.slice_(sK_layout, (None, None, 0)))
+        self.bytes_v = cute.size_in_bytes(self.dtype, cute.slice_(sV_layout, (None, None, 0)))
+
+        @cute.struct
+        class SharedStorage:
+            mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
+            mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
+            # 1024-byte alignment: the 128B swizzle pattern repeats every 1024 bytes.
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
+
+        self.shared_storage = SharedStorage
+
+        num_q_tiles = cute.ceil_div(mQ.shape[1], self.block_q)
+        self.kernel(
+            mQ_tma, mK_tma, mV_tma, mOt, mLSE, mIntervals, mTiles,
+            tma_atom_q, tma_atom_k, tma_atom_v,
+            tiled_mma_qk, tiled_mma_pv, sQ_layout, sK_layout, sV_layout,
+        ).launch(
+            grid=[num_q_tiles, mQ.shape[2], mQ.shape[0]],
+            block=[self.num_threads, 1, 1],
+            stream=stream,
+            min_blocks_per_mp=1,
+        )
+
+    # ---------------------------------------------------------------- device entry
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        mIntervals: cute.Tensor,
+        mTiles: cute.Tensor,
+        tma_atom_q: cute.CopyAtom,
+        tma_atom_k: cute.CopyAtom,
+        tma_atom_v: cute.CopyAtom,
+        tiled_mma_qk: cute.TiledMma,
+        tiled_mma_pv: cute.TiledMma,
+        sQ_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout,
+        sV_layout: cute.ComposedLayout,
+    ):
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        tidx, _, _ = cute.arch.thread_idx()
+        if warp_idx == 0:
+            cpasync.prefetch_descriptor(tma_atom_q)
+            cpasync.prefetch_descriptor(tma_atom_k)
+            cpasync.prefetch_descriptor(tma_atom_v)
+
+        storage = cutlass_utils.SmemAllocator().allocate(self.shared_storage)
+        one_thread = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        # Consumers release a stage once per warp (lane 0 of each of the 8 warps).
+        consumer_warps = pipeline.CooperativeGroup(
+            pipeline.Agent.Thread, self.num_consumer_wgs * self.threads_per_wg // 32
+        )
+        pipeline_q = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_q.data_ptr(), num_stages=1,
+            producer_group=one_thread, consumer_group=consumer_warps,
+            tx_count=self.bytes_q, defer_sync=True,
+        )
+        pipeline_k = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_k.data_ptr(), num_stages=self.num_stages,
+            producer_group=one_thread, consumer_group=consumer_warps,
+            tx_count=self.bytes_k, defer_sync=True,
+        )
+        pipeline_v = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_v.data_ptr(), num_stages=self.num_stages,
+            producer_group=one_thread, consumer_group=consumer_warps,
+            tx_count=self.bytes_v, defer_sync=True,
+        )
+        pipeline.pipeline_init_arrive()
+
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+
+        # Heaviest query tiles first: under a causal-like mask the last tile rows see
+        # the most keys, and launching them first shortens the tail of the grid.
+        bidx, head, batch = cute.arch.block_idx()
+        q_tile = cute.arch.grid_dim()[0] - 1 - bidx
+        head_kv = head // (mQ.shape[2] // mK.shape[2])
+        mask_batch = 0 if const_expr(self.broadcast_batch) else batch
+        mask_head = 0 if const_expr(self.broadcast_head) else head
+        n_k_tiles = cute.ceil_div(mK.shape[0], self.block_kv)
+        gTiles = mTiles[mask_batch, mask_head, q_tile, None]
+
+        pipeline.pipeline_init_wait()
+
+        if warp_idx < 4:
+            cute.arch.setmaxregister_decrease(self.producer_regs)
+            if warp_idx == 0:
+                self.load(
+                    mQ, mK, mV, sQ, sK, sV, tma_atom_q, tma_atom_k, tma_atom_v,
+                    pipeline_q, pipeline_k, pipeline_v, gTiles, n_k_tiles,
+                    q_tile, head, head_kv, batch,
+                )
+        else:
+            cute.arch.setmaxregister_increase(self.consumer_regs)
+            self.consume(
+                mO, mLSE, mIntervals, sQ, sK, sV, tiled_mma_qk, tiled_mma_pv,
+                pipeline_q, pipeline_k, pipeline_v, gTiles, n_k_tiles,
+                mQ.shape[0], mK.shape[0], q_tile, head, batch, mask_batch, mask_head,
+                tidx - self.threads_per_wg,
+            )
+
+    # ------------------------------------------------------------------ producer
+    @cute.jit
+    def load(
+        self, mQ, mK, mV, sQ, sK, sV, tma_atom_q, tma_atom_k, tma_atom_v,
+        pipeline_q, pipeline_k, pipeline_v, gTiles, n_k_tiles, q_tile, head, head_kv, batch,
+    ):
+        gQ = cute.local_tile(mQ[None, None, head, batch], (self.block_q, self.head_dim), (q_tile, 0))
+        gK = cute.local_tile(mK[None, None, head_kv, batch], (self.block_kv, self.head_dim), (None, 0))
+        gV = cute.local_tile(mV[None, None, head_kv, batch], (self.head_dim_v, self.block_kv), (0, None))
+        tQsQ, tQgQ = cpasync.tma_partition(
+            tma_atom_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
+        )
+        tKsK, tKgK = cpasync.tma_partition(
+            tma_atom_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2)
+        )
+        tVsV, tVgV = cpasync.tma_partition(
+            tma_atom_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2)
+        )
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        pipeline_q.producer_acquire(q_state)
+        cute.copy(tma_atom_q, tQgQ, tQsQ[None, 0], tma_bar_ptr=pipeline_q.producer_get_barrier(q_state))
+
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        for k_tile in cutlass.range(n_k_tiles, unroll=1):
+            if self.tile_bits(gTiles, k_tile) & Uint32(1) != Uint32(0):
+                pipeline_k.producer_acquire(kv_state)
+                cute.copy(tma_atom_k, tKgK[None, k_tile], tKsK[None, kv_state.index],
+                          tma_bar_ptr=pipeline_k.producer_get_barrier(kv_state))
+                pipeline_v.producer_acquire(kv_state)
+                cute.copy(tma_atom_v, tVgV[None, k_tile], tVsV[None, kv_state.index],
+                          tma_bar_ptr=pipeline_v.producer_get_barrier(kv_state))
+                kv_state.advance()
+
+    @cute.jit
+    def tile_bits(self, gTiles: cute.Tensor, k_tile: Int32) -> Uint32:
+        """The 2 state bits of key tile `k_tile` in this tile row: bit 0 compute, bit 1 masked."""
+        word = gTiles[k_tile // 16]
+        return (word >> Uint32(2 * (k_tile % 16))) & Uint32(3)
+
+    # ------------------------------------------------------------------ consumers
+    @cute.jit
+    def consume(
+        self, mO, mLSE, mIntervals, sQ, sK, sV, tiled_mma_qk, tiled_mma_pv,
+        pipeline_q, pipeline_k, pipeline_v, gTiles, n_k_tiles,
+        seqlen_q, seqlen_k, q_tile, head, batch, mask_batch, mask_head, tidx,
+    ):
+        wg = tidx // self.threads_per_wg  # 0 or 1 among the consumers
+        wg_slice = cute.make_layout(self.num_consumer_wgs, stride=self.threads_per_wg)
+        wg_mma_qk = tiled_mma_qk.get_slice(wg_slice(wg))
+        wg_mma_pv = tiled_mma_pv.get_slice(wg_slice(wg))
+        thr_mma_qk = tiled_mma_qk.get_slice(tidx)
+
+        tSrQ = wg_mma_qk.make_fragment_A(wg_mma_qk.partition_A(sQ))
+        tSrK = wg_mma_qk.make_fragment_B(wg_mma_qk.partition_B(sK))
+        tOrV = wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(sV))
+        acc_O = cute.make_rmem_tensor(wg_mma_pv.partition_shape_C((self.block_q, self.head_dim_v)), Float32)
+        tOrP = wg_mma_pv.make_fragment_A(wg_mma_pv.partition_shape_A((self.block_q, self.block_kv)))
+        acc_O.fill(0.0)
+
+        # Coordinates of this thread's score elements inside a (block_q, block_kv) tile.
+        tScS = _rows_view(thr_mma_qk.partition_C(cute.make_identity_tensor((self.block_q, self.block_kv))))
+        num_rows = cute.size(tScS, mode=[0])
+        row_max = cute.make_rmem_tensor(num_rows, Float32)
+        row_sum = cute.make_rmem_tensor(num_rows, Float32)
+        row_max.fill(-Float32.inf)
+        row_sum.fill(0.0)
+
+        # The row's K intervals, loaded once; rows past Nq see nothing.
+        starts = cute.make_rmem_tensor((num_rows, self.num_intervals), Int32)
+        lengths = cute.make_rmem_tensor((num_rows, self.num_intervals), Int32)
+        for r in cutlass.range_constexpr(num_rows):
+            row = q_tile * self.block_q + tScS[r, 0][0]
+            in_range = row < seqlen_q
+            safe_row = row if in_range else 0
+            for m in cutlass.range_constexpr(self.num_intervals):
+                starts[r, m] = mIntervals[mask_batch, mask_head, safe_row, m, 0]
+                length = mIntervals[mask_batch, mask_head, safe_row, m, 1]
+                lengths[r, m] = length if in_range else 0
+
+        pipeline_q.consumer_wait(pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1))
+        if wg == 0:
+            # Let the first consumer issue first; from then on they alternate.
+            cute.arch.barrier_arrive(barrier_id=_BARRIER_SCHED_WG1, number_of_threads=2 * self.threads_per_wg)
+
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        ragged_tile = n_k_tiles if seqlen_k % self.block_kv == 0 else n_k_tiles - 1
+        started = Boolean(False)
+        for k_tile in cutlass.range(n_k_tiles, unroll=1):
+            bits = self.tile_bits(gTiles, k_tile)
+            if bits & Uint32(1) != Uint32(0):
+                needs_mask = (bits & Uint32(2) != Uint32(0)) or (k_tile == ragged_tile)
+                if started:
+                    if needs_mask:
+                        kv_state = self.mma_step(
+                            kv_state, k_tile, True, wg_mma_qk, wg_mma_pv, tSrQ, tSrK, tOrV, tOrP, acc_O,
+                            tScS, row_max, row_sum, starts, lengths, seqlen_k, pipeline_k, pipeline_v, wg)
+                    else:
+                        kv_state = self.mma_step(
+                            kv_state, k_tile, False, wg_mma_qk, wg_mma_pv, tSrQ, tSrK, tOrV, tOrP, acc_O,
+                            tScS, row_max, row_sum, starts, lengths, seqlen_k, pipeline_k, pipeline_v, wg)
+                else:
+                    # The first visited tile is always masked: cheap once, and it saves a
+                    # third copy of the softmax body.
+                    self.mma_first(kv_state, k_tile, wg_mma_qk, tSrQ, tSrK, tOrP, tScS, row_max, row_sum,
+                                   starts, lengths, seqlen_k, pipeline_k)
+                started = Boolean(True)
+        if started:
+            pipeline_v.consumer_wait(kv_state)
+            self.wgmma(wg_mma_pv, acc_O, tOrP, tOrV[None, None, None, kv_state.index], False)
+            warpgroup.wait_group(0)
+            pipeline_v.consumer_release(kv_state)
+
+        self.epilogue(acc_O, row_max, row_sum, mO, mLSE, tiled_mma_pv, tidx, seqlen_q, q_tile, head, batch)
+
+    @cute.jit
+    def wgmma(self, tiled_mma, acc, tA, tB, zero_init: cutlass.Constexpr[bool]):
+        """Issue one warpgroup GEMM over all k-blocks and commit it; does not wait."""
+        warpgroup.fence()
+        # A fresh atom: its ACCUMULATE field is mutated per k-block below.
+        atom = cute.make_mma_atom(tiled_mma.op)
+        atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
+        for kb in cutlass.range_constexpr(cute.size(tA.shape[2])):
+            cute.gemm(atom, acc, tA[None, None, kb], tB[None, None, kb], acc)
+            atom.set(warpgroup.Field.ACCUMULATE, True)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def mma_first(self, kv_state, k_tile, wg_mma_qk, tSrQ, tSrK, tOrP, tScS, row_max, row_sum,
+                  starts, lengths, seqlen_k, pipeline_k):
+        """S of the first visited tile, softmax, P into registers; its P@V waits for the next step."""
+        acc_S = cute.make_rmem_tensor(wg_mma_qk.partition_shape_C((self.block_q, self.block_kv)), Float32)
+        pipeline_k.consumer_wait(kv_state)
+        self.wgmma(wg_mma_qk, acc_S, tSrQ[None, None, None, 0], tSrK[None, None, None, kv_state.index], True)
+        warpgroup.wait_group(0)
+        pipeline_k.consumer_release(kv_state)
+        acc_S_rows = _rows_view(acc_S)
+        self.apply_mask(acc_S_rows, tScS, k_tile, starts, lengths, seqlen_k)
+        self.online_softmax(acc_S_rows, row_max, row_sum, None)
+        tOrP.store(_as_a_operand(acc_S).load().to(self.dtype))
+
+    @cute.jit
+    def mma_step(self, kv_state, k_tile, masked: cutlass.Constexpr[bool], wg_mma_qk, wg_mma_pv,
+                 tSrQ, tSrK, tOrV, tOrP, acc_O, tScS, row_max, row_sum, starts, lengths, seqlen_k,
+                 pipeline_k, pipeline_v, wg):
+        """S_t = Q K_t^T is issued before O += P_{t-1} V_{t-1}; softmax of S_t overlaps that GEMM."""
+        v_state = kv_state.clone()
+        kv_state.advance()
+        acc_S = cute.make_rmem_tensor(wg_mma_qk.partition_shape_C((self.block_q, self.block_kv)), Float32)
+        pipeline_k.consumer_wait(kv_state)
+        self.sched_wait(wg)
+        self.wgmma(wg_mma_qk, acc_S, tSrQ[None, None, None, 0], tSrK[None, None, None, kv_state.index], True)
+        pipeline_v.consumer_wait(v_state)
+        self.wgmma(wg_mma_pv, acc_O, tOrP, tOrV[None, None, None, v_state.index], False)
+        self.sched_signal(wg)
+        warpgroup.wait_group(1)
+        pipeline_k.consumer_release(kv_state)
+        acc_S_rows = _rows_view(acc_S)
+        if const_expr(masked):
+            self.apply_mask(acc_S_rows, tScS, k_tile, starts, lengths, seqlen_k)
+        row_scale = cute.make_rmem_tensor(row_max.shape, Float32)
+        self.online_softmax(acc_S_rows, row_max, row_sum, row_scale)
+        warpgroup.wait_group(0)
+        pipeline_v.consumer_release(v_state)
+        tOrP.store(_as_a_operand(acc_S).load().to(self.dtype))
+        acc_O_rows = _rows_view(acc_O)
+        for r in cutlass.range_constexpr(cute.size(acc_O_rows, mode=[0])):
+            for c in cutlass.range_constexpr(cute.size(acc_O_rows, mode=[1])):
+                acc_O_rows[r, c] = acc_O_rows[r, c] * row_scale[r]
+        return kv_state
+
+    @cute.jit
+    def sched_wait(self, wg):
+        cute.arch.barrier(barrier_id=_BARRIER_SCHED_WG1 + wg, number_of_threads=2 * self.threads_per_wg)
+
+    @cute.jit
+    def sched_signal(self, wg):
+        cute.arch.barrier_arrive(barrier_id=_BARRIER_SCHED_WG1 + 1 - wg, number_of_threads=2 * self.threads_per_wg)
+
+    # ------------------------------------------------------------- masking, softmax
+    @cute.jit
+    def apply_mask(self, acc_S_rows, tScS, k_tile, starts, lengths, seqlen_k):
+        """Set S to -inf where the key is past Nk or in none of the row's intervals.
+
+        One subtraction and one unsigned compare per interval: uint32(j - start) < length
+        covers start <= j < start + length, and a zero length never matches.
+        """
+        col0 = k_tile * self.block_kv
+        for r in cutlass.range_constexpr(cute.size(acc_S_rows, mode=[0])):
+            for c in cutlass.range_constexpr(cute.size(acc_S_rows, mode=[1])):
+                col = col0 + tScS[r, c][1]
+                visible = Boolean(False)
+                for m in cutlass.range_constexpr(self.num_intervals):
+                    visible = visible | _unsigned_lt(col - starts[r, m], lengths[r, m])
+                keep = visible & (col < seqlen_k)
+                acc_S_rows[r, c] = acc_S_rows[r, c] if keep else -Float32.inf
+
+    @cute.jit
+    def online_softmax(self, acc_S_rows, row_max, row_sum, row_scale):
+        """Scores -> unnormalised probabilities in place; row_scale (None on the first
+        tile) receives the factor that rescales the running O and sum."""
+        scale_log2 = Float32(self.scale_log2)
+        for r in cutlass.range_constexpr(cute.size(acc_S_rows, mode=[0])):
+            m = acc_S_rows[r, 0]
+            for c in cutlass.range_constexpr(1, cute.size(acc_S_rows, mode=[1])):
+                m = cute.arch.fmax(m, acc_S_rows[r, c])
+            # The 4 threads of a quad hold one row between them.
+            m = cute.arch.warp_reduction_max(m, threads_in_group=4)
+            m_prev = row_max[r]
+            if const_expr(row_scale is not None):
+                m = cute.arch.fmax(m, m_prev)
+            row_max[r] = m
+            # A row with nothing visible yet keeps max -inf; offset 0 makes its P exactly 0.
+            m_scaled = Float32(0.0) if m == -Float32.inf else m * scale_log2
+            s = Float32(0.0)
+            for c in cutlass.range_constexpr(cute.size(acc_S_rows, mode=[1])):
+                p = cute.math.exp2(acc_S_rows[r, c] * scale_log2 - m_scaled, fastmath=True)
+                acc_S_rows[r, c] = p
+                s = s + p
+            if const_expr(row_scale is not None):
+                factor = cute.math.exp2(m_prev * scale_log2 - m_scaled, fastmath=True)
+                row_scale[r] = factor
+                row_sum[r] = row_sum[r] * factor + s
+            else:
+                row_sum[r] = s
+
+    # ------------------------------------------------------------------ epilogue
+    @cute.jit
+    def epilogue(self, acc_O, row_max, row_sum, mO, mLSE, tiled_mma_pv, tidx, seqlen_q, q_tile, head, batch):
+        """Normalise O by the row sum, write O (bf16) and the natural-log LSE; rows past Nq are dropped."""
+        thr_mma_pv = tiled_mma_pv.get_slice(tidx)
+        acc_O_rows = _rows_view(acc_O)
+        gO = cute.local_tile(mO[None, None, head, batch], (self.block_q, self.head_dim_v), (q_tile, 0))
+        tOgO = _rows_view(thr_mma_pv.partition_C(gO))
+        tOcO = _rows_view(thr_mma_pv.partition_C(cute.make_identity_tensor((self.block_q, self.head_dim_v))))
+        rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
+        lse = cute.make_rmem_tensor(row_sum.shape, Float32)
+        for r in cutlass.range_constexpr(cute.size(acc_O_rows, mode=[0])):
+            total = cute.arch.warp_reduction_sum(row_sum[r], threads_in_group=4)
+            empty = total == Float32(0.0)
+            inv = Float32(0.0) if empty else cute.arch.rcp_approx(total)
+            lse[r] = (-Float32.inf if empty
+                      else (row_max[r] * Float32(self.scale_log2) + cute.math.log2(total, fastmath=True)) * Float32(_LN_2))
+            for c in cutlass.range_constexpr(cute.size(acc_O_rows, mode=[1])):
+                acc_O_rows[r, c] = acc_O_rows[r, c] * inv
+        rO.store(acc_O.load().to(self.dtype))
+        rO_rows = _rows_view(rO)
+        for r in cutlass.range_constexpr(cute.size(rO_rows, mode=[0])):
+            row = q_tile * self.block_q + tOcO[r, 0][0]
+            if row < seqlen_q:
+                for c in cutlass.range_constexpr(cute.size(rO_rows, mode=[1])):
+                    tOgO[r, c] = rO_rows[r, c]
+                if tOcO[r, 0][1] == 0:
+                    mLSE[batch, head, row] = lse[r]

@@ -1,0 +1,6 @@
+"""Lowering: MaskSpec -> interval expressions (sympy) -> ExecutionDescriptor."""
+from .compiled import CompiledMask, compile
+from .descriptor import ExecutionDescriptor, TileConfig
+from .dense import from_dense
+
+__all__ = ["CompiledMask", "compile", "ExecutionDescriptor", "TileConfig", "from_dense"]

@@ -1,0 +1,173 @@
+"""``compile(spec) -> CompiledMask``: the lowered form of a MaskSpec and its preprocess."""
+from __future__ import annotations
+
+import functools
+from typing import Mapping, Optional
+
+import jax.numpy as jnp
+
+from ..spec.evaluate import Env, evaluate
+from ..spec.maskspec import MaskSpec
+from .analyze import LoweredRegion, lower_region
+from .descriptor import ExecutionDescriptor, TileConfig
+
+__all__ = ["CompiledMask", "compile", "resolve_tiles", "DEFAULT_TILES"]
+
+# The xla backend's tiles; GPU backends announce their own (see jcompilemask.backends).
+DEFAULT_TILES = TileConfig(block_q=128, block_kv=128, bwd_block_q=64, bwd_block_kv=128)
+
+
+def resolve_tiles(block_q=None, block_kv=None, bwd_block_q=None, bwd_block_kv=None,
+                  default: TileConfig | None = None) -> TileConfig:
+    d = default or _preferred_default()
+    return TileConfig(block_q or d.block_q, block_kv or d.block_kv,
+                      bwd_block_q or d.bwd_block_q, bwd_block_kv or d.bwd_block_kv)
+
+
+def _preferred_default() -> TileConfig:
+    try:
+        from ..backends import preferred_tiles
+    except ImportError:  # pragma: no cover - during partial installs
+        return DEFAULT_TILES
+    return preferred_tiles()
+
+
+class CompiledMask:
+    """A MaskSpec lowered to interval expressions, ready to instantiate descriptors.
+
+    Attributes:
+      spec: the source :class:`MaskSpec`.
+      regions: one :class:`LoweredRegion` per region (intervals, or a fallback reason).
+      num_intervals: K, forward intervals per row (max over regions, at least 1).
+      num_bwd_intervals: Kc, backward intervals per key column (0: no column view).
+
+    >>> import jcompilemask as jcm
+    >>> cm = jcm.compile(jcm.masks.causal())
+    >>> cm.num_intervals, cm.num_bwd_intervals
+    (1, 1)
+    >>> d = cm.instantiate(None, 8, 8, block_q=4, block_kv=4, bwd_block_q=4, bwd_block_kv=4)
+    >>> print(d.to_string())
+    fwd tiles 4x4 (2x2), batch 0, head 0: # full, + partial, . empty
+    +.
+    #+
+    full 1, partial 2, empty 1
+    """
+
+    def __init__(self, spec: MaskSpec, regions: tuple[LoweredRegion, ...]):
+        self.spec = spec
+        self.regions = regions
+        lowered = [r for r in regions if r.fallback is None]
+        self.num_intervals = max([len(r.intervals) for r in lowered] + [1])
+        self.fallback_regions = tuple(i for i, r in enumerate(regions) if r.fallback)
+        self.has_column_view = bool(lowered) and all(r.bwd_ok for r in lowered)
+        self.num_bwd_intervals = (sum(len(r.intervals) for r in lowered)
+                                  if self.has_column_view else 0)
+        if self.has_column_view and self.num_bwd_intervals == 0:
+            self.has_column_view = False
+
+    # -- identity (static data of jit / descriptor aux) ---------------------------------
+    def key(self):
+        return ("compiled", self.spec.key())
+
+    def __eq__(self, other):
+        return isinstance(other, CompiledMask) and self.key() == other.key()
+
+    def __hash__(self):
+        return hash(self.key())
+
+    def fingerprint(self) -> str:
+        return self.spec.fingerprint()
+
+    @property
+    def batched(self) -> bool:
+        return self.spec.batched
+
+    @property
+    def mask_heads(self) -> int:
+        return self.spec.mask_heads
+
+    # -- reporting ------------------------------------------------------------------------
+    def explain(self) -> str:
+        """Every region's interval expressions (or fallback reason) and column view."""
+        s = self.spec
+        lines = [f"CompiledMask {s.name or ''}: K = {self.num_intervals} forward interval(s) "
+                 f"per row, Kc = {self.num_bwd_intervals} backward interval(s) per column"]
+        for i, (r, lr) in enumerate(zip(s.regions, self.regions)):
+            label = f" {r.name!r}" if r.name else ""
+            lines.append(f"  region {i}{label}: rows [{r.rows[0]}, {r.rows[1]})")
+            if lr.fallback:
+                lines.append(f"    FALLBACK (predicate evaluated per element): {lr.fallback}")
+                lines.append(f"      visible: {r.visible}")
+                continue
+            if not lr.intervals:
+                lines.append("    sees nothing")
+            for m, iv in enumerate(lr.intervals):
+                lines.append(f"    interval {m}: k in {iv}")
+            if lr.bwd_reason:
+                lines.append(f"    no column view: {lr.bwd_reason}")
+        if self.has_column_view:
+            lines.append("  column view: derived (bounds non-decreasing in q; rows found by "
+                         "counting)")
+        else:
+            lines.append("  column view: none; the backward pass checks row intervals")
+        lines.append("  intervals are clamped to [0, kv_len); empty ones are (0, 0)")
+        return "\n".join(lines)
+
+    def __str__(self):
+        return self.explain()
+
+    def __repr__(self):
+        return (f"<CompiledMask {self.spec.name or ''} K={self.num_intervals} "
+                f"Kc={self.num_bwd_intervals} fallback={list(self.fallback_regions)}>")
+
+    # -- instantiation -------------------------------------------------------------------
+    def instantiate(self, metadata: Mapping | None, q_len: int, kv_len: int | None = None,
+                    *, block_q: Optional[int] = None, block_kv: Optional[int] = None,
+                    bwd_block_q: Optional[int] = None, bwd_block_kv: Optional[int] = None,
+                    preprocess: str | None = None) -> ExecutionDescriptor:
+        """Build the :class:`ExecutionDescriptor` for one batch (jit-able).
+
+        Tile sizes left as None take the preferred tiles of the backend that will run.
+        ``preprocess``: ``"jnp"`` or ``"tilelang"``; None picks the GPU kernel when it is
+        available and applicable, else jnp.
+        """
+        kv_len = q_len if kv_len is None else kv_len
+        tiles = resolve_tiles(block_q, block_kv, bwd_block_q, bwd_block_kv)
+        from .preprocess import build_descriptor
+        return build_descriptor(self, metadata, q_len, kv_len, tiles)
+
+    # -- element-wise fallback ------------------------------------------------------------
+    def fallback_visibility(self, desc: ExecutionDescriptor, rows, cols):
+        """bool [B, Hm, R, C] for rows of fallback regions (False when there are none)."""
+        if not self.fallback_regions:
+            return jnp.zeros((), bool)
+        hm = self.spec.mask_heads
+        r = jnp.clip(rows, 0, desc.q_len - 1)
+        idx = {"q": rows.reshape(1, 1, -1, 1), "k": cols.reshape(1, 1, 1, -1),
+               "h": jnp.arange(hm, dtype=jnp.int32).reshape(1, hm, 1, 1)}
+        env = Env(4, idx, desc.q_len, desc.kv_len, desc.metadata)
+        region = desc.row_region[:, r][:, None, :, None]
+        out = jnp.zeros((), bool)
+        for g in self.fallback_regions:
+            out = out | ((region == g) & evaluate(self.spec.regions[g].visible, env))
+        return out
+
+
+@functools.lru_cache(maxsize=256)
+def _compile_cached(spec: MaskSpec) -> CompiledMask:
+    regions = tuple(lower_region(r, spec) for r in spec.regions)
+    return CompiledMask(spec, regions)
+
+
+def compile(spec) -> CompiledMask:  # noqa: A001 - the public name of the operation
+    """Lower a :class:`MaskSpec` to interval expressions (cached per spec structure).
+
+    >>> import jcompilemask as jcm
+    >>> print(jcm.compile(jcm.masks.hstu()).explain().splitlines()[0])
+    CompiledMask hstu: K = 2 forward interval(s) per row, Kc = 4 backward interval(s) per column
+    """
+    if isinstance(spec, CompiledMask):
+        return spec
+    if not isinstance(spec, MaskSpec):
+        raise TypeError(f"compile() takes a MaskSpec, got {type(spec).__name__}")
+    return _compile_cached(spec)

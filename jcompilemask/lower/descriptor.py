@@ -1,0 +1,225 @@
+"""The Execution Descriptor: the contract between the preprocess and the attention kernels.
+
+Fields (B = metadata batch or 1, Hm = mask heads or 1, Nq = q_len, Nk = kv_len; the
+forward pass tiles rows by ``block_q`` and keys by ``block_kv``, the backward pass by
+``bwd_block_q`` / ``bwd_block_kv``; Tq = ceil(Nq / block_q), Tk = ceil(Nk / block_kv),
+Tq' and Tk' the same at the backward tiles; ``ceil16(x) = ceil(x / 16)``):
+
+==================  ======  ==========================  ===================================
+field               dtype   shape                       meaning
+==================  ======  ==========================  ===================================
+``fwd_intervals``   int32   [B, Hm, Nq, K, 2]           per query row, K visible key
+                                                        intervals as (start, length); row i
+                                                        sees j iff for some m
+                                                        ``uint32(j - start) < uint32(len)``.
+                                                        ``0 <= start``, ``start + len <=
+                                                        Nk``; unused slots are (0, 0).
+``bwd_intervals``   int32   [B, Hm, Nk, Kc, 2]          per key column, Kc visible query
+                                                        intervals (start, length) in rows;
+                                                        Kc = 0 when the mask has no
+                                                        column view (see ``bwd_exact``).
+``fwd_tiles``       uint32  [B, Hm, Tq, ceil16(Tk)]     forward tile states, row-major:
+                                                        tile (ti, tj) at word tj // 16,
+                                                        bits 2*(tj % 16) (+1).
+``bwd_tiles``       uint32  [B, Hm, Tk', ceil16(Tq')]   backward tile states, column-major:
+                                                        tile (ti, tj) at [tj, ti // 16],
+                                                        bits 2*(ti % 16) (+1).
+``row_region``      int32   [B, Nq]                     the region of each row (first
+                                                        match), -1 for none.
+``bwd_exact``       bool    [B]                         True where ``bwd_intervals`` is
+                                                        exact for that sequence; where
+                                                        False the backward pass checks the
+                                                        forward row intervals instead
+                                                        (regions without a column view,
+                                                        or run-time nested regions).
+``metadata``        int32   dict                        normalised metadata, kept only for
+                                                        masks with fallback regions.
+==================  ======  ==========================  ===================================
+
+Tile state, 2 bits: bit 0 (``COMPUTE``) = some in-range element of the tile is visible;
+bit 1 (``MASKED``) = some in-range element is masked. So ``0b10`` = empty (skip: no K/V
+load, no MMA), ``0b01`` = full (no masking), ``0b11`` = partial (element checks). Only
+elements with i < Nq and j < Nk count: kernels bound-check ragged last tiles themselves.
+Rows of fallback regions are not in the interval tables: their visibility is the region's
+predicate (evaluated element-wise), and the tile states include them.
+
+Static (aux) data: the compiled mask, ``q_len``, ``kv_len`` and the :class:`TileConfig`.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["ExecutionDescriptor", "TileConfig", "COMPUTE", "MASKED", "EMPTY", "FULL",
+           "PARTIAL", "pack_tiles", "unpack_tiles", "interval_check"]
+
+COMPUTE, MASKED = 1, 2
+EMPTY, FULL, PARTIAL = MASKED, COMPUTE, COMPUTE | MASKED
+TILES_PER_WORD = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class TileConfig:
+    """Tile shapes of the forward (``block_q`` x ``block_kv``) and backward passes."""
+
+    block_q: int
+    block_kv: int
+    bwd_block_q: int
+    bwd_block_kv: int
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+                raise ValueError(f"{f.name} must be a positive int, got {v!r}")
+
+
+def interval_check(j, starts, lens):
+    """``OR_m uint32(j - start_m) < uint32(len_m)`` -- the kernels' visibility test.
+
+    ``j`` broadcasts against ``starts[..., m]``; the interval axis is the last one.
+    """
+    d = (j[..., None] - starts).astype(jnp.uint32)
+    return jnp.any(d < lens.astype(jnp.uint32), axis=-1)
+
+
+def pack_tiles(states):
+    """uint8/int [..., T] 2-bit states -> uint32 [..., ceil(T / 16)] words."""
+    t = states.shape[-1]
+    w = -(-t // TILES_PER_WORD)
+    pad = w * TILES_PER_WORD - t
+    s = jnp.pad(states.astype(jnp.uint32), [(0, 0)] * (states.ndim - 1) + [(0, pad)])
+    s = s.reshape(s.shape[:-1] + (w, TILES_PER_WORD))
+    shifts = (2 * jnp.arange(TILES_PER_WORD, dtype=jnp.uint32))
+    return jnp.sum(s << shifts, axis=-1, dtype=jnp.uint32)   # fields never overlap
+
+
+def unpack_tiles(words, num_tiles: int):
+    """uint32 [..., W] words -> uint8 [..., num_tiles] 2-bit states (the decoder)."""
+    shifts = 2 * jnp.arange(TILES_PER_WORD, dtype=jnp.uint32)
+    s = (words[..., None] >> shifts) & jnp.uint32(3)
+    s = s.reshape(words.shape[:-1] + (words.shape[-1] * TILES_PER_WORD,))
+    return s[..., :num_tiles].astype(jnp.uint8)
+
+
+@jax.tree_util.register_pytree_node_class
+class ExecutionDescriptor:
+    """Interval tables + tile-state bitmaps for one batch of one mask (see module doc).
+
+    Build it with :meth:`CompiledMask.instantiate` (inside or outside ``jit``), pass it
+    to :func:`jcompilemask.mask_attention` in every layer that uses the mask.
+    """
+
+    def __init__(self, fwd_intervals, bwd_intervals, fwd_tiles, bwd_tiles, row_region,
+                 bwd_exact, metadata, *, mask, q_len: int, kv_len: int, tiles: TileConfig):
+        self.fwd_intervals = fwd_intervals
+        self.bwd_intervals = bwd_intervals
+        self.fwd_tiles = fwd_tiles
+        self.bwd_tiles = bwd_tiles
+        self.row_region = row_region
+        self.bwd_exact = bwd_exact
+        self.metadata = metadata
+        self.mask = mask
+        self.q_len, self.kv_len, self.tiles = q_len, kv_len, tiles
+
+    # -- pytree ---------------------------------------------------------------------------
+    def tree_flatten(self):
+        children = (self.fwd_intervals, self.bwd_intervals, self.fwd_tiles, self.bwd_tiles,
+                    self.row_region, self.bwd_exact, self.metadata)
+        return children, (self.mask, self.q_len, self.kv_len, self.tiles)
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        mask, q_len, kv_len, tiles = aux
+        return cls(*children, mask=mask, q_len=q_len, kv_len=kv_len, tiles=tiles)
+
+    # -- shape facts ----------------------------------------------------------------------
+    @property
+    def batch(self) -> int:
+        return self.fwd_intervals.shape[0]
+
+    @property
+    def mask_heads(self) -> int:
+        return self.fwd_intervals.shape[1]
+
+    @property
+    def num_intervals(self) -> int:
+        return self.fwd_intervals.shape[3]
+
+    @property
+    def num_bwd_intervals(self) -> int:
+        return self.bwd_intervals.shape[3]
+
+    def num_tiles(self, view: str = "fwd") -> tuple[int, int]:
+        """(Tq, Tk) at the tile shape of ``view``."""
+        bq, bk = self._blocks(view)
+        return -(-self.q_len // bq), -(-self.kv_len // bk)
+
+    def _blocks(self, view):
+        if view == "fwd":
+            return self.tiles.block_q, self.tiles.block_kv
+        if view == "bwd":
+            return self.tiles.bwd_block_q, self.tiles.bwd_block_kv
+        raise ValueError(f"view must be 'fwd' or 'bwd', got {view!r}")
+
+    def tile_states(self, view: str = "fwd"):
+        """Decoded states uint8 [B, Hm, Tq, Tk] (row-major for both views)."""
+        tq, tk = self.num_tiles(view)
+        if view == "fwd":
+            return unpack_tiles(self.fwd_tiles, tk)
+        return jnp.swapaxes(unpack_tiles(self.bwd_tiles, tq), -1, -2)
+
+    # -- element visibility ---------------------------------------------------------------
+    def visibility(self, rows, cols, view: str = "fwd"):
+        """bool [B, Hm, R, C]: visibility of rows x cols (int32 index vectors) as
+        ``view``'s kernel sees it; indices out of range read as masked."""
+        rows = jnp.asarray(rows, jnp.int32)
+        cols = jnp.asarray(cols, jnp.int32)
+        r = jnp.clip(rows, 0, self.q_len - 1)
+        c = jnp.clip(cols, 0, self.kv_len - 1)
+        fwd = self.fwd_intervals[:, :, r]                        # [B, Hm, R, K, 2]
+        row_vis = interval_check(cols[None, None, None, :],
+                                 fwd[:, :, :, None, :, 0], fwd[:, :, :, None, :, 1])
+        vis = row_vis
+        if view == "bwd" and self.num_bwd_intervals > 0:
+            bwd = self.bwd_intervals[:, :, c]                    # [B, Hm, C, Kc, 2]
+            col_vis = interval_check(rows[None, None, :, None],
+                                     bwd[:, :, None, :, :, 0], bwd[:, :, None, :, :, 1])
+            vis = jnp.where(self.bwd_exact[:, None, None, None], col_vis, row_vis)
+        vis = vis | self.mask.fallback_visibility(self, rows, cols)
+        inside = (rows >= 0) & (rows < self.q_len)
+        inside = inside[:, None] & ((cols >= 0) & (cols < self.kv_len))[None, :]
+        return vis & inside
+
+    def as_dense(self, view: str = "fwd"):
+        """bool [B, Hm, q_len, kv_len] as seen by ``view``'s interval tables."""
+        return self.visibility(jnp.arange(self.q_len), jnp.arange(self.kv_len), view)
+
+    # -- debugging ------------------------------------------------------------------------
+    def to_string(self, view: str = "fwd", batch: int = 0, head: int = 0,
+                  max_tiles: int = 64) -> str:
+        """Draw the tile map: ``#`` full, ``+`` partial, ``.`` empty."""
+        st = np.asarray(self.tile_states(view)[batch, head])
+        bq, bk = self._blocks(view)
+        tq, tk = st.shape
+        sym = {EMPTY: ".", FULL: "#", PARTIAL: "+"}
+        lines = [f"{view} tiles {bq}x{bk} ({tq}x{tk}), batch {batch}, head {head}: "
+                 f"# full, + partial, . empty"]
+        for i in range(min(tq, max_tiles)):
+            row = "".join(sym.get(int(x), "?") for x in st[i, :max_tiles])
+            lines.append(row + (" ..." if tk > max_tiles else ""))
+        if tq > max_tiles:
+            lines.append("...")
+        n = {s: int((st == v).sum()) for s, v in (("full", FULL), ("partial", PARTIAL),
+                                                   ("empty", EMPTY))}
+        lines.append(f"full {n['full']}, partial {n['partial']}, empty {n['empty']}")
+        return "\n".join(lines)
+
+    def __repr__(self):
+        return (f"ExecutionDescriptor(B={self.batch}, Hm={self.mask_heads}, q_len="
+                f"{self.q_len}, kv_len={self.kv_len}, K={self.num_intervals}, Kc="
+                f"{self.num_bwd_intervals}, tiles={self.tiles})")

@@ -1,0 +1,224 @@
+"""The jnp preprocess: metadata -> ExecutionDescriptor, generated from lowered intervals.
+
+"Generated" in the JAX sense: the lowered interval expressions are evaluated while
+tracing, so the jaxpr holds exactly the arithmetic of this mask's endpoints and nothing
+per-mask is hand-written. Everything here is jit-able and shape-static: metadata values
+never retrace. Work is O(B * Hm * (Nq * K + Nk * Kc + tiles)), no O(Nq * Nk) term, except
+for masks with fallback regions whose tiles are classified by evaluating the predicate.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from ..spec.evaluate import Env, evaluate
+from .descriptor import (COMPUTE, MASKED, ExecutionDescriptor, TileConfig, pack_tiles)
+
+__all__ = ["build_descriptor", "tile_states_from_intervals"]
+
+I32 = jnp.int32
+
+
+def _bcast(x, shape):
+    return jnp.broadcast_to(jnp.asarray(x, I32), shape)
+
+
+def region_row_ranges(spec, meta, q_len, kv_len):
+    """Per region, the clamped bounds and the *effective* contiguous row range.
+
+    Returns (lo, hi, eff_lo, eff_hi, nested): lists of int32 [B] and bool [B] ``nested``
+    (an earlier region lies strictly inside a later one: its rows are not contiguous).
+    """
+    lo_raw, hi_raw = spec._raw_bounds(meta, q_len, kv_len)
+    lo = [jnp.clip(x, 0, q_len) for x in lo_raw]
+    hi = [jnp.clip(x, 0, q_len) for x in hi_raw]
+    n = len(lo)
+    eff_lo, eff_hi = [], []
+    nested = jnp.zeros(lo[0].shape, bool)
+    for g in range(n):
+        a, b = lo[g], hi[g]
+        for _ in range(g):               # a fixed point is reached within g sweeps
+            for p in range(g):
+                nonempty = lo[p] < hi[p]
+                a = jnp.where(nonempty & (lo[p] <= a) & (a < hi[p]), hi[p], a)
+                b = jnp.where(nonempty & (lo[p] < b) & (b <= hi[p]), lo[p], b)
+        b = jnp.maximum(a, b)
+        for p in range(g):
+            nested = nested | ((lo[p] < hi[p]) & (a < lo[p]) & (hi[p] < b))
+        eff_lo.append(a)
+        eff_hi.append(b)
+    return lo, hi, eff_lo, eff_hi, nested
+
+
+def tile_states_from_intervals(starts, lens, q_len, kv_len, bq, bk):
+    """2-bit tile states uint8 [B, Hm, Tq, Tk] from row intervals [B, Hm, Nq, K].
+
+    Per row, the K intervals are merged into disjoint runs; a run adds +1 over the tile
+    columns it touches and over those it covers entirely (difference arrays, one
+    scatter-add each). A tile is visible if any row touches it and full if every one of
+    its in-range rows covers it: O(Nq * K + Tq * Tk) work.
+    """
+    b, hm, nq, kk = starts.shape
+    tq, tk = -(-q_len // bq), -(-kv_len // bk)
+    big = jnp.asarray(kv_len + 1, I32)
+    live = lens > 0
+    lo = jnp.where(live, starts, big)
+    hi = jnp.where(live, starts + lens, big)
+    order = jnp.argsort(lo, axis=-1)
+    lo = jnp.take_along_axis(lo, order, -1)
+    hi = jnp.take_along_axis(hi, order, -1)
+    pmax = lax.cummax(hi, axis=3)
+    prev = jnp.concatenate([jnp.full(pmax.shape[:-1] + (1,), -1, I32), pmax[..., :-1]], -1)
+    new_group = lo > prev
+    gstart = lax.cummax(jnp.where(new_group, lo, -1), axis=3)
+    nxt = jnp.concatenate([lo[..., 1:], jnp.full(lo.shape[:-1] + (1,), big + 1, I32)], -1)
+    last = nxt > pmax
+    ok = last & (gstart < big)
+    gs = jnp.where(ok, gstart, 0)
+    ge = jnp.where(ok, pmax, 0)
+    t_lo, t_hi = gs // bk, (ge + bk - 1) // bk
+    f_lo = (gs + bk - 1) // bk
+    f_hi = jnp.where(ge == kv_len, tk, ge // bk)
+    f_ok = ok & (f_hi > f_lo)
+
+    bi = jnp.arange(b, dtype=I32)[:, None, None, None]
+    hi_ = jnp.arange(hm, dtype=I32)[None, :, None, None]
+    ti = (jnp.arange(nq, dtype=I32) // bq)[None, None, :, None]
+    one = ok.astype(I32)
+    fone = f_ok.astype(I32)
+
+    def diff(lo_i, hi_i, w):
+        d = jnp.zeros((b, hm, tq, tk + 1), I32)
+        d = d.at[bi, hi_, ti, jnp.where(w > 0, lo_i, 0)].add(w)
+        d = d.at[bi, hi_, ti, jnp.where(w > 0, hi_i, 0)].add(-w)
+        return jnp.cumsum(d, axis=-1)[..., :tk]
+
+    touched = diff(t_lo, t_hi, one)
+    covered = diff(f_lo, f_hi, fone)
+    rows = jnp.minimum(bq, q_len - jnp.arange(tq, dtype=I32) * bq)[:, None]
+    full = covered == rows
+    return ((touched > 0).astype(jnp.uint8) * COMPUTE
+            + (~full).astype(jnp.uint8) * MASKED)
+
+
+def tile_states_dense(desc: ExecutionDescriptor, bq, bk):
+    """Tile states by evaluating visibility tile-row by tile-row (fallback masks)."""
+    q_len, kv_len = desc.q_len, desc.kv_len
+    tq, tk = -(-q_len // bq), -(-kv_len // bk)
+    cols = jnp.arange(tk * bk, dtype=I32)
+    col_in = cols < kv_len
+
+    def one(ti):
+        rows = ti * bq + jnp.arange(bq, dtype=I32)
+        vis = desc.visibility(rows, cols, "fwd")                 # [B, Hm, bq, tk*bk]
+        inside = (rows < q_len)[:, None] & col_in[None, :]
+        vis = vis.reshape(vis.shape[:2] + (bq, tk, bk))
+        inside = inside.reshape(bq, tk, bk)
+        any_vis = jnp.any(vis, axis=(2, 4))
+        any_mask = jnp.any(inside & ~vis, axis=(2, 4))
+        return any_vis.astype(jnp.uint8) * COMPUTE + any_mask.astype(jnp.uint8) * MASKED
+
+    st = lax.map(one, jnp.arange(tq, dtype=I32))               # [Tq, B, Hm, Tk]
+    return jnp.moveaxis(st, 0, 2)
+
+
+def build_descriptor(cm, metadata, q_len: int, kv_len: int, tiles: TileConfig):
+    """The jnp preprocess of a lowered :class:`CompiledMask` (see module doc)."""
+    spec = cm.spec
+    meta, b = spec.normalize_metadata(metadata, q_len, kv_len)
+    hm = spec.mask_heads
+    kk, kc = cm.num_intervals, cm.num_bwd_intervals
+    shape = (b, hm, q_len)
+    idx = {"q": jnp.arange(q_len, dtype=I32).reshape(1, 1, q_len),
+           "h": jnp.arange(hm, dtype=I32).reshape(1, hm, 1)}
+    env = Env(3, idx, q_len, kv_len, meta)
+    row_region = spec.row_regions(meta, q_len, kv_len)              # [B, Nq]
+    region3 = row_region[:, None, :]
+    zero = jnp.zeros(shape, I32)
+    starts, lens = [zero] * kk, [zero] * kk
+    endpoints = {}                                   # (g, m) -> (lo, hi) clamped
+    for g, lr in enumerate(cm.regions):
+        if lr.fallback is not None:
+            continue
+        mine = region3 == g
+        for m, iv in enumerate(lr.intervals):
+            lo = jnp.clip(_bcast(evaluate(iv.lo, env), shape), 0, kv_len)
+            hi = jnp.clip(_bcast(evaluate(iv.hi, env), shape), 0, kv_len)
+            endpoints[g, m] = (lo, hi)
+            ok = mine & _bcast(evaluate(iv.cond, env), shape).astype(bool)
+            ln = jnp.where(ok, jnp.maximum(hi - lo, 0), 0)
+            starts[m] = jnp.where(mine, jnp.where(ln > 0, lo, 0), starts[m])
+            lens[m] = jnp.where(mine, ln, lens[m])
+    st = jnp.stack(starts, -1)
+    ln = jnp.stack(lens, -1)
+    fwd_intervals = jnp.stack([st, ln], -1)                           # [B, Hm, Nq, K, 2]
+
+    # -- column view -------------------------------------------------------------------
+    if kc > 0:
+        bwd_intervals, nested = _column_intervals(cm, env, meta, endpoints, q_len, kv_len,
+                                                  b, hm)
+        bwd_exact = ~nested
+    else:
+        bwd_intervals = jnp.zeros((b, hm, kv_len, 0, 2), I32)
+        bwd_exact = jnp.zeros((b,), bool)
+
+    keep_meta = meta if cm.fallback_regions else {}
+    desc = ExecutionDescriptor(fwd_intervals, bwd_intervals, None, None, row_region,
+                               bwd_exact, keep_meta, mask=cm, q_len=q_len, kv_len=kv_len,
+                               tiles=tiles)
+    if cm.fallback_regions:
+        fwd_states = tile_states_dense(desc, tiles.block_q, tiles.block_kv)
+        bwd_states = tile_states_dense(desc, tiles.bwd_block_q, tiles.bwd_block_kv)
+    else:
+        fwd_states = tile_states_from_intervals(st, ln, q_len, kv_len, tiles.block_q,
+                                                tiles.block_kv)
+        bwd_states = tile_states_from_intervals(st, ln, q_len, kv_len, tiles.bwd_block_q,
+                                                tiles.bwd_block_kv)
+    desc.fwd_tiles = pack_tiles(fwd_states)
+    desc.bwd_tiles = pack_tiles(jnp.swapaxes(bwd_states, -1, -2))
+    return desc
+
+
+def _column_intervals(cm, env, meta, endpoints, q_len, kv_len, b, hm):
+    """Per key column, the rows that see it, one (start, len) per (region, interval).
+
+    For interval m of region g with bounds non-decreasing in q, the rows q of the
+    region's effective range with lo(q) <= j < hi(q) are [#{q: hi'(q) <= j},
+    #{q: lo'(q) <= j}), where lo', hi' extend lo, hi by -1 before the range and by
+    a big value after it (so they stay monotone). Counting by histogram + cumsum keeps
+    it O(Nq + Nk) and exact.
+    """
+    spec = cm.spec
+    _, _, eff_lo, eff_hi, nested = region_row_ranges(spec, meta, q_len, kv_len)
+    qs = jnp.arange(q_len, dtype=I32)[None, None, :]
+    big = kv_len + 1
+    bi = jnp.arange(b, dtype=I32)[:, None, None]
+    hi_ = jnp.arange(hm, dtype=I32)[None, :, None]
+    shape3 = (b, hm, 1)
+    out = []
+    for g, lr in enumerate(cm.regions):
+        if lr.fallback is not None:
+            continue
+        for m, iv in enumerate(lr.intervals):
+            lo, hi = endpoints[g, m]
+            a = _bcast(eff_lo[g][:, None, None], shape3)
+            z = _bcast(eff_hi[g][:, None, None], shape3)
+            if iv.q_lo is not None:
+                a = jnp.maximum(a, _bcast(evaluate(iv.q_lo, env), shape3))
+            if iv.q_hi is not None:
+                z = jnp.minimum(z, _bcast(evaluate(iv.q_hi, env), shape3))
+            flag = _bcast(evaluate(iv.row_flag, env), shape3).astype(bool)
+            before, after = qs < a, qs >= z
+            lo_x = jnp.where(before, -1, jnp.where(after, big, lo))
+            hi_x = jnp.where(before, -1, jnp.where(after, big, hi))
+
+            def count_le(v):   # [B, Hm, Nk]: #{q : v(q) <= j}
+                hist = jnp.zeros((b, hm, kv_len + 2), I32)
+                hist = hist.at[bi, hi_, jnp.clip(v + 1, 0, kv_len + 1)].add(1)
+                return jnp.cumsum(hist, axis=-1)[..., 1:kv_len + 1]
+
+            q0, q1 = count_le(hi_x), count_le(lo_x)
+            ln = jnp.where(flag, jnp.maximum(q1 - q0, 0), 0)
+            out.append(jnp.stack([jnp.where(ln > 0, q0, 0), ln], -1))
+    return jnp.stack(out, 3), nested

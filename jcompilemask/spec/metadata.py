@@ -1,0 +1,204 @@
+"""Metadata declarations: the per-batch values a MaskSpec reads at run time.
+
+Three kinds, each bound to a key of the ``metadata`` dict passed at run time:
+
+==================  ===============  ===============================================
+declaration         array            reads
+==================  ===============  ===============================================
+``Scalar(name)``    int [B]          the declaration itself is an :class:`Expr`
+``Vector(name, R)`` int [B, R]       ``vec[i]`` for a static Python int ``i``
+``SegmentIds(name)`` int [B, N]      ``seg.start(pos)``, ``seg.end(pos)``, ``seg.id(pos)``
+==================  ===============  ===============================================
+
+Segment semantics: a *segment* is a maximal run of equal consecutive ids. For a token at
+``pos``, ``start(pos)`` / ``end(pos)`` are the first index of its run and one past the
+last. A negative id marks padding, which belongs to no segment: for a padding token
+``start(pos) == end(pos) == pos`` (an empty run at its position, which keeps both reads
+non-decreasing in ``pos``). ``id(pos)`` is the raw id. ``N`` must equal
+``max(q_len, kv_len)``; a position outside ``[0, N)`` reads the nearest end (clamped).
+
+Scalars and vector entries carry a declared value range ``[min, max]`` (``max`` may be an
+expression of ``q_len`` / ``kv_len``), checked eagerly on concrete metadata; inside
+``jit`` the values are used as given (region bounds are clamped to the sequence) and
+:meth:`MaskSpec.check_metadata` reports violations through ``checkify``.
+"""
+from __future__ import annotations
+
+from .expr import Expr, as_expr
+
+__all__ = ["Scalar", "Vector", "SegmentIds", "MetaDecl", "VectorElem", "SegRead"]
+
+
+def _range_key(v):
+    return None if v is None else as_expr(v).key()
+
+
+class MetaDecl:
+    """Base of metadata declarations (name + kind + value range)."""
+
+    kind: str = ""
+    name: str
+
+    def decl_key(self) -> tuple:
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        raise NotImplementedError
+
+
+def _check_name(name):
+    if not isinstance(name, str) or not name.isidentifier():
+        raise ValueError(f"metadata name must be an identifier string, got {name!r}")
+
+
+def _check_bound(v, what):
+    if v is None:
+        return None
+    e = as_expr(v, what)
+    from .expr import walk, Index
+    if any(isinstance(n, Index) for n in walk(e)):
+        raise ValueError(f"{what} may use constants, q_len and kv_len only, got {e}")
+    return e
+
+
+class Scalar(Expr, MetaDecl):
+    """A per-sequence integer, int32 [B]. Usable directly in expressions.
+
+    >>> from jcompilemask.spec import Scalar, q_len
+    >>> a = Scalar("context_len", max=q_len)
+    >>> print(a + 1)
+    context_len + 1
+    """
+
+    __slots__ = ("name", "min", "max")
+    kind = "scalar"
+
+    def __init__(self, name: str, *, min=0, max=None):
+        _check_name(name)
+        self.name = name
+        self.min = _check_bound(min, f"Scalar {name!r} min")
+        self.max = _check_bound(max, f"Scalar {name!r} max")
+
+    def key(self):
+        return ("meta", self.name)
+
+    def decl_key(self):
+        return ("scalar", self.name, _range_key(self.min), _range_key(self.max))
+
+    def describe(self):
+        return f"{self.name}: int[B] in [{self.min}, {self.max if self.max is not None else 'inf'}]"
+
+    def __str__(self):
+        return self.name
+
+
+class Vector(MetaDecl):
+    """A per-sequence vector of static length ``size``, int32 [B, size].
+
+    >>> from jcompilemask.spec import Vector
+    >>> starts = Vector("response_starts", 4)
+    >>> print(starts[2] + 1)
+    response_starts[2] + 1
+    """
+
+    kind = "vector"
+
+    def __init__(self, name: str, size: int, *, min=0, max=None):
+        _check_name(name)
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise ValueError(f"Vector {name!r}: size must be a positive int, got {size!r}")
+        self.name, self.size = name, size
+        self.min = _check_bound(min, f"Vector {name!r} min")
+        self.max = _check_bound(max, f"Vector {name!r} max")
+
+    def __getitem__(self, i) -> "VectorElem":
+        if isinstance(i, Expr) or not isinstance(i, int) or isinstance(i, bool):
+            raise TypeError(f"Vector {self.name!r} is indexed by static Python ints only, "
+                            f"got {i!r}")
+        if not -self.size <= i < self.size:
+            raise IndexError(f"Vector {self.name!r} has size {self.size}, index {i}")
+        return VectorElem(self, i % self.size)
+
+    def decl_key(self):
+        return ("vector", self.name, self.size, _range_key(self.min), _range_key(self.max))
+
+    def describe(self):
+        hi = self.max if self.max is not None else "inf"
+        return f"{self.name}: int[B, {self.size}] in [{self.min}, {hi}]"
+
+    def __bool__(self):
+        raise TypeError("a metadata Vector has no truth value")
+
+    def __repr__(self):
+        return f"Vector({self.name!r}, {self.size})"
+
+
+class VectorElem(Expr):
+    __slots__ = ("decl", "index")
+
+    def __init__(self, decl: Vector, index: int):
+        self.decl, self.index = decl, index
+
+    def key(self):
+        return ("elem", self.decl.name, self.index)
+
+    def __str__(self):
+        return f"{self.decl.name}[{self.index}]"
+
+
+class SegmentIds(MetaDecl):
+    """Per-token segment ids, int32 [B, N] with N = max(q_len, kv_len).
+
+    >>> from jcompilemask.spec import SegmentIds, q, k
+    >>> seg = SegmentIds("segment_ids")
+    >>> print((k >= seg.start(q)) & (k < seg.end(q)))
+    (k >= segment_ids.start(q)) & (k < segment_ids.end(q))
+    """
+
+    kind = "tokens"
+
+    def __init__(self, name: str):
+        _check_name(name)
+        self.name = name
+
+    def start(self, pos) -> "SegRead":
+        return SegRead(self, "start", as_expr(pos, f"{self.name}.start(pos)"))
+
+    def end(self, pos) -> "SegRead":
+        return SegRead(self, "end", as_expr(pos, f"{self.name}.end(pos)"))
+
+    def id(self, pos) -> "SegRead":
+        return SegRead(self, "id", as_expr(pos, f"{self.name}.id(pos)"))
+
+    def decl_key(self):
+        return ("tokens", self.name)
+
+    def describe(self):
+        return f"{self.name}: int[B, N] segment ids (negative = padding)"
+
+    def __bool__(self):
+        raise TypeError("a metadata SegmentIds has no truth value")
+
+    def __repr__(self):
+        return f"SegmentIds({self.name!r})"
+
+
+class SegRead(Expr):
+    """``seg.start(pos)`` / ``seg.end(pos)`` / ``seg.id(pos)``."""
+
+    __slots__ = ("decl", "field", "pos")
+
+    def __init__(self, decl: SegmentIds, field: str, pos: Expr):
+        self.decl, self.field, self.pos = decl, field, pos
+
+    def children(self):
+        return (self.pos,)
+
+    def rebuild(self, children):
+        return SegRead(self.decl, self.field, children[0])
+
+    def key(self):
+        return ("seg", self.decl.name, self.field, self.pos.key())
+
+    def __str__(self):
+        return f"{self.decl.name}.{self.field}({self.pos})"
