@@ -7,10 +7,11 @@ MaskSpec 'causal'  (metadata: none; mask heads: 1)
   region 0: rows [0, q_len)
       visible: k <= q
 """
-from . import masks, spec
+from . import backends, masks, spec
+from .attention import mask_attention
 from .lower import CompiledMask, ExecutionDescriptor, TileConfig, compile, from_dense
 from .spec import MaskSpec, Region
 
 __version__ = "0.1.0"
-__all__ = ["masks", "spec", "MaskSpec", "Region", "compile", "CompiledMask",
+__all__ = ["masks", "spec", "backends", "mask_attention", "MaskSpec", "Region", "compile", "CompiledMask",
            "ExecutionDescriptor", "TileConfig", "from_dense"]

@@ -414,7 +414,7 @@ class FlashForwardSm90:
         for k_tile in cutlass.range(n_k_tiles, unroll=1):
             bits = self.tile_bits(gTiles, k_tile)
             if bits & Uint32(1) != Uint32(0):
-                needs_mask = (bits & Uint32(2) != Uint32(0)) or (k_tile == ragged_tile)
+                needs_mask = (bits & Uint32(2) != Uint32(0)) | (k_tile == ragged_tile)
                 if started:
                     if needs_mask:
                         kv_state = self.mma_step(

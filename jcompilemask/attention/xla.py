@@ -1,0 +1,269 @@
+"""The ``xla`` backend: blockwise flash attention over the descriptor's tiles, in jnp.
+
+It runs anywhere (CPU, any GPU) and is the reference the GPU kernels are checked against,
+so it mirrors their structure and math:
+
+* forward: for each query tile, only the key tiles that are non-empty for some
+  (batch, head) are visited (a compacted tile list per query tile, walked by a
+  ``while_loop``); a tile that is full for every (batch, head) is computed without the
+  interval check (only the ragged-edge and empty-head masks apply); partial tiles use the
+  unsigned interval check, and rows of fallback regions evaluate their predicate.
+  Online softmax with running max / sum; output 0 and lse -inf for rows that see nothing.
+* backward (``custom_vjp`` with residuals ``(out, lse)``): ``delta = rowsum(o * do)``;
+  dQ walks the forward view (query tiles, streaming key tiles), dK/dV walk the backward
+  view (key tiles, streaming query tiles, with the column intervals), as FlashAttention's
+  backward kernels do.
+
+Memory is O(N * block): no N x N tensor is formed.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from ..lower.descriptor import COMPUTE, PARTIAL, ExecutionDescriptor
+
+__all__ = ["forward", "backward"]
+
+F32 = jnp.float32
+NEG_INF = float("-inf")
+
+
+def _pad_to(x, axis, size):
+    pad = size - x.shape[axis]
+    if pad == 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, pad)
+    return jnp.pad(x, widths)
+
+
+def _tile_lists(states):
+    """states uint8 [Bm, Hm, T_outer, T_inner] -> per outer tile: the inner tiles that are
+    non-empty for some (batch, head), compacted first ([T_outer, T_inner] int32), their
+    count, and per listed tile whether any (batch, head) needs the interval check."""
+    live = jnp.any((states & COMPUTE) != 0, axis=(0, 1))               # [To, Ti]
+    partial = jnp.any(states == PARTIAL, axis=(0, 1))
+    order = jnp.argsort(~live, axis=-1, stable=True).astype(jnp.int32)
+    count = jnp.sum(live, axis=-1).astype(jnp.int32)
+    return order, count, jnp.take_along_axis(partial, order, -1)
+
+
+class _Problem:
+    """Static shapes and the math shared by the three passes."""
+
+    def __init__(self, q, k, v, desc: ExecutionDescriptor, scale, softcap):
+        self.b, self.nq, self.hq, self.d = q.shape
+        _, self.nk, self.hkv, self.dv = v.shape
+        self.g = self.hq // self.hkv
+        self.desc, self.scale, self.softcap = desc, scale, softcap
+        self.dtype = q.dtype
+
+    def logits(self, qb, kb):
+        """qb [B, Hq, bq, D], kb [B, Hkv, bk, D] -> (s, t) float32 [B, Hq, bq, bk]; t is
+        tanh(raw / cap) when soft-capped (for the backward), else None."""
+        b, _, bq, d = qb.shape
+        qg = qb.reshape(b, self.hkv, self.g, bq, d)
+        s = jnp.einsum("bkgqd,bkcd->bkgqc", qg, kb, preferred_element_type=F32)
+        s = s.reshape(b, self.hq, bq, kb.shape[2]) * self.scale
+        if self.softcap is None:
+            return s, None
+        t = jnp.tanh(s / self.softcap)
+        return self.softcap * t, t
+
+    def mask(self, rows, cols, view, states, check):
+        """bool [Bm|1, Hm|1, R, C]: the tile's mask; ``check`` selects the interval path."""
+        def partial_path():
+            return self.desc.visibility(rows, cols, view)
+
+        def full_path():
+            live = ((states & COMPUTE) != 0)[:, :, None, None]
+            inside = (rows < self.desc.q_len)[:, None] & (cols < self.desc.kv_len)[None, :]
+            return jnp.broadcast_to(live & inside, partial_shape)
+
+        partial_shape = jax.eval_shape(partial_path).shape
+        return lax.cond(check, partial_path, full_path)
+
+
+def _fwd_impl(q, k, v, desc, scale, softcap):
+    """q [B, Nq, Hq, D] ... -> out [B, Nq, Hq, Dv] (q.dtype), lse [B, Hq, Nq] f32."""
+    P = _Problem(q, k, v, desc, scale, softcap)
+    bq, bk = desc.tiles.block_q, desc.tiles.block_kv
+    tq, tk = desc.num_tiles("fwd")
+    qt = _pad_to(jnp.swapaxes(q, 1, 2), 2, tq * bq)                # [B, Hq, Nq', D]
+    kt = _pad_to(jnp.swapaxes(k, 1, 2), 2, tk * bk)                # [B, Hkv, Nk', D]
+    vt = _pad_to(jnp.swapaxes(v, 1, 2), 2, tk * bk)
+    states = desc.tile_states("fwd")                               # [Bm, Hm, Tq, Tk]
+    order, count, check = _tile_lists(states)
+
+    def row_tile(ti):
+        rows = ti * bq + jnp.arange(bq, dtype=jnp.int32)
+        qb = lax.dynamic_slice_in_dim(qt, ti * bq, bq, axis=2)
+        m0 = jnp.full((P.b, P.hq, bq), NEG_INF, F32)
+        l0 = jnp.zeros((P.b, P.hq, bq), F32)
+        a0 = jnp.zeros((P.b, P.hq, bq, P.dv), F32)
+
+        def body(carry):
+            n, m, l, acc = carry
+            tj = order[ti, n]
+            cols = tj * bk + jnp.arange(bk, dtype=jnp.int32)
+            kb = lax.dynamic_slice_in_dim(kt, tj * bk, bk, axis=2)
+            vb = lax.dynamic_slice_in_dim(vt, tj * bk, bk, axis=2)
+            s, _ = P.logits(qb, kb)
+            vis = P.mask(rows, cols, "fwd", states[:, :, ti, tj], check[ti, n])
+            s = jnp.where(vis, s, NEG_INF)
+            m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+            m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)
+            p = jnp.exp(s - m_safe[..., None])
+            alpha = jnp.exp(m - m_safe)
+            l = alpha * l + jnp.sum(p, axis=-1)
+            pv = jnp.einsum("bkgqc,bkcd->bkgqd",
+                            p.astype(P.dtype).reshape(P.b, P.hkv, P.g, bq, bk), vb,
+                            preferred_element_type=F32).reshape(P.b, P.hq, bq, P.dv)
+            return n + 1, m_new, l, alpha[..., None] * acc + pv
+
+        _, m, l, acc = lax.while_loop(lambda c: c[0] < count[ti], body, (0, m0, l0, a0))
+        seen = l > 0
+        out = jnp.where(seen[..., None], acc / jnp.where(seen, l, 1.0)[..., None], 0.0)
+        lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), NEG_INF)
+        return out.astype(P.dtype), lse
+
+    out, lse = lax.map(row_tile, jnp.arange(tq, dtype=jnp.int32))  # [Tq, B, Hq, bq, ...]
+    out = jnp.moveaxis(out, 0, 2).reshape(P.b, P.hq, tq * bq, P.dv)[:, :, :P.nq]
+    lse = jnp.moveaxis(lse, 0, 2).reshape(P.b, P.hq, tq * bq)[:, :, :P.nq]
+    return jnp.swapaxes(out, 1, 2), lse
+
+
+def _probs(P, s, t, vis, lse_b):
+    """Recomputed probabilities (0 where masked or the row sees nothing)."""
+    lse_safe = jnp.where(lse_b == NEG_INF, 0.0, lse_b)
+    p = jnp.exp(jnp.where(vis, s, NEG_INF) - lse_safe[..., None])
+    return jnp.where(vis & (lse_b != NEG_INF)[..., None], p, 0.0)
+
+
+def _dlogits(P, p, dp, delta_b, t):
+    ds = p * (dp - delta_b[..., None])
+    if t is not None:
+        ds = ds * (1.0 - t * t)       # d(cap * tanh(x / cap)) / dx
+    return ds * P.scale
+
+
+def _bwd_impl(q, k, v, desc, scale, softcap, out, lse, do, dlse=None):
+    P = _Problem(q, k, v, desc, scale, softcap)
+    delta = jnp.einsum("bqhd,bqhd->bhq", out.astype(F32), do.astype(F32))
+    if dlse is not None:
+        # d lse_i / d s_ij = p_ij: a cotangent on lse enters like -delta.
+        delta = delta - jnp.where(lse == NEG_INF, 0.0, dlse.astype(F32))
+    dq = _dq_pass(P, q, k, v, do, lse, delta)
+    dk, dv = _dkv_pass(P, q, k, v, do, lse, delta)
+    return dq, dk, dv
+
+
+def _dq_pass(P, q, k, v, do, lse, delta):
+    desc = P.desc
+    bq, bk = desc.tiles.block_q, desc.tiles.block_kv
+    tq, tk = desc.num_tiles("fwd")
+    qt = _pad_to(jnp.swapaxes(q, 1, 2), 2, tq * bq)
+    dot = _pad_to(jnp.swapaxes(do, 1, 2), 2, tq * bq)
+    lse_p = _pad_to(lse, 2, tq * bq)
+    delta_p = _pad_to(delta, 2, tq * bq)
+    kt = _pad_to(jnp.swapaxes(k, 1, 2), 2, tk * bk)
+    vt = _pad_to(jnp.swapaxes(v, 1, 2), 2, tk * bk)
+    states = desc.tile_states("fwd")
+    order, count, check = _tile_lists(states)
+
+    def row_tile(ti):
+        rows = ti * bq + jnp.arange(bq, dtype=jnp.int32)
+        qb = lax.dynamic_slice_in_dim(qt, ti * bq, bq, axis=2)
+        dob = lax.dynamic_slice_in_dim(dot, ti * bq, bq, axis=2)
+        lb = lax.dynamic_slice_in_dim(lse_p, ti * bq, bq, axis=2)
+        db = lax.dynamic_slice_in_dim(delta_p, ti * bq, bq, axis=2)
+
+        def body(carry):
+            n, dq = carry
+            tj = order[ti, n]
+            cols = tj * bk + jnp.arange(bk, dtype=jnp.int32)
+            kb = lax.dynamic_slice_in_dim(kt, tj * bk, bk, axis=2)
+            vb = lax.dynamic_slice_in_dim(vt, tj * bk, bk, axis=2)
+            s, t = P.logits(qb, kb)
+            vis = P.mask(rows, cols, "fwd", states[:, :, ti, tj], check[ti, n])
+            p = _probs(P, s, t, vis, lb)
+            dp = jnp.einsum("bkgqd,bkcd->bkgqc",
+                            dob.reshape(P.b, P.hkv, P.g, bq, P.dv), vb,
+                            preferred_element_type=F32).reshape(s.shape)
+            ds = _dlogits(P, p, dp, db, t)
+            dq = dq + jnp.einsum("bkgqc,bkcd->bkgqd",
+                                 ds.astype(P.dtype).reshape(P.b, P.hkv, P.g, bq, bk), kb,
+                                 preferred_element_type=F32).reshape(dq.shape)
+            return n + 1, dq
+
+        dq0 = jnp.zeros((P.b, P.hq, bq, P.d), F32)
+        _, dq = lax.while_loop(lambda c: c[0] < count[ti], body, (0, dq0))
+        return dq
+
+    dq = lax.map(row_tile, jnp.arange(tq, dtype=jnp.int32))
+    dq = jnp.moveaxis(dq, 0, 2).reshape(P.b, P.hq, tq * bq, P.d)[:, :, :P.nq]
+    return jnp.swapaxes(dq, 1, 2).astype(q.dtype)
+
+
+def _dkv_pass(P, q, k, v, do, lse, delta):
+    desc = P.desc
+    bq, bk = desc.tiles.bwd_block_q, desc.tiles.bwd_block_kv
+    tq, tk = desc.num_tiles("bwd")
+    qt = _pad_to(jnp.swapaxes(q, 1, 2), 2, tq * bq)
+    dot = _pad_to(jnp.swapaxes(do, 1, 2), 2, tq * bq)
+    lse_p = _pad_to(lse, 2, tq * bq)
+    delta_p = _pad_to(delta, 2, tq * bq)
+    kt = _pad_to(jnp.swapaxes(k, 1, 2), 2, tk * bk)
+    vt = _pad_to(jnp.swapaxes(v, 1, 2), 2, tk * bk)
+    states = jnp.swapaxes(desc.tile_states("bwd"), -1, -2)          # [Bm, Hm, Tk, Tq]
+    order, count, check = _tile_lists(states)
+
+    def col_tile(tj):
+        cols = tj * bk + jnp.arange(bk, dtype=jnp.int32)
+        kb = lax.dynamic_slice_in_dim(kt, tj * bk, bk, axis=2)
+        vb = lax.dynamic_slice_in_dim(vt, tj * bk, bk, axis=2)
+
+        def body(carry):
+            n, dk, dv = carry
+            ti = order[tj, n]
+            rows = ti * bq + jnp.arange(bq, dtype=jnp.int32)
+            qb = lax.dynamic_slice_in_dim(qt, ti * bq, bq, axis=2)
+            dob = lax.dynamic_slice_in_dim(dot, ti * bq, bq, axis=2)
+            lb = lax.dynamic_slice_in_dim(lse_p, ti * bq, bq, axis=2)
+            db = lax.dynamic_slice_in_dim(delta_p, ti * bq, bq, axis=2)
+            s, t = P.logits(qb, kb)
+            vis = P.mask(rows, cols, "bwd", states[:, :, tj, ti], check[tj, n])
+            p = _probs(P, s, t, vis, lb)                             # [B, Hq, bq, bk]
+            pg = p.astype(P.dtype).reshape(P.b, P.hkv, P.g, bq, bk)
+            dog = dob.reshape(P.b, P.hkv, P.g, bq, P.dv)
+            dv = dv + jnp.einsum("bkgqc,bkgqd->bkcd", pg, dog, preferred_element_type=F32)
+            dp = jnp.einsum("bkgqd,bkcd->bkgqc", dog, vb,
+                            preferred_element_type=F32).reshape(s.shape)
+            ds = _dlogits(P, p, dp, db, t).astype(P.dtype)
+            dk = dk + jnp.einsum("bkgqc,bkgqd->bkcd",
+                                 ds.reshape(P.b, P.hkv, P.g, bq, bk),
+                                 qb.reshape(P.b, P.hkv, P.g, bq, P.d),
+                                 preferred_element_type=F32)
+            return n + 1, dk, dv
+
+        dk0 = jnp.zeros((P.b, P.hkv, bk, P.d), F32)
+        dv0 = jnp.zeros((P.b, P.hkv, bk, P.dv), F32)
+        _, dk, dv = lax.while_loop(lambda c: c[0] < count[tj], body, (0, dk0, dv0))
+        return dk, dv
+
+    dk, dv = lax.map(col_tile, jnp.arange(tk, dtype=jnp.int32))
+    dk = jnp.moveaxis(dk, 0, 2).reshape(P.b, P.hkv, tk * bk, P.d)[:, :, :P.nk]
+    dv = jnp.moveaxis(dv, 0, 2).reshape(P.b, P.hkv, tk * bk, P.dv)[:, :, :P.nk]
+    return jnp.swapaxes(dk, 1, 2).astype(k.dtype), jnp.swapaxes(dv, 1, 2).astype(v.dtype)
+
+
+def forward(q, k, v, desc: ExecutionDescriptor, scale: float, softcap: float | None):
+    """Blockwise forward: (out [B, Nq, Hq, Dv] in q.dtype, lse [B, Hq, Nq] float32)."""
+    return _fwd_impl(q, k, v, desc, scale, softcap)
+
+
+def backward(q, k, v, desc, scale, softcap, out, lse, do, dlse=None):
+    """Blockwise backward from the residuals (out, lse): (dq, dk, dv)."""
+    return _bwd_impl(q, k, v, desc, scale, softcap, out, lse, do, dlse)

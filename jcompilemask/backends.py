@@ -1,0 +1,206 @@
+"""Registry of attention implementations; picks the best one and says why.
+
+Each :class:`Backend` states whether it is available on this machine and whether it
+supports a given call (dtype, head dims, heads, soft cap, mask). ``implementation=None``
+takes the highest-priority backend that is available and supports the call; a named one
+raises with its reason when it cannot run the call.
+
+>>> import jcompilemask as jcm
+>>> print(jcm.backends.explain())          # doctest: +ELLIPSIS
+backends, best first:
+  cute: ...
+  xla: available
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable, Optional
+
+import jax
+
+from .lower.compiled import DEFAULT_TILES
+from .lower.descriptor import TileConfig
+
+__all__ = ["Backend", "Call", "register", "select", "explain", "preferred_tiles",
+           "BackendUnavailable"]
+
+
+class BackendUnavailable(RuntimeError):
+    """A named implementation cannot run this call (the message says why)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """What a backend needs to know to accept a call."""
+
+    dtype: str
+    head_dim: int
+    head_dim_v: int
+    num_heads: int
+    num_kv_heads: int
+    softcap: bool
+    has_fallback: bool
+    tiles: Optional[TileConfig] = None     # of a prebuilt descriptor, if one was passed
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    """An attention implementation.
+
+    ``available()`` and ``supports(call)`` return None when fine, else the reason.
+    ``forward(q, k, v, desc, scale, softcap) -> (out, lse)``; ``backward(...)`` likewise
+    with ``(out, lse, do, dlse) -> (dq, dk, dv)``; ``backward_note`` says where
+    gradients come from when not from this backend's own kernels.
+    """
+
+    name: str
+    priority: int
+    tiles: Callable[[Call | None], TileConfig]
+    available: Callable[[], Optional[str]]
+    supports: Callable[[Call], Optional[str]]
+    forward: Callable
+    backward: Callable
+    backward_note: str = ""
+
+
+_REGISTRY: dict[str, Backend] = {}
+
+
+def register(backend: Backend):
+    _REGISTRY[backend.name] = backend
+
+
+def backends() -> list[Backend]:
+    return sorted(_REGISTRY.values(), key=lambda b: -b.priority)
+
+
+def get(name: str) -> Backend:
+    _ensure_builtin()
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"unknown implementation {name!r}; choose from "
+                         f"{sorted(_REGISTRY)} or None (automatic)") from None
+
+
+def _check(b: Backend, call: Call | None) -> Optional[str]:
+    why = b.available()
+    if why is None and call is not None:
+        why = b.supports(call)
+        if why is None and call.tiles is not None:
+            want = b.tiles(call)
+            if want != call.tiles and b.name != "xla":
+                why = (f"the descriptor was built for tiles {call.tiles}, this backend needs "
+                       f"{want}: instantiate with those tiles or pass the MaskSpec")
+    return why
+
+
+def select(implementation: Optional[str], call: Call) -> Backend:
+    """The backend that runs ``call`` (raises :class:`BackendUnavailable` if none)."""
+    _ensure_builtin()
+    if implementation is not None:
+        b = get(implementation)
+        why = _check(b, call)
+        if why:
+            raise BackendUnavailable(f"implementation={implementation!r} cannot run this "
+                                     f"call: {why}")
+        return b
+    reasons = []
+    for b in backends():
+        why = _check(b, call)
+        if why is None:
+            return b
+        reasons.append(f"{b.name}: {why}")
+    raise BackendUnavailable("no implementation can run this call: " + "; ".join(reasons))
+
+
+def explain(call: Call | None = None) -> str:
+    """Each backend, best first, and whether it would run ``call`` (or is available)."""
+    _ensure_builtin()
+    lines = ["backends, best first:"]
+    chosen = None
+    for b in backends():
+        why = _check(b, call)
+        if why is None and chosen is None:
+            chosen = b.name
+        status = "available" if why is None else f"skipped: {why}"
+        if why is None and b.backward_note:
+            status += f" ({b.backward_note})"
+        lines.append(f"  {b.name}: {status}")
+    if call is not None:
+        lines.append(f"chosen: {chosen}")
+    return "\n".join(lines)
+
+
+def preferred_tiles(call: Call | None = None) -> TileConfig:
+    """Tiles of the backend that would run ``call`` (or of the best available one)."""
+    _ensure_builtin()
+    for b in backends():
+        if _check(b, call) is None:
+            return b.tiles(call)
+    return DEFAULT_TILES
+
+
+# ---------------------------------------------------------------------------------------
+# Built-in backends
+# ---------------------------------------------------------------------------------------
+def _xla_backend() -> Backend:
+    from .attention import xla
+    return Backend(
+        name="xla", priority=0, tiles=lambda call: DEFAULT_TILES,
+        available=lambda: None, supports=lambda call: None,
+        forward=xla.forward, backward=xla.backward)
+
+
+@functools.lru_cache(maxsize=1)
+def _sm90_reason() -> Optional[str]:
+    try:
+        gpus = jax.devices("gpu")
+    except RuntimeError:
+        return "no GPU visible to JAX"
+    cc = getattr(gpus[0], "compute_capability", None)
+    if cc is None or str(cc) not in ("9.0", "9.0a"):
+        return f"needs an SM90 GPU (H100/H200), found compute capability {cc}"
+    return None
+
+
+def _cute_backend() -> Backend:
+    def available():
+        why = _sm90_reason()
+        if why:
+            return why
+        try:
+            from .kernels.cute import api  # noqa: F401
+        except ImportError as e:
+            return f"CuTe kernels unavailable ({e}); install jcompilemask[cuda]"
+        return None
+
+    def supports(call: Call):
+        from .kernels.cute import api
+        return api.supports(call)
+
+    def tiles(call):
+        from .kernels.cute import api
+        return api.preferred_tiles(call)
+
+    def forward(q, k, v, desc, scale, softcap):
+        from .kernels.cute import api
+        return api.forward(q, k, v, desc, scale, softcap)
+
+    from .attention import xla
+    return Backend(name="cute", priority=10, tiles=tiles, available=available,
+                   supports=supports, forward=forward, backward=xla.backward,
+                   backward_note="gradients from the xla backward on the CuTe forward's "
+                                 "residuals until the CuTe backward lands")
+
+
+_BUILTIN_DONE = False
+
+
+def _ensure_builtin():
+    global _BUILTIN_DONE
+    if not _BUILTIN_DONE:
+        _BUILTIN_DONE = True
+        register(_xla_backend())
+        register(_cute_backend())

@@ -1,0 +1,18 @@
+"""Shared test configuration: a deterministic hypothesis profile.
+
+``ci`` (the default) is derandomized -- every run draws the same examples, so a failure
+on CI reproduces locally -- with a modest example count that keeps the whole suite well
+under five minutes on two cores. ``dev`` explores more (random seeds); select it with
+``HYPOTHESIS_PROFILE=dev``.
+"""
+import os
+
+from hypothesis import HealthCheck, settings
+
+_COMMON = dict(deadline=None, print_blob=True,
+               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                      HealthCheck.filter_too_much])
+
+settings.register_profile("ci", derandomize=True, max_examples=25, **_COMMON)
+settings.register_profile("dev", max_examples=200, **_COMMON)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
