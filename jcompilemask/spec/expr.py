@@ -140,7 +140,11 @@ class Const(Expr):
     __slots__ = ("value",)
 
     def __init__(self, value: int):
-        self.value = int(value)
+        value = int(value)
+        if not -2 ** 31 <= value < 2 ** 31:
+            raise ValueError(f"constant {value} does not fit in int32 (MaskSpec values "
+                             "are int32)")
+        self.value = value
 
     def key(self):
         return ("const", self.value)
@@ -448,7 +452,7 @@ class Or(Pred):
     _prec = 20
 
     def __str__(self):
-        return " | ".join(t._fmt(self._prec) if not isinstance(t, Cmp) else f"({t})"
+        return " | ".join(f"({t})" if isinstance(t, (Cmp, And)) else t._fmt(self._prec)
                           for t in self.terms)
 
 

@@ -1,0 +1,287 @@
+"""mask_attention with the xla backend against the dense reference (tolerance policy)."""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import jcompilemask as jcm
+from jcompilemask import backends
+from jcompilemask.spec import MaskSpec, Region, Scalar, SegmentIds, k, q, q_len
+from jcompilemask.testing import assert_within_policy, reference_attention
+
+N = 40
+TILES = dict(block_q=16, block_kv=8, bwd_block_q=8, bwd_block_kv=16)
+
+
+def metadata_for(name, b, n, rng):
+    if name == "prefix_lm":
+        return {"prefix_len": rng.integers(0, n + 1, b)}
+    if name == "document":
+        ids = np.sort(rng.integers(0, 6, (b, n)), axis=1)
+        ids[:, n - rng.integers(0, 5):] = -1
+        return {"segment_ids": ids}
+    if name == "hstu":
+        a = rng.integers(0, n // 2, b)
+        g = rng.integers(1, 5, b)
+        return {"context_len": a, "history_end": n - g * rng.integers(1, 4, b),
+                "group_size": g}
+    if name == "shared_prompt":
+        p = rng.integers(1, n // 2, b)
+        st_ = np.sort(rng.integers(0, n + 1, (b, 3)), axis=1)
+        return {"prompt_len": p, "response_starts": np.maximum(st_, p[:, None])}
+    if name == "clear":
+        return {"text_len": rng.integers(0, 8, b), "image_len": rng.integers(0, n - 8, b)}
+    return None
+
+
+BUILTINS = {
+    "causal": jcm.masks.causal(), "full": jcm.masks.full(),
+    "sliding_window": jcm.masks.sliding_window(5, 2),
+    "chunked_causal": jcm.masks.chunked_causal(7), "prefix_lm": jcm.masks.prefix_lm(),
+    "document": jcm.masks.document(), "hstu": jcm.masks.hstu(),
+    "shared_prompt": jcm.masks.shared_prompt(3), "clear": jcm.masks.clear(6, 2),
+}
+
+
+def _inputs(key, b, nq, nk, hq, hkv, d, dv, dtype):
+    ks = jax.random.split(key, 4)
+    qx = jax.random.normal(ks[0], (b, nq, hq, d), jnp.float32).astype(dtype)
+    kx = jax.random.normal(ks[1], (b, nk, hkv, d), jnp.float32).astype(dtype)
+    vx = jax.random.normal(ks[2], (b, nk, hkv, dv), jnp.float32).astype(dtype)
+    do = jax.random.normal(ks[3], (b, nq, hq, dv), jnp.float32).astype(dtype)
+    return qx, kx, vx, do
+
+
+def check_against_reference(spec_or_dense, desc, qx, kx, vx, do, *, softcap=None,
+                            scale=None, grads=True):
+    dense = desc.as_dense() if not isinstance(spec_or_dense, jax.Array) else spec_or_dense
+
+    def ours(a, b_, c):
+        return jcm.mask_attention(a, b_, c, desc, scale=scale, logits_soft_cap=softcap,
+                                  return_residuals=True)
+
+    def ref(prec):
+        return lambda a, b_, c: reference_attention(a, b_, c, dense, scale=scale,
+                                                    softcap=softcap, precision=prec)
+
+    out, lse = jax.jit(ours)(qx, kx, vx)
+    hi_out, hi_lse = ref("high")(qx, kx, vx)
+    lo_out, lo_lse = ref("input")(qx, kx, vx)
+    assert out.dtype == qx.dtype and lse.dtype == jnp.float32
+    assert_within_policy(out, hi_out, lo_out, "out")
+    assert_within_policy(lse, hi_lse, lo_lse, "lse")
+    if not grads:
+        return
+
+    def loss(f):
+        return lambda a, b_, c: jnp.sum(f(a, b_, c)[0].astype(jnp.float32)
+                                        * do.astype(jnp.float32))
+
+    g = jax.jit(jax.grad(loss(ours), argnums=(0, 1, 2)))(qx, kx, vx)
+    g_hi = jax.grad(loss(ref("high")), argnums=(0, 1, 2))(qx, kx, vx)
+    g_lo = jax.grad(loss(ref("input")), argnums=(0, 1, 2))(qx, kx, vx)
+    for name, a, h, lo in zip(("dq", "dk", "dv"), g, g_hi, g_lo):
+        assert a.dtype == qx.dtype
+        assert_within_policy(a, h, lo, name)
+
+
+@pytest.mark.parametrize("name", sorted(BUILTINS))
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_builtin_masks(name, dtype):
+    rng = np.random.default_rng(hash(name) % 2**32)
+    b = 2
+    spec = BUILTINS[name]
+    desc = jcm.compile(spec).instantiate(metadata_for(name, b, N, rng), N, N, **TILES)
+    qx, kx, vx, do = _inputs(jax.random.key(1), b, N, N, 4, 2, 16, 16, dtype)
+    check_against_reference(spec, desc, qx, kx, vx, do)
+
+
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (4, 2), (4, 1)])
+@pytest.mark.parametrize("softcap", [None, 5.0])
+def test_gqa_softcap(hq, hkv, softcap):
+    rng = np.random.default_rng(3)
+    spec = BUILTINS["hstu"]
+    desc = jcm.compile(spec).instantiate(metadata_for("hstu", 2, N, rng), N, N, **TILES)
+    qx, kx, vx, do = _inputs(jax.random.key(2), 2, N, N, hq, hkv, 16, 24, jnp.float32)
+    check_against_reference(spec, desc, qx * 3, kx, vx, do, softcap=softcap)
+
+
+def test_float16_and_custom_scale():
+    spec = BUILTINS["sliding_window"]
+    desc = jcm.compile(spec).instantiate(None, N, N, **TILES)
+    qx, kx, vx, do = _inputs(jax.random.key(4), 1, N, N, 2, 2, 32, 32, jnp.float16)
+    check_against_reference(spec, desc, qx, kx, vx, do, scale=0.3)
+
+
+def test_cross_lengths_and_head_mask():
+    # q_len != kv_len, a per-head mask (uses h), batch broadcast of the mask.
+    spec = MaskSpec([Region((0, q_len), (k <= q + jcm.spec.h * 3))], num_heads=4)
+    desc = jcm.compile(spec).instantiate(None, 24, 37, **TILES)
+    assert desc.mask_heads == 4 and desc.batch == 1
+    qx, kx, vx, do = _inputs(jax.random.key(5), 3, 24, 37, 4, 2, 16, 16, jnp.float32)
+    check_against_reference(spec, desc, qx, kx, vx, do)
+
+
+def test_fully_masked_rows_give_zero_and_no_nan():
+    p = Scalar("start", max=q_len)
+    spec = MaskSpec([Region((p, q_len), k <= q)])          # rows < start see nothing
+    md = {"start": np.array([5, 40])}
+    desc = jcm.compile(spec).instantiate(md, N, N, **TILES)
+    qx, kx, vx, do = _inputs(jax.random.key(6), 2, N, N, 2, 2, 16, 16, jnp.bfloat16)
+    out, lse = jcm.mask_attention(qx, kx, vx, desc, return_residuals=True)
+    assert not np.isnan(np.asarray(out, np.float32)).any()
+    assert (np.asarray(out[0, :5], np.float32) == 0).all()
+    assert np.isneginf(np.asarray(lse[0, :, :5])).all()
+    assert (np.asarray(out[1], np.float32) == 0).all()
+    grads = jax.grad(lambda a, b_, c: jnp.sum(
+        jcm.mask_attention(a, b_, c, desc).astype(jnp.float32)), argnums=(0, 1, 2))(qx, kx, vx)
+    for g in grads:
+        assert not np.isnan(np.asarray(g, np.float32)).any()
+    assert (np.asarray(grads[0][0, :5], np.float32) == 0).all()
+    assert all((np.asarray(g[1], np.float32) == 0).all() for g in grads)
+    check_against_reference(spec, desc, qx, kx, vx, do)
+
+
+def test_lse_is_differentiable():
+    spec = BUILTINS["causal"]
+    desc = jcm.compile(spec).instantiate(None, N, N, **TILES)
+    qx, kx, vx, _ = _inputs(jax.random.key(7), 1, N, N, 2, 2, 8, 8, jnp.float32)
+    f = lambda a: jnp.sum(jcm.mask_attention(a, kx, vx, desc, return_residuals=True)[1])
+    r = lambda a: jnp.sum(reference_attention(a, kx, vx, desc.as_dense())[1])
+    np.testing.assert_allclose(jax.grad(f)(qx), jax.grad(r)(qx), atol=2e-5)
+
+
+def test_spec_with_metadata_under_jit_vmap_and_retrace():
+    spec = BUILTINS["prefix_lm"]
+    qx, kx, vx, _ = _inputs(jax.random.key(8), 2, N, N, 2, 2, 8, 8, jnp.float32)
+    traces = []
+
+    @jax.jit
+    def f(a, b_, c, p):
+        traces.append(1)
+        return jcm.mask_attention(a, b_, c, spec, metadata={"prefix_len": p})
+
+    for pv in ([3, 9], [20, 1]):
+        p = jnp.array(pv)
+        ref = reference_attention(qx, kx, vx, spec.as_dense({"prefix_len": p}, N, N))[0]
+        np.testing.assert_allclose(f(qx, kx, vx, p), ref, atol=1e-5)
+    assert len(traces) == 1
+    # vmap over an extra leading axis of the inputs
+    desc = jcm.compile(spec).instantiate({"prefix_len": np.array([4, 4])}, N, N, **TILES)
+    stacked = jnp.stack([qx, qx * 0.5])
+    out = jax.vmap(lambda a: jcm.mask_attention(a, kx, vx, desc))(stacked)
+    for i in range(2):
+        np.testing.assert_allclose(out[i], jcm.mask_attention(stacked[i], kx, vx, desc),
+                                   atol=1e-6)
+
+
+def test_x64_enabled():
+    prev = jax.config.jax_enable_x64
+    jax.config.update("jax_enable_x64", True)
+    try:
+        spec = BUILTINS["hstu"]
+        rng = np.random.default_rng(9)
+        desc = jcm.compile(spec).instantiate(metadata_for("hstu", 2, N, rng), N, N, **TILES)
+        assert desc.fwd_intervals.dtype == jnp.int32
+        qx, kx, vx, do = _inputs(jax.random.key(9), 2, N, N, 2, 2, 8, 8, jnp.float32)
+        check_against_reference(spec, desc, qx, kx, vx, do)
+    finally:
+        jax.config.update("jax_enable_x64", prev)
+
+
+# -- hypothesis: random specs, fallback regions included --------------------------------
+def _random_spec(draw):
+    s = Scalar("s", max=q_len)
+    seg = SegmentIds("seg")
+    atoms = [k <= q, k >= q - 4, k < s, k >= seg.start(q), k < seg.end(q),
+             k >= q // 5 * 5, k // 3 == q // 3, k % 4 != 1, k * 2 <= q + 3]
+    def rule():
+        terms = [atoms[i] for i in draw(st.lists(st.integers(0, len(atoms) - 1),
+                                                 min_size=1, max_size=3))]
+        r = terms[0]
+        for t in terms[1:]:
+            r = (r & t) if draw(st.booleans()) else (r | t)
+        return r
+    cut = draw(st.sampled_from([s, 10, q_len]))
+    regions = [Region((0, cut), rule())]
+    if draw(st.booleans()):
+        regions.append(Region((cut, q_len), rule()))
+    return MaskSpec(regions)
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.data())
+def test_random_specs(data):
+    spec = data.draw(st.builds(lambda: None).flatmap(lambda _: st.composite(
+        lambda draw: _random_spec(draw))()))
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**16)))
+    b, n = 2, 29
+    md = {}
+    if "s" in spec.metadata:
+        md["s"] = rng.integers(0, n + 1, b)
+    if "seg" in spec.metadata:
+        md["seg"] = np.sort(rng.integers(-1, 4, (b, n)), axis=1)
+    if not md:
+        md = None
+    cm = jcm.compile(spec)
+    desc = cm.instantiate(md, n, n, block_q=8, block_kv=8, bwd_block_q=4, bwd_block_kv=8)
+    np.testing.assert_array_equal(desc.as_dense(), jnp.broadcast_to(
+        spec.as_dense(md, n, n), desc.as_dense().shape))
+    qx, kx, vx, do = _inputs(jax.random.key(10), b, n, n, 2, 1, 8, 8, jnp.float32)
+    check_against_reference(spec, desc, qx, kx, vx, do)
+
+
+# -- errors -----------------------------------------------------------------------------
+def test_bad_inputs_raise_clearly():
+    desc = jcm.compile(BUILTINS["causal"]).instantiate(None, N, N, **TILES)
+    qx, kx, vx, _ = _inputs(jax.random.key(11), 1, N, N, 4, 2, 8, 8, jnp.float32)
+    with pytest.raises(ValueError, match="rank 4"):
+        jcm.mask_attention(qx[0], kx, vx, desc)
+    with pytest.raises(ValueError, match="multiple of key/value heads"):
+        jcm.mask_attention(qx[:, :, :3], kx, vx, desc)
+    with pytest.raises(ValueError, match="head_dim differ"):
+        jcm.mask_attention(qx[..., :4], kx, vx, desc)
+    with pytest.raises(TypeError, match="share a dtype"):
+        jcm.mask_attention(qx.astype(jnp.bfloat16), kx, vx, desc)
+    with pytest.raises(TypeError, match="dtype must be"):
+        jcm.mask_attention(qx.astype(jnp.int32), kx.astype(jnp.int32), vx.astype(jnp.int32), desc)
+    with pytest.raises(ValueError, match="built for q_len=40"):
+        jcm.mask_attention(qx[:, :20], kx[:, :20], vx[:, :20], desc)
+    with pytest.raises(ValueError, match="pass metadata"):
+        jcm.mask_attention(qx, kx, vx, BUILTINS["prefix_lm"])
+    with pytest.raises(ValueError, match="mask has 3 heads"):
+        spec = MaskSpec([Region((0, q_len), k <= q + jcm.spec.h)], num_heads=3)
+        jcm.mask_attention(qx, kx, vx, jcm.compile(spec).instantiate(None, N, N))
+    with pytest.raises(ValueError, match="batch 3"):
+        d3 = jcm.compile(BUILTINS["prefix_lm"]).instantiate({"prefix_len": np.ones(3, int)}, N, N)
+        jcm.mask_attention(jnp.concatenate([qx, qx]), jnp.concatenate([kx, kx]),
+                           jnp.concatenate([vx, vx]), d3)
+    with pytest.raises(TypeError, match="mask must be"):
+        jcm.mask_attention(qx, kx, vx, np.ones((N, N), bool))
+    with pytest.raises(ValueError, match="unknown implementation"):
+        jcm.mask_attention(qx, kx, vx, desc, implementation="nope")
+
+
+def test_backend_tile_mismatch_and_explain():
+    fixed = jcm.TileConfig(64, 64, 64, 64)
+    fake = backends.Backend(
+        name="fixedtiles", priority=-1, tiles=lambda call: fixed, available=lambda: None,
+        supports=lambda call: None, forward=backends.get("xla").forward,
+        backward=backends.get("xla").backward)
+    backends.register(fake)
+    try:
+        desc = jcm.compile(BUILTINS["causal"]).instantiate(None, N, N, **TILES)
+        qx, kx, vx, _ = _inputs(jax.random.key(12), 1, N, N, 2, 2, 8, 8, jnp.float32)
+        with pytest.raises(backends.BackendUnavailable, match="built for tiles"):
+            jcm.mask_attention(qx, kx, vx, desc, implementation="fixedtiles")
+        out = jcm.mask_attention(qx, kx, vx, BUILTINS["causal"], implementation="fixedtiles")
+        assert out.shape == qx.shape
+        text = backends.explain()
+        assert "xla: available" in text and "cute: skipped" in text
+    finally:
+        backends._REGISTRY.pop("fixedtiles")
