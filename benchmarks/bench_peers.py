@@ -1,0 +1,184 @@
+"""Forward TF/s of the peers (DESIGN.md §7) on the paper workloads, on the H200.
+
+    PYTHONPATH=. python3 benchmarks/bench_peers.py --budget-s 300 --out benchmarks/results/h200-forward-peers.json
+
+Peers: FlexAttention with its Triton and FA4 (``BACKEND="FLASH"``) backends for causal,
+hstu, shared_prompt and clear; FA4 native causal (``flash_attn.cute``); cuDNN causal
+through ``jax.nn.dot_product_attention``. Metadata comes from ``workloads.py`` (the same
+seeds jcompilemask's benchmarks use); FLOPs count visible pairs of jcompilemask's own
+descriptor, so all figures compare. Torch timings: ``triton.testing.do_bench`` (CUDA
+events, median). JAX timings: many iterations inside one jitted loop, median of repeats.
+Configurations run largest N first and stop when ``--budget-s`` is spent; records are
+written after each one.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import workloads as W  # noqa: E402
+
+
+def torch_mask_mod(mask, n, md, torch, dev):
+    if mask == "causal":
+        return lambda b, h, q, k: q >= k
+    t = {k_: torch.as_tensor(v, device=dev) for k_, v in md.items()}
+    if mask == "hstu":
+        a, e, g = t["context_len"], t["history_end"], t["group_size"]
+
+        def mm(b, h, q, k):
+            s = e[b] + (q - e[b]) // g[b] * g[b]
+            tgt = (k < e[b]) | ((k >= s) & (k <= q))
+            return torch.where(q < a[b], k < a[b], torch.where(q < e[b], k <= q, tgt))
+        return mm
+    if mask == "shared_prompt":
+        p = t["prompt_len"]
+        starts = md["response_starts"]
+        bsz = starts.shape[0]
+        start_of = np.zeros((bsz, n), np.int32)
+        for i in range(bsz):
+            for r in range(starts.shape[1]):
+                start_of[i, starts[i, r]:] = starts[i, r]
+        so = torch.as_tensor(start_of, device=dev)
+
+        def mm(b, h, q, k):
+            resp = (k < p[b]) | ((k >= so[b, q]) & (k <= q))
+            return torch.where(q < p[b], k <= q, resp)
+        return mm
+    if mask == "clear":
+        tl, il = t["text_len"], t["image_len"]
+        w = W.clear_width(n)
+
+        def mm(b, h, q, k):
+            tt, nn = tl[b], il[b]
+            pq, pk = q - tt, k - tt
+            dy, dx = pq // w - pk // w, pq % w - pk % w
+            local = (k >= tt) & (k < tt + nn) & (dy * dy + dx * dx <= 4)
+            img = (k < tt) | local
+            # padding rows see only themselves: the torch kernels cannot take empty rows
+            return torch.where(q < tt, k < tt + nn,
+                               torch.where(q < tt + nn, img, k == q))
+        return mm
+    raise ValueError(mask)
+
+
+def jcm_pairs(mask, n, md):
+    import jax
+    import jcompilemask as jcm
+    L = W.seq_len(mask, n)
+    cm = jcm.compile(W.spec_for(mask, n))
+    desc = jax.jit(lambda m: cm.instantiate(m, L, L))(md)
+    pairs = W.visible_pairs(desc.fwd_intervals)
+    if desc.batch == 1:
+        pairs *= W.batch_for(n)
+    return pairs
+
+
+def bench_flex(mask, n, md, backend, torch, dev, pairs):
+    import triton
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    L, b = W.seq_len(mask, n), W.batch_for(n)
+    mm = torch_mask_mod(mask, n, md, torch, dev)
+    bm = create_block_mask(mm, b if mask != "causal" else None, None, L, L, device=dev,
+                           _compile=True)
+    g = torch.Generator(device=dev).manual_seed(0)
+    q, k, v = (torch.randn(b, W.HEADS, L, W.HEAD_DIM, device=dev, dtype=torch.bfloat16,
+                           generator=g) for _ in range(3))
+    opts = {"BACKEND": "FLASH"} if backend == "fa4" else {"BACKEND": "TRITON"}
+    fn = torch.compile(flex_attention)
+    ms = triton.testing.do_bench(lambda: fn(q, k, v, block_mask=bm, kernel_options=opts),
+                                 warmup=100, rep=400, return_mode="median")
+    return ms
+
+
+def bench_fa4_native(n, torch, dev, pairs):
+    import triton
+    from flash_attn.cute import flash_attn_func
+    b = W.batch_for(n)
+    g = torch.Generator(device=dev).manual_seed(0)
+    q, k, v = (torch.randn(b, n, W.HEADS, W.HEAD_DIM, device=dev, dtype=torch.bfloat16,
+                           generator=g) for _ in range(3))
+    return triton.testing.do_bench(lambda: flash_attn_func(q, k, v, causal=True),
+                                   warmup=100, rep=400, return_mode="median")
+
+
+def bench_cudnn(n):
+    import jax
+    import jax.numpy as jnp
+    b = W.batch_for(n)
+    ks = jax.random.split(jax.random.key(0), 3)
+    q, k, v = (jax.random.normal(kk, (b, n, W.HEADS, W.HEAD_DIM), jnp.bfloat16) for kk in ks)
+    iters = 20
+
+    @jax.jit
+    def loop(q, k, v):
+        def body(i, acc):
+            o = jax.nn.dot_product_attention(q + acc[:1, :1, :1, :1] * 0, k, v,
+                                             is_causal=True, implementation="cudnn")
+            return acc + o[:1, :1, :1, :1].astype(acc.dtype)
+        return jax.lax.fori_loop(0, iters, body, jnp.zeros((1, 1, 1, 1), jnp.bfloat16))
+    loop(q, k, v).block_until_ready()
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        loop(q, k, v).block_until_ready()
+        times.append((time.perf_counter() - t0) * 1e3 / iters)
+    return float(np.median(times))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--budget-s", type=float, default=300)
+    ap.add_argument("--ns", default="32768,8192,2048")
+    ap.add_argument("--masks", default=",".join(W.MASKS))
+    ap.add_argument("--impls", default="fa4-native,jax-cudnn,flex-fa4,flex-triton")
+    ap.add_argument("--out", default="benchmarks/results/h200-forward-peers.json")
+    args = ap.parse_args()
+    import torch
+    dev = "cuda"
+    t_start = time.time()
+    records = []
+    impls = args.impls.split(",")
+    for n in (int(x) for x in args.ns.split(",")):
+        for mask in args.masks.split(","):
+            md = W.metadata_for(mask, n)
+            pairs = jcm_pairs(mask, n, md)
+            for impl in impls:
+                if time.time() - t_start > args.budget_s:
+                    print(f"budget spent; stopping before {impl} {mask} {n}", flush=True)
+                    break
+                if impl in ("fa4-native", "jax-cudnn") and mask != "causal":
+                    continue
+                try:
+                    if impl == "fa4-native":
+                        ms = bench_fa4_native(n, torch, dev, pairs)
+                    elif impl == "jax-cudnn":
+                        ms = bench_cudnn(n)
+                    else:
+                        ms = bench_flex(mask, n, md, impl.split("-")[1], torch, dev, pairs)
+                except Exception as e:  # a peer that fails is recorded, not fatal
+                    print(f"{impl} {mask} {n}: FAILED {type(e).__name__}: {e}", flush=True)
+                    records.append({"mask": mask, "n": n, "impl": impl, "error": str(e)[:300]})
+                    continue
+                rec = {"mask": mask, "n": n, "impl": impl, "fwd_ms": round(ms, 4),
+                       "fwd_tflops": round(W.tflops(pairs, ms), 1), "pairs": pairs}
+                records.append(rec)
+                print(json.dumps(rec), flush=True)
+                os.makedirs(os.path.dirname(args.out), exist_ok=True)
+                with open(args.out, "w") as f:
+                    json.dump({"device": torch.cuda.get_device_name(), "records": records}, f,
+                              indent=1)
+    print("\n| mask | n | impl | fwd ms | TF/s |\n|---|---|---|---|---|")
+    for r in records:
+        if "fwd_ms" in r:
+            print(f"| {r['mask']} | {r['n']} | {r['impl']} | {r['fwd_ms']} | {r['fwd_tflops']} |")
+
+
+if __name__ == "__main__":
+    main()

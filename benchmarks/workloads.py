@@ -1,0 +1,95 @@
+"""The paper's workloads (DESIGN.md §8), shared by every benchmark script.
+
+N = sequence length; batch = 131072 // N sequences; 8 heads; head dim 128; bf16.
+Metadata is sampled per sequence with a fixed seed, so every implementation in a run (and
+across runs) sees the same masks.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+import jcompilemask as jcm
+
+MASKS = ("causal", "hstu", "shared_prompt", "clear")
+HEADS, HEAD_DIM, TOKENS = 8, 128, 131072
+CLEAR_PAD = 384
+NUM_RESPONSES = 6
+
+
+def batch_for(n: int) -> int:
+    return max(1, TOKENS // n)
+
+
+def seq_len(mask: str, n: int) -> int:
+    """Tensor length of one sequence (clear pads the image of n tokens by the text)."""
+    return n + CLEAR_PAD if mask == "clear" else n
+
+
+def clear_width(n: int) -> int:
+    return 2 ** math.ceil(math.log2(math.sqrt(n)))
+
+
+def spec_for(mask: str, n: int):
+    if mask == "causal":
+        return jcm.masks.causal()
+    if mask == "hstu":
+        return jcm.masks.hstu()
+    if mask == "shared_prompt":
+        return jcm.masks.shared_prompt(NUM_RESPONSES)
+    if mask == "clear":
+        return jcm.masks.clear(clear_width(n), 2)
+    raise ValueError(mask)
+
+
+def metadata_for(mask: str, n: int, batch: int | None = None, seed: int = 0):
+    """numpy metadata of DESIGN.md §8 (None for causal)."""
+    b = batch_for(n) if batch is None else batch
+    rng = np.random.default_rng(seed + n)
+    if mask == "causal":
+        return None
+    if mask == "hstu":
+        a = rng.integers(n // 4, n // 2 + 1, b)
+        g = rng.integers(3, 9, b)
+        groups = rng.integers(3, 9, b)
+        return {"context_len": a.astype(np.int32), "history_end": (n - g * groups).astype(np.int32),
+                "group_size": g.astype(np.int32)}
+    if mask == "shared_prompt":
+        lens = rng.integers(n // 16, n // 11 + 1, (b, NUM_RESPONSES))
+        prompt = n - lens.sum(1)
+        starts = prompt[:, None] + np.concatenate(
+            [np.zeros((b, 1), np.int64), np.cumsum(lens, 1)[:, :-1]], 1)
+        return {"prompt_len": prompt.astype(np.int32), "response_starts": starts.astype(np.int32)}
+    if mask == "clear":
+        t = rng.integers(128, 385, b)
+        return {"text_len": t.astype(np.int32), "image_len": np.full(b, n, np.int32)}
+    raise ValueError(mask)
+
+
+def visible_pairs(fwd_intervals) -> int:
+    """Visible (query, key) pairs summed over the batch, from a descriptor's forward table
+    [B, Hm, Nq, K, 2] (the union per row: intervals may overlap)."""
+    iv = np.asarray(fwd_intervals)[:, 0].reshape(-1, fwd_intervals.shape[3], 2).astype(np.int64)
+    lo = np.where(iv[..., 1] > 0, iv[..., 0], np.iinfo(np.int64).max)
+    hi = np.where(iv[..., 1] > 0, iv[..., 0] + iv[..., 1], np.iinfo(np.int64).max)
+    order = np.argsort(lo, axis=1)
+    lo = np.take_along_axis(lo, order, 1)
+    hi = np.take_along_axis(hi, order, 1)
+    total = 0
+    cur_lo = lo[:, 0].copy()
+    cur_hi = hi[:, 0].copy()
+    for m in range(1, lo.shape[1]):
+        new = lo[:, m] > cur_hi
+        done = new & (cur_lo < np.iinfo(np.int64).max)
+        total += int(np.sum(np.where(done, cur_hi - cur_lo, 0)))
+        cur_lo = np.where(new, lo[:, m], cur_lo)
+        cur_hi = np.where(new, hi[:, m], np.maximum(cur_hi, hi[:, m]))
+    live = cur_lo < np.iinfo(np.int64).max
+    total += int(np.sum(np.where(live, cur_hi - cur_lo, 0)))
+    return total
+
+
+def tflops(pairs: int, ms: float, passes: float = 1.0) -> float:
+    """DESIGN.md §7: forward FLOPs = 4 * head_dim * heads * pairs (backward = 2.5x)."""
+    return passes * 4 * HEAD_DIM * HEADS * pairs / (ms * 1e-3) / 1e12
