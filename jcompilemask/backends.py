@@ -41,6 +41,7 @@ class Call:
     num_kv_heads: int
     softcap: bool
     has_fallback: bool
+    num_intervals: int = 1
     tiles: Optional[TileConfig] = None     # of a prebuilt descriptor, if one was passed
 
 
@@ -166,27 +167,41 @@ def _sm90_reason() -> Optional[str]:
 
 
 def _cute_backend() -> Backend:
+    import importlib.util
+
     def available():
         why = _sm90_reason()
         if why:
             return why
-        try:
-            from .kernels.cute import api  # noqa: F401
-        except ImportError as e:
-            return f"CuTe kernels unavailable ({e}); install jcompilemask[cuda]"
+        for mod in ("cutlass", "jax_tvm_ffi"):
+            if importlib.util.find_spec(mod) is None:
+                return f"{mod} is not installed (pip install 'jcompilemask[cuda]')"
         return None
 
     def supports(call: Call):
-        from .kernels.cute import api
-        return api.supports(call)
+        if call.has_fallback:
+            return ("the mask has fallback regions (predicates the interval tables cannot "
+                    "hold); the xla backend evaluates them")
+        if call.dtype not in ("bfloat16", "float16"):
+            return f"dtype {call.dtype} (the CuTe kernels take bfloat16 and float16)"
+        if (call.head_dim, call.head_dim_v) != (128, 128):
+            return f"head dims {call.head_dim}/{call.head_dim_v} (built: 128/128)"
+        if call.softcap:
+            return "logits_soft_cap is not in the CuTe forward yet"
+        if call.num_intervals > 8:
+            return f"K = {call.num_intervals} intervals per row (the kernel unrolls up to 8)"
+        return None
 
     def tiles(call):
-        from .kernels.cute import api
-        return api.preferred_tiles(call)
+        from .kernels.cute import preferred_forward_tiles
+        bq, bk = preferred_forward_tiles(call.head_dim if call else 128,
+                                         call.dtype if call else "bfloat16")
+        return TileConfig(bq, bk, DEFAULT_TILES.bwd_block_q, DEFAULT_TILES.bwd_block_kv)
 
     def forward(q, k, v, desc, scale, softcap):
-        from .kernels.cute import api
-        return api.forward(q, k, v, desc, scale, softcap)
+        from .kernels.cute import cute_forward
+        return cute_forward(q, k, v, desc.fwd_intervals, desc.fwd_tiles, scale=scale,
+                            block_q=desc.tiles.block_q, block_kv=desc.tiles.block_kv)
 
     from .attention import xla
     return Backend(name="cute", priority=10, tiles=tiles, available=available,

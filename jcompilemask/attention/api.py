@@ -133,7 +133,7 @@ def mask_attention(query, key, value, mask, *, metadata: Optional[Mapping] = Non
     call = _backends.Call(
         dtype=jnp.dtype(query.dtype).name, head_dim=d, head_dim_v=dv, num_heads=hq,
         num_kv_heads=hkv, softcap=logits_soft_cap is not None,
-        has_fallback=bool(cm.fallback_regions),
+        has_fallback=bool(cm.fallback_regions), num_intervals=cm.num_intervals,
         tiles=None if desc is None else desc.tiles)
     backend = _backends.select(implementation, call)
     if desc is None:

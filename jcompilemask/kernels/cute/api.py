@@ -22,6 +22,20 @@ import numpy as np
 _DTYPES = ("bfloat16", "float16")
 
 
+def preferred_forward_tiles(head_dim: int, dtype: str = "bfloat16") -> tuple[int, int]:
+    """(block_q, block_kv) the SM90 forward kernel wants its descriptor built at.
+
+    128 x 128 for head dim <= 128: two consumer warpgroups of 64 rows each, a 128-key
+    tile that keeps S (64 fp32 registers per thread) and O (64 more) in registers;
+    FlashAttention-3 uses the same shape for hdim 128 on H100 (its tile_size_fwd_sm90).
+    Head dim 256 would need a narrower key tile (80) to fit O; not built yet.
+    """
+    del dtype  # bf16 and fp16 share the shape
+    if head_dim <= 128:
+        return (128, 128)
+    return (128, 80)
+
+
 @dataclasses.dataclass(frozen=True)
 class ForwardKey:
     """Everything the compiled forward kernel depends on statically."""
