@@ -26,6 +26,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 BLOCK = 128
 
@@ -130,6 +131,53 @@ def bench_jcm(ns, heads=8, dim=128) -> list[dict]:
     return records
 
 
+def bench_masks(ns, masks) -> list[dict]:
+    """jcm-cute forward through the public API on the paper workloads (DESIGN.md §8):
+    descriptors from the real preprocess (built once, outside the timed region)."""
+    import jax
+    import jax.numpy as jnp
+
+    import jcompilemask as jcm
+    import workloads as W
+
+    records = []
+    for n in ns:
+        for mask in masks:
+            L, B = W.seq_len(mask, n), W.batch_for(n)
+            md = W.metadata_for(mask, n)
+            cm = jcm.compile(W.spec_for(mask, n))
+            t = jcm.backends.get("cute").tiles(None)
+            desc = jax.jit(lambda m: cm.instantiate(
+                m, L, L, block_q=t.block_q, block_kv=t.block_kv, bwd_block_q=t.bwd_block_q,
+                bwd_block_kv=t.bwd_block_kv))(md)
+            pairs = W.visible_pairs(desc.fwd_intervals) * (B if desc.batch == 1 else 1)
+            kq, kk, kv = jax.random.split(jax.random.PRNGKey(n), 3)
+            q = _rand(kq, (B, L, W.HEADS, W.HEAD_DIM), jnp.bfloat16)
+            k = _rand(kk, (B, L, W.HEADS, W.HEAD_DIM), jnp.bfloat16)
+            v = _rand(kv, (B, L, W.HEADS, W.HEAD_DIM), jnp.bfloat16)
+            fwd = jax.jit(lambda q, k, v, d: jcm.mask_attention(q, k, v, d, implementation="cute"))
+            iters = max(3, min(50, int(400 * 2048 / n)))
+            sec = _median_time(lambda: fwd(q, k, v, desc), warmup=3, iters=iters, repeats=5)
+            rec = {"mask": mask, "n": n, "impl": "jcm-cute", "fwd_ms": sec * 1e3,
+                   "fwd_tflops": W.tflops(pairs, sec * 1e3), "pairs": pairs}
+            print(f"bench jcm-cute {mask} n={n} B={B}: {rec['fwd_ms']:.3f} ms "
+                  f"{rec['fwd_tflops']:.1f} TF/s", flush=True)
+            records.append(rec)
+            del q, k, v
+    return records
+
+
+def _merge(path, records):
+    """Replace records of the same (mask, n, impl) in an existing results file."""
+    old = []
+    if os.path.exists(path):
+        with open(path) as f:
+            old = json.load(f).get("records", [])
+    key = lambda r: (r["mask"], r["n"], r["impl"])  # noqa: E731
+    new = {key(r) for r in records}
+    return [r for r in old if key(r) not in new] + records
+
+
 def bench_fa4(ns, heads=8, dim=128) -> list[dict]:
     import torch
     from flash_attn.cute import flash_attn_func
@@ -167,6 +215,8 @@ def main():
     ap.add_argument("--bench", action="store_true")
     ap.add_argument("--fa4", action="store_true")
     ap.add_argument("--ns", default="2048,8192,32768")
+    ap.add_argument("--masks", default="", help="also time these paper masks through "
+                    "mask_attention, e.g. causal,hstu,shared_prompt,clear")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "h200-forward.json"))
     args = ap.parse_args()
@@ -178,6 +228,8 @@ def main():
     records = []
     if args.bench:
         records += bench_jcm(ns)
+    if args.masks:
+        records += bench_masks(ns, args.masks.split(","))
     if args.fa4:
         try:
             records += bench_fa4(ns)
@@ -185,8 +237,9 @@ def main():
             print(f"fa4-native not measured: {type(err).__name__}: {err}", flush=True)
     if records:
         os.makedirs(os.path.dirname(args.out), exist_ok=True)
+        merged = _merge(args.out, records)
         with open(args.out, "w") as f:
-            json.dump({"device": "NVIDIA H200", "records": records}, f, indent=1)
+            json.dump({"device": "NVIDIA H200", "records": merged}, f, indent=1)
         print(f"{'impl':12s} {'mask':8s} {'n':>6s} {'fwd_ms':>9s} {'TF/s':>7s}")
         for r in records:
             print(f"{r['impl']:12s} {r['mask']:8s} {r['n']:6d} {r['fwd_ms']:9.3f} {r['fwd_tflops']:7.1f}")
