@@ -25,7 +25,7 @@ D = 128
 def _metadata(name, b, n, rng):
     if name == "prefix_lm":
         return {"prefix_len": rng.integers(0, n + 1, b)}
-    if name == "document":
+    if name in ("document", "document_bidir"):
         ids = np.sort(rng.integers(0, 9, (b, n)), axis=1)
         ids[:, n - 37:] = -1
         return {"segment_ids": ids}
