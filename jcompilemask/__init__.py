@@ -13,5 +13,13 @@ from .lower import CompiledMask, ExecutionDescriptor, TileConfig, compile, from_
 from .spec import MaskSpec, Region
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name):
+    # jcm.flax and jcm.splash load on first use (flax is heavier to import than the rest).
+    if name in ("flax", "splash"):
+        import importlib
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module 'jcompilemask' has no attribute {name!r}")
 __all__ = ["masks", "spec", "backends", "mask_attention", "MaskSpec", "Region", "compile", "CompiledMask",
            "ExecutionDescriptor", "TileConfig", "from_dense"]

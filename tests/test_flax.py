@@ -1,0 +1,146 @@
+"""Flax integration: the attention_fn contract, the NNX and linen modules under jit and
+grad, and the example decoder training on document-packed batches."""
+import importlib.util
+import pathlib
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+import flax.linen as nn
+from flax import nnx
+
+import jcompilemask as jcm
+import jcompilemask.flax as jf
+
+N, D_MODEL = 16, 32
+SEG = jnp.array([[0] * 10 + [1] * 6, [0] * 4 + [1] * 5 + [2] * 7])
+DOC = jcm.compile(jcm.masks.document())
+
+
+def _desc():
+    return DOC.instantiate({"segment_ids": SEG}, N, N)
+
+
+def _x(seed=1, b=2):
+    return jax.random.normal(jax.random.key(seed), (b, N, D_MODEL))
+
+
+def _close(a, b, atol=2e-5):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=atol, rtol=2e-5)
+
+
+def test_attention_fn_in_flax_multihead_attention():
+    """Flax's own module with our attention_fn == Flax's module with the dense mask."""
+    desc = _desc()
+    ours = nnx.MultiHeadAttention(4, D_MODEL, decode=False, attention_fn=jf.attention_fn,
+                                  rngs=nnx.Rngs(0))
+    theirs = nnx.MultiHeadAttention(4, D_MODEL, decode=False, rngs=nnx.Rngs(0))
+    x = _x()
+    jitted = nnx.jit(lambda m, x, d: m(x, mask=d))
+    _close(jitted(ours, x, desc), theirs(x, mask=desc.as_dense()))
+    # Bound mask (make_attention_fn) for a mask without metadata.
+    causal = nnx.MultiHeadAttention(4, D_MODEL, decode=False, rngs=nnx.Rngs(0),
+                                    attention_fn=jf.make_attention_fn(jcm.masks.causal()))
+    _close(nnx.jit(lambda m, x: m(x))(causal, x),
+           theirs(x, mask=nnx.make_causal_mask(x[..., 0])))
+
+
+def test_attention_fn_keywords_and_errors():
+    q = k = v = jax.random.normal(jax.random.key(2), (2, 3, N, 2, 8))   # two batch dims
+    desc = jcm.compile(jcm.masks.causal()).instantiate(None, N, N)
+    out = jax.jit(lambda q, k, v, d: jf.attention_fn(
+        q, k, v, mask=d, broadcast_dropout=False, dropout_rng=None, dropout_rate=0.1,
+        deterministic=True, dtype=jnp.float32, precision=jax.lax.Precision.HIGHEST,
+        module=None, is_causal=False, force_fp32_for_softmax=False,
+        qk_attn_weights_einsum=None))(q, k, v, desc)
+    want = jax.nn.dot_product_attention(q.reshape(6, N, 2, 8), k.reshape(6, N, 2, 8),
+                                        v.reshape(6, N, 2, 8), is_causal=True)
+    _close(out, want.reshape(q.shape))
+    assert jax.eval_shape(lambda: jf.attention_fn(q, k, v, mask=desc, dtype=jnp.bfloat16)
+                          ).dtype == jnp.bfloat16
+    bad = [
+        (dict(dropout_rate=0.1, deterministic=False), NotImplementedError, "dropout"),
+        (dict(bias=jnp.zeros((N, N))), NotImplementedError, "bias"),
+        (dict(module=object()), NotImplementedError, "sow_weights"),
+        (dict(is_causal=True), NotImplementedError, "causality"),
+        (dict(input_positions=jnp.arange(N)), NotImplementedError, "RoPE"),
+        (dict(some_new_flag=True), TypeError, "some_new_flag"),
+    ]
+    for kw, err, match in bad:
+        with pytest.raises(err, match=match):
+            jf.attention_fn(q, k, v, **{"mask": desc, **kw})
+    with pytest.raises(TypeError, match="dense mask array"):
+        jf.attention_fn(q, k, v, mask=jnp.ones((N, N), bool))
+    with pytest.raises(ValueError, match="needs its mask"):
+        jf.attention_fn(q, k, v)
+
+
+def _reference(layer, x, dense):
+    """The module's math with a dense mask and jax.nn.dot_product_attention."""
+    b = x.shape[0]
+    q = layer.query(x).reshape(b, N, layer.num_heads, layer.head_dim)
+    k = layer.key(x).reshape(b, N, layer.num_kv_heads, layer.head_dim)
+    v = layer.value(x).reshape(b, N, layer.num_kv_heads, layer.head_dim)
+    o = jax.nn.dot_product_attention(q, k, v, mask=dense)
+    return layer.out(o.reshape(b, N, -1))
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_nnx_module_jit_and_grad(kv_heads):
+    layer = jf.MultiHeadAttention(4, D_MODEL, num_kv_heads=kv_heads, rngs=nnx.Rngs(0))
+    x = _x()
+    w = jax.random.normal(jax.random.key(3), x.shape)
+
+    @nnx.jit
+    def loss(layer, x, seg):
+        desc = DOC.instantiate({"segment_ids": seg}, N, N)   # built inside the step
+        return jnp.sum(layer(x, desc) * w)
+
+    def ref_loss(layer, x):
+        return jnp.sum(_reference(layer, x, _desc().as_dense()) * w)
+
+    _close(loss(layer, x, SEG), ref_loss(layer, x), atol=1e-4)
+    g = nnx.jit(nnx.grad(loss))(layer, x, SEG)
+    g_ref = nnx.grad(ref_loss)(layer, x)
+    for a, b in zip(jax.tree.leaves(nnx.state(g)), jax.tree.leaves(nnx.state(g_ref))):
+        _close(a, b, atol=1e-4)
+    gx = nnx.jit(nnx.grad(loss, argnums=1))(layer, x, SEG)
+    _close(gx, nnx.grad(ref_loss, argnums=1)(layer, x), atol=1e-4)
+
+
+def test_linen_module_and_linen_attention_fn():
+    desc = _desc()
+    x = _x()
+    layer = jf.linen.MultiHeadAttention(num_heads=4)
+    params = layer.init(jax.random.key(0), x, desc)
+    out = jax.jit(layer.apply)(params, x, desc)
+    # Same parameters through Flax's linen module with the dense mask.
+    ref = nn.MultiHeadDotProductAttention(num_heads=4, use_bias=False)
+    _close(out, ref.apply(params, x, x, mask=desc.as_dense()), atol=1e-5)
+    g = jax.jit(jax.grad(lambda p: jnp.sum(layer.apply(p, x, desc) ** 2)))(params)
+    g_ref = jax.grad(lambda p: jnp.sum(ref.apply(p, x, x, mask=desc.as_dense()) ** 2))(params)
+    for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref)):
+        _close(a, b, atol=1e-4)
+    # Linen's module with our attention_fn (linen filters keywords by signature).
+    theirs = nn.MultiHeadDotProductAttention(num_heads=4, use_bias=False,
+                                             attention_fn=jf.attention_fn)
+    _close(theirs.apply(params, x, x, mask=desc), out, atol=1e-5)
+    bound = nn.MultiHeadDotProductAttention(num_heads=4, use_bias=False,
+                                            attention_fn=jf.make_attention_fn(desc))
+    _close(bound.apply(params, x, x), out, atol=1e-5)
+
+
+def _load_example(name):
+    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"_example_{name}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_example_decoder_trains():
+    losses = _load_example("flax_decoder").main(steps=25, verbose=False)
+    assert all(np.isfinite(losses))
+    assert np.mean(losses[-5:]) < np.mean(losses[:5]) - 0.5, losses
