@@ -5,4 +5,4 @@
 demo:
 	bash -c 'source scripts/env.sh && python examples/quickstart.py'
 test:
-	bash -c 'source scripts/env.sh test && python -m pytest tests jcompilemask -q'
+	bash -c 'source scripts/env.sh test,compile && python -m pytest tests jcompilemask -q'

@@ -160,17 +160,21 @@ def _bwd_impl(q, k, v, desc, scale, softcap, out, lse, do, dlse=None):
     return dq, dk, dv
 
 
+def _bwd_operands(P, view, q, k, v, do, lse, delta):
+    """Tile sizes and counts of ``view``, and the operands in [B, H, N, ...] layout padded
+    to whole tiles (query-side along rows, key-side along columns)."""
+    bq, bk = P.desc._blocks(view)
+    tq, tk = P.desc.num_tiles(view)
+    rows = lambda x: _pad_to(x, 2, tq * bq)             # noqa: E731
+    cols = lambda x: _pad_to(jnp.swapaxes(x, 1, 2), 2, tk * bk)  # noqa: E731
+    return (bq, bk, tq, tk, rows(jnp.swapaxes(q, 1, 2)), rows(jnp.swapaxes(do, 1, 2)),
+            rows(lse), rows(delta), cols(k), cols(v))
+
+
 def _dq_pass(P, q, k, v, do, lse, delta):
-    desc = P.desc
-    bq, bk = desc.tiles.block_q, desc.tiles.block_kv
-    tq, tk = desc.num_tiles("fwd")
-    qt = _pad_to(jnp.swapaxes(q, 1, 2), 2, tq * bq)
-    dot = _pad_to(jnp.swapaxes(do, 1, 2), 2, tq * bq)
-    lse_p = _pad_to(lse, 2, tq * bq)
-    delta_p = _pad_to(delta, 2, tq * bq)
-    kt = _pad_to(jnp.swapaxes(k, 1, 2), 2, tk * bk)
-    vt = _pad_to(jnp.swapaxes(v, 1, 2), 2, tk * bk)
-    states = desc.tile_states("fwd")
+    bq, bk, tq, tk, qt, dot, lse_p, delta_p, kt, vt = _bwd_operands(
+        P, "fwd", q, k, v, do, lse, delta)
+    states = P.desc.tile_states("fwd")
     order, count, check = _tile_lists(states)
 
     def row_tile(ti):
@@ -208,16 +212,9 @@ def _dq_pass(P, q, k, v, do, lse, delta):
 
 
 def _dkv_pass(P, q, k, v, do, lse, delta):
-    desc = P.desc
-    bq, bk = desc.tiles.bwd_block_q, desc.tiles.bwd_block_kv
-    tq, tk = desc.num_tiles("bwd")
-    qt = _pad_to(jnp.swapaxes(q, 1, 2), 2, tq * bq)
-    dot = _pad_to(jnp.swapaxes(do, 1, 2), 2, tq * bq)
-    lse_p = _pad_to(lse, 2, tq * bq)
-    delta_p = _pad_to(delta, 2, tq * bq)
-    kt = _pad_to(jnp.swapaxes(k, 1, 2), 2, tk * bk)
-    vt = _pad_to(jnp.swapaxes(v, 1, 2), 2, tk * bk)
-    states = jnp.swapaxes(desc.tile_states("bwd"), -1, -2)          # [Bm, Hm, Tk, Tq]
+    bq, bk, tq, tk, qt, dot, lse_p, delta_p, kt, vt = _bwd_operands(
+        P, "bwd", q, k, v, do, lse, delta)
+    states = jnp.swapaxes(P.desc.tile_states("bwd"), -1, -2)        # [Bm, Hm, Tk, Tq]
     order, count, check = _tile_lists(states)
 
     def col_tile(tj):
