@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import os
 from typing import Mapping, Optional
 
 import jax.numpy as jnp
@@ -20,8 +21,9 @@ DEFAULT_TILES = TileConfig(block_q=128, block_kv=128, bwd_block_q=64, bwd_block_
 def resolve_tiles(block_q=None, block_kv=None, bwd_block_q=None, bwd_block_kv=None,
                   default: TileConfig | None = None) -> TileConfig:
     d = default or _preferred_default()
-    return TileConfig(block_q or d.block_q, block_kv or d.block_kv,
-                      bwd_block_q or d.bwd_block_q, bwd_block_kv or d.bwd_block_kv)
+    pick = lambda v, dv: dv if v is None else v  # noqa: E731 - 0 must reach validation
+    return TileConfig(pick(block_q, d.block_q), pick(block_kv, d.block_kv),
+                      pick(bwd_block_q, d.bwd_block_q), pick(bwd_block_kv, d.bwd_block_kv))
 
 
 def _preferred_default() -> TileConfig:
@@ -128,11 +130,23 @@ class CompiledMask:
         """Build the :class:`ExecutionDescriptor` for one batch (jit-able).
 
         Tile sizes left as None take the preferred tiles of the backend that will run.
-        ``preprocess``: ``"jnp"`` or ``"tilelang"``; None picks the GPU kernel when it is
-        available and applicable, else jnp.
+        ``preprocess``: ``"jnp"`` (every platform; the reference) or ``"tilelang"`` (the
+        generated GPU kernel, SM90, bit-identical output; masks without fallback
+        regions). None reads ``$JCOMPILEMASK_PREPROCESS`` and defaults to ``"jnp"``:
+        the TileLang kernel becomes the GPU default once its bit-exactness suite has
+        passed on the H200 for every built-in (see tests/gpu/test_tilelang_preprocess.py).
         """
         kv_len = q_len if kv_len is None else kv_len
         tiles = resolve_tiles(block_q, block_kv, bwd_block_q, bwd_block_kv)
+        impl = preprocess or os.environ.get("JCOMPILEMASK_PREPROCESS", "jnp")
+        if impl == "tilelang":
+            if self.fallback_regions:
+                raise ValueError("preprocess='tilelang' cannot serve masks with fallback "
+                                 f"regions {list(self.fallback_regions)}; use 'jnp'")
+            from ..kernels.tilelang import tilelang_preprocess
+            return tilelang_preprocess(self, metadata, q_len, kv_len, tiles, strict=True)
+        if impl != "jnp":
+            raise ValueError(f"preprocess must be 'jnp' or 'tilelang', got {impl!r}")
         from .preprocess import build_descriptor
         return build_descriptor(self, metadata, q_len, kv_len, tiles)
 
