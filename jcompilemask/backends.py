@@ -184,10 +184,10 @@ def _cute_backend() -> Backend:
                     "hold); the xla backend evaluates them")
         if call.dtype not in ("bfloat16", "float16"):
             return f"dtype {call.dtype} (the CuTe kernels take bfloat16 and float16)"
-        if (call.head_dim, call.head_dim_v) != (128, 128):
-            return f"head dims {call.head_dim}/{call.head_dim_v} (built: 128/128)"
-        if call.softcap:
-            return "logits_soft_cap is not in the CuTe forward yet"
+        from .kernels.cute.api import HEAD_DIMS
+        if call.head_dim not in HEAD_DIMS or call.head_dim_v != call.head_dim:
+            return (f"head dims {call.head_dim}/{call.head_dim_v} (built: D in {HEAD_DIMS} "
+                    "with Dv == D)")
         if call.num_intervals > 8:
             return f"K = {call.num_intervals} intervals per row (the kernel unrolls up to 8)"
         return None
@@ -201,7 +201,8 @@ def _cute_backend() -> Backend:
     def forward(q, k, v, desc, scale, softcap):
         from .kernels.cute import cute_forward
         return cute_forward(q, k, v, desc.fwd_intervals, desc.fwd_tiles, scale=scale,
-                            block_q=desc.tiles.block_q, block_kv=desc.tiles.block_kv)
+                            softcap=softcap, block_q=desc.tiles.block_q,
+                            block_kv=desc.tiles.block_kv)
 
     from .attention import xla
     return Backend(name="cute", priority=10, tiles=tiles, available=available,

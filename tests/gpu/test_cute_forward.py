@@ -47,9 +47,94 @@ def test_key_rejects_unsupported():
     from jcompilemask.kernels.cute.api import ForwardKey
 
     with pytest.raises(ValueError, match="head dim"):
-        ForwardKey("bfloat16", 64, 64, 1, 128, 128, True, True, 0.1)
+        ForwardKey("bfloat16", 96, 96, 1, 128, 128, True, True, 0.1)
+    with pytest.raises(ValueError, match="Dv == D"):
+        ForwardKey("bfloat16", 128, 64, 1, 128, 128, True, True, 0.1)
     with pytest.raises(ValueError, match="preferred_forward_tiles"):
         ForwardKey("bfloat16", 128, 128, 1, 64, 128, True, True, 0.1)
+    with pytest.raises(ValueError, match="preferred_forward_tiles"):
+        ForwardKey("bfloat16", 256, 256, 1, 128, 128, True, True, 0.1)
+    with pytest.raises(ValueError, match="shared memory"):
+        ForwardKey("bfloat16", 256, 256, 1, 128, 80, True, True, 0.1, num_stages=3)
+    with pytest.raises(ValueError, match="softcap"):
+        ForwardKey("bfloat16", 128, 128, 1, 128, 128, True, True, 0.1, softcap=-1.0)
+    with pytest.raises(ValueError, match="softcap"):
+        ForwardKey("bfloat16", 128, 128, 1, 128, 128, True, True, 0.1, softcap_fast_tanh=True)
+
+
+def test_key_of_softcap_and_head_dims():
+    from jcompilemask.kernels.cute.api import (ForwardKey, forward_smem_bytes, preferred_forward_stages,
+                                               preferred_forward_tiles)
+
+    assert preferred_forward_tiles(128) == (128, 128) and preferred_forward_stages(128) == 2
+    assert preferred_forward_tiles(64, "float16") == (128, 128)
+    assert preferred_forward_tiles(256) == (128, 80)
+    for d in (64, 128, 256):
+        bq, bk = preferred_forward_tiles(d)
+        assert forward_smem_bytes(d, bq, bk, preferred_forward_stages(d)) <= 227 * 1024
+    plain = ForwardKey("bfloat16", 128, 128, 1, 128, 128, True, True, 0.1)
+    capped = ForwardKey("bfloat16", 128, 128, 1, 128, 128, True, True, 0.1, softcap=30.0)
+    fast = ForwardKey("bfloat16", 128, 128, 1, 128, 128, True, True, 0.1, softcap=30.0, softcap_fast_tanh=True)
+    assert len({plain, capped, fast}) == 3
+    assert len({plain.target_name, capped.target_name, fast.target_name}) == 3
+    # The names of uncapped kernels are those of before the soft cap existed.
+    assert plain.target_name.endswith("_s2_3fb999999999999a")
+
+
+def test_descriptor_at_head_dim_256_tiles():
+    """The preprocess builds 128 x 80 tile states exactly as the kernel's test helper does."""
+    import jcompilemask as jcm
+    from jcompilemask.kernels.cute.testing import tiles_from_intervals
+
+    n = 1000
+    md = {"context_len": np.array([300]), "history_end": np.array([n - 24]), "group_size": np.array([4])}
+    for spec, meta in ((jcm.masks.causal(), None), (jcm.masks.hstu(), md)):
+        desc = jcm.compile(spec).instantiate(meta, n, n, block_q=128, block_kv=80, bwd_block_q=64,
+                                             bwd_block_kv=128)
+        iv = np.asarray(desc.fwd_intervals)
+        assert np.array_equal(tiles_from_intervals(iv, n, 128, 80), np.asarray(desc.fwd_tiles))
+
+
+def test_registry_accepts_step2_variants():
+    """The cute backend's supports()/tiles() (checked without a GPU: availability aside)."""
+    from jcompilemask import backends
+
+    cute = backends.get("cute")
+
+    def call(d, dv=None, dtype="bfloat16", softcap=False, k=1):
+        return backends.Call(dtype=dtype, head_dim=d, head_dim_v=dv or d, num_heads=4, num_kv_heads=1,
+                             softcap=softcap, has_fallback=False, num_intervals=k)
+
+    for d in (64, 128, 256):
+        for dtype in ("bfloat16", "float16"):
+            assert cute.supports(call(d, dtype=dtype, softcap=True, k=6)) is None
+    assert "head dims" in cute.supports(call(96))
+    assert "head dims" in cute.supports(call(128, 64))
+    assert "dtype" in cute.supports(call(128, dtype="float32"))
+    assert "K = 9" in cute.supports(call(128, k=9))
+    assert (cute.tiles(call(256)).block_q, cute.tiles(call(256)).block_kv) == (128, 80)
+    assert (cute.tiles(call(64)).block_q, cute.tiles(call(64)).block_kv) == (128, 128)
+
+
+def test_reference_softcap_matches_policy_reference():
+    """The interval-table reference and jcompilemask.testing's dense one agree on soft cap."""
+    import jax
+    import jax.numpy as jnp
+
+    from jcompilemask.kernels.cute.testing import check_case_intervals, dense_mask, reference_attention
+    from jcompilemask.testing import reference_attention as dense_reference
+
+    iv, _ = check_case_intervals("random3", np.random.default_rng(3), 1, 50, 70, 2)
+    ks = jax.random.split(jax.random.PRNGKey(0), 3)
+    q = 3 * jax.random.normal(ks[0], (1, 50, 2, 16))
+    k = jax.random.normal(ks[1], (1, 70, 1, 16))
+    v = jax.random.normal(ks[2], (1, 70, 1, 16))
+    o, lse = reference_attention(q, k, v, iv, 0.25, softcap=2.0)
+    o2, lse2 = dense_reference(q, k, v, dense_mask(iv, 70), scale=0.25, softcap=2.0)
+    np.testing.assert_allclose(np.asarray(o), np.asarray(o2), atol=1e-5)
+    assert np.array_equal(np.isneginf(lse), np.isneginf(lse2))
+    fin = ~np.isneginf(np.asarray(lse2))
+    np.testing.assert_allclose(np.asarray(lse)[fin], np.asarray(lse2)[fin], atol=1e-5)
 
 
 def test_tile_states_of_causal():
@@ -71,6 +156,82 @@ def test_compiles_for_sm90(num_intervals, broadcast_batch, broadcast_head):
 
     key = ForwardKey("bfloat16", 128, 128, num_intervals, 128, 128, broadcast_batch, broadcast_head, 128**-0.5)
     assert compile_forward(key) is not None
+
+
+# Step 2 variants: every head dim x dtype x soft cap; the interval counts cycle through
+# 1, 2 and 6 so that each head dim sees all three (K = 6 at D = 256 reloads the intervals
+# per masked tile instead of keeping them in registers), with the broadcast flags varied.
+_K_OF = {("bfloat16", None): 1, ("bfloat16", 30.0): 6, ("float16", None): 6, ("float16", 30.0): 2}
+_BROADCAST_OF_K = {1: (True, True), 2: (False, True), 6: (False, False)}
+VARIANTS = [(d, dt, cap, _K_OF[dt, cap]) for d in (64, 128, 256) for dt in ("bfloat16", "float16")
+            for cap in (None, 30.0)]
+
+
+@needs_cutlass
+@pytest.mark.parametrize("head_dim,dtype,softcap,num_intervals", VARIANTS)
+def test_variant_compiles_for_sm90(head_dim, dtype, softcap, num_intervals):
+    from jcompilemask.kernels.cute.api import (ForwardKey, compile_forward, preferred_forward_stages,
+                                               preferred_forward_tiles)
+
+    bq, bk = preferred_forward_tiles(head_dim, dtype)
+    key = ForwardKey(dtype, head_dim, head_dim, num_intervals, bq, bk, *_BROADCAST_OF_K[num_intervals],
+                     head_dim**-0.5, num_stages=preferred_forward_stages(head_dim, dtype), softcap=softcap)
+    assert compile_forward(key) is not None
+
+
+@needs_cutlass
+def test_fast_tanh_softcap_compiles_for_sm90():
+    from jcompilemask.kernels.cute.api import ForwardKey, compile_forward
+
+    key = ForwardKey("bfloat16", 128, 128, 2, 128, 128, True, True, 128**-0.5, softcap=30.0,
+                     softcap_fast_tanh=True)
+    assert compile_forward(key) is not None
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("softcap", [None, 5.0])
+@pytest.mark.parametrize("case", ["causal", "prefix_window", "random3", "random6"])
+def test_variant_matches_reference_on_gpu(head_dim, dtype, softcap, case):
+    """Output and LSE within the tolerance policy (jcompilemask.testing) of a float32 reference,
+    for each head dim, dtype and soft cap; GQA (4 query heads on 2 KV heads, MQA for fp16),
+    ragged Nq / Nk, per-head masks and fully masked rows (random3, random6)."""
+    reason = _sm90_gpu_reason()
+    if reason:
+        pytest.skip(reason)
+    import jax
+    import jax.numpy as jnp
+
+    from jcompilemask.kernels.cute.api import cute_forward, preferred_forward_tiles
+    from jcompilemask.kernels.cute.testing import check_case_intervals, dense_mask, tiles_from_intervals
+    from jcompilemask.testing import assert_within_policy, reference_attention
+
+    dt = jnp.dtype(dtype)
+    B, Nq, Nk, H = 2, 700, 900, 4
+    Hkv = 1 if dtype == "float16" else 2
+    if not case.startswith("random"):
+        Nk = Nq
+    iv, _ = check_case_intervals(case, np.random.default_rng(1), B, Nq, Nk, H)
+    bq, bk = preferred_forward_tiles(head_dim, dtype)
+    tiles = tiles_from_intervals(iv, Nk, bq, bk)
+    kq, kk, kv = jax.random.split(jax.random.PRNGKey(7), 3)
+    # With a cap, logits of spread ~3x the cap's knee so that tanh saturates somewhere.
+    q_gain = 1.0 if softcap is None else 3.0
+    q = (q_gain * jax.random.normal(kq, (B, Nq, H, head_dim))).astype(dt)
+    k = jax.random.normal(kk, (B, Nk, Hkv, head_dim)).astype(dt)
+    v = jax.random.normal(kv, (B, Nk, Hkv, head_dim)).astype(dt)
+    scale = 1 / math.sqrt(head_dim)
+    o, lse = jax.jit(lambda *a: cute_forward(*a, scale=scale, softcap=softcap, block_q=bq, block_kv=bk))(
+        q, k, v, jnp.asarray(iv), jnp.asarray(tiles))
+    mask = dense_mask(iv, Nk)
+    hi = reference_attention(q, k, v, mask, scale=scale, softcap=softcap, precision="high")
+    lo = reference_attention(q, k, v, mask, scale=scale, softcap=softcap, precision="input")
+    assert_within_policy(o, hi[0], lo[0], "out")
+    assert_within_policy(lse, hi[1], lo[1], "lse")
+    empty = np.isneginf(np.asarray(hi[1]))
+    if case.startswith("random"):
+        assert empty.any(), "the case must contain fully masked rows"
+    assert np.all(np.transpose(np.asarray(o.astype(jnp.float32)), (0, 2, 1, 3))[empty] == 0)
 
 
 @pytest.mark.parametrize("case", ["causal", "document", "prefix_window", "random3"])

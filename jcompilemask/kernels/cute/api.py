@@ -20,20 +20,47 @@ import jax.numpy as jnp
 import numpy as np
 
 _DTYPES = ("bfloat16", "float16")
+HEAD_DIMS = (64, 128, 256)
+# Dynamic shared memory one CTA may opt into on SM90 (227 KB).
+_SMEM_LIMIT = 232448
 
 
 def preferred_forward_tiles(head_dim: int, dtype: str = "bfloat16") -> tuple[int, int]:
     """(block_q, block_kv) the SM90 forward kernel wants its descriptor built at.
 
-    128 x 128 for head dim <= 128: two consumer warpgroups of 64 rows each, a 128-key
-    tile that keeps S (64 fp32 registers per thread) and O (64 more) in registers;
-    FlashAttention-3 uses the same shape for hdim 128 on H100 (its tile_size_fwd_sm90).
-    Head dim 256 would need a narrower key tile (80) to fit O; not built yet.
+    Always 128 query rows: two consumer warpgroups of 64 rows each. Per consumer thread
+    S takes block_kv / 2 fp32 registers, P block_kv / 4, O head_dim / 2, out of 240.
+    - D = 128: 128 keys (S 64 + P 32 + O 64). FlashAttention-3 uses the same shape for
+      hdim 128 on H100 (tile_size_fwd_sm90); 582 TF/s causal 32K on the H200 (NOTES.md).
+    - D = 64: 128 keys as well (S 64 + P 32 + O 32). FA3 runs 192 rows (three consumer
+      warpgroups) at this dim; this kernel has two, and a wider key tile would only
+      coarsen the descriptor. Not yet measured on the device.
+    - D = 256: 80 keys (S 40 + P 20 + O 128 = 188 registers), FA3's choice for hdim
+      256. Shared memory binds: Q (64 KB) + 2 stages of K and V at 80 keys (160 KB) is
+      224 KB of the 227 available; 96 keys would need 256 KB, i.e. a single stage and
+      no load/compute overlap.
+    bf16 and fp16 share the shapes (same element size, same wgmma shapes).
     """
-    del dtype  # bf16 and fp16 share the shape
+    del dtype
     if head_dim <= 128:
         return (128, 128)
     return (128, 80)
+
+
+def preferred_forward_stages(head_dim: int, dtype: str = "bfloat16") -> int:
+    """Depth of the K/V ring: 2 for D = 128 (measured, NOTES.md) and D = 256 (224 KB of
+    shared memory is all there is); 3 for D = 64, whose tiles are half as long to
+    compute, so the load latency is hidden over more of them (80 KB -> 112 KB). The
+    D = 64 choice is not yet measured against 2."""
+    del dtype
+    return 3 if head_dim == 64 else 2
+
+
+def forward_smem_bytes(head_dim: int, block_q: int, block_kv: int, num_stages: int,
+                       elem_bytes: int = 2) -> int:
+    """Shared memory of FlashForwardSm90: barriers (padded to the 1 KB swizzle
+    alignment), Q, and `num_stages` K and V tiles (Dv == D)."""
+    return 1024 + elem_bytes * head_dim * (block_q + 2 * num_stages * block_kv)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,22 +77,38 @@ class ForwardKey:
     broadcast_head: bool  # mask head dim Hm == 1
     scale: float  # folded into the exp2 argument; static per model
     num_stages: int = 2
+    softcap: float | None = None  # logits = cap * tanh(scale * q.k / cap); static per model
+    # tanh.approx instead of the exact (error < ~4e-7) form (see FlashForwardSm90.apply_softcap);
+    # misses the LSE tolerance policy, so only benchmarks set it.
+    softcap_fast_tanh: bool = False
 
     def __post_init__(self):
         if self.dtype not in _DTYPES:
             raise ValueError(f"cute forward supports {_DTYPES}, got dtype {self.dtype!r}")
-        if self.head_dim != 128 or self.head_dim_v != 128:
+        if self.head_dim not in HEAD_DIMS or self.head_dim_v != self.head_dim:
             raise ValueError(
-                f"cute forward is built for head dim 128 so far, got {self.head_dim}/{self.head_dim_v}; "
-                "use the xla backend for other head dims"
+                f"cute forward is built for head dims {HEAD_DIMS} with Dv == D, got "
+                f"{self.head_dim}/{self.head_dim_v}; use the xla backend for other head dims"
             )
-        if (self.block_q, self.block_kv) != (128, 128):
+        want = preferred_forward_tiles(self.head_dim, self.dtype)
+        if (self.block_q, self.block_kv) != want:
             raise ValueError(
-                f"cute forward runs 128x128 tiles; the descriptor was built for "
-                f"{self.block_q}x{self.block_kv}. Rebuild it with preferred_forward_tiles(...)"
+                f"cute forward runs {want[0]}x{want[1]} tiles at head dim {self.head_dim}; the "
+                f"descriptor was built for {self.block_q}x{self.block_kv}. Rebuild it with "
+                "preferred_forward_tiles(...)"
             )
         if not 1 <= self.num_intervals <= 8:
             raise ValueError(f"interval count K must be in 1..8, got {self.num_intervals}")
+        smem = forward_smem_bytes(self.head_dim, self.block_q, self.block_kv, self.num_stages)
+        if self.num_stages < 1 or smem > _SMEM_LIMIT:
+            raise ValueError(
+                f"num_stages={self.num_stages} at head dim {self.head_dim} needs {smem} bytes of "
+                f"shared memory (SM90 allows {_SMEM_LIMIT}); use preferred_forward_stages(...)"
+            )
+        if self.softcap is not None and not (math.isfinite(self.softcap) and self.softcap > 0):
+            raise ValueError(f"softcap must be None or a positive finite float, got {self.softcap!r}")
+        if self.softcap_fast_tanh and self.softcap is None:
+            raise ValueError("softcap_fast_tanh needs a softcap")
 
     @property
     def target_name(self) -> str:
@@ -74,6 +117,8 @@ class ForwardKey:
             f"jcompilemask_cute_fwd_{self.dtype}_d{self.head_dim}x{self.head_dim_v}_k{self.num_intervals}"
             f"_t{self.block_q}x{self.block_kv}_b{int(self.broadcast_batch)}h{int(self.broadcast_head)}"
             f"_s{self.num_stages}_{scale_bits:016x}"
+            + ("" if self.softcap is None else
+               f"_c{np.float64(self.softcap).view(np.uint64):016x}{'f' if self.softcap_fast_tanh else ''}")
         )
 
 
@@ -136,7 +181,7 @@ def compile_forward(key: ForwardKey):
             dtype, key.head_dim, key.head_dim_v, key.num_intervals, key.scale,
             block_q=key.block_q, block_kv=key.block_kv,
             broadcast_batch=key.broadcast_batch, broadcast_head=key.broadcast_head,
-            num_stages=key.num_stages,
+            num_stages=key.num_stages, softcap=key.softcap, softcap_fast_tanh=key.softcap_fast_tanh,
         )
         fn = cute.compile(
             kernel,
@@ -165,7 +210,8 @@ def _ensure_registered(key: ForwardKey) -> str:
     return name
 
 
-def cute_forward(q, k, v, fwd_intervals, fwd_tiles, *, scale=None, block_q=128, block_kv=128):
+def cute_forward(q, k, v, fwd_intervals, fwd_tiles, *, scale=None, softcap=None, block_q=128, block_kv=128,
+                 num_stages=None, softcap_fast_tanh=False):
     """Masked attention forward on SM90 from an Execution Descriptor's forward view.
 
     Args:
@@ -173,6 +219,10 @@ def cute_forward(q, k, v, fwd_intervals, fwd_tiles, *, scale=None, block_q=128, 
       fwd_intervals: int32 [Bm, Hm, Nq, K, 2] (start, length) per row, Bm in {1, B}, Hm in {1, Hq}.
       fwd_tiles: uint32 [Bm, Hm, ceil(Nq/block_q), ceil(ceil(Nk/block_kv)/16)] tile states.
       scale: logit scale, default 1/sqrt(D).
+      softcap: None, or cap > 0: logits = cap * tanh(scale * q.k / cap), before the mask.
+      block_q, block_kv: the tiles fwd_tiles was built at; must be preferred_forward_tiles(D).
+      num_stages, softcap_fast_tanh: benchmark overrides (default: preferred_forward_stages,
+        exact tanh; the fast tanh misses the LSE tolerance policy).
     Returns:
       o [B, Nq, Hq, Dv] (q.dtype) and lse float32 [B, Hq, Nq] (natural log; -inf for empty rows).
     """
@@ -199,6 +249,8 @@ def cute_forward(q, k, v, fwd_intervals, fwd_tiles, *, scale=None, block_q=128, 
         dtype=jnp.dtype(q.dtype).name, head_dim=D, head_dim_v=Dv, num_intervals=K,
         block_q=block_q, block_kv=block_kv, broadcast_batch=(Bm == 1 and B > 1),
         broadcast_head=(Hm == 1 and Hq > 1), scale=float(scale),
+        num_stages=num_stages or preferred_forward_stages(D, jnp.dtype(q.dtype).name),
+        softcap=None if softcap is None else float(softcap), softcap_fast_tanh=softcap_fast_tanh,
     )
     if Bm == 1 and B == 1:
         key = dataclasses.replace(key, broadcast_batch=True)

@@ -21,6 +21,16 @@ exp2 with the scale folded into one FFMA; a row that sees no key keeps max = -in
 sum = 0 and ends with o = 0, lse = -inf (never NaN). O leaves through shared memory
 (Q's buffer, stmatrix) and one TMA store; LSE is stored directly.
 
+Soft cap (logit = cap * tanh(scale * s / cap)) is applied to S before the mask, since
+masking writes -inf and tanh(-inf) = -1 would make a masked key visible. The scores
+are then kept as t = tanh(...) in [-1, 1] and the whole factor cap * log2(e) moves into
+the exp2 scale: the running max, the softmax and the LSE see t exactly as they see raw
+scores without a cap, so there is still one FFMA per element ahead of the exp2.
+
+Head dims 64, 128 and 256 (Dv == D: O is staged through Q's shared buffer). Tile shapes
+come from `api.preferred_forward_tiles`: 128 x 128 for D <= 128; 128 x 80 for D = 256,
+where O alone takes 128 fp32 registers per consumer thread.
+
 Measured (H200, causal, bf16, D = 128, 8 heads, 128K tokens): 440 / 544 / 582 TF/s at
 N = 2K / 8K / 32K against FlashAttention-4's native kernel at 491 / 600 / 625
 (benchmarks/results/h200-forward.json, NOTES.md).
@@ -142,17 +152,28 @@ class FlashForwardSm90:
         broadcast_batch: bool = False,
         broadcast_head: bool = False,
         num_stages: int = 2,
+        softcap: float | None = None,
+        softcap_fast_tanh: bool = False,
     ):
         assert dtype in (cutlass.BFloat16, cutlass.Float16), dtype
         assert block_q == 64 * self.num_consumer_wgs, "each consumer warpgroup owns 64 rows"
         assert block_kv % 16 == 0 and head_dim % 16 == 0 and head_dim_v % 16 == 0
         assert 1 <= num_intervals <= 8
+        # O goes out through Q's shared buffer (same shape and swizzle).
+        assert head_dim_v == head_dim, "the epilogue reuses Q's buffer for O: needs Dv == D"
+        assert softcap is None or softcap > 0
         self.dtype = dtype
         self.head_dim = head_dim
         self.head_dim_v = head_dim_v
         self.num_intervals = num_intervals
-        self.scale_log2 = float(scale) * _LOG2_E
         self.scale = float(scale)
+        self.softcap = None if softcap is None else float(softcap)
+        self.softcap_fast_tanh = softcap_fast_tanh
+        if self.softcap is None:
+            self.scale_log2 = float(scale) * _LOG2_E
+        else:
+            # S holds t = tanh(scale * s / cap) after apply_softcap; the logit is cap * t.
+            self.scale_log2 = self.softcap * _LOG2_E
         self.block_q = block_q
         self.block_kv = block_kv
         self.broadcast_batch = broadcast_batch
@@ -162,6 +183,10 @@ class FlashForwardSm90:
         # Producer keeps few registers so the consumers can hold S, P and O (FA3's split).
         self.producer_regs = 24
         self.consumer_regs = 240
+        # The intervals take 4 K registers per consumer thread (2 rows x start, length).
+        # Beside D = 256's 128-register O they fit up to K = 4; K = 6 spilled 48 bytes
+        # (cuobjdump, NOTES.md), so above that they are reloaded per masked tile.
+        self.intervals_in_registers = head_dim_v < 256 or num_intervals <= 4
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -399,17 +424,11 @@ class FlashForwardSm90:
         row_max.fill(-Float32.inf)
         row_sum.fill(0.0)
 
-        # The row's K intervals, loaded once; rows past Nq see nothing.
-        starts = cute.make_rmem_tensor((num_rows, self.num_intervals), Int32)
-        lengths = cute.make_rmem_tensor((num_rows, self.num_intervals), Int32)
-        for r in cutlass.range_constexpr(num_rows):
-            row = q_tile * self.block_q + tScS[r, 0][0]
-            in_range = row < seqlen_q
-            safe_row = row if in_range else 0
-            for m in cutlass.range_constexpr(self.num_intervals):
-                starts[r, m] = mIntervals[mask_batch, mask_head, safe_row, m, 0]
-                length = mIntervals[mask_batch, mask_head, safe_row, m, 1]
-                lengths[r, m] = length if in_range else 0
+        # The row's K intervals, loaded once, when registers allow (see __init__);
+        # otherwise apply_mask reloads them from the (L1-resident) table per masked tile.
+        row_intervals = (mIntervals, q_tile, seqlen_q, mask_batch, mask_head)
+        if const_expr(self.intervals_in_registers):
+            row_intervals = self.load_intervals(tScS, *row_intervals)
 
         pipeline_q.consumer_wait(pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1))
         if wg == 0:
@@ -430,16 +449,16 @@ class FlashForwardSm90:
                     if needs_mask:
                         kv_state = self.mma_step(
                             kv_state, k_tile, True, wg_mma_qk, wg_mma_pv, tSrQ, tSrK, tOrV, tOrP, acc_O,
-                            tScS, row_max, row_sum, starts, lengths, seqlen_k, pipeline_k, pipeline_v, wg)
+                            tScS, row_max, row_sum, row_intervals, seqlen_k, pipeline_k, pipeline_v, wg)
                     else:
                         kv_state = self.mma_step(
                             kv_state, k_tile, False, wg_mma_qk, wg_mma_pv, tSrQ, tSrK, tOrV, tOrP, acc_O,
-                            tScS, row_max, row_sum, starts, lengths, seqlen_k, pipeline_k, pipeline_v, wg)
+                            tScS, row_max, row_sum, row_intervals, seqlen_k, pipeline_k, pipeline_v, wg)
                 else:
                     # The first visited tile is always masked: cheap once, and it saves a
                     # third copy of the softmax body.
                     self.mma_first(kv_state, k_tile, wg_mma_qk, tSrQ, tSrK, tOrP, tScS, row_max, row_sum,
-                                   starts, lengths, seqlen_k, pipeline_k)
+                                   row_intervals, seqlen_k, pipeline_k)
                 started = Boolean(True)
         if started:
             pipeline_v.consumer_wait(kv_state)
@@ -464,7 +483,7 @@ class FlashForwardSm90:
 
     @cute.jit
     def mma_first(self, kv_state, k_tile, wg_mma_qk, tSrQ, tSrK, tOrP, tScS, row_max, row_sum,
-                  starts, lengths, seqlen_k, pipeline_k):
+                  row_intervals, seqlen_k, pipeline_k):
         """S of the first visited tile, softmax, P into registers; its P@V waits for the next step."""
         acc_S = cute.make_rmem_tensor(wg_mma_qk.partition_shape_C((self.block_q, self.block_kv)), Float32)
         pipeline_k.consumer_wait(kv_state)
@@ -472,13 +491,15 @@ class FlashForwardSm90:
         warpgroup.wait_group(0)
         pipeline_k.consumer_release(kv_state)
         acc_S_rows = _rows_view(acc_S)
-        self.apply_mask(acc_S_rows, tScS, k_tile, starts, lengths, seqlen_k)
+        if const_expr(self.softcap is not None):
+            self.apply_softcap(acc_S)
+        self.apply_mask(acc_S_rows, tScS, k_tile, row_intervals, seqlen_k)
         self.online_softmax(acc_S_rows, row_max, row_sum, None)
         tOrP.store(_as_a_operand(acc_S).load().to(self.dtype))
 
     @cute.jit
     def mma_step(self, kv_state, k_tile, masked: cutlass.Constexpr[bool], wg_mma_qk, wg_mma_pv,
-                 tSrQ, tSrK, tOrV, tOrP, acc_O, tScS, row_max, row_sum, starts, lengths, seqlen_k,
+                 tSrQ, tSrK, tOrV, tOrP, acc_O, tScS, row_max, row_sum, row_intervals, seqlen_k,
                  pipeline_k, pipeline_v, wg):
         """S_t = Q K_t^T is issued before O += P_{t-1} V_{t-1}; softmax of S_t overlaps that GEMM."""
         v_state = kv_state.clone()
@@ -493,8 +514,10 @@ class FlashForwardSm90:
         warpgroup.wait_group(1)
         pipeline_k.consumer_release(kv_state)
         acc_S_rows = _rows_view(acc_S)
+        if const_expr(self.softcap is not None):
+            self.apply_softcap(acc_S)
         if const_expr(masked):
-            self.apply_mask(acc_S_rows, tScS, k_tile, starts, lengths, seqlen_k)
+            self.apply_mask(acc_S_rows, tScS, k_tile, row_intervals, seqlen_k)
         row_scale = cute.make_rmem_tensor(row_max.shape, Float32)
         self.online_softmax(acc_S_rows, row_max, row_sum, row_scale)
         warpgroup.wait_group(0)
@@ -516,12 +539,58 @@ class FlashForwardSm90:
 
     # ------------------------------------------------------------- masking, softmax
     @cute.jit
-    def apply_mask(self, acc_S_rows, tScS, k_tile, starts, lengths, seqlen_k):
+    def apply_softcap(self, acc_S):
+        """S -> t = tanh(scale * S / cap) in place; the exp2 scale is cap * log2(e).
+
+        Default: tanh(y) = 1 - 2 / (2^(2 y log2 e) + 1) with ex2.approx (about 2 ulp) and
+        rcp.approx (1 ulp), so |t error| stays below ~4e-7 and the logit error below
+        cap * 4e-7: the LSE meets the tolerance policy (2x the error of a dense
+        computation whose logits are exact fp32, + 1e-5). Saturates cleanly: 2^y = inf
+        gives rcp 0 and t = 1; 2^y = 0 gives t = -1. Costs 2 MUFU ops per score on top
+        of the softmax's exp2.
+        `softcap_fast_tanh`: one tanh.approx.f32 (1 MUFU op), whose error the PTX ISA
+        gives as 2^-10.987 relative, i.e. a logit error up to about cap * 5e-4. That is
+        far beyond the LSE bound of the policy, so the tests and the registry use the
+        default; the flag exists to measure what the accuracy costs.
+        """
+        if const_expr(self.softcap_fast_tanh):
+            pre = Float32(self.scale / self.softcap)
+            for i in cutlass.range_constexpr(cute.size(acc_S)):
+                acc_S[i] = cute.math.tanh(acc_S[i] * pre, approx=True)
+        else:
+            pre = Float32(2.0 * _LOG2_E * self.scale / self.softcap)
+            for i in cutlass.range_constexpr(cute.size(acc_S)):
+                e = cute.math.exp2(acc_S[i] * pre, fastmath=True)
+                acc_S[i] = Float32(1.0) - Float32(2.0) * cute.arch.rcp_approx(e + Float32(1.0))
+
+    @cute.jit
+    def load_intervals(self, tScS, mIntervals, q_tile, seqlen_q, mask_batch, mask_head):
+        """(starts, lengths) [rows, K] of this thread's rows; rows past Nq see nothing."""
+        num_rows = cute.size(tScS, mode=[0])
+        starts = cute.make_rmem_tensor((num_rows, self.num_intervals), Int32)
+        lengths = cute.make_rmem_tensor((num_rows, self.num_intervals), Int32)
+        for r in cutlass.range_constexpr(num_rows):
+            row = q_tile * self.block_q + tScS[r, 0][0]
+            in_range = row < seqlen_q
+            safe_row = row if in_range else 0
+            for m in cutlass.range_constexpr(self.num_intervals):
+                starts[r, m] = mIntervals[mask_batch, mask_head, safe_row, m, 0]
+                length = mIntervals[mask_batch, mask_head, safe_row, m, 1]
+                lengths[r, m] = length if in_range else 0
+        return starts, lengths
+
+    @cute.jit
+    def apply_mask(self, acc_S_rows, tScS, k_tile, row_intervals, seqlen_k):
         """Set S to -inf where the key is past Nk or in none of the row's intervals.
 
         One subtraction and one unsigned compare per interval: uint32(j - start) < length
         covers start <= j < start + length, and a zero length never matches.
+        `row_intervals` is (starts, lengths) in registers, or the table to load them from.
         """
+        if const_expr(self.intervals_in_registers):
+            starts, lengths = row_intervals
+        else:
+            starts, lengths = self.load_intervals(tScS, *row_intervals)
         col0 = k_tile * self.block_kv
         for r in cutlass.range_constexpr(cute.size(acc_S_rows, mode=[0])):
             for c in cutlass.range_constexpr(cute.size(acc_S_rows, mode=[1])):
@@ -538,7 +607,8 @@ class FlashForwardSm90:
         tile) receives the factor that rescales the running O and sum."""
         scale_log2 = Float32(self.scale_log2)
         n_cols = cute.size(acc_S_rows, mode=[1])
-        lanes = 8 if n_cols % 8 == 0 else 1
+        # 8 lanes for 32 columns (block_kv 128); 4 for the 20 of block_kv 80.
+        lanes = next(n for n in (8, 4, 2, 1) if n_cols % n == 0)
         for r in cutlass.range_constexpr(cute.size(acc_S_rows, mode=[0])):
             # 8 independent max chains, then a tree: a single chain of 63 dependent
             # FMNMX sat on the softmax critical path.

@@ -80,22 +80,31 @@ def check_case_intervals(name, rng, B, Nq, Nk, H):
             iv[0, h, :, 1, 0] = lo
             iv[0, h, :, 1, 1] = np.maximum(i + 1 - lo, 0)
         return iv, "prefix 100 + per-head sliding window (K=2, Hm=H)"
-    if name == "random3":
-        iv = np.zeros((B, H, Nq, 3, 2), np.int32)
-        iv[..., 0] = rng.integers(-50, Nk + 10, size=(B, H, Nq, 3))
-        iv[..., 1] = rng.integers(0, 400, size=(B, H, Nq, 3)) * (rng.random((B, H, Nq, 3)) < 0.8)
+    if name.startswith("random"):
+        # random3, random6, ...: K random intervals per row.
+        K = int(name[len("random"):])
+        iv = np.zeros((B, H, Nq, K, 2), np.int32)
+        iv[..., 0] = rng.integers(-50, Nk + 10, size=(B, H, Nq, K))
+        iv[..., 1] = rng.integers(0, 400, size=(B, H, Nq, K)) * (rng.random((B, H, Nq, K)) < 0.8)
         empty = rng.random((B, H, Nq)) < 0.1
         iv[..., 1] *= ~empty[..., None]
         iv[0, 0, :37, :, 1] = 0  # a whole run of empty rows
-        return iv, "3 random intervals per row, ragged Nq/Nk, ~10% fully masked rows"
+        return iv, f"{K} random intervals per row, ragged Nq/Nk, ~10% fully masked rows"
     raise ValueError(name)
 
 
-def reference_attention(q, k, v, intervals, scale):
+def dense_mask(intervals: np.ndarray, nk: int) -> np.ndarray:
+    """int32 [Bm, Hm, Nq, K, 2] -> bool [Bm, Hm, Nq, nk], the kernel's visibility test."""
+    bm, hm, nq = intervals.shape[:3]
+    vis = visible_rows(intervals.reshape(bm * hm * nq, *intervals.shape[3:]), nk)
+    return vis.reshape(bm, hm, nq, nk)
+
+
+def reference_attention(q, k, v, intervals, scale, softcap=None):
     """float32 attention with the mask read from the interval table (jax.numpy).
 
     Returns o [B, Nq, Hq, Dv] and lse [B, Hq, Nq]; a row with no visible key gives
-    o = 0 and lse = -inf.
+    o = 0 and lse = -inf. `softcap`: logits = cap * tanh(scale * q.k / cap), before the mask.
     """
     import jax.numpy as jnp
 
@@ -109,6 +118,8 @@ def reference_attention(q, k, v, intervals, scale):
     kr = jnp.repeat(k.astype(jnp.float32), Hq // Hkv, axis=2)
     vr = jnp.repeat(v.astype(jnp.float32), Hq // Hkv, axis=2)
     s = jnp.einsum("bqhd,bkhd->bhqk", q.astype(jnp.float32), kr) * scale
+    if softcap is not None:
+        s = softcap * jnp.tanh(s / softcap)
     s = jnp.where(vis, s, -jnp.inf)
     m = jnp.max(s, axis=-1, keepdims=True)
     m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
