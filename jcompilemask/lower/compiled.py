@@ -131,14 +131,15 @@ class CompiledMask:
 
         Tile sizes left as None take the preferred tiles of the backend that will run.
         ``preprocess``: ``"jnp"`` (every platform; the reference) or ``"tilelang"`` (the
-        generated GPU kernel, SM90, bit-identical output; masks without fallback
-        regions). None reads ``$JCOMPILEMASK_PREPROCESS`` and defaults to ``"jnp"``:
-        the TileLang kernel becomes the GPU default once its bit-exactness suite has
-        passed on the H200 for every built-in (see tests/gpu/test_tilelang_preprocess.py).
+        generated GPU kernel, SM90, bit-identical output, for masks without fallback
+        regions; compiled once per mask structure and tile shape, cached on disk).
+        None reads ``$JCOMPILEMASK_PREPROCESS``, else takes TileLang when JAX's default
+        backend is an SM90 GPU with the CUDA extras installed, else jnp.
         """
         kv_len = q_len if kv_len is None else kv_len
         tiles = resolve_tiles(block_q, block_kv, bwd_block_q, bwd_block_kv)
-        impl = preprocess or os.environ.get("JCOMPILEMASK_PREPROCESS", "jnp")
+        impl = preprocess or os.environ.get("JCOMPILEMASK_PREPROCESS") or (
+            "tilelang" if (not self.fallback_regions and _tilelang_usable()) else "jnp")
         if impl == "tilelang":
             if self.fallback_regions:
                 raise ValueError("preprocess='tilelang' cannot serve masks with fallback "
@@ -165,6 +166,19 @@ class CompiledMask:
         for g in self.fallback_regions:
             out = out | ((region == g) & evaluate(self.spec.regions[g].visible, env))
         return out
+
+
+@functools.lru_cache(maxsize=1)
+def _tilelang_usable() -> bool:
+    import importlib.util
+
+    import jax
+    if jax.default_backend() != "gpu":
+        return False
+    if any(importlib.util.find_spec(m) is None for m in ("tilelang", "jax_tvm_ffi")):
+        return False
+    cc = str(getattr(jax.devices()[0], "compute_capability", ""))
+    return cc.startswith("9.0")
 
 
 @functools.lru_cache(maxsize=256)
