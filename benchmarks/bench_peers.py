@@ -25,49 +25,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import workloads as W  # noqa: E402
 
 
-def torch_mask_mod(mask, n, md, torch, dev):
-    if mask == "causal":
-        return lambda b, h, q, k: q >= k
-    t = {k_: torch.as_tensor(v, device=dev) for k_, v in md.items()}
-    if mask == "hstu":
-        a, e, g = t["context_len"], t["history_end"], t["group_size"]
-
-        def mm(b, h, q, k):
-            s = e[b] + (q - e[b]) // g[b] * g[b]
-            tgt = (k < e[b]) | ((k >= s) & (k <= q))
-            return torch.where(q < a[b], k < a[b], torch.where(q < e[b], k <= q, tgt))
-        return mm
-    if mask == "shared_prompt":
-        p = t["prompt_len"]
-        starts = md["response_starts"]
-        bsz = starts.shape[0]
-        start_of = np.zeros((bsz, n), np.int32)
-        for i in range(bsz):
-            for r in range(starts.shape[1]):
-                start_of[i, starts[i, r]:] = starts[i, r]
-        so = torch.as_tensor(start_of, device=dev)
-
-        def mm(b, h, q, k):
-            resp = (k < p[b]) | ((k >= so[b, q]) & (k <= q))
-            return torch.where(q < p[b], k <= q, resp)
-        return mm
-    if mask == "clear":
-        tl, il = t["text_len"], t["image_len"]
-        w = W.clear_width(n)
-
-        def mm(b, h, q, k):
-            tt, nn = tl[b], il[b]
-            pq, pk = q - tt, k - tt
-            dy, dx = pq // w - pk // w, pq % w - pk % w
-            local = (k >= tt) & (k < tt + nn) & (dy * dy + dx * dx <= 4)
-            img = (k < tt) | local
-            # padding rows see only themselves: the torch kernels cannot take empty rows
-            return torch.where(q < tt, k < tt + nn,
-                               torch.where(q < tt + nn, img, k == q))
-        return mm
-    raise ValueError(mask)
-
-
 def jcm_pairs(mask, n, md):
     import jax
     import jcompilemask as jcm
@@ -84,7 +41,7 @@ def bench_flex(mask, n, md, backend, torch, dev, pairs):
     import triton
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
     L, b = W.seq_len(mask, n), W.batch_for(n)
-    mm = torch_mask_mod(mask, n, md, torch, dev)
+    mm = W.torch_mask_mod(mask, n, md, torch, dev)
     bm = create_block_mask(mm, b if mask != "causal" else None, None, L, L, device=dev,
                            _compile=True)
     g = torch.Generator(device=dev).manual_seed(0)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
@@ -27,38 +26,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-MASKS = ("causal", "hstu", "shared_prompt", "clear")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import workloads as W  # noqa: E402  (DESIGN.md §8 samplers shared by every benchmark)
+
+MASKS = W.MASKS
 NS = (1024, 2048, 4096, 8192, 16384, 32768)
-TOKENS = 131072
 
 
-def clear_width(n: int) -> int:
-    return 2 ** math.ceil(math.log2(math.sqrt(n)))
-
-
-def workload(mask: str, n: int, rng):
+def workload(mask: str, n: int, rng=None):
     """(spec, numpy metadata or None, seq_len, batch) per DESIGN.md §8."""
-    import jcompilemask as jcm
-    b = TOKENS // n
-    if mask == "causal":
-        return jcm.masks.causal(), None, n, b
-    if mask == "hstu":
-        a = rng.integers(n // 4, n // 2 + 1, b)
-        g = rng.integers(3, 9, b)
-        cnt = rng.integers(3, 9, b)
-        meta = {"context_len": a, "history_end": n - g * cnt, "group_size": g}
-        return jcm.masks.hstu(), {k: v.astype(np.int32) for k, v in meta.items()}, n, b
-    if mask == "shared_prompt":
-        lens = rng.integers(n // 16, n // 11 + 1, (b, 6))
-        p = n - lens.sum(1)
-        starts = p[:, None] + np.concatenate([np.zeros((b, 1), int), np.cumsum(lens, 1)[:, :-1]], 1)
-        meta = {"prompt_len": p.astype(np.int32), "response_starts": starts.astype(np.int32)}
-        return jcm.masks.shared_prompt(6), meta, n, b
-    if mask == "clear":
-        t = rng.integers(128, 385, b)
-        meta = {"text_len": t.astype(np.int32), "image_len": np.full(b, n, np.int32)}
-        return jcm.masks.clear(clear_width(n), 2), meta, n + 384, b
-    raise ValueError(mask)
+    return W.spec_for(mask, n), W.metadata_for(mask, n), W.seq_len(mask, n), W.batch_for(n)
 
 
 def tiles():
@@ -144,53 +121,7 @@ def run_jax(impls, ns, records, log, out):
 # -- torch FlexAttention create_block_mask --------------------------------------------------
 def flex_mask_mod(mask, n, meta, L, b):
     import torch
-    dev = "cuda"
-    if mask == "causal":
-        return lambda bi, hi, qi, ki: qi >= ki, 1
-    if mask == "hstu":
-        a = torch.tensor(meta["context_len"], device=dev)
-        hb = torch.tensor(meta["history_end"], device=dev)
-        g = torch.tensor(meta["group_size"], device=dev)
-
-        def mm(bi, hi, qi, ki):
-            A, Bh, G = a[bi], hb[bi], g[bi]
-            ctx = (qi < A) & (ki < A)
-            hist = (qi >= A) & (qi < Bh) & (ki <= qi)
-            s = Bh + (qi - Bh) // G * G
-            tgt = (qi >= Bh) & ((ki < Bh) | ((ki >= s) & (ki <= qi)))
-            return ctx | hist | tgt
-        return mm, b
-    if mask == "shared_prompt":
-        p = torch.tensor(meta["prompt_len"], device=dev)
-        starts = meta["response_starts"]
-        resp = np.zeros((b, L), np.int64)
-        for i in range(b):
-            for r in range(6):
-                resp[i, starts[i, r]:] = r + 1
-        rid = torch.tensor(resp, device=dev)
-
-        def mm(bi, hi, qi, ki):
-            P = p[bi]
-            prompt_row = (qi < P) & (ki <= qi)
-            resp_row = (qi >= P) & ((ki < P) | ((rid[bi, qi] == rid[bi, ki]) & (ki <= qi)))
-            return prompt_row | resp_row
-        return mm, b
-    if mask == "clear":
-        t = torch.tensor(meta["text_len"], device=dev)
-        w = clear_width(n)
-
-        def mm(bi, hi, qi, ki):
-            T_, real = t[bi], t[bi] + n
-            text_row = (qi < T_) & (ki < real)
-            p, pk = qi - T_, ki - T_
-            dy = p // w - pk // w
-            dx = p % w - pk % w
-            img = (qi >= T_) & (qi < real) & ((ki < T_) | ((ki >= T_) & (ki < real)
-                                                           & (dy * dy + dx * dx <= 4)))
-            pad = (qi >= real) & (ki == qi)
-            return text_row | img | pad
-        return mm, b
-    raise ValueError(mask)
+    return W.torch_mask_mod(mask, n, meta, torch, "cuda"), (None if mask == "causal" else b)
 
 
 def run_flex(ns, records, log, out, repeats=10):

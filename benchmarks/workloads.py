@@ -93,3 +93,49 @@ def visible_pairs(fwd_intervals) -> int:
 def tflops(pairs: int, ms: float, passes: float = 1.0) -> float:
     """DESIGN.md §7: forward FLOPs = 4 * head_dim * heads * pairs (backward = 2.5x)."""
     return passes * 4 * HEAD_DIM * HEADS * pairs / (ms * 1e-3) / 1e12
+
+
+def torch_mask_mod(mask, n, md, torch, dev):
+    """FlexAttention mask_mod of a workload (per-sequence metadata as device tensors).
+    Every length is read from a tensor, never closed over as a Python int: torch.compile
+    turns such ints into symbols once it sees a second N, which breaks vmap'd adds."""
+    if mask == "causal":
+        return lambda b, h, q, k: q >= k
+    t = {k_: torch.as_tensor(v, device=dev) for k_, v in md.items()}
+    if mask == "hstu":
+        a, e, g = t["context_len"], t["history_end"], t["group_size"]
+
+        def mm(b, h, q, k):
+            s = e[b] + (q - e[b]) // g[b] * g[b]
+            tgt = (k < e[b]) | ((k >= s) & (k <= q))
+            return torch.where(q < a[b], k < a[b], torch.where(q < e[b], k <= q, tgt))
+        return mm
+    if mask == "shared_prompt":
+        p = t["prompt_len"]
+        starts = md["response_starts"]
+        bsz = starts.shape[0]
+        start_of = np.zeros((bsz, n), np.int32)
+        for i in range(bsz):
+            for r in range(starts.shape[1]):
+                start_of[i, starts[i, r]:] = starts[i, r]
+        so = torch.as_tensor(start_of, device=dev)
+
+        def mm(b, h, q, k):
+            resp = (k < p[b]) | ((k >= so[b, q]) & (k <= q))
+            return torch.where(q < p[b], k <= q, resp)
+        return mm
+    if mask == "clear":
+        tl, il = t["text_len"], t["image_len"]
+        w = clear_width(n)
+
+        def mm(b, h, q, k):
+            tt, nn = tl[b], il[b]
+            pq, pk = q - tt, k - tt
+            dy, dx = pq // w - pk // w, pq % w - pk % w
+            local = (k >= tt) & (k < tt + nn) & (dy * dy + dx * dx <= 4)
+            img = (k < tt) | local
+            # padding rows see only themselves: the torch kernels cannot take empty rows
+            return torch.where(q < tt, k < tt + nn,
+                               torch.where(q < tt + nn, img, k == q))
+        return mm
+    raise ValueError(mask)

@@ -48,7 +48,6 @@ Static (aux) data: the compiled mask, ``q_len``, ``kv_len`` and the :class:`Tile
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
 
 import jax
 import jax.numpy as jnp

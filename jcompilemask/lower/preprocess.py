@@ -8,7 +8,6 @@ for masks with fallback regions whose tiles are classified by evaluating the pre
 """
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 

@@ -23,8 +23,8 @@ import numpy as np
 from jax.experimental import checkify
 
 from .evaluate import Env, evaluate, segment_tables
-from .expr import Expr, Index, Pred, as_expr, as_pred, walk
-from .metadata import MetaDecl, Scalar, SegmentIds, SegRead, Vector, VectorElem
+from .expr import Expr, Index, as_expr, as_pred, walk
+from .metadata import MetaDecl, Scalar, SegRead, VectorElem
 
 __all__ = ["Region", "MaskSpec", "MetadataError"]
 
