@@ -216,6 +216,7 @@ class MaskSpec:
         their run tables (:func:`segment_tables`). Structural problems (missing or extra
         keys, shapes, dtypes) always raise :class:`MetadataError`; value ranges are
         checked when the values are concrete (outside ``jit``) and ``validate`` is True.
+        Traced values outside their declared range are clamped into it.
         """
         q_len, kv_len = _static_len(q_len, "q_len"), _static_len(kv_len, "kv_len")
         metadata = {} if metadata is None else dict(metadata)
@@ -265,9 +266,22 @@ class MaskSpec:
                     where = np.argwhere(np.asarray(bad))[0].tolist()
                     raise MetadataError(f"{msg} (first at index {where})")
         meta = {}
+        lens = {"q_len": q_len, "kv_len": kv_len}
         for name, x in arrays.items():
+            decl = self.metadata[name]
             x = jnp.asarray(x).astype(jnp.int32)
-            meta[name] = (segment_tables(x) if self.metadata[name].kind == "tokens" else x)
+            if decl.kind == "tokens":
+                meta[name] = segment_tables(x)
+                continue
+            # Values outside the declared range (possible only inside jit, where they are
+            # not validated) are clamped into it: the lowering's proofs (merges, monotone
+            # bounds) hold for declared ranges only, and clamping here keeps the oracle
+            # and every preprocess on one definition. check_metadata reports them.
+            lo = None if decl.min is None else _eval_static(decl.min, lens)
+            hi = None if decl.max is None else _eval_static(decl.max, lens)
+            if lo is not None or hi is not None:
+                x = jnp.clip(x, lo, hi)
+            meta[name] = x
         return meta, (batch or 1)
 
     def _range_errors(self, arrays, q_len, kv_len, xp):

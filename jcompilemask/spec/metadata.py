@@ -19,7 +19,8 @@ non-decreasing in ``pos``). ``id(pos)`` is the raw id. ``N`` must equal
 
 Scalars and vector entries carry a declared value range ``[min, max]`` (``max`` may be an
 expression of ``q_len`` / ``kv_len``), checked eagerly on concrete metadata; inside
-``jit`` the values are used as given (region bounds are clamped to the sequence) and
+``jit`` a value outside its range is clamped into it (the lowering's proofs assume the
+declared ranges; the dense oracle and every preprocess clamp alike) and
 :meth:`MaskSpec.check_metadata` reports violations through ``checkify``.
 """
 from __future__ import annotations
