@@ -8,12 +8,11 @@ uses sympy's output: bounds are rebuilt as :class:`~jcompilemask.spec.expr.Expr`
 """
 from __future__ import annotations
 
-import functools
 from typing import Callable
 
 import sympy as sp
 
-from ..spec.expr import (BinOp, Const, Expr, Index, Length, as_expr, walk, substitute)
+from ..spec.expr import BinOp, Const, Expr, Index, Length, substitute, walk
 from ..spec.metadata import Scalar, SegRead, VectorElem
 
 __all__ = ["SymCtx", "provably", "linear_coeff", "lin_normalize", "monotone"]
@@ -53,11 +52,6 @@ class SymCtx:
     def E(self, e: Expr):
         """sympy image of ``e`` (with ``q -> row_lo + t`` when a row context is set)."""
         return _to_sympy(e, self)
-
-
-@functools.singledispatch
-def _leaf(e, ctx):  # pragma: no cover - dispatch fallthrough
-    raise TypeError(f"no sympy form for {e!r}")
 
 
 def _to_sympy(e: Expr, ctx: SymCtx):
@@ -322,6 +316,3 @@ def monotone(e: Expr, var: str = "q"):
             return _add(ma, mb)
     return None
 
-
-def as_int_expr(x) -> Expr:
-    return as_expr(x)
