@@ -1,6 +1,6 @@
 """Forward speed of the step-2 variants (head dims 64 / 128 / 256, soft cap, K/V stages) on SM90.
 
-    python -m jcompilemask.kernels.cute.bench_variants [--ns 8192,32768] [--out FILE]
+    PYTHONPATH=. python3 benchmarks/bench_cute_variants.py [--ns 8192,32768] [--out FILE]
 
 Causal, 8 heads, batch 131072 / N, bf16 (and fp16 at D = 128): FLOPs = 4 * D * heads *
 (visible pairs), time = median over repeats of `iters` back-to-back calls synchronised
@@ -15,8 +15,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
-import time
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_forward import _median_time  # noqa: E402  (one timing method for all)
 
 # (label, head_dim, dtype, softcap, fast_tanh, num_stages or None for the preferred one)
 VARIANTS = [
@@ -33,27 +36,12 @@ VARIANTS = [
 ]
 
 
-def _median_time(fn, warmup, iters, repeats):
-    import jax
-
-    for _ in range(warmup):
-        jax.block_until_ready(fn())
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            out = fn()
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - t0) / iters)
-    return statistics.median(times)
-
-
 def bench(ns, heads=8, labels=None) -> list[dict]:
     import jax
     import jax.numpy as jnp
 
-    from .api import cute_forward, preferred_forward_tiles
-    from .testing import causal_intervals, causal_visible_pairs, tiles_from_intervals
+    from jcompilemask.kernels.cute.api import cute_forward, preferred_forward_tiles
+    from jcompilemask.kernels.cute.testing import causal_intervals, causal_visible_pairs, tiles_from_intervals
 
     records = []
     for n in ns:
