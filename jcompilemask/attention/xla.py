@@ -39,6 +39,13 @@ def _pad_to(x, axis, size):
     return jnp.pad(x, widths)
 
 
+def _kv_tile(kt, vt, tj, bk):
+    """Key indices and the K, V blocks of key tile ``tj`` (operands in [B, H, N, D])."""
+    cols = tj * bk + jnp.arange(bk, dtype=jnp.int32)
+    return (cols, lax.dynamic_slice_in_dim(kt, tj * bk, bk, axis=2),
+            lax.dynamic_slice_in_dim(vt, tj * bk, bk, axis=2))
+
+
 def _tile_lists(states):
     """states uint8 [Bm, Hm, T_outer, T_inner] -> per outer tile: the inner tiles that are
     non-empty for some (batch, head), compacted first ([T_outer, T_inner] int32), their
@@ -107,9 +114,7 @@ def _fwd_impl(q, k, v, desc, scale, softcap):
         def body(carry):
             n, m, l, acc = carry
             tj = order[ti, n]
-            cols = tj * bk + jnp.arange(bk, dtype=jnp.int32)
-            kb = lax.dynamic_slice_in_dim(kt, tj * bk, bk, axis=2)
-            vb = lax.dynamic_slice_in_dim(vt, tj * bk, bk, axis=2)
+            cols, kb, vb = _kv_tile(kt, vt, tj, bk)
             s, _ = P.logits(qb, kb)
             vis = P.mask(rows, cols, "fwd", states[:, :, ti, tj], check[ti, n])
             s = jnp.where(vis, s, NEG_INF)
@@ -187,9 +192,7 @@ def _dq_pass(P, q, k, v, do, lse, delta):
         def body(carry):
             n, dq = carry
             tj = order[ti, n]
-            cols = tj * bk + jnp.arange(bk, dtype=jnp.int32)
-            kb = lax.dynamic_slice_in_dim(kt, tj * bk, bk, axis=2)
-            vb = lax.dynamic_slice_in_dim(vt, tj * bk, bk, axis=2)
+            cols, kb, vb = _kv_tile(kt, vt, tj, bk)
             s, t = P.logits(qb, kb)
             vis = P.mask(rows, cols, "fwd", states[:, :, ti, tj], check[ti, n])
             p = _probs(P, s, t, vis, lb)
