@@ -1,12 +1,18 @@
 """Dense reference attention and the tolerance policy every backend is tested with.
 
 Tolerance policy (written once, used by CPU and GPU tests alike): against a float32
-dense reference computed from the same inputs upcast (``precision="high"``), a backend's
+dense reference computed from the same inputs upcast (``precision="high"``, whose
+output stays float32: rounding it to the input dtype would make the comparison count
+whole ulps of the output dtype, so that one rounding flip on a large element decides
+the test), a backend's
 maximum absolute error is at most **twice** the maximum absolute error of the same
 computation done densely in the input dtype (``precision="input"``: logits accumulated
 in float32, softmax in float32, probabilities cast to the input dtype before the value
 product, output cast to the input dtype), **plus 1e-5**. NaN never passes; a reference
 ``-inf`` (lse of a row that sees nothing) must be matched exactly.
+
+Gradients follow the same rule: the "high" gradients are taken with respect to float32
+copies of the inputs (``jax.grad`` at input-dtype arguments would round them).
 """
 from __future__ import annotations
 
@@ -23,8 +29,9 @@ def reference_attention(q, k, v, mask, *, scale=None, softcap=None, precision="h
     """Dense attention under a boolean mask broadcastable to [B, Hq, Nq, Nk].
 
     Returns ``(out [B, Nq, Hq, Dv], lse [B, Hq, Nq] float32)``; rows that see nothing get
-    out 0 and lse -inf. ``precision``: "high" (float32 throughout) or "input" (see the
-    module doc). Differentiable (used for reference gradients).
+    out 0 and lse -inf. ``precision``: "high" (float32 throughout, ``out`` float32 or
+    float64) or "input" (see the module doc; ``out`` in the input dtype).
+    Differentiable (used for reference gradients).
     """
     dtype = q.dtype
     d = q.shape[-1]
@@ -53,7 +60,9 @@ def reference_attention(q, k, v, mask, *, scale=None, softcap=None, precision="h
         p = p.astype(dtype)
     out = jnp.einsum("bhqk,bkhd->bqhd", p, v, preferred_element_type=acc)
     lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)[..., 0]
-    return out.astype(dtype), lse.astype(jnp.float32)
+    if precision == "input":
+        out = out.astype(dtype)
+    return out, lse.astype(jnp.float32)
 
 
 def policy_error(actual, high, low):

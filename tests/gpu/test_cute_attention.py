@@ -73,8 +73,9 @@ def _run(spec, md, b, n, hq, hkv, dtype=jnp.bfloat16, seed=0, grads=False, d=D, 
             a, kx, vx, spec, metadata=md, implementation=impl,
             logits_soft_cap=softcap).astype(jnp.float32) * do)
         g = jax.jit(jax.grad(loss("cute")))(qx)
+        f32 = lambda x: x.astype(jnp.float32)
         g_hi = jax.grad(lambda a: jnp.sum(reference_attention(
-            a, kx, vx, dense, softcap=softcap)[0] * do))(qx)
+            a, f32(kx), f32(vx), dense, softcap=softcap)[0] * f32(do)))(f32(qx))
         g_lo = jax.grad(lambda a: jnp.sum(reference_attention(
             a, kx, vx, dense, softcap=softcap, precision="input")[0].astype(jnp.float32) * do))(qx)
         assert_within_policy(g, g_hi, g_lo, "dq")
