@@ -45,7 +45,10 @@ def reference_attention(q, k, v, mask, *, scale=None, softcap=None, precision="h
     k = jnp.repeat(k, g, axis=2)
     v = jnp.repeat(v, g, axis=2)
     acc = jnp.float64 if q.dtype == jnp.float64 else jnp.float32
-    s = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=acc) * scale
+    # HIGHEST: on GPUs XLA's default float32 dot may use TF32 (10-bit mantissa), which
+    # would make the "high" reference about as coarse as float16 itself.
+    hp = jax.lax.Precision.HIGHEST
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=acc, precision=hp) * scale
     if softcap is not None:
         s = softcap * jnp.tanh(s / softcap)
     mask = jnp.asarray(mask, bool)
@@ -58,7 +61,7 @@ def reference_attention(q, k, v, mask, *, scale=None, softcap=None, precision="h
     p = p / jnp.where(seen, l, 1.0)
     if precision == "input":
         p = p.astype(dtype)
-    out = jnp.einsum("bhqk,bkhd->bqhd", p, v, preferred_element_type=acc)
+    out = jnp.einsum("bhqk,bkhd->bqhd", p, v, preferred_element_type=acc, precision=hp)
     lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)[..., 0]
     if precision == "input":
         out = out.astype(dtype)

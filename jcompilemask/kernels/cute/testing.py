@@ -106,6 +106,7 @@ def reference_attention(q, k, v, intervals, scale, softcap=None):
     Returns o [B, Nq, Hq, Dv] and lse [B, Hq, Nq]; a row with no visible key gives
     o = 0 and lse = -inf. `softcap`: logits = cap * tanh(scale * q.k / cap), before the mask.
     """
+    import jax
     import jax.numpy as jnp
 
     B, Nq, Hq, _ = q.shape
@@ -117,7 +118,8 @@ def reference_attention(q, k, v, intervals, scale, softcap=None):
     vis = jnp.broadcast_to(vis, (B, Hq, Nq, Nk))
     kr = jnp.repeat(k.astype(jnp.float32), Hq // Hkv, axis=2)
     vr = jnp.repeat(v.astype(jnp.float32), Hq // Hkv, axis=2)
-    s = jnp.einsum("bqhd,bkhd->bhqk", q.astype(jnp.float32), kr) * scale
+    hp = jax.lax.Precision.HIGHEST      # not TF32: XLA's default f32 dot on a GPU may be
+    s = jnp.einsum("bqhd,bkhd->bhqk", q.astype(jnp.float32), kr, precision=hp) * scale
     if softcap is not None:
         s = softcap * jnp.tanh(s / softcap)
     s = jnp.where(vis, s, -jnp.inf)
@@ -125,6 +127,6 @@ def reference_attention(q, k, v, intervals, scale, softcap=None):
     m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
     p = jnp.exp(s - m_safe)
     l = jnp.sum(p, axis=-1, keepdims=True)
-    o = jnp.einsum("bhqk,bkhd->bqhd", p / jnp.where(l == 0, 1.0, l), vr)
+    o = jnp.einsum("bhqk,bkhd->bqhd", p / jnp.where(l == 0, 1.0, l), vr, precision=hp)
     lse = jnp.where(l[..., 0] == 0, -jnp.inf, jnp.log(jnp.where(l[..., 0] == 0, 1.0, l[..., 0])) + m_safe[..., 0])
     return o, lse
