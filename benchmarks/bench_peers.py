@@ -9,7 +9,8 @@ seeds jcompilemask's benchmarks use); FLOPs count visible pairs of jcompilemask'
 descriptor, so all figures compare. Torch timings: ``triton.testing.do_bench`` (CUDA
 events, median). JAX timings: many iterations inside one jitted loop, median of repeats.
 Configurations run largest N first and stop when ``--budget-s`` is spent; records are
-written after each one.
+written after each one, merged into ``--out`` (a record of the same mask, n and impl is
+replaced, others are kept).
 """
 from __future__ import annotations
 
@@ -101,6 +102,15 @@ def main():
     dev = "cuda"
     t_start = time.time()
     records = []
+    old = []
+    if os.path.exists(args.out):         # merge: a run at other N keeps earlier records
+        with open(args.out) as f:
+            old = json.load(f).get("records", [])
+
+    def merged():
+        key = lambda r: (r["mask"], r["n"], r["impl"])  # noqa: E731
+        new = {key(r) for r in records}
+        return [r for r in old if key(r) not in new] + records
     impls = args.impls.split(",")
     for n in (int(x) for x in args.ns.split(",")):
         for mask in args.masks.split(","):
@@ -129,8 +139,8 @@ def main():
                 print(json.dumps(rec), flush=True)
                 os.makedirs(os.path.dirname(args.out), exist_ok=True)
                 with open(args.out, "w") as f:
-                    json.dump({"device": torch.cuda.get_device_name(), "records": records}, f,
-                              indent=1)
+                    json.dump({"device": torch.cuda.get_device_name(), "records": merged()},
+                              f, indent=1)
     print("\n| mask | n | impl | fwd ms | TF/s |\n|---|---|---|---|---|")
     for r in records:
         if "fwd_ms" in r:

@@ -1,0 +1,258 @@
+"""Markdown tables and SVG plots of everything in ``benchmarks/results/`` (no GPU needed).
+
+    python3 benchmarks/report.py [--results benchmarks/results]
+
+Reads the JSON records the benchmark scripts write (DESIGN.md §7 naming: ``mask``, ``n``,
+``impl`` and ``fwd_ms`` / ``fwd_tflops`` or ``ms``) and writes, beside them:
+
+- ``REPORT.md``: forward TF/s per workload and N with every implementation measured, and
+  the ratio of jcompilemask to each peer and to the best peer; preprocess times with the
+  ratio of FlexAttention's ``create_block_mask`` to the TileLang kernel; CPU lowering.
+- ``forward.svg`` (TF/s against N, one panel per mask) and ``preprocess.svg`` (ms against
+  N, log scale).
+
+Peers may come from separate runs on the same machine and day (DESIGN.md §7); the
+report says which file each figure came from, and where a peer was measured twice it
+keeps the figure from the run that also measured jcompilemask (``dedupe``).
+Only the Python standard library is used, so the report can be rebuilt anywhere.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+from collections import defaultdict
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+MASKS = ("causal", "hstu", "shared_prompt", "clear")
+OURS_FWD = "jcm-cute"
+OURS_PRE = "jcm-tilelang"
+COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#17becf",
+          "#7f7f7f"]
+
+
+def _records(path):
+    """Records of a results file: a list, or a dict holding ``records`` / ``results``."""
+    with open(path) as f:
+        data = json.load(f)
+    if isinstance(data, list):
+        return data
+    return data.get("records", data.get("results", []))
+
+
+def load(results_dir):
+    """(forward, preprocess, lowering) records, each forward / preprocess record tagged
+    with the file it came from."""
+    fwd, pre, low = [], [], []
+    for name in sorted(os.listdir(results_dir)):
+        if not name.endswith(".json"):
+            continue
+        for r in _records(os.path.join(results_dir, name)):
+            if "error" in r:
+                continue
+            r = dict(r, source=name)
+            if "fwd_tflops" in r:
+                fwd.append(r)
+            elif "instantiate_ms_median" in r:
+                low.append(r)
+            elif "ms" in r:
+                pre.append(r)
+    return fwd, pre, low
+
+
+def dedupe(records, ours):
+    """One record per (mask, n, impl). A figure measured twice (a peer in the same run as
+    ours and again in a peers-only run) keeps the one from the file that holds ours for
+    that (mask, n): the same run, so the ratio is the fairest; otherwise the last file in
+    name order."""
+    our_src = {(r["mask"], r["n"]): r["source"] for r in records if r["impl"] == ours}
+    pick = {}
+    for r in records:
+        key = (r["mask"], r["n"], r["impl"])
+        old = pick.get(key)
+        if old is None or old["source"] != our_src.get(key[:2]):
+            pick[key] = r
+    return list(pick.values())
+
+
+def _impl_order(impls, ours):
+    return [ours] * (ours in impls) + sorted(i for i in impls if i != ours)
+
+
+def _label(n):
+    return f"{n // 1024}K" if n % 1024 == 0 else str(n)
+
+
+def forward_table(fwd):
+    """Markdown: TF/s per (mask, n) and impl, then jcm / peer ratios."""
+    cell = {(r["mask"], r["n"], r["impl"]): r for r in fwd}
+    impls = _impl_order({r["impl"] for r in fwd}, OURS_FWD)
+    peers = [i for i in impls if i != OURS_FWD]
+    head = ["mask", "N"] + impls + [f"{OURS_FWD} / {p}" for p in peers] + ["vs best peer"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for m in MASKS:
+        for n in sorted({r["n"] for r in fwd if r["mask"] == m}):
+            row = [m, _label(n)]
+            vals = {i: cell[m, n, i]["fwd_tflops"] for i in impls if (m, n, i) in cell}
+            row += [f"{vals[i]:.0f}" if i in vals else "" for i in impls]
+            ours = vals.get(OURS_FWD)
+            row += [f"{ours / vals[p]:.2f}" if ours and p in vals else "" for p in peers]
+            best = max((vals[p] for p in peers if p in vals), default=None)
+            row.append(f"{ours / best:.2f}" if ours and best else "")
+            lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def preprocess_table(pre):
+    cell = {(r["mask"], r["n"], r["impl"]): r["ms"] for r in pre}
+    impls = _impl_order({r["impl"] for r in pre}, OURS_PRE)
+    others = [i for i in impls if i != OURS_PRE]
+    head = ["mask", "N"] + [f"{i} (ms)" for i in impls] + [f"{i} / {OURS_PRE}" for i in others]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for m in MASKS:
+        for n in sorted({r["n"] for r in pre if r["mask"] == m}):
+            vals = {i: cell[m, n, i] for i in impls if (m, n, i) in cell}
+            row = [m, _label(n)] + [f"{vals[i]:.4g}" if i in vals else "" for i in impls]
+            ours = vals.get(OURS_PRE)
+            row += [f"{vals[o] / ours:.1f}x" if ours and o in vals else "" for o in others]
+            lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def lowering_table(low):
+    head = ["mask", "N", "K", "Kc", "compile (s)", "instantiate, median (ms)", "within budget"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in low:
+        lines.append("| " + " | ".join(str(x) for x in (
+            r["mask"], _label(r["n"]), r.get("K", ""), r.get("Kc", ""), r.get("compile_s", ""),
+            r["instantiate_ms_median"], r.get("within_budget", ""))) + " |")
+    return "\n".join(lines)
+
+
+# -- SVG --------------------------------------------------------------------------------
+def _esc(s):
+    return str(s).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
+def svg_panels(records, value, title, ylabel, *, log_y=False, ours=None):
+    """One panel per mask: ``value(record)`` against N (log2 axis), a line per impl."""
+    masks = [m for m in MASKS if any(r["mask"] == m for r in records)]
+    if not masks:
+        return None
+    impls = _impl_order({r["impl"] for r in records}, ours) if ours else sorted(
+        {r["impl"] for r in records})
+    color = {i: COLORS[k % len(COLORS)] for k, i in enumerate(impls)}
+    pw, ph, ml, mt, mb = 300, 220, 55, 40, 45
+    width = ml + len(masks) * (pw + 20) + 170
+    height = mt + ph + mb
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+           f'font-family="sans-serif" font-size="11">',
+           f'<rect width="{width}" height="{height}" fill="white"/>',
+           f'<text x="{ml}" y="16" font-size="14">{_esc(title)}</text>']
+    ys = [value(r) for r in records if value(r) > 0]
+    if log_y:
+        lo, hi = math.floor(math.log10(min(ys))), math.ceil(math.log10(max(ys)))
+        hi = hi if hi > lo else lo + 1
+        ticks = [10.0 ** e for e in range(lo, hi + 1)]
+        ymap = lambda v: mt + ph - (math.log10(v) - lo) / (hi - lo) * ph  # noqa: E731
+    else:
+        top = max(ys) * 1.1
+        step = 10 ** math.floor(math.log10(top / 4))
+        step *= 5 if top / step > 20 else (2 if top / step > 8 else 1)
+        ticks = [step * j for j in range(int(top / step) + 1)]
+        top = max(top, ticks[-1])
+        ymap = lambda v: mt + ph - v / top * ph  # noqa: E731
+    for p, m in enumerate(masks):
+        x0 = ml + p * (pw + 20)
+        rs = [r for r in records if r["mask"] == m and value(r) > 0]
+        ns = sorted({r["n"] for r in rs})
+        lx = [math.log2(n) for n in ns]
+        span = (max(lx) - min(lx)) or 1.0
+        xmap = lambda n: x0 + 15 + (math.log2(n) - min(lx)) / span * (pw - 30)  # noqa: E731
+        out.append(f'<rect x="{x0}" y="{mt}" width="{pw}" height="{ph}" fill="none" '
+                   f'stroke="#888"/>')
+        out.append(f'<text x="{x0 + pw / 2}" y="{mt - 6}" text-anchor="middle">{_esc(m)}</text>')
+        for t in ticks:
+            y = ymap(t)
+            out.append(f'<line x1="{x0}" x2="{x0 + pw}" y1="{y:.1f}" y2="{y:.1f}" '
+                       f'stroke="#eee"/>')
+            if p == 0:
+                out.append(f'<text x="{x0 - 4}" y="{y + 4:.1f}" text-anchor="end">{t:g}</text>')
+        for n in ns:
+            out.append(f'<text x="{xmap(n):.1f}" y="{mt + ph + 14}" '
+                       f'text-anchor="middle">{_label(n)}</text>')
+        for i in impls:
+            pts = sorted((r["n"], value(r)) for r in rs if r["impl"] == i)
+            if not pts:
+                continue
+            xy = " ".join(f"{xmap(n):.1f},{ymap(v):.1f}" for n, v in pts)
+            w = 2.5 if i == ours else 1.5
+            if len(pts) > 1:
+                out.append(f'<polyline points="{xy}" fill="none" stroke="{color[i]}" '
+                           f'stroke-width="{w}"/>')
+            for n, v in pts:
+                out.append(f'<circle cx="{xmap(n):.1f}" cy="{ymap(v):.1f}" r="3" '
+                           f'fill="{color[i]}"><title>{_esc(i)} {m} {_label(n)}: '
+                           f'{v:.4g}</title></circle>')
+    out.append(f'<text x="14" y="{mt + ph / 2}" transform="rotate(-90 14 {mt + ph / 2})" '
+               f'text-anchor="middle">{_esc(ylabel)}</text>')
+    out.append(f'<text x="{ml + len(masks) * (pw + 20) / 2}" y="{height - 8}" '
+               f'text-anchor="middle">N (tokens per sequence)</text>')
+    lx0 = ml + len(masks) * (pw + 20) + 5
+    for k, i in enumerate(impls):
+        y = mt + 10 + 16 * k
+        out.append(f'<line x1="{lx0}" x2="{lx0 + 18}" y1="{y}" y2="{y}" stroke="{color[i]}" '
+                   f'stroke-width="2.5"/>')
+        out.append(f'<text x="{lx0 + 24}" y="{y + 4}">{_esc(i)}</text>')
+    out.append("</svg>")
+    return "\n".join(out) + "\n"
+
+
+def build(results_dir):
+    """Write REPORT.md, forward.svg and preprocess.svg; returns the paths written."""
+    fwd, pre, low = load(results_dir)
+    fwd, pre = dedupe(fwd, OURS_FWD), dedupe(pre, OURS_PRE)
+    written = []
+    parts = ["# Benchmark report",
+             "",
+             "Generated by `python3 benchmarks/report.py` from the JSON files in this folder "
+             "(DESIGN.md §7: bf16, 8 heads, head dim 128, 131072 tokens per batch; forward "
+             "FLOPs = 4 * head_dim * heads * visible pairs). Do not edit by hand.", ""]
+    if fwd:
+        srcs = sorted({(r["impl"], r["source"]) for r in fwd})
+        parts += ["## Forward TF/s", "", forward_table(fwd), "",
+                  "Sources: " + "; ".join(f"`{i}` from {s}" for i, s in srcs) + ".", "",
+                  "![forward](forward.svg)", ""]
+        path = os.path.join(results_dir, "forward.svg")
+        with open(path, "w") as f:
+            f.write(svg_panels(fwd, lambda r: r["fwd_tflops"], "Forward, bf16, D = 128",
+                               "TF/s", ours=OURS_FWD))
+        written.append(path)
+    if pre:
+        parts += ["## Preprocess (both descriptors), ms", "", preprocess_table(pre), "",
+                  "![preprocess](preprocess.svg)", ""]
+        path = os.path.join(results_dir, "preprocess.svg")
+        with open(path, "w") as f:
+            f.write(svg_panels(pre, lambda r: r["ms"], "Mask preprocess, both descriptors",
+                               "ms (log)", log_y=True, ours=OURS_PRE))
+        written.append(path)
+    if low:
+        parts += ["## Lowering and jnp instantiate on the CPU", "", lowering_table(low), ""]
+    path = os.path.join(results_dir, "REPORT.md")
+    with open(path, "w") as f:
+        f.write("\n".join(parts))
+    return [path] + written
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--results", default=os.path.join(HERE, "results"))
+    args = ap.parse_args(argv)
+    for p in build(args.results):
+        print("wrote", p)
+
+
+if __name__ == "__main__":
+    main()
