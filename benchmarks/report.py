@@ -42,23 +42,29 @@ def _records(path):
 
 
 def load(results_dir):
-    """(forward, preprocess, lowering) records, each forward / preprocess record tagged
-    with the file it came from."""
-    fwd, pre, low = [], [], []
+    """(forward, preprocess, lowering, total) records, each tagged with the file it came
+    from (``source``)."""
+    fwd, pre, low, total = [], [], [], []
     for name in sorted(os.listdir(results_dir)):
         if not name.endswith(".json"):
             continue
+        with open(os.path.join(results_dir, name)) as f:
+            head = json.load(f)
+        if isinstance(head, dict) and head.get("smoke"):
+            continue                    # CPU smoke runs of the scripts are not results
         for r in _records(os.path.join(results_dir, name)):
             if "error" in r:
                 continue
             r = dict(r, source=name)
-            if "fwd_tflops" in r:
+            if "total_tflops" in r:
+                total.append(r)
+            elif "fwd_tflops" in r:
                 fwd.append(r)
             elif "instantiate_ms_median" in r:
                 low.append(r)
             elif "ms" in r:
                 pre.append(r)
-    return fwd, pre, low
+    return fwd, pre, low, total
 
 
 def dedupe(records, ours):
@@ -84,19 +90,20 @@ def _label(n):
     return f"{n // 1024}K" if n % 1024 == 0 else str(n)
 
 
-def forward_table(fwd):
-    """Markdown: TF/s per (mask, n) and impl, then jcm / peer ratios."""
+def forward_table(fwd, value="fwd_tflops", ours=OURS_FWD):
+    """Markdown: TF/s per (mask, n) and impl, then ours / peer ratios."""
     cell = {(r["mask"], r["n"], r["impl"]): r for r in fwd}
-    impls = _impl_order({r["impl"] for r in fwd}, OURS_FWD)
-    peers = [i for i in impls if i != OURS_FWD]
-    head = ["mask", "N"] + impls + [f"{OURS_FWD} / {p}" for p in peers] + ["vs best peer"]
+    impls = _impl_order({r["impl"] for r in fwd}, ours)
+    OURS = ours
+    peers = [i for i in impls if i != OURS]
+    head = ["mask", "N"] + impls + [f"{OURS} / {p}" for p in peers] + ["vs best peer"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for m in MASKS:
         for n in sorted({r["n"] for r in fwd if r["mask"] == m}):
             row = [m, _label(n)]
-            vals = {i: cell[m, n, i]["fwd_tflops"] for i in impls if (m, n, i) in cell}
+            vals = {i: cell[m, n, i][value] for i in impls if (m, n, i) in cell}
             row += [f"{vals[i]:.0f}" if i in vals else "" for i in impls]
-            ours = vals.get(OURS_FWD)
+            ours = vals.get(OURS)
             row += [f"{ours / vals[p]:.2f}" if ours and p in vals else "" for p in peers]
             best = max((vals[p] for p in peers if p in vals), default=None)
             row.append(f"{ours / best:.2f}" if ours and best else "")
@@ -211,8 +218,10 @@ def svg_panels(records, value, title, ylabel, *, log_y=False, ours=None):
 
 def build(results_dir):
     """Write REPORT.md, forward.svg and preprocess.svg; returns the paths written."""
-    fwd, pre, low = load(results_dir)
+    fwd, pre, low, total = load(results_dir)
     fwd, pre = dedupe(fwd, OURS_FWD), dedupe(pre, OURS_PRE)
+    ours_total = next((r["impl"] for r in total if r["impl"].startswith("jcm-")), None)
+    total = dedupe(total, ours_total)
     written = []
     parts = ["# Benchmark report",
              "",
@@ -229,6 +238,12 @@ def build(results_dir):
             f.write(svg_panels(fwd, lambda r: r["fwd_tflops"], "Forward, bf16, D = 128",
                                "TF/s", ours=OURS_FWD))
         written.append(path)
+    if total:
+        parts += ["## Training step: total TF/s = 3.5 x forward FLOPs / (preprocess + "
+                  "forward + backward)", "", forward_table(total, "total_tflops", ours_total),
+                  "", "Per-pass times (ms): " + "; ".join(
+                      f"{r['impl']} {r['mask']} {_label(r['n'])}: pre {r['pre_ms']}, fwd "
+                      f"{r['fwd_ms']}, bwd {r['bwd_ms']}" for r in total) + ".", ""]
     if pre:
         parts += ["## Preprocess (both descriptors), ms", "", preprocess_table(pre), "",
                   "![preprocess](preprocess.svg)", ""]

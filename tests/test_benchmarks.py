@@ -59,3 +59,26 @@ def test_report_of_committed_results_builds(tmp_path):
     rep.build(str(tmp_path))
     md = (tmp_path / "REPORT.md").read_text()
     assert "## Forward TF/s" in md and "## Preprocess" in md
+
+
+def test_bench_total_smoke_runs_on_cpu(tmp_path):
+    """The training-step benchmark's jcompilemask path (preprocess, forward, backward
+    through the registry's backend) at tiny shapes; peers need the GPU."""
+    import sys
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    spec = importlib.util.spec_from_file_location(
+        "bench_total", os.path.join(ROOT, "benchmarks", "bench_total.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "total.json"
+    recs = mod.main(["--smoke", "--masks", "hstu,clear", "--out", str(out)])
+    assert [r["mask"] for r in recs] == ["hstu", "clear"]
+    for r in recs:
+        assert "error" not in r, r
+        assert r["impl"].startswith("jcm-") and r["pairs"] > 0
+        assert r["step_ms"] >= r["fwd_ms"] > 0 and r["total_tflops"] > 0
+    saved = json.loads(out.read_text())
+    assert saved["smoke"] is True and len(saved["records"]) == 2
+    # smoke files are not results: the report skips them
+    rep = _report()
+    assert rep.load(str(tmp_path))[3] == []
