@@ -205,10 +205,57 @@ def _cute_backend() -> Backend:
                             block_kv=desc.tiles.block_kv)
 
     from .attention import xla
+
+    def backward(q, k, v, desc, scale, softcap, out, lse, do, dlse=None):
+        why = cute_backward_reason(q, v, desc, softcap)
+        if why is not None:
+            return xla.backward(q, k, v, desc, scale, softcap, out, lse, do, dlse)
+        from .kernels.cute.api import cute_backward
+        return cute_backward(q, k, v, out, lse, do, desc.bwd_intervals, desc.bwd_tiles,
+                             desc.fwd_intervals, desc.bwd_exact, scale=scale, dlse=dlse,
+                             block_q=desc.tiles.bwd_block_q, block_kv=desc.tiles.bwd_block_kv)
+
     return Backend(name="cute", priority=10, tiles=tiles, available=available,
-                   supports=supports, forward=forward, backward=xla.backward,
-                   backward_note="gradients from the xla backward on the CuTe forward's "
-                                 "residuals until the CuTe backward lands")
+                   supports=supports, forward=forward, backward=backward,
+                   backward_note=_cute_backward_note())
+
+
+CUTE_BACKWARD_ENV = "JCOMPILEMASK_CUTE_BACKWARD"
+
+
+def _cute_backward_enabled() -> bool:
+    import os
+    return os.environ.get(CUTE_BACKWARD_ENV, "0") == "1"
+
+
+def _cute_backward_note() -> str:
+    if _cute_backward_enabled():
+        return ("CuTe backward for D 64/128 without soft cap (opt-in, "
+                f"{CUTE_BACKWARD_ENV}=1); xla backward otherwise")
+    return ("gradients from the xla backward on the CuTe forward's residuals; the CuTe "
+            f"backward (D 64/128) is compiled but not yet validated on an H200: opt in "
+            f"with {CUTE_BACKWARD_ENV}=1")
+
+
+def cute_backward_reason(q, v, desc, softcap) -> Optional[str]:
+    """None when the CuTe backward kernel serves these gradients, else why the xla
+    backward does (checked at trace time, from static shapes only)."""
+    from .kernels.cute.api import BWD_HEAD_DIMS, BWD_TILES
+    if not _cute_backward_enabled():
+        return f"the CuTe backward is opt-in until validated on an H200 ({CUTE_BACKWARD_ENV}=1)"
+    d, dv = q.shape[-1], v.shape[-1]
+    if d not in BWD_HEAD_DIMS or dv != d:
+        return f"head dims {d}/{dv} (the CuTe backward is built for D in {BWD_HEAD_DIMS}, Dv == D)"
+    if softcap is not None:
+        return "soft cap (the CuTe backward does not differentiate through tanh yet)"
+    if (desc.tiles.bwd_block_q, desc.tiles.bwd_block_kv) != BWD_TILES:
+        return (f"backward tiles {desc.tiles.bwd_block_q}x{desc.tiles.bwd_block_kv} (the kernel "
+                f"runs {BWD_TILES[0]}x{BWD_TILES[1]})")
+    if desc.num_bwd_intervals > 16:
+        return f"Kc = {desc.num_bwd_intervals} column intervals (the kernel unrolls up to 16)"
+    if desc.metadata:
+        return "fallback regions"
+    return None
 
 
 _BUILTIN_DONE = False

@@ -1,9 +1,9 @@
 """CuTe DSL attention kernels for SM90 (Hopper). Importing needs no GPU and no cutlass;
-the kernels compile on first use (see `api.cute_forward`)."""
+the kernels compile on first use (see `api.cute_forward`, `api.cute_backward`)."""
 
-from .api import (ForwardKey, compile_forward, cute_forward, preferred_forward_stages,
-                  preferred_forward_tiles)
+from .api import (BackwardKey, ForwardKey, compile_backward, compile_forward, cute_backward,
+                  cute_forward, preferred_forward_stages, preferred_forward_tiles)
 
 
-__all__ = ["ForwardKey", "compile_forward", "cute_forward", "preferred_forward_stages",
-           "preferred_forward_tiles"]
+__all__ = ["BackwardKey", "ForwardKey", "compile_backward", "compile_forward", "cute_backward",
+           "cute_forward", "preferred_forward_stages", "preferred_forward_tiles"]

@@ -127,6 +127,17 @@ _compiled: dict[ForwardKey, Any] = {}
 _registered: set[str] = set()
 
 
+def _options() -> str:
+    """cute.compile options; ``$JCOMPILEMASK_CUTE_DUMP_DIR`` keeps the PTX and cubin there
+    (for ``cuobjdump --dump-resource-usage`` and spill counts, NOTES.md)."""
+    import os
+    dump = os.environ.get("JCOMPILEMASK_CUTE_DUMP_DIR")
+    if not dump:
+        return "--enable-tvm-ffi"
+    os.makedirs(dump, exist_ok=True)
+    return f"--enable-tvm-ffi --keep-ptx --keep-cubin --dump-dir={dump}"
+
+
 def _import_cutlass():
     try:
         import cutlass  # noqa: F401
@@ -188,7 +199,7 @@ def compile_forward(key: ForwardKey):
             bhsd(nq, hq, key.head_dim), bhsd(nk, hkv, key.head_dim), bhsd(nk, hkv, key.head_dim_v),
             intervals, tiles, bhsd(nq, hq, key.head_dim_v), lse,
             cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
-            options="--enable-tvm-ffi",
+            options=_options(),
         )
         _compiled[key] = fn
         return fn
@@ -264,3 +275,172 @@ def cute_forward(q, k, v, fwd_intervals, fwd_tiles, *, scale=None, softcap=None,
     call = jax.ffi.ffi_call(name, out_types, vmap_method="sequential")
     o, lse = call(q, k, v, fwd_intervals.astype(jnp.int32), fwd_tiles.astype(jnp.uint32))
     return o, lse
+
+
+# ---------------------------------------------------------------------------- backward
+BWD_HEAD_DIMS = (64, 128)
+BWD_TILES = (64, 128)       # (bwd_block_q, bwd_block_kv): the descriptor's backward tiles
+
+
+def backward_smem_bytes(head_dim: int, block_q: int, block_kv: int, num_stages: int,
+                        elem_bytes: int = 2) -> int:
+    """Shared memory of FlashBackwardSm90: barriers, K and V, `num_stages` Q and dO
+    tiles, and one dS tile."""
+    return 1024 + elem_bytes * (2 * block_kv * head_dim + 2 * num_stages * block_q * head_dim
+                                + block_q * block_kv)
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardKey:
+    """Everything the compiled backward kernel depends on statically."""
+
+    dtype: str
+    head_dim: int
+    num_intervals: int          # K of the forward (row) table
+    num_bwd_intervals: int      # Kc of the column table (0: no column view)
+    block_q: int
+    block_kv: int
+    broadcast_batch: bool
+    broadcast_head: bool
+    scale: float
+    num_stages: int = 2
+
+    def __post_init__(self):
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"cute backward supports {_DTYPES}, got dtype {self.dtype!r}")
+        if self.head_dim not in BWD_HEAD_DIMS:
+            raise ValueError(f"cute backward is built for head dims {BWD_HEAD_DIMS} (Dv == D), "
+                             f"got {self.head_dim}; the xla backward serves the others")
+        if (self.block_q, self.block_kv) != BWD_TILES:
+            raise ValueError(f"cute backward runs {BWD_TILES[0]}x{BWD_TILES[1]} backward tiles; the "
+                             f"descriptor was built for {self.block_q}x{self.block_kv}")
+        if not 1 <= self.num_intervals <= 8 or not 0 <= self.num_bwd_intervals <= 16:
+            raise ValueError(f"interval counts K={self.num_intervals} (1..8), "
+                             f"Kc={self.num_bwd_intervals} (0..16) out of range")
+        smem = backward_smem_bytes(self.head_dim, self.block_q, self.block_kv, self.num_stages)
+        if self.num_stages < 1 or smem > _SMEM_LIMIT:
+            raise ValueError(f"num_stages={self.num_stages} needs {smem} bytes of shared memory")
+
+    @property
+    def target_name(self) -> str:
+        scale_bits = np.float64(self.scale).view(np.uint64)
+        return (f"jcompilemask_cute_bwd_{self.dtype}_d{self.head_dim}_k{self.num_intervals}"
+                f"c{self.num_bwd_intervals}_t{self.block_q}x{self.block_kv}"
+                f"_b{int(self.broadcast_batch)}h{int(self.broadcast_head)}_s{self.num_stages}"
+                f"_{scale_bits:016x}")
+
+
+def compile_backward(key: BackwardKey):
+    """Compile (once per key) the TVM-FFI function of the backward kernel (no GPU needed
+    with CUTE_DSL_ARCH=sm_90a)."""
+    with _lock:
+        if key in _compiled:
+            return _compiled[key]
+        _import_cutlass()
+        import cutlass
+        import cutlass.cute as cute
+
+        from .backward import FlashBackwardSm90
+
+        dtype = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[key.dtype]
+        sym, sym64 = cute.sym_int, cute.sym_int64
+        b, nq, nk, hq, hkv = sym(), sym(), sym(), sym(), sym()
+        d = key.head_dim
+
+        def bshd(el, seqlen, heads, align=16, div=8):
+            return cute.runtime.make_fake_tensor(
+                el, (b, seqlen, heads, d),
+                stride=(sym64(divisibility=div), sym64(divisibility=div), d, 1), assumed_align=align)
+
+        bm = 1 if key.broadcast_batch else b
+        hm = 1 if key.broadcast_head else hq
+        kc = max(key.num_bwd_intervals, 1)
+        fwd_iv = cute.runtime.make_fake_tensor(
+            cutlass.Int32, (bm, hm, nq, key.num_intervals, 2),
+            stride=(sym64(), sym64(), 2 * key.num_intervals, 2, 1), assumed_align=4)
+        bwd_iv = cute.runtime.make_fake_tensor(
+            cutlass.Int32, (bm, hm, nk, kc, 2), stride=(sym64(), sym64(), 2 * kc, 2, 1),
+            assumed_align=4)
+        tiles = cute.runtime.make_fake_tensor(
+            cutlass.Uint32, (bm, hm, sym(), sym()), stride=(sym64(), sym64(), sym64(), 1),
+            assumed_align=4)
+        exact = cute.runtime.make_fake_tensor(cutlass.Int32, (bm,), stride=(1,), assumed_align=4)
+        rows = lambda: cute.runtime.make_fake_tensor(  # noqa: E731
+            cutlass.Float32, (b, hq, nq), stride=(sym64(), sym64(), 1), assumed_align=4)
+        kernel = FlashBackwardSm90(
+            dtype, d, key.num_intervals, key.num_bwd_intervals, key.scale,
+            block_q=key.block_q, block_kv=key.block_kv, broadcast_batch=key.broadcast_batch,
+            broadcast_head=key.broadcast_head, num_stages=key.num_stages)
+        fn = cute.compile(
+            kernel,
+            bshd(dtype, nq, hq), bshd(dtype, nk, hkv), bshd(dtype, nk, hkv), bshd(dtype, nq, hq),
+            rows(), rows(), bwd_iv, tiles, fwd_iv, exact,
+            bshd(cutlass.Float32, nq, hq, align=16, div=4), bshd(cutlass.Float32, nq, hq, align=16, div=4),
+            bshd(dtype, nk, hkv), bshd(dtype, nk, hkv),
+            cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
+            options=_options(),
+        )
+        _compiled[key] = fn
+        return fn
+
+
+def cute_backward(q, k, v, out, lse, do, bwd_intervals, bwd_tiles, fwd_intervals, bwd_exact, *,
+                  scale=None, dlse=None, block_q=BWD_TILES[0], block_kv=BWD_TILES[1]):
+    """Masked attention backward on SM90 from an Execution Descriptor's column view.
+
+    Args:
+      q, k, v, out, do: as in the forward ([B, N, H, D], bf16 or fp16, Dv == D).
+      lse: float32 [B, Hq, Nq] from the forward (natural log, -inf for empty rows).
+      bwd_intervals: int32 [Bm, Hm, Nk, Kc, 2]; bwd_tiles: uint32 [Bm, Hm, Tk', ceil16(Tq')]
+        at ``block_q`` x ``block_kv`` backward tiles; fwd_intervals: int32 [Bm, Hm, Nq, K, 2]
+        (checked instead of the column view for sequences where ``bwd_exact`` is False).
+      dlse: optional cotangent of lse [B, Hq, Nq].
+    Returns (dq, dk, dv) in the input dtype.
+    """
+    B, Nq, Hq, D = q.shape
+    Nk, Hkv = k.shape[1], k.shape[2]
+    if v.shape[-1] != D or out.shape != q.shape or do.shape != q.shape:
+        raise ValueError(f"cute backward needs Dv == D and out/do shaped like q; got q{q.shape} "
+                         f"v{v.shape} out{out.shape} do{do.shape}")
+    if scale is None:
+        scale = 1.0 / math.sqrt(D)
+    Bm, Hm, _, K, _ = fwd_intervals.shape
+    Kc = bwd_intervals.shape[3]
+    Tq, Tk = -(-Nq // block_q), -(-Nk // block_kv)
+    if bwd_tiles.shape != (Bm, Hm, Tk, -(-Tq // 16)):
+        raise ValueError(f"bwd_tiles shape {bwd_tiles.shape} does not match {block_q}x{block_kv} "
+                         f"backward tiles of Nq={Nq}, Nk={Nk}")
+    key = BackwardKey(
+        dtype=jnp.dtype(q.dtype).name, head_dim=D, num_intervals=K, num_bwd_intervals=Kc,
+        block_q=block_q, block_kv=block_kv, broadcast_batch=(Bm == 1), broadcast_head=(Hm == 1),
+        scale=float(scale))
+    name = key.target_name
+    if name not in _registered:
+        fn = compile_backward(key)
+        import jax_tvm_ffi
+        with _lock:
+            if name not in _registered:
+                jax_tvm_ffi.register_ffi_target(name, fn, ["args", "rets"], platform="gpu",
+                                                allow_cuda_graph=True)
+                _registered.add(name)
+    f32 = jnp.float32
+    lse = lse.astype(f32)
+    lse2 = jnp.where(jnp.isneginf(lse), jnp.inf, lse * np.float32(1.0 / math.log(2.0)))
+    delta = jnp.einsum("bqhd,bqhd->bhq", out.astype(f32), do.astype(f32))
+    if dlse is not None:
+        delta = delta - jnp.where(jnp.isneginf(lse), 0.0, dlse.astype(f32))
+    if Kc == 0:      # no column view: a 1-slot empty table keeps the operand shapes valid
+        bwd_intervals = jnp.zeros((Bm, Hm, Nk, 1, 2), jnp.int32)
+    exact = jnp.broadcast_to(jnp.asarray(bwd_exact, jnp.int32).reshape(-1), (Bm,))
+    out_types = (
+        jax.ShapeDtypeStruct((B, Nq, Hq, D), f32),
+        jax.ShapeDtypeStruct(k.shape, k.dtype),
+        jax.ShapeDtypeStruct(v.shape, v.dtype),
+    )
+    # The dQ accumulator must start at zero: it is an input aliased to the output.
+    call = jax.ffi.ffi_call(name, out_types, vmap_method="sequential",
+                            input_output_aliases={10: 0})
+    dq_acc, dk, dv = call(q, k, v, do, lse2, delta, bwd_intervals.astype(jnp.int32),
+                          bwd_tiles.astype(jnp.uint32), fwd_intervals.astype(jnp.int32), exact,
+                          jnp.zeros((B, Nq, Hq, D), f32))
+    return (dq_acc * np.float32(scale)).astype(q.dtype), dk, dv
