@@ -16,10 +16,11 @@ For each workload of DESIGN.md §8 (bf16, 8 heads, head dim 128, batch 131072 / 
   heads * visible pairs (pairs from jcompilemask's own descriptor, so all impls compare).
 
 jcompilemask runs the backend the registry picks (``jcm.backends.explain()``; the impl
-name records it, e.g. ``jcm-cute`` — CuTe forward; its backward is the ``xla`` one until
-a CuTe backward exists). JAX times: many back-to-back calls synchronised once, median of
-repeats (``bench_forward._median_time``); torch times: ``triton.testing.do_bench``
-(CUDA events, median). Configurations run largest N first and stop when ``--budget-s``
+name records it, e.g. ``jcm-cute`` — CuTe forward and the ``xla`` backward;
+``--cute-backward`` opts into the CuTe backward kernel, recorded as ``jcm-cute-bwd``).
+JAX times: many back-to-back calls synchronised once, median of repeats
+(``bench_forward._median_time``); torch times: ``triton.testing.do_bench`` (CUDA events,
+median). Configurations run largest N first and stop when ``--budget-s``
 is spent; records are merged into ``--out`` after each one.
 """
 from __future__ import annotations
@@ -202,11 +203,16 @@ def main(argv=None):
     ap.add_argument("--impls", default="jcm,flex-fa4,flex-triton,fa4-native,jax-cudnn")
     ap.add_argument("--jcm-implementation", default=None,
                     help="force a jcompilemask backend (cute, xla); default: the registry's")
+    ap.add_argument("--cute-backward", action="store_true",
+                    help="use the CuTe backward kernel (sets JCOMPILEMASK_CUTE_BACKWARD=1; "
+                         "impl name jcm-cute-bwd)")
     ap.add_argument("--budget-s", type=float, default=400)
     ap.add_argument("--out", default=os.path.join(HERE, "results", "h200-total.json"))
     ap.add_argument("--smoke", action="store_true",
                     help="tiny shapes, jcompilemask only (any machine, CPU included)")
     args = ap.parse_args(argv)
+    if args.cute_backward:
+        os.environ["JCOMPILEMASK_CUTE_BACKWARD"] = "1"
     ns = SMOKE["ns"] if args.smoke else [int(x) for x in args.ns.split(",")]
     impls = ["jcm"] if args.smoke else args.impls.split(",")
     records, t0 = [], time.time()
@@ -224,6 +230,8 @@ def main(argv=None):
                     if impl == "jcm":
                         name, pairs, pre, f, s, (h, d) = bench_jcm(
                             mask, n, args.smoke, args.jcm_implementation)
+                        if args.cute_backward and name == "jcm-cute":
+                            name = "jcm-cute-bwd"
                         rec = record(mask, n, name, pairs, pre, f, s, h, d)
                     else:
                         if pairs is None:

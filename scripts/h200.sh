@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# One stage of the H200 work, run on the device machine from the repository root:
+#
+#   run(command="bash scripts/h200.sh STAGE", carry=[".device-stage/cute"])      # cute stages
+#   run(command="bash scripts/h200.sh tilelang", carry=[".device-stage/tilelang", ".jcm-cache"])
+#
+# Each stage fits one device call (< 600 s), installs its bundle when needed (safe to
+# repeat on a warm machine), and leaves logs, JUnit XML and result JSON under $OUT.
+# Stages:
+#   correctness  GPU tests of the CuTe kernels (forward, backward, end to end)
+#   forward      bench_forward (D = 128 causal vs FA4 native, same run) + the step-2 variants
+#   peers        FlexAttention (Triton, FA4) / FA4 native / cuDNN forward at 2K and 8K
+#   total        training step (preprocess + fwd + bwd), jcm with the CuTe backward and peers
+#   tilelang     TileLang preprocess bit-exactness tests and the preprocess benchmark
+set -uo pipefail
+stage=${1:?stage: correctness | forward | peers | total | tilelang}
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+bundle=cute
+[[ $stage == tilelang ]] && bundle=tilelang
+python3 ".device-stage/$bundle/install.py" >/dev/null || { echo "install of $bundle failed"; exit 2; }
+python3 -c 'import sympy, jax; print("sympy", sympy.__version__, "jax", jax.__version__, jax.devices())'
+nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu --format=csv,noheader
+
+case $stage in
+  correctness)
+    JCOMPILEMASK_CUTE_BACKWARD=1 timeout 560 python3 -m pytest -q -rs -p no:cacheprovider \
+      tests/gpu/test_cute_backward.py tests/gpu/test_cute_attention.py tests/gpu/test_cute_forward.py \
+      --junitxml="$OUT/junit-cute.xml" --durations=10 2>&1 | tee "$OUT/pytest-cute.log" | tail -40
+    ;;
+  forward)
+    cp benchmarks/results/h200-forward.json "$OUT/" 2>/dev/null
+    timeout 280 python3 benchmarks/bench_forward.py --check --bench --fa4 --out "$OUT/h200-forward.json" \
+      2>&1 | grep -v Warning | tee "$OUT/bench_forward.log" | tail -12
+    timeout 280 python3 benchmarks/bench_cute_variants.py --ns 8192,32768 --out "$OUT/h200-variants.json" \
+      2>&1 | grep -v Warning | tee "$OUT/bench_variants.log" | tail -25
+    ;;
+  peers)
+    cp benchmarks/results/h200-forward-peers.json "$OUT/" 2>/dev/null
+    timeout 560 python3 benchmarks/bench_peers.py --ns 8192,2048 --budget-s 500 \
+      --out "$OUT/h200-forward-peers.json" 2>&1 | grep -v Warning | tee "$OUT/bench_peers.log" | tail -30
+    ;;
+  total)
+    timeout 560 python3 benchmarks/bench_total.py --cute-backward --ns 32768,8192,2048 --budget-s 480 \
+      --out "$OUT/h200-total.json" 2>&1 | grep -v Warning | tee "$OUT/bench_total.log" | tail -30
+    ;;
+  tilelang)
+    export JCOMPILEMASK_CACHE_DIR=$PWD/.jcm-cache
+    # Compile every test program in parallel first (16 cores: ~20 s; a carried cache
+    # only hits when this machine's sympy lowers to the same generated source).
+    timeout 200 python3 -c 'from jcompilemask.kernels.tilelang.testing import warm_all
+for name, sec, err in warm_all(workers=16): print(f"{name}: {sec:.1f}s {err or ""}")' | tail -5
+    timeout 300 python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_tilelang_preprocess.py \
+      --junitxml="$OUT/junit-tilelang.xml" 2>&1 | tee "$OUT/pytest-tilelang.log" | tail -8
+    ;;
+  *) echo "unknown stage $stage"; exit 2 ;;
+esac
