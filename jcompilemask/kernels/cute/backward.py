@@ -25,8 +25,9 @@ fp32 accumulator and is scaled and cast by the caller.
 
 Warp specialization: warpgroup 0 is the producer (one warp: TMA loads of K and V once,
 Q and dO per visited tile into a `num_stages` ring); warpgroups 1 and 2 are consumers,
-each owning 64 of the 128 keys for the S / dP / dK / dV products and 64 of the head
-dims for the dQ product (which needs both halves of dS: a named barrier).
+each owning 64 of the 128 keys for the S / dP / dK / dV products and half of the head
+dims for the dQ product (which needs both halves of dS: a named barrier); at D = 64
+the first warpgroup computes dQ alone (see `dq_single_wg`).
 
 Not yet run on a GPU (compile-checked for sm_90a only); the registry does not pick it
 until the H200 tests pass (`backends.py`).
@@ -108,6 +109,9 @@ class FlashBackwardSm90:
         self.num_threads = self.threads_per_wg * (1 + self.num_consumer_wgs)
         self.producer_regs = 24
         self.consumer_regs = 240
+        # Split the dQ product over the warpgroups by head dim only when each half is a
+        # whole 128B-swizzle row (64 elements of 16 bits) of K's buffer.
+        self.dq_single_wg = head_dim // self.num_consumer_wgs < 64
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -146,10 +150,12 @@ class FlashBackwardSm90:
             warpgroup.OperandSource.RMEM,
         )
         # dQ = dS K: (queries, D), contraction over the keys; dS (queries-major in shared
-        # memory) and K seen transposed; the two warpgroups split D.
+        # memory) and K seen transposed; the two warpgroups split D — except at D = 64,
+        # where a half would be 32 columns of a 64-column 128B-swizzle row, a start that
+        # is not a canonical wgmma layout: there the first warpgroup computes it alone.
+        dq_wgs = 1 if self.dq_single_wg else self.num_consumer_wgs
         tiled_mma_dq = sm90_helpers.make_trivial_tiled_mma(
-            self.dtype, self.dtype, MN_MAJOR, MN_MAJOR, Float32, (1, self.num_consumer_wgs, 1),
-            (bq, d // self.num_consumer_wgs),
+            self.dtype, self.dtype, MN_MAJOR, MN_MAJOR, Float32, (1, dq_wgs, 1), (bq, d // dq_wgs),
         )
         sK_layout = sm90_helpers.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (bk, bq, d), self.dtype, 1)
         sQ_layout = sm90_helpers.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (bk, bq, d), self.dtype, self.num_stages)
@@ -331,7 +337,8 @@ class FlashBackwardSm90:
         wg_slice = cute.make_layout(self.num_consumer_wgs, stride=self.threads_per_wg)
         mma_sdp = tiled_mma_sdp.get_slice(wg_slice(wg))
         mma_dkv = tiled_mma_dkv.get_slice(wg_slice(wg))
-        mma_dq = tiled_mma_dq.get_slice(wg_slice(wg))
+        # With a single dQ warpgroup, the second one builds (and never uses) its fragments.
+        mma_dq = tiled_mma_dq.get_slice(wg_slice(0) if const_expr(self.dq_single_wg) else wg_slice(wg))
         thr_sdp = tiled_mma_sdp.get_slice(tidx)
 
         # Operand fragments (shared-memory descriptors) of the five products.
@@ -368,7 +375,8 @@ class FlashBackwardSm90:
         ).get_slice(tidx)
         tdSsdS = (ds_copy, ds_copy.partition_D(sdS_t[None, None, 0]))
         # (query, head dim) coordinates of this thread's dQ elements.
-        tdQcdQ = _rows_view(tiled_mma_dq.get_slice(tidx).partition_C(cute.make_identity_tensor((bq, d))))
+        dq_thread = tidx % self.threads_per_wg if const_expr(self.dq_single_wg) else tidx
+        tdQcdQ = _rows_view(tiled_mma_dq.get_slice(dq_thread).partition_C(cute.make_identity_tensor((bq, d))))
 
         # The CTA's keys' column intervals (Kc per key), loaded once.
         kc = self.num_bwd_intervals
@@ -478,13 +486,24 @@ class FlashBackwardSm90:
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=_BARRIER_DS_READY, number_of_threads=self.num_consumer_wgs * self.threads_per_wg)
 
-        # dQ_tile[:, this warpgroup's D half] = dS K.
-        acc_dQ = cute.make_rmem_tensor(mma_dq.partition_shape_C((bq, d)), Float32)
-        self.wgmma(mma_dq, acc_dQ, tQrdS[None, None, None, 0], tQrKt[None, None, None, 0], True)
-        warpgroup.wait_group(0)
-        pipeline_q.consumer_release(state)
-        pipeline_do.consumer_release(state)
-        self.store_dq(acc_dQ, mdQaccum, tdQcdQ, seqlen_q, q_tile, head, batch)
+        # dQ_tile[:, this warpgroup's D half] = dS K (the whole of D on warpgroup 0 alone
+        # when dq_single_wg).
+        if const_expr(self.dq_single_wg):
+            if tidx // self.threads_per_wg == 0:
+                acc_dQ = cute.make_rmem_tensor(mma_dq.partition_shape_C((bq, d)), Float32)
+                self.wgmma(mma_dq, acc_dQ, tQrdS[None, None, None, 0], tQrKt[None, None, None, 0], True)
+                warpgroup.wait_group(0)
+                self.store_dq(acc_dQ, mdQaccum, tdQcdQ, seqlen_q, q_tile, head, batch)
+            warpgroup.wait_group(0)
+            pipeline_q.consumer_release(state)
+            pipeline_do.consumer_release(state)
+        else:
+            acc_dQ = cute.make_rmem_tensor(mma_dq.partition_shape_C((bq, d)), Float32)
+            self.wgmma(mma_dq, acc_dQ, tQrdS[None, None, None, 0], tQrKt[None, None, None, 0], True)
+            warpgroup.wait_group(0)
+            pipeline_q.consumer_release(state)
+            pipeline_do.consumer_release(state)
+            self.store_dq(acc_dQ, mdQaccum, tdQcdQ, seqlen_q, q_tile, head, batch)
 
     @cute.jit
     def apply_mask(self, P, tScS, q_tile, col_starts, col_lengths, exact, mFwdIntervals,
