@@ -181,8 +181,8 @@ def record(mask, n, impl, pairs, pre, fwd, step, heads=W.HEADS, head_dim=W.HEAD_
     return {"mask": mask, "n": n, "impl": impl, "pre_ms": round(pre, 4),
             "fwd_ms": round(fwd, 4), "bwd_ms": round(step - fwd, 4),
             "step_ms": round(step, 4),
-            "total_tflops": round(3.5 * flops / ((pre + step) * 1e-3) / 1e12, 2),
-            "fwd_tflops": round(flops / (fwd * 1e-3) / 1e12, 2), "pairs": int(pairs)}
+            "total_tflops": float(f"{3.5 * flops / ((pre + step) * 1e-3) / 1e12:.4g}"),
+            "fwd_tflops": float(f"{flops / (fwd * 1e-3) / 1e12:.4g}"), "pairs": int(pairs)}
 
 
 def _merge(path, records):

@@ -42,9 +42,9 @@ def _records(path):
 
 
 def load(results_dir):
-    """(forward, preprocess, lowering, total) records, each tagged with the file it came
-    from (``source``)."""
-    fwd, pre, low, total = [], [], [], []
+    """(forward, preprocess, lowering, total, variants) records, each tagged with the
+    file it came from (``source``)."""
+    fwd, pre, low, total, variants = [], [], [], [], []
     for name in sorted(os.listdir(results_dir)):
         if not name.endswith(".json"):
             continue
@@ -58,13 +58,28 @@ def load(results_dir):
             r = dict(r, source=name)
             if "total_tflops" in r:
                 total.append(r)
+            elif "head_dim" in r and "fwd_tflops" in r:
+                variants.append(r)         # bench_cute_variants: other head dims / cap
             elif "fwd_tflops" in r:
                 fwd.append(r)
             elif "instantiate_ms_median" in r:
                 low.append(r)
             elif "ms" in r:
                 pre.append(r)
-    return fwd, pre, low, total
+    return fwd, pre, low, total, variants
+
+
+def variants_table(variants):
+    ns = sorted({r["n"] for r in variants})
+    labels = sorted({r["impl"] for r in variants}, key=lambda i: (
+        next(r["head_dim"] for r in variants if r["impl"] == i), i))
+    cell = {(r["impl"], r["n"]): r["fwd_tflops"] for r in variants}
+    head = ["variant (causal)"] + [f"{_label(n)} TF/s" for n in ns]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for i in labels:
+        lines.append("| " + " | ".join([i] + [f"{cell[i, n]:.0f}" if (i, n) in cell else ""
+                                             for n in ns]) + " |")
+    return "\n".join(lines)
 
 
 def dedupe(records, ours):
@@ -218,7 +233,7 @@ def svg_panels(records, value, title, ylabel, *, log_y=False, ours=None):
 
 def build(results_dir):
     """Write REPORT.md, forward.svg and preprocess.svg; returns the paths written."""
-    fwd, pre, low, total = load(results_dir)
+    fwd, pre, low, total, variants = load(results_dir)
     fwd, pre = dedupe(fwd, OURS_FWD), dedupe(pre, OURS_PRE)
     ours_total = next((r["impl"] for r in total if r["impl"].startswith("jcm-")), None)
     total = dedupe(total, ours_total)
@@ -238,6 +253,9 @@ def build(results_dir):
             f.write(svg_panels(fwd, lambda r: r["fwd_tflops"], "Forward, bf16, D = 128",
                                "TF/s", ours=OURS_FWD))
         written.append(path)
+    if variants:
+        parts += ["## CuTe forward variants (head dim, dtype, soft cap, stages)", "",
+                  variants_table(variants), ""]
     if total:
         parts += ["## Training step: total TF/s = 3.5 x forward FLOPs / (preprocess + "
                   "forward + backward)", "", forward_table(total, "total_tflops", ours_total),

@@ -35,6 +35,9 @@ def test_report_tables_ratios_and_svg(tmp_path):
         {"mask": "hstu", "n": 32768, "impl": "flex-fa4", "fwd_ms": 1.0, "fwd_tflops": 300.0},
         {"mask": "clear", "n": 2048, "impl": "flex-fa4", "error": "failed"},
     ]})
+    _write(tmp_path / "d-variants.json", {"records": [
+        {"mask": "causal", "n": 8192, "impl": "jcm-cute-d64-s3", "head_dim": 64,
+         "fwd_ms": 1.0, "fwd_tflops": 432.0}]})
     _write(tmp_path / "c-pre.json", [
         {"mask": "clear", "n": 1024, "impl": "jcm-tilelang", "ms": 0.1},
         {"mask": "clear", "n": 1024, "impl": "flex-create-block-mask", "ms": 7.0},
@@ -44,6 +47,7 @@ def test_report_tables_ratios_and_svg(tmp_path):
     assert "| causal | 2K | 400 | 500 |  | 0.80 |  | 0.80 |" in md
     assert "| hstu | 32K | 600 |  | 300 |  | 2.00 | 2.00 |" in md
     assert "| clear | 1K | 0.1 | 7 | 70.0x |" in md
+    assert "| jcm-cute-d64-s3 | 432 |" in md and "jcm-cute-d64-s3 |" not in md.split("##")[1]
     for p in paths:
         if p.endswith(".svg"):
             root = ET.parse(p).getroot()
@@ -81,4 +85,4 @@ def test_bench_total_smoke_runs_on_cpu(tmp_path):
     assert saved["smoke"] is True and len(saved["records"]) == 2
     # smoke files are not results: the report skips them
     rep = _report()
-    assert rep.load(str(tmp_path))[3] == []
+    assert rep.load(str(tmp_path))[3] == []  # total records
