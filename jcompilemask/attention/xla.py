@@ -15,6 +15,13 @@ so it mirrors their structure and math:
   backward kernels do.
 
 Memory is O(N * block): no N x N tensor is formed.
+
+The outer loop over tiles is a ``lax.map``. On the CPU it runs one tile at a time; on a
+GPU it runs ``tile_batch`` outer tiles side by side (``lax.map(..., batch_size=...)``:
+the inner ``while_loop`` then runs as many steps as the busiest tile of the batch, the
+others idle), so each step is one large batched GEMM instead of many small sequential
+ones. The batch is sized to keep the per-step score tensors near 256 MB;
+``$JCOMPILEMASK_XLA_TILE_BATCH`` (an int, 1 = sequential) overrides it on any platform.
 """
 from __future__ import annotations
 
@@ -37,6 +44,30 @@ def _pad_to(x, axis, size):
     widths = [(0, 0)] * x.ndim
     widths[axis] = (0, pad)
     return jnp.pad(x, widths)
+
+
+_SCORE_BYTES = 256 << 20
+
+
+def tile_batch(n_tiles: int, step_bytes: int) -> int:
+    """How many outer tiles ``lax.map`` runs side by side (see the module doc)."""
+    import os
+    env = os.environ.get("JCOMPILEMASK_XLA_TILE_BATCH")
+    if env:
+        try:
+            want = int(env)
+        except ValueError:
+            raise ValueError(f"JCOMPILEMASK_XLA_TILE_BATCH must be an int, got {env!r}") from None
+        return max(1, min(n_tiles, want))
+    if jax.default_backend() != "gpu":
+        return 1
+    return max(1, min(n_tiles, _SCORE_BYTES // max(step_bytes, 1)))
+
+
+def _map_tiles(fn, n_tiles: int, step_bytes: int):
+    bs = tile_batch(n_tiles, step_bytes)
+    xs = jnp.arange(n_tiles, dtype=jnp.int32)
+    return lax.map(fn, xs) if bs == 1 else lax.map(fn, xs, batch_size=bs)
 
 
 def _kv_tile(kt, vt, tj, bk):
@@ -134,7 +165,8 @@ def _fwd_impl(q, k, v, desc, scale, softcap):
         lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), NEG_INF)
         return out.astype(P.dtype), lse
 
-    out, lse = lax.map(row_tile, jnp.arange(tq, dtype=jnp.int32))  # [Tq, B, Hq, bq, ...]
+    # [Tq, B, Hq, bq, ...]; per step: s and p, float32
+    out, lse = _map_tiles(row_tile, tq, 2 * 4 * P.b * P.hq * bq * bk)
     out = jnp.moveaxis(out, 0, 2).reshape(P.b, P.hq, tq * bq, P.dv)[:, :, :P.nq]
     lse = jnp.moveaxis(lse, 0, 2).reshape(P.b, P.hq, tq * bq)[:, :, :P.nq]
     return jnp.swapaxes(out, 1, 2), lse
@@ -209,7 +241,7 @@ def _dq_pass(P, q, k, v, do, lse, delta):
         _, dq = lax.while_loop(lambda c: c[0] < count[ti], body, (0, dq0))
         return dq
 
-    dq = lax.map(row_tile, jnp.arange(tq, dtype=jnp.int32))
+    dq = _map_tiles(row_tile, tq, 4 * 4 * P.b * P.hq * bq * bk)        # s, p, dp, ds
     dq = jnp.moveaxis(dq, 0, 2).reshape(P.b, P.hq, tq * bq, P.d)[:, :, :P.nq]
     return jnp.swapaxes(dq, 1, 2).astype(q.dtype)
 
@@ -253,7 +285,7 @@ def _dkv_pass(P, q, k, v, do, lse, delta):
         _, dk, dv = lax.while_loop(lambda c: c[0] < count[tj], body, (0, dk0, dv0))
         return dk, dv
 
-    dk, dv = lax.map(col_tile, jnp.arange(tk, dtype=jnp.int32))
+    dk, dv = _map_tiles(col_tile, tk, 4 * 4 * P.b * P.hq * bq * bk)
     dk = jnp.moveaxis(dk, 0, 2).reshape(P.b, P.hkv, tk * bk, P.d)[:, :, :P.nk]
     dv = jnp.moveaxis(dv, 0, 2).reshape(P.b, P.hkv, tk * bk, P.dv)[:, :, :P.nk]
     return jnp.swapaxes(dk, 1, 2).astype(k.dtype), jnp.swapaxes(dv, 1, 2).astype(v.dtype)
