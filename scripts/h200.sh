@@ -54,6 +54,13 @@ case $stage in
     ;;
   tilelang)
     export JCOMPILEMASK_CACHE_DIR=$PWD/.jcm-cache
+    # The cache key of one program, to compare with the same command's output where the
+    # cache was built (a mismatch says which field: source = lowering output, versions...).
+    python3 -c 'import jcompilemask as jcm
+from jcompilemask.kernels.tilelang.api import program_for, _target_key, KernelConfig
+from jcompilemask.lower.descriptor import TileConfig
+cm = jcm.compile(jcm.masks.causal()); t = TileConfig(64, 64, 32, 64); cfg = KernelConfig()
+print("causal key:", _target_key(cm, t, cfg, program_for(cm, t, cfg)).as_json())'
     # Compile every test program in parallel first (16 cores: ~20 s; a carried cache
     # only hits when this machine's sympy lowers to the same generated source).
     timeout 200 python3 -c 'from jcompilemask.kernels.tilelang.testing import warm_all
