@@ -8,7 +8,8 @@
 For each workload of DESIGN.md §8 (bf16, 8 heads, head dim 128, batch 131072 / N):
 
 - ``pre_ms``: building the mask for a new batch (jcompilemask: ``instantiate`` with the
-  default preprocess — TileLang on an SM90 GPU; FlexAttention: ``create_block_mask``,
+  default preprocess — TileLang on an SM90 GPU with tilelang installed, else jnp; the
+  record's ``preprocess`` says which; FlexAttention: ``create_block_mask``,
   compiled; 0 for the causal-only kernels, which need no mask);
 - ``fwd_ms``: the forward pass; ``step_ms``: forward + backward (gradients of q, k, v
   for a fixed output cotangent); ``bwd_ms`` = step - fwd;
@@ -78,7 +79,10 @@ def bench_jcm(mask, n, smoke=False, implementation=None):
                              has_fallback=bool(cm.fallback_regions),
                              num_intervals=cm.num_intervals)
     impl = jcm.backends.select(implementation, call).name     # the registry's pick
-    instantiate = jax.jit(lambda m: cm.instantiate(m, L, L))
+    from jcompilemask.lower.compiled import _tilelang_usable
+    preprocess = os.environ.get("JCOMPILEMASK_PREPROCESS") or (
+        "tilelang" if not cm.fallback_regions and _tilelang_usable() else "jnp")
+    instantiate = jax.jit(lambda m: cm.instantiate(m, L, L, preprocess=preprocess))
     desc = instantiate(md)
     pairs = W.visible_pairs(desc.fwd_intervals) * (b if desc.batch == 1 else 1)
     ks = jax.random.split(jax.random.key(n), 4)
@@ -96,7 +100,7 @@ def bench_jcm(mask, n, smoke=False, implementation=None):
     pre = _median_time(lambda: instantiate(md), warmup=2, iters=it, repeats=reps)
     f = _median_time(lambda: fwd(q, k, v, desc), warmup=2, iters=it, repeats=reps)
     s = _median_time(lambda: step(q, k, v, desc), warmup=2, iters=it, repeats=reps)
-    return f"jcm-{impl}", pairs, pre * 1e3, f * 1e3, s * 1e3, (h, d)
+    return f"jcm-{impl}", pairs, pre * 1e3, f * 1e3, s * 1e3, (h, d), preprocess
 
 
 # -- peers ------------------------------------------------------------------------------
@@ -228,11 +232,11 @@ def main(argv=None):
                     continue
                 try:
                     if impl == "jcm":
-                        name, pairs, pre, f, s, (h, d) = bench_jcm(
+                        name, pairs, pre, f, s, (h, d), prep = bench_jcm(
                             mask, n, args.smoke, args.jcm_implementation)
                         if args.cute_backward and name == "jcm-cute":
                             name = "jcm-cute-bwd"
-                        rec = record(mask, n, name, pairs, pre, f, s, h, d)
+                        rec = dict(record(mask, n, name, pairs, pre, f, s, h, d), preprocess=prep)
                     else:
                         if pairs is None:
                             raise RuntimeError("run with impl jcm first (it counts the pairs)")
