@@ -13,11 +13,12 @@
 #   kernels      GPU tests of the CuTe forward kernel alone (48 variant cases)
 #   forward      bench_forward (D = 128 causal vs FA4 native, same run) + the step-2 variants
 #   peers        FlexAttention (Triton, FA4) / FA4 native / cuDNN forward at 2K and 8K
+#   peers32      FlexAttention at 32K for the masks not yet measured there
 #   total        training step (preprocess + fwd + bwd), jcm with the CuTe backward and peers
 #                (run right after `tilelang` on the same warm machine for the TileLang preprocess)
 #   tilelang     TileLang preprocess bit-exactness tests and the preprocess benchmark
 set -uo pipefail
-stage=${1:?stage: correctness | kernels | forward | peers | total | tilelang}
+stage=${1:?stage: correctness | kernels | forward | peers | peers32 | total | tilelang}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
@@ -48,6 +49,12 @@ case $stage in
     cp benchmarks/results/h200-forward-peers.json "$OUT/" 2>/dev/null
     timeout 560 python3 benchmarks/bench_peers.py --ns 8192,2048 --budget-s 500 \
       --out "$OUT/h200-forward-peers.json" 2>&1 | grep -v Warning | tee "$OUT/bench_peers.log" | tail -30
+    ;;
+  peers32)
+    cp benchmarks/results/h200-forward-peers.json "$OUT/" 2>/dev/null
+    timeout 560 python3 benchmarks/bench_peers.py --ns 32768 --masks hstu,shared_prompt,clear \
+      --impls flex-fa4,flex-triton --budget-s 500 --out "$OUT/h200-forward-peers.json" 2>&1 \
+      | grep -v Warning | tee "$OUT/bench_peers32.log" | tail -20
     ;;
   total)
     # With the tilelang bundle unpacked by an earlier `tilelang` call on this (warm)
