@@ -38,7 +38,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 import workloads as W  # noqa: E402
-from bench_forward import _median_time  # noqa: E402
+from bench_forward import _median_time, _merge  # noqa: E402  (one timing method, one merge)
 
 SMOKE = dict(ns=(256,), heads=2, head_dim=32, tokens=512)
 
@@ -187,16 +187,6 @@ def record(mask, n, impl, pairs, pre, fwd, step, heads=W.HEADS, head_dim=W.HEAD_
             "step_ms": round(step, 4),
             "total_tflops": float(f"{3.5 * flops / ((pre + step) * 1e-3) / 1e12:.4g}"),
             "fwd_tflops": float(f"{flops / (fwd * 1e-3) / 1e12:.4g}"), "pairs": int(pairs)}
-
-
-def _merge(path, records):
-    old = []
-    if os.path.exists(path):
-        with open(path) as f:
-            old = json.load(f).get("records", [])
-    key = lambda r: (r["mask"], r["n"], r["impl"])  # noqa: E731
-    new = {key(r) for r in records}
-    return [r for r in old if key(r) not in new] + records
 
 
 def main(argv=None):

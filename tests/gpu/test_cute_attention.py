@@ -13,43 +13,14 @@ import pytest
 
 import jcompilemask as jcm
 from jcompilemask import backends
-from jcompilemask.spec import MaskSpec, Region, Scalar, SegmentIds, k, q, q_len
+from jcompilemask.spec import MaskSpec, Region, Scalar, k, q, q_len
 from jcompilemask.testing import assert_within_policy, reference_attention
+from gpu_cases import SPECS, metadata, random_spec_case  # tests/gpu is on sys.path under pytest
 
 _why = backends.get("cute").available()
 pytestmark = pytest.mark.skipif(_why is not None, reason=f"cute backend unavailable: {_why}")
 
 D = 128
-
-
-def _metadata(name, b, n, rng):
-    if name == "prefix_lm":
-        return {"prefix_len": rng.integers(0, n + 1, b)}
-    if name in ("document", "document_bidir"):
-        ids = np.sort(rng.integers(0, 9, (b, n)), axis=1)
-        ids[:, n - 37:] = -1
-        return {"segment_ids": ids}
-    if name == "hstu":
-        g = rng.integers(3, 9, b)
-        return {"context_len": rng.integers(n // 4, n // 2, b),
-                "history_end": n - g * rng.integers(3, 9, b), "group_size": g}
-    if name == "shared_prompt":
-        lens = rng.integers(n // 16, n // 11, (b, 3))
-        p = n - lens.sum(1)
-        starts = p[:, None] + np.concatenate([np.zeros((b, 1), int), np.cumsum(lens, 1)[:, :-1]], 1)
-        return {"prompt_len": p, "response_starts": starts}
-    if name == "clear":
-        return {"text_len": rng.integers(16, 100, b), "image_len": rng.integers(n // 2, n - 120, b)}
-    return None
-
-
-SPECS = {
-    "causal": jcm.masks.causal(), "full": jcm.masks.full(),
-    "sliding_window": jcm.masks.sliding_window(200, 31), "chunked_causal": jcm.masks.chunked_causal(300),
-    "prefix_lm": jcm.masks.prefix_lm(), "document": jcm.masks.document(),
-    "document_bidir": jcm.masks.document(causal=False), "hstu": jcm.masks.hstu(),
-    "shared_prompt": jcm.masks.shared_prompt(3), "clear": jcm.masks.clear(32, 2),
-}
 
 
 def _run(spec, md, b, n, hq, hkv, dtype=jnp.bfloat16, seed=0, grads=False, d=D, softcap=None):
@@ -85,11 +56,11 @@ def _run(spec, md, b, n, hq, hkv, dtype=jnp.bfloat16, seed=0, grads=False, d=D, 
 def test_builtin(name):
     rng = np.random.default_rng(1)
     n = 1000 if name != "clear" else 1100            # ragged: not a multiple of 128
-    _run(SPECS[name], _metadata(name, 2, n, rng), 2, n, 4, 2, grads=name in ("hstu", "document"))
+    _run(SPECS[name], metadata(name, 2, n, rng), 2, n, 4, 2, grads=name in ("hstu", "document"))
 
 
 def test_fp16_and_mqa():
-    _run(SPECS["hstu"], _metadata("hstu", 2, 777, np.random.default_rng(2)), 2, 777, 4, 1,
+    _run(SPECS["hstu"], metadata("hstu", 2, 777, np.random.default_rng(2)), 2, 777, 4, 1,
          dtype=jnp.float16)
 
 
@@ -102,25 +73,10 @@ def test_fully_masked_rows():
 @pytest.mark.parametrize("seed", range(8))
 def test_random_lowered_specs(seed):
     rng = np.random.default_rng(100 + seed)
-    s, seg = Scalar("s", max=q_len), SegmentIds("seg")
-    atoms = [k <= q, k >= q - 100, k < s, k >= seg.start(q), k < seg.end(q), k >= q // 64 * 64,
-             k <= q + 50, k >= s]
-    def rule():
-        idx = rng.choice(len(atoms), size=rng.integers(1, 4), replace=False)
-        r = atoms[idx[0]]
-        for i in idx[1:]:
-            r = (r & atoms[i]) if rng.random() < 0.5 else (r | atoms[i])
-        return r
-    regions = [Region((0, s), rule()), Region((s, q_len), rule())]
-    spec = MaskSpec(regions)
     n, b = 700, 2
-    md = {"s": rng.integers(0, n, b)} if "s" in spec.metadata else {}
-    if "seg" in spec.metadata:
-        md["seg"] = np.sort(rng.integers(-1, 6, (b, n)), axis=1)
-    if "s" not in md and "s" in spec.metadata:
-        md["s"] = rng.integers(0, n, b)
+    spec, md = random_spec_case(rng, n, b)
     assert not jcm.compile(spec).fallback_regions
-    _run(spec, md or None, b, n, 2, 2, seed=seed)
+    _run(spec, md, b, n, 2, 2, seed=seed)
 
 
 # Step 2 of issue 6 end to end: head dims 64 and 256 (the descriptor is built at the
@@ -144,7 +100,7 @@ def test_head_dims_and_softcap(name, d, softcap, dtype):
     n = 1000 if name != "clear" else 1100
     hkv = 1 if dtype == jnp.float16 else 2
     grads = (name, d) in (("hstu", 64), ("document", 256))
-    _run(SPECS[name], _metadata(name, 2, n, rng), 2, n, 4, hkv, dtype=dtype, d=d, softcap=softcap,
+    _run(SPECS[name], metadata(name, 2, n, rng), 2, n, 4, hkv, dtype=dtype, d=d, softcap=softcap,
          grads=grads)
 
 

@@ -22,8 +22,9 @@ import jax.numpy as jnp  # noqa: E402
 
 import jcompilemask as jcm  # noqa: E402
 from jcompilemask import backends  # noqa: E402
-from jcompilemask.spec import MaskSpec, Region, Scalar, SegmentIds, k, q, q_len  # noqa: E402
+from jcompilemask.spec import MaskSpec, Region, Scalar, k, q, q_len  # noqa: E402
 from jcompilemask.testing import assert_within_policy, reference_attention  # noqa: E402
+from gpu_cases import SPECS, metadata, random_spec_case  # noqa: E402  (tests/gpu is on sys.path under pytest)
 
 HAS_CUTLASS = importlib.util.find_spec("cutlass") is not None
 needs_cutlass = pytest.mark.skipif(not HAS_CUTLASS, reason="nvidia-cutlass-dsl is not installed")
@@ -108,34 +109,6 @@ def cute_backward_on(monkeypatch):
     monkeypatch.setenv(backends.CUTE_BACKWARD_ENV, "1")
 
 
-def _metadata(name, b, n, rng):
-    if name == "prefix_lm":
-        return {"prefix_len": rng.integers(0, n + 1, b)}
-    if name in ("document", "document_bidir"):
-        ids = np.sort(rng.integers(0, 9, (b, n)), axis=1)
-        ids[:, n - 37:] = -1
-        return {"segment_ids": ids}
-    if name == "hstu":
-        g = rng.integers(3, 9, b)
-        return {"context_len": rng.integers(n // 4, n // 2, b),
-                "history_end": n - g * rng.integers(3, 9, b), "group_size": g}
-    if name == "shared_prompt":
-        lens = rng.integers(n // 16, n // 11, (b, 3))
-        p = n - lens.sum(1)
-        starts = p[:, None] + np.concatenate([np.zeros((b, 1), int), np.cumsum(lens, 1)[:, :-1]], 1)
-        return {"prompt_len": p, "response_starts": starts}
-    if name == "clear":
-        return {"text_len": rng.integers(16, 100, b), "image_len": rng.integers(n // 2, n - 120, b)}
-    return None
-
-
-SPECS = {
-    "causal": jcm.masks.causal(), "full": jcm.masks.full(),
-    "sliding_window": jcm.masks.sliding_window(200, 31), "chunked_causal": jcm.masks.chunked_causal(300),
-    "prefix_lm": jcm.masks.prefix_lm(), "document": jcm.masks.document(),
-    "document_bidir": jcm.masks.document(causal=False), "hstu": jcm.masks.hstu(),
-    "shared_prompt": jcm.masks.shared_prompt(3), "clear": jcm.masks.clear(32, 2),
-}
 
 
 @needs_gpu
@@ -143,13 +116,13 @@ SPECS = {
 def test_builtin_grads(name, cute_backward_on):
     rng = np.random.default_rng(2)
     n = 1000 if name != "clear" else 1100              # ragged: not a multiple of 64 / 128
-    _grads(SPECS[name], _metadata(name, 2, n, rng), 2, n, 4, 2)
+    _grads(SPECS[name], metadata(name, 2, n, rng), 2, n, 4, 2)
 
 
 @needs_gpu
 def test_head_dim_64_fp16_mqa(cute_backward_on):
     rng = np.random.default_rng(3)
-    _grads(SPECS["hstu"], _metadata("hstu", 2, 900, rng), 2, 900, 4, 1, d=64, dtype=jnp.float16)
+    _grads(SPECS["hstu"], metadata("hstu", 2, 900, rng), 2, 900, 4, 1, d=64, dtype=jnp.float16)
 
 
 @needs_gpu
@@ -174,21 +147,7 @@ def test_no_column_view_uses_row_intervals(cute_backward_on):
 @pytest.mark.parametrize("seed", range(6))
 def test_random_lowered_specs(seed, cute_backward_on):
     rng = np.random.default_rng(200 + seed)
-    s, seg = Scalar("s", max=q_len), SegmentIds("seg")
-    atoms = [k <= q, k >= q - 100, k < s, k >= seg.start(q), k < seg.end(q), k >= q // 64 * 64,
-             k <= q + 50, k >= s]
-
-    def rule():
-        idx = rng.choice(len(atoms), size=rng.integers(1, 4), replace=False)
-        r = atoms[idx[0]]
-        for i in idx[1:]:
-            r = (r & atoms[i]) if rng.random() < 0.5 else (r | atoms[i])
-        return r
-    spec = MaskSpec([Region((0, s), rule()), Region((s, q_len), rule())])
     n, b = 700, 2
-    md = {}
-    if "seg" in spec.metadata:
-        md["seg"] = np.sort(rng.integers(-1, 6, (b, n)), axis=1)
-    if "s" in spec.metadata:
-        md["s"] = rng.integers(0, n, b)
-    _grads(spec, md or None, b, n, 2, 2, seed=seed)
+    spec, md = random_spec_case(rng, n, b)
+    assert not jcm.compile(spec).fallback_regions
+    _grads(spec, md, b, n, 2, 2, seed=seed)

@@ -149,6 +149,15 @@ def _import_cutlass():
         ) from err
 
 
+def _dsl(dtype_name: str):
+    """(cutlass, cute, the element type, sym_int, sym_int64) for building a kernel."""
+    _import_cutlass()
+    import cutlass
+    import cutlass.cute as cute
+    dtype = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[dtype_name]
+    return cutlass, cute, dtype, cute.sym_int, cute.sym_int64
+
+
 def compile_forward(key: ForwardKey):
     """Compile (once per key) and return the TVM-FFI function of the forward kernel.
 
@@ -157,14 +166,9 @@ def compile_forward(key: ForwardKey):
     with _lock:
         if key in _compiled:
             return _compiled[key]
-        _import_cutlass()
-        import cutlass
-        import cutlass.cute as cute
-
+        cutlass, cute, dtype, sym, sym64 = _dsl(key.dtype)
         from .forward import FlashForwardSm90
 
-        dtype = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[key.dtype]
-        sym, sym64 = cute.sym_int, cute.sym_int64
         # 16-byte alignment of every non-unit stride, in elements: TMA needs it.
         div = 8
         b, nq, nk, hq, hkv = sym(), sym(), sym(), sym(), sym()
@@ -205,11 +209,12 @@ def compile_forward(key: ForwardKey):
         return fn
 
 
-def _ensure_registered(key: ForwardKey) -> str:
+def _ensure_registered(key) -> str:
+    """Compile (ForwardKey or BackwardKey) and register as an XLA FFI target, once."""
     name = key.target_name
     if name in _registered:
         return name
-    fn = compile_forward(key)
+    fn = compile_forward(key) if isinstance(key, ForwardKey) else compile_backward(key)
     try:
         import jax_tvm_ffi
     except ImportError as err:  # pragma: no cover
@@ -336,14 +341,9 @@ def compile_backward(key: BackwardKey):
     with _lock:
         if key in _compiled:
             return _compiled[key]
-        _import_cutlass()
-        import cutlass
-        import cutlass.cute as cute
-
+        cutlass, cute, dtype, sym, sym64 = _dsl(key.dtype)
         from .backward import FlashBackwardSm90
 
-        dtype = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[key.dtype]
-        sym, sym64 = cute.sym_int, cute.sym_int64
         b, nq, nk, hq, hkv = sym(), sym(), sym(), sym(), sym()
         d = key.head_dim
 
@@ -399,6 +399,11 @@ def cute_backward(q, k, v, out, lse, do, bwd_intervals, bwd_tiles, fwd_intervals
     """
     B, Nq, Hq, D = q.shape
     Nk, Hkv = k.shape[1], k.shape[2]
+    if k.dtype != q.dtype or v.dtype != q.dtype or do.dtype != q.dtype:
+        raise TypeError(f"q, k, v, do must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}, "
+                        f"{do.dtype}")
+    if k.shape[0] != B or v.shape[:3] != k.shape[:3] or Hq % Hkv:
+        raise ValueError(f"incompatible shapes q{q.shape} k{k.shape} v{v.shape}")
     if v.shape[-1] != D or out.shape != q.shape or do.shape != q.shape:
         raise ValueError(f"cute backward needs Dv == D and out/do shaped like q; got q{q.shape} "
                          f"v{v.shape} out{out.shape} do{do.shape}")
@@ -414,15 +419,7 @@ def cute_backward(q, k, v, out, lse, do, bwd_intervals, bwd_tiles, fwd_intervals
         dtype=jnp.dtype(q.dtype).name, head_dim=D, num_intervals=K, num_bwd_intervals=Kc,
         block_q=block_q, block_kv=block_kv, broadcast_batch=(Bm == 1), broadcast_head=(Hm == 1),
         scale=float(scale))
-    name = key.target_name
-    if name not in _registered:
-        fn = compile_backward(key)
-        import jax_tvm_ffi
-        with _lock:
-            if name not in _registered:
-                jax_tvm_ffi.register_ffi_target(name, fn, ["args", "rets"], platform="gpu",
-                                                allow_cuda_graph=True)
-                _registered.add(name)
+    name = _ensure_registered(key)
     f32 = jnp.float32
     lse = lse.astype(f32)
     lse2 = jnp.where(jnp.isneginf(lse), jnp.inf, lse * np.float32(1.0 / math.log(2.0)))

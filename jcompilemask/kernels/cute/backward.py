@@ -46,7 +46,7 @@ from cutlass import Boolean, Float32, Int32, Uint32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-from .forward import _as_a_operand, _rows_view, _unsigned_lt
+from .common import _as_a_operand, _rows_view, _unsigned_lt, issue_wgmma, tile_bits
 
 _BARRIER_DS_READY = 1   # both consumer warpgroups wrote their half of dS^T
 _BARRIER_DS_FREE = 2    # both finished reading dS for the dQ product
@@ -280,11 +280,6 @@ class FlashBackwardSm90:
                 tidx - self.threads_per_wg)
 
     @cute.jit
-    def tile_bits(self, gTiles: cute.Tensor, q_tile: Int32) -> Uint32:
-        word = gTiles[q_tile // 16]
-        return (word >> Uint32(2 * (q_tile % 16))) & Uint32(3)
-
-    @cute.jit
     def mask_head(self, head):
         return 0 if const_expr(self.broadcast_head) else head
 
@@ -317,7 +312,7 @@ class FlashBackwardSm90:
             tdOsdO, tdOgdO = cpasync.tma_partition(
                 tma_atom_do, 0, cute.make_layout(1), cute.group_modes(sdO, 0, 2), cute.group_modes(gdO, 0, 2))
             for q_tile in cutlass.range(n_q_tiles, unroll=1):
-                if self.tile_bits(gTiles, q_tile) & Uint32(1) != Uint32(0):
+                if tile_bits(gTiles, q_tile) & Uint32(1) != Uint32(0):
                     pipeline_q.producer_acquire(state)
                     cute.copy(tma_atom_q, tQgQ[None, q_tile], tQsQ[None, state.index],
                               tma_bar_ptr=pipeline_q.producer_get_barrier(state))
@@ -364,7 +359,6 @@ class FlashBackwardSm90:
         # (key, query) coordinates of this thread's elements of an S^T tile: 2 keys (rows).
         tScS = _rows_view(thr_sdp.partition_C(cute.make_identity_tensor((bk, bq))))
         num_rows = cute.size(tScS, mode=[0])
-        n_cols = cute.size(tScS, mode=[1])
 
         # dS^T as written from registers: the (keys, queries) view of the dQ A operand.
         # Written with stmatrix (8x8 blocks, queries contiguous in both), like an epilogue.
@@ -404,7 +398,7 @@ class FlashBackwardSm90:
             ragged_q = n_q_tiles if seqlen_q % bq == 0 else n_q_tiles - 1
             ragged_k = (seqlen_k % bk != 0) & (k_tile == cute.ceil_div(seqlen_k, bk) - 1)
             for q_tile in cutlass.range(n_q_tiles, unroll=1):
-                bits = self.tile_bits(gTiles, q_tile)
+                bits = tile_bits(gTiles, q_tile)
                 if bits & Uint32(1) != Uint32(0):
                     needs_mask = (bits & Uint32(2) != Uint32(0)) | (q_tile == ragged_q) | ragged_k
                     if needs_mask:
@@ -423,16 +417,6 @@ class FlashBackwardSm90:
         self.epilogue(acc_dK, acc_dV, mdK, mdV, tiled_mma_dkv, tidx, seqlen_k, k_tile, head_kv, batch)
 
     @cute.jit
-    def wgmma(self, tiled_mma, acc, tA, tB, zero_init: cutlass.Constexpr[bool]):
-        warpgroup.fence()
-        atom = cute.make_mma_atom(tiled_mma.op)
-        atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
-        for kb in cutlass.range_constexpr(cute.size(tA.shape[2])):
-            cute.gemm(atom, acc, tA[None, None, kb], tB[None, None, kb], acc)
-            atom.set(warpgroup.Field.ACCUMULATE, True)
-        warpgroup.commit_group()
-
-    @cute.jit
     def step(self, masked: cutlass.Constexpr[bool], state, q_tile, mma_sdp, mma_dkv, mma_dq, tSrK,
              tSrV, tSrQ, tSrdO, tKVrQt, tKVrdOt, tQrdS, tQrKt, tKVrP, tKVrdS, acc_dK, acc_dV, tScS,
              tdSsdS, tdQcdQ, mLSE2, mDelta, col_starts, col_lengths, exact, mFwdIntervals, mdQaccum,
@@ -441,9 +425,9 @@ class FlashBackwardSm90:
         acc_S = cute.make_rmem_tensor(mma_sdp.partition_shape_C((bk, bq)), Float32)
         acc_dP = cute.make_rmem_tensor(mma_sdp.partition_shape_C((bk, bq)), Float32)
         pipeline_q.consumer_wait(state)
-        self.wgmma(mma_sdp, acc_S, tSrK[None, None, None, 0], tSrQ[None, None, None, state.index], True)
+        issue_wgmma(mma_sdp, acc_S, tSrK[None, None, None, 0], tSrQ[None, None, None, state.index], True)
         pipeline_do.consumer_wait(state)
-        self.wgmma(mma_sdp, acc_dP, tSrV[None, None, None, 0], tSrdO[None, None, None, state.index], True)
+        issue_wgmma(mma_sdp, acc_dP, tSrV[None, None, None, 0], tSrdO[None, None, None, state.index], True)
         warpgroup.wait_group(1)
 
         # P^T = exp2(S^T * scale log2 e - lse log2 e); masked elements 0. The per-query
@@ -474,8 +458,8 @@ class FlashBackwardSm90:
         # dV += P^T dO, dK += dS^T Q (register A operands).
         tKVrP.store(_as_a_operand(acc_S).load().to(self.dtype))
         tKVrdS.store(_as_a_operand(acc_dP).load().to(self.dtype))
-        self.wgmma(mma_dkv, acc_dV, tKVrP, tKVrdOt[None, None, None, state.index], False)
-        self.wgmma(mma_dkv, acc_dK, tKVrdS, tKVrQt[None, None, None, state.index], False)
+        issue_wgmma(mma_dkv, acc_dV, tKVrP, tKVrdOt[None, None, None, state.index], False)
+        issue_wgmma(mma_dkv, acc_dK, tKVrdS, tKVrQt[None, None, None, state.index], False)
 
         # dS^T -> shared memory (after both warpgroups finished the previous dQ product).
         cute.arch.barrier(barrier_id=_BARRIER_DS_FREE, number_of_threads=self.num_consumer_wgs * self.threads_per_wg)
@@ -491,7 +475,7 @@ class FlashBackwardSm90:
         if const_expr(self.dq_single_wg):
             if tidx // self.threads_per_wg == 0:
                 acc_dQ = cute.make_rmem_tensor(mma_dq.partition_shape_C((bq, d)), Float32)
-                self.wgmma(mma_dq, acc_dQ, tQrdS[None, None, None, 0], tQrKt[None, None, None, 0], True)
+                issue_wgmma(mma_dq, acc_dQ, tQrdS[None, None, None, 0], tQrKt[None, None, None, 0], True)
                 warpgroup.wait_group(0)
                 self.store_dq(acc_dQ, mdQaccum, tdQcdQ, seqlen_q, q_tile, head, batch)
             warpgroup.wait_group(0)
@@ -499,7 +483,7 @@ class FlashBackwardSm90:
             pipeline_do.consumer_release(state)
         else:
             acc_dQ = cute.make_rmem_tensor(mma_dq.partition_shape_C((bq, d)), Float32)
-            self.wgmma(mma_dq, acc_dQ, tQrdS[None, None, None, 0], tQrKt[None, None, None, 0], True)
+            issue_wgmma(mma_dq, acc_dQ, tQrdS[None, None, None, 0], tQrKt[None, None, None, 0], True)
             warpgroup.wait_group(0)
             pipeline_q.consumer_release(state)
             pipeline_do.consumer_release(state)

@@ -46,10 +46,10 @@ import cutlass.pipeline as pipeline
 import cutlass.memory as cutlass_memory
 import cutlass.utils.hopper_helpers as sm90_helpers
 from cutlass import Boolean, Float32, Int32, Uint32, const_expr
-from cutlass._mlir.dialects import arith
 from cutlass.cute.nvgpu import cpasync, warpgroup
-from cutlass.cutlass_dsl import dsl_user_op
 from cutlass.tensor_utils import LayoutEnum
+
+from .common import _as_a_operand, _rows_view, _tree, _unsigned_lt, issue_wgmma, tile_bits
 
 # Named barrier ids. 0 is __syncthreads; the two consumer warpgroups each own one
 # scheduling barrier that the other one arrives on (tensor-core ping-pong).
@@ -57,73 +57,6 @@ _BARRIER_SCHED_WG1 = 1
 _BARRIER_EPILOGUE = 3  # both consumer warpgroups: O is in shared memory
 _LOG2_E = math.log2(math.e)
 _LN_2 = math.log(2.0)
-
-
-@dsl_user_op
-def _unsigned_lt(a, b, *, loc=None, ip=None) -> Boolean:
-    """uint32(a) < uint32(b) for Int32 operands.
-
-    Spelled as an explicit `arith.cmpi ult`: `Uint32(x) < Uint32(y)` on Int32 values
-    was lowered to a signed compare (setp.lt.s32) by CuTe DSL 4.8.1, which would make
-    every key left of an interval's start visible.
-    """
-    return Boolean(
-        arith.cmpi(
-            arith.CmpIPredicate.ult,
-            Int32(a).ir_value(loc=loc, ip=ip),
-            Int32(b).ir_value(loc=loc, ip=ip),
-            loc=loc,
-            ip=ip,
-        )
-    )
-
-
-def _tree(values: list, op):
-    """Reduce a Python list of DSL values pairwise (log-depth dependency chain)."""
-    while len(values) > 1:
-        values = [op(values[i], values[i + 1]) if i + 1 < len(values) else values[i]
-                  for i in range(0, len(values), 2)]
-    return values[0]
-
-
-def _rows_view(acc: cute.Tensor) -> cute.Tensor:
-    """A wgmma accumulator ((2, 2, V), M, N) seen as (rows, cols) of this thread.
-
-    In an SM90 accumulator fragment mode 0 is (column pair, row +8, column group of 8);
-    softmax wants rows first, so regroup as ((row +8, M), (column pair, group, N)).
-    """
-    flat = cute.make_layout(acc.layout.shape)
-    shape = (
-        (flat.shape[0][1], flat.shape[1]),
-        (flat.shape[0][0], flat.shape[0][2], flat.shape[2]),
-    )
-    stride = (
-        (flat.stride[0][1], flat.stride[1]),
-        (flat.stride[0][0], flat.stride[0][2], flat.stride[2]),
-    )
-    return cute.make_tensor(acc.iterator, cute.composition(acc.layout, cute.make_layout(shape, stride=stride)))
-
-
-def _as_a_operand(acc: cute.Tensor) -> cute.Tensor:
-    """An accumulator ((2, 2, V), M, N) regrouped as a register A operand ((2, 2, 2), M, (V/2, N)).
-
-    The k=16 slice of a bf16 wgmma A fragment is two column groups of 8, so pairs of
-    accumulator column groups form one A k-block; no data moves, only the view.
-    """
-    split = cute.logical_divide(acc.layout, ((None, None, 2), None, None))
-    layout = cute.make_layout(
-        (
-            (split.shape[0][0], split.shape[0][1], split.shape[0][2][0]),
-            split.shape[1],
-            (split.shape[0][2][1], split.shape[2]),
-        ),
-        stride=(
-            (split.stride[0][0], split.stride[0][1], split.stride[0][2][0]),
-            split.stride[1],
-            (split.stride[0][2][1], split.stride[2]),
-        ),
-    )
-    return cute.make_tensor(acc.iterator, layout)
 
 
 class FlashForwardSm90:
@@ -381,7 +314,7 @@ class FlashForwardSm90:
 
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         for k_tile in cutlass.range(n_k_tiles, unroll=1):
-            if self.tile_bits(gTiles, k_tile) & Uint32(1) != Uint32(0):
+            if tile_bits(gTiles, k_tile) & Uint32(1) != Uint32(0):
                 pipeline_k.producer_acquire(kv_state)
                 cute.copy(tma_atom_k, tKgK[None, k_tile], tKsK[None, kv_state.index],
                           tma_bar_ptr=pipeline_k.producer_get_barrier(kv_state))
@@ -389,12 +322,6 @@ class FlashForwardSm90:
                 cute.copy(tma_atom_v, tVgV[None, k_tile], tVsV[None, kv_state.index],
                           tma_bar_ptr=pipeline_v.producer_get_barrier(kv_state))
                 kv_state.advance()
-
-    @cute.jit
-    def tile_bits(self, gTiles: cute.Tensor, k_tile: Int32) -> Uint32:
-        """The 2 state bits of key tile `k_tile` in this tile row: bit 0 compute, bit 1 masked."""
-        word = gTiles[k_tile // 16]
-        return (word >> Uint32(2 * (k_tile % 16))) & Uint32(3)
 
     # ------------------------------------------------------------------ consumers
     @cute.jit
@@ -442,7 +369,7 @@ class FlashForwardSm90:
         # measured 4-5% slower on the H200 (NOTES.md), so the plain walk stays.
         started = Boolean(False)
         for k_tile in cutlass.range(n_k_tiles, unroll=1):
-            bits = self.tile_bits(gTiles, k_tile)
+            bits = tile_bits(gTiles, k_tile)
             if bits & Uint32(1) != Uint32(0):
                 needs_mask = (bits & Uint32(2) != Uint32(0)) | (k_tile == ragged_tile)
                 if started:
@@ -462,7 +389,7 @@ class FlashForwardSm90:
                 started = Boolean(True)
         if started:
             pipeline_v.consumer_wait(kv_state)
-            self.wgmma(wg_mma_pv, acc_O, tOrP, tOrV[None, None, None, kv_state.index], False)
+            issue_wgmma(wg_mma_pv, acc_O, tOrP, tOrV[None, None, None, kv_state.index], False)
             warpgroup.wait_group(0)
             pipeline_v.consumer_release(kv_state)
 
@@ -470,24 +397,12 @@ class FlashForwardSm90:
                       q_tile, head, batch)
 
     @cute.jit
-    def wgmma(self, tiled_mma, acc, tA, tB, zero_init: cutlass.Constexpr[bool]):
-        """Issue one warpgroup GEMM over all k-blocks and commit it; does not wait."""
-        warpgroup.fence()
-        # A fresh atom: its ACCUMULATE field is mutated per k-block below.
-        atom = cute.make_mma_atom(tiled_mma.op)
-        atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
-        for kb in cutlass.range_constexpr(cute.size(tA.shape[2])):
-            cute.gemm(atom, acc, tA[None, None, kb], tB[None, None, kb], acc)
-            atom.set(warpgroup.Field.ACCUMULATE, True)
-        warpgroup.commit_group()
-
-    @cute.jit
     def mma_first(self, kv_state, k_tile, wg_mma_qk, tSrQ, tSrK, tOrP, tScS, row_max, row_sum,
                   row_intervals, seqlen_k, pipeline_k):
         """S of the first visited tile, softmax, P into registers; its P@V waits for the next step."""
         acc_S = cute.make_rmem_tensor(wg_mma_qk.partition_shape_C((self.block_q, self.block_kv)), Float32)
         pipeline_k.consumer_wait(kv_state)
-        self.wgmma(wg_mma_qk, acc_S, tSrQ[None, None, None, 0], tSrK[None, None, None, kv_state.index], True)
+        issue_wgmma(wg_mma_qk, acc_S, tSrQ[None, None, None, 0], tSrK[None, None, None, kv_state.index], True)
         warpgroup.wait_group(0)
         pipeline_k.consumer_release(kv_state)
         acc_S_rows = _rows_view(acc_S)
@@ -507,9 +422,9 @@ class FlashForwardSm90:
         acc_S = cute.make_rmem_tensor(wg_mma_qk.partition_shape_C((self.block_q, self.block_kv)), Float32)
         pipeline_k.consumer_wait(kv_state)
         self.sched_wait(wg)
-        self.wgmma(wg_mma_qk, acc_S, tSrQ[None, None, None, 0], tSrK[None, None, None, kv_state.index], True)
+        issue_wgmma(wg_mma_qk, acc_S, tSrQ[None, None, None, 0], tSrK[None, None, None, kv_state.index], True)
         pipeline_v.consumer_wait(v_state)
-        self.wgmma(wg_mma_pv, acc_O, tOrP, tOrV[None, None, None, v_state.index], False)
+        issue_wgmma(wg_mma_pv, acc_O, tOrP, tOrV[None, None, None, v_state.index], False)
         self.sched_signal(wg)
         warpgroup.wait_group(1)
         pipeline_k.consumer_release(kv_state)

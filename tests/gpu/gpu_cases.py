@@ -1,0 +1,58 @@
+"""Masks and metadata shared by the GPU end-to-end tests (forward and backward): every
+built-in at sizes that exercise the kernels (wide windows, ragged lengths, padding)."""
+from __future__ import annotations
+
+import numpy as np
+
+import jcompilemask as jcm
+
+SPECS = {
+    "causal": jcm.masks.causal(), "full": jcm.masks.full(),
+    "sliding_window": jcm.masks.sliding_window(200, 31), "chunked_causal": jcm.masks.chunked_causal(300),
+    "prefix_lm": jcm.masks.prefix_lm(), "document": jcm.masks.document(),
+    "document_bidir": jcm.masks.document(causal=False), "hstu": jcm.masks.hstu(),
+    "shared_prompt": jcm.masks.shared_prompt(3), "clear": jcm.masks.clear(32, 2),
+}
+
+
+def metadata(name, b, n, rng):
+    """Random metadata of built-in ``name`` for b sequences of length n (None if none)."""
+    if name == "prefix_lm":
+        return {"prefix_len": rng.integers(0, n + 1, b)}
+    if name in ("document", "document_bidir"):
+        ids = np.sort(rng.integers(0, 9, (b, n)), axis=1)
+        ids[:, n - 37:] = -1
+        return {"segment_ids": ids}
+    if name == "hstu":
+        g = rng.integers(3, 9, b)
+        return {"context_len": rng.integers(n // 4, n // 2, b),
+                "history_end": n - g * rng.integers(3, 9, b), "group_size": g}
+    if name == "shared_prompt":
+        lens = rng.integers(n // 16, n // 11, (b, 3))
+        p = n - lens.sum(1)
+        starts = p[:, None] + np.concatenate([np.zeros((b, 1), int), np.cumsum(lens, 1)[:, :-1]], 1)
+        return {"prompt_len": p, "response_starts": starts}
+    if name == "clear":
+        return {"text_len": rng.integers(16, 100, b), "image_len": rng.integers(n // 2, n - 120, b)}
+    return None
+
+
+def random_spec_case(rng, n=700, b=2):
+    """(spec, metadata or None): a random two-region MaskSpec over q, k, a scalar ``s``
+    and segment ids ``seg``, whose atoms all lower to intervals (no fallback)."""
+    from jcompilemask.spec import MaskSpec, Region, Scalar, SegmentIds, k, q, q_len
+    s, seg = Scalar("s", max=q_len), SegmentIds("seg")
+    atoms = [k <= q, k >= q - 100, k < s, k >= seg.start(q), k < seg.end(q), k >= q // 64 * 64,
+             k <= q + 50, k >= s]
+
+    def rule():
+        idx = rng.choice(len(atoms), size=rng.integers(1, 4), replace=False)
+        r = atoms[idx[0]]
+        for i in idx[1:]:
+            r = (r & atoms[i]) if rng.random() < 0.5 else (r | atoms[i])
+        return r
+    spec = MaskSpec([Region((0, s), rule()), Region((s, q_len), rule())])
+    md = {"s": rng.integers(0, n, b)} if "s" in spec.metadata else {}
+    if "seg" in spec.metadata:
+        md["seg"] = np.sort(rng.integers(-1, 6, (b, n)), axis=1)
+    return spec, md or None
