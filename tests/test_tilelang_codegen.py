@@ -104,6 +104,14 @@ def test_cache_key_is_typed_and_stable(tmp_path):
     with pytest.raises(TypeError):
         cache.get_or_build(("not", "a key"), build)
 
+    # An artifact that does not load (foreign toolchain, corrupt file) is rebuilt, loudly.
+    def bad_load(path):
+        raise OSError("undefined symbol")
+
+    with pytest.warns(RuntimeWarning, match="did not load .*undefined symbol.*rebuilding"):
+        CompileCache(tmp_path).get_or_build(key, build, load=bad_load, save=save)
+    assert len(calls) == 2
+
 
 def test_gpu_errors_are_clear():
     from jcompilemask import ffi

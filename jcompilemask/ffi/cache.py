@@ -16,6 +16,7 @@ import hashlib
 import importlib.metadata
 import json
 import os
+import warnings
 import threading
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -117,7 +118,10 @@ class CompileCache:
             if self.disk and load is not None and path.exists():
                 try:
                     obj = load(str(path))
-                except Exception:      # a corrupt or foreign artifact: rebuild it
+                except Exception as err:   # a corrupt or foreign artifact: rebuild it
+                    warnings.warn(f"jcompilemask: the cached kernel {path} did not load "
+                                  f"({type(err).__name__}: {err}); rebuilding it",
+                                  RuntimeWarning, stacklevel=2)
                     obj = None
             if obj is None:
                 built = build()
