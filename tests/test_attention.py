@@ -316,3 +316,14 @@ def test_batched_tile_loop_matches(name, monkeypatch):
     monkeypatch.setenv("JCOMPILEMASK_XLA_TILE_BATCH", "x")
     with pytest.raises(ValueError, match="JCOMPILEMASK_XLA_TILE_BATCH"):
         xla.tile_batch(3, 1)
+
+
+def test_shard_map_data_parallel():
+    """Inside jax.shard_map (data parallel, metadata sharded with the batch) forward and
+    gradients equal the unsharded call; a subprocess, since it needs 4 host devices."""
+    import os
+    import subprocess
+    import sys
+    script = os.path.join(os.path.dirname(__file__), "scripts", "shard_map_check.py")
+    res = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0 and "OK 4" in res.stdout, res.stderr[-3000:]

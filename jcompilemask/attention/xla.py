@@ -91,12 +91,23 @@ def _tile_lists(states):
 class _Problem:
     """Static shapes and the math shared by the three passes."""
 
-    def __init__(self, q, k, v, desc: ExecutionDescriptor, scale, softcap):
+    def __init__(self, q, k, v, desc: ExecutionDescriptor, scale, softcap, *more):
         self.b, self.nq, self.hq, self.d = q.shape
         _, self.nk, self.hkv, self.dv = v.shape
         self.g = self.hq // self.hkv
         self.desc, self.scale, self.softcap = desc, scale, softcap
         self.dtype = q.dtype
+        # A float32 zero that depends on every operand: loop-carry initial values are
+        # made "like" it, so inside shard_map they vary over the same mesh axes as the
+        # loop bodies' results (while_loop requires equal carry types).
+        self._ref = sum(jnp.sum(x.reshape(-1)[:0].astype(F32))
+                        for x in (q, k, v, *more, *jax.tree.leaves(desc)))
+
+    def zeros(self, shape):
+        return jnp.zeros_like(self._ref, shape=shape)
+
+    def full(self, shape, value):
+        return jnp.full_like(self._ref, value, shape=shape)
 
     def logits(self, qb, kb):
         """qb [B, Hq, bq, D], kb [B, Hkv, bk, D] -> (s, t) float32 [B, Hq, bq, bk]; t is
@@ -138,9 +149,9 @@ def _fwd_impl(q, k, v, desc, scale, softcap):
     def row_tile(ti):
         rows = ti * bq + jnp.arange(bq, dtype=jnp.int32)
         qb = lax.dynamic_slice_in_dim(qt, ti * bq, bq, axis=2)
-        m0 = jnp.full((P.b, P.hq, bq), NEG_INF, F32)
-        l0 = jnp.zeros((P.b, P.hq, bq), F32)
-        a0 = jnp.zeros((P.b, P.hq, bq, P.dv), F32)
+        m0 = P.full((P.b, P.hq, bq), NEG_INF)
+        l0 = P.zeros((P.b, P.hq, bq))
+        a0 = P.zeros((P.b, P.hq, bq, P.dv))
 
         def body(carry):
             n, m, l, acc = carry
@@ -187,7 +198,7 @@ def _dlogits(P, p, dp, delta_b, t):
 
 
 def _bwd_impl(q, k, v, desc, scale, softcap, out, lse, do, dlse=None):
-    P = _Problem(q, k, v, desc, scale, softcap)
+    P = _Problem(q, k, v, desc, scale, softcap, out, lse, do, *([] if dlse is None else [dlse]))
     delta = jnp.einsum("bqhd,bqhd->bhq", out.astype(F32), do.astype(F32))
     if dlse is not None:
         # d lse_i / d s_ij = p_ij: a cotangent on lse enters like -delta.
@@ -237,7 +248,7 @@ def _dq_pass(P, q, k, v, do, lse, delta):
                                  preferred_element_type=F32).reshape(dq.shape)
             return n + 1, dq
 
-        dq0 = jnp.zeros((P.b, P.hq, bq, P.d), F32)
+        dq0 = P.zeros((P.b, P.hq, bq, P.d))
         _, dq = lax.while_loop(lambda c: c[0] < count[ti], body, (0, dq0))
         return dq
 
@@ -280,8 +291,8 @@ def _dkv_pass(P, q, k, v, do, lse, delta):
                                  preferred_element_type=F32)
             return n + 1, dk, dv
 
-        dk0 = jnp.zeros((P.b, P.hkv, bk, P.d), F32)
-        dv0 = jnp.zeros((P.b, P.hkv, bk, P.dv), F32)
+        dk0 = P.zeros((P.b, P.hkv, bk, P.d))
+        dv0 = P.zeros((P.b, P.hkv, bk, P.dv))
         _, dk, dv = lax.while_loop(lambda c: c[0] < count[tj], body, (0, dk0, dv0))
         return dk, dv
 
