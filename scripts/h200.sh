@@ -40,7 +40,7 @@ case $stage in
     ;;
   forward)
     cp benchmarks/results/h200-forward.json "$OUT/" 2>/dev/null
-    timeout 280 python3 benchmarks/bench_forward.py --check --bench --fa4 --out "$OUT/h200-forward.json" \
+    timeout 280 python3 benchmarks/bench_forward.py --check --bench --fa4 --masks hstu,shared_prompt,clear --out "$OUT/h200-forward.json" \
       2>&1 | grep -v Warning | tee "$OUT/bench_forward.log" | tail -12
     timeout 280 python3 benchmarks/bench_cute_variants.py --ns 8192,32768 --out "$OUT/h200-variants.json" \
       2>&1 | grep -v Warning | tee "$OUT/bench_variants.log" | tail -25
