@@ -11,7 +11,7 @@ the keys are the rows of every register tile):
     dP^T = V dO^T                (wgmma)
     P^T  = exp2(S^T * scale * log2 e - lse_m * log2 e), zero where masked
     dS^T = P^T * (dP^T - delta_m)                    (delta = rowsum(dO * O) - dlse)
-    dV  += P^T dO                (wgmma, P^T from registers, dO seen K-transposed)
+    dV  += P^T dO                (wgmma, P^T from registers, dO's buffer seen transposed)
     dK  += dS^T Q                (wgmma, dS^T from registers)
     dQ_m += dS K                 (dS^T stored to shared memory, wgmma, fp32 atomics
                                   into a dQ accumulator in global memory)
@@ -29,8 +29,9 @@ each owning 64 of the 128 keys for the S / dP / dK / dV products and half of the
 dims for the dQ product (which needs both halves of dS: a named barrier); at D = 64
 the first warpgroup computes dQ alone (see `dq_single_wg`).
 
-Not yet run on a GPU (compile-checked for sm_90a only); the registry does not pick it
-until the H200 tests pass (`backends.py`).
+Not yet run on a GPU (compile-checked for sm_90a only): the cute backend uses it only
+with JCOMPILEMASK_CUTE_BACKWARD=1 until tests/gpu/test_cute_backward.py passes on the
+H200 (`backends.cute_backward_reason`).
 """
 
 from __future__ import annotations
