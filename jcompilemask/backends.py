@@ -51,7 +51,8 @@ class Backend:
 
     ``available()`` and ``supports(call)`` return None when fine, else the reason.
     ``forward(q, k, v, desc, scale, softcap) -> (out, lse)``; ``backward(...)`` likewise
-    with ``(out, lse, do, dlse) -> (dq, dk, dv)``; ``backward_note`` says where
+    with ``(out, lse, do, dlse) -> (dq, dk, dv)``; ``backward_note`` (a string, or a
+    callable returning one, asked at each ``explain``) says where
     gradients come from when not from this backend's own kernels.
     """
 
@@ -62,7 +63,7 @@ class Backend:
     supports: Callable[[Call], Optional[str]]
     forward: Callable
     backward: Callable
-    backward_note: str = ""
+    backward_note: str | Callable[[], str] = ""   # a callable is asked each time
 
 
 _REGISTRY: dict[str, Backend] = {}
@@ -126,8 +127,9 @@ def explain(call: Call | None = None) -> str:
         if why is None and chosen is None:
             chosen = b.name
         status = "available" if why is None else f"skipped: {why}"
-        if why is None and b.backward_note:
-            status += f" ({b.backward_note})"
+        note = b.backward_note() if callable(b.backward_note) else b.backward_note
+        if why is None and note:
+            status += f" ({note})"
         lines.append(f"  {b.name}: {status}")
     if call is not None:
         lines.append(f"chosen: {chosen}")
@@ -217,7 +219,7 @@ def _cute_backend() -> Backend:
 
     return Backend(name="cute", priority=10, tiles=tiles, available=available,
                    supports=supports, forward=forward, backward=backward,
-                   backward_note=_cute_backward_note())
+                   backward_note=_cute_backward_note)
 
 
 CUTE_BACKWARD_ENV = "JCOMPILEMASK_CUTE_BACKWARD"

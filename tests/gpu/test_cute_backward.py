@@ -67,8 +67,10 @@ def test_backward_selection_reasons(monkeypatch):
     x = jnp.zeros((1, 256, 2, 128), jnp.bfloat16)
     monkeypatch.delenv(backends.CUTE_BACKWARD_ENV, raising=False)
     assert "opt-in" in backends.cute_backward_reason(x, x, desc, None)
+    assert "not yet validated" in backends._cute_backward_note()
     monkeypatch.setenv(backends.CUTE_BACKWARD_ENV, "1")
     assert backends.cute_backward_reason(x, x, desc, None) is None
+    assert "opt-in" in backends.get("cute").backward_note()   # asked afresh: env now set
     assert "soft cap" in backends.cute_backward_reason(x, x, desc, 5.0)
     x256 = jnp.zeros((1, 256, 2, 256), jnp.bfloat16)
     assert "head dims" in backends.cute_backward_reason(x256, x256, desc, None)
