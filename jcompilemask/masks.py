@@ -33,11 +33,23 @@ def full() -> MaskSpec:
     return MaskSpec([Region((0, q_len), TRUE)], name="full")
 
 
-def sliding_window(left: int, right: int = 0) -> MaskSpec:
-    """Row q sees q - left <= k <= q + right. No metadata."""
+def sliding_window(left: int, right: int = 0, sinks: int = 0) -> MaskSpec:
+    """Row q sees q - left <= k <= q + right, and the first ``sinks`` keys (attention
+    sinks, as in StreamingLLM) as long as k <= q + right. No metadata.
+
+    >>> import jcompilemask as jcm
+    >>> jcm.compile(sliding_window(4, sinks=2)).num_intervals   # window + sinks
+    2
+    >>> sliding_window(1, sinks=1).as_dense(None, 4)[0, 0].astype(int).tolist()
+    [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 0, 1, 1]]
+    """
     left, right = _nonneg_int(left, "left"), _nonneg_int(right, "right")
-    return MaskSpec([Region((0, q_len), (k >= q - left) & (k <= q + right))],
-                    name=f"sliding_window({left}, {right})")
+    sinks = _nonneg_int(sinks, "sinks")
+    window = (k >= q - left) & (k <= q + right)
+    if sinks == 0:
+        return MaskSpec([Region((0, q_len), window)], name=f"sliding_window({left}, {right})")
+    return MaskSpec([Region((0, q_len), window | ((k < sinks) & (k <= q + right)))],
+                    name=f"sliding_window({left}, {right}, sinks={sinks})")
 
 
 def chunked_causal(chunk: int) -> MaskSpec:

@@ -64,7 +64,8 @@ def builtin_case(draw, names=None, sizes=None, params=None, batch=(1, 3)):
     elif name == "full":
         spec = jcm.masks.full()
     elif name == "sliding_window":
-        params = fixed or dict(left=draw(st.integers(0, 5)), right=draw(st.integers(0, 3)))
+        params = fixed or dict(left=draw(st.integers(0, 5)), right=draw(st.integers(0, 3)),
+                               sinks=draw(st.sampled_from([0, 0, 1, 3])))
         spec = jcm.masks.sliding_window(**params)
     elif name == "chunked_causal":
         params = fixed or dict(chunk=draw(st.integers(1, 6)))

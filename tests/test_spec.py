@@ -206,7 +206,8 @@ def _ref_elem(name, params, md, s, get, i, j, nq):
     if name == "full":
         return True
     if name == "sliding_window":
-        return i - params["left"] <= j <= i + params["right"]
+        near = i - params["left"] <= j <= i + params["right"]
+        return near or (j < params.get("sinks", 0) and j <= i + params["right"])
     if name == "chunked_causal":
         c = params["chunk"]
         return i // c == j // c and j <= i
@@ -296,6 +297,8 @@ EDGE_CASES = [
     ("shared_prompt", {}, {"prompt_len": [4], "response_starts": [[2, 6, 6, 8]]}, 8, 8),
     ("prefix_lm", {}, {"prefix_len": [6]}, 4, 7),
     ("sliding_window", {"left": 2, "right": 1}, None, 4, 7),
+    ("sliding_window", {"left": 1, "right": 0, "sinks": 2}, None, 7, 7),
+    ("sliding_window", {"left": 0, "right": 1, "sinks": 9}, None, 5, 4),
     ("chunked_causal", {"chunk": 3}, None, 7, 4),
 ]
 
