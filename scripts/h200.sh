@@ -17,8 +17,10 @@
 #   total        training step (preprocess + fwd + bwd), jcm with the CuTe backward and peers
 #                (run right after `tilelang` on the same warm machine for the TileLang preprocess)
 #   tilelang     TileLang preprocess bit-exactness tests and the preprocess benchmark
+#   sanitize     compute-sanitizer memcheck + racecheck over a small CuTe backward run
+#   profile      ncu on one clear forward launch at 32K (why 53 TF/s)
 set -uo pipefail
-stage=${1:?stage: correctness | kernels | forward | peers | peers32 | total | tilelang}
+stage=${1:?stage: correctness | kernels | forward | peers | peers32 | total | tilelang | sanitize | profile}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
@@ -63,6 +65,20 @@ case $stage in
       --warm-only --ns 32768,8192,2048 | tail -2
     timeout 440 python3 benchmarks/bench_total.py --cute-backward --ns 32768,8192,2048 --budget-s 380 \
       --out "$OUT/h200-total.json" 2>&1 | grep -v Warning | tee "$OUT/bench_total.log" | tail -30
+    ;;
+  sanitize)
+    # Memory errors and shared-memory races of the CuTe backward on a small case.
+    for tool in memcheck racecheck; do
+      timeout 270 compute-sanitizer --tool $tool --print-limit 20 python3 tests/scripts/gpu_backward_small.py \
+        2>&1 | grep -v Warning | tee "$OUT/sanitize-$tool.log" | tail -15
+    done
+    ;;
+  profile)
+    # Nsight Compute on one forward launch of the clear mask at 32K (the slow workload).
+    timeout 560 ncu --clock-control none --kernel-name regex:FlashForward --launch-skip 3 --launch-count 1 \
+      --section SpeedOfLight --section WarpStateStats --section LaunchStats --section Occupancy \
+      python3 benchmarks/bench_forward.py --ns 32768 --masks clear --out /tmp/ncu-forward.json 2>&1 \
+      | grep -v Warning | tee "$OUT/ncu-clear.log" | tail -60
     ;;
   tilelang)
     export JCOMPILEMASK_CACHE_DIR=$PWD/.jcm-cache
