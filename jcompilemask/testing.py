@@ -4,15 +4,20 @@ Tolerance policy (written once, used by CPU and GPU tests alike): against a floa
 dense reference computed from the same inputs upcast (``precision="high"``, whose
 output stays float32: rounding it to the input dtype would make the comparison count
 whole ulps of the output dtype, so that one rounding flip on a large element decides
-the test), a backend's
-maximum absolute error is at most **twice** the maximum absolute error of the same
-computation done densely in the input dtype (``precision="input"``: logits accumulated
+the test), a backend's maximum absolute error is at most **twice** the maximum absolute
+error of the same computation done densely in the input dtype (``precision="input"``: logits accumulated
 in float32, softmax in float32, probabilities cast to the input dtype before the value
 product, output cast to the input dtype), **plus 1e-5**. NaN never passes; a reference
 ``-inf`` (lse of a row that sees nothing) must be matched exactly.
 
 Gradients follow the same rule: the "high" gradients are taken with respect to float32
-copies of the inputs (``jax.grad`` at input-dtype arguments would round them).
+copies of the inputs (``jax.grad`` at input-dtype arguments would round them); the
+"input" gradients are those of a tensor-core backward done densely — dV = P^T dO,
+dP = dO V^T, dS = P (dP - delta), dQ = dS K, dK = dS^T Q with input-dtype operands
+(P and dS rounded) and float32 accumulation, delta = rowsum(dO * O) from the rounded
+output — rather than autodiff through the rounded forward (whose dS stays float32, an
+accuracy no kernel with input-dtype tensor-core products can match: the 2x bound then
+failed for bfloat16 dQ on about one mask draw in 40).
 """
 from __future__ import annotations
 
@@ -30,27 +35,34 @@ def reference_attention(q, k, v, mask, *, scale=None, softcap=None, precision="h
 
     Returns ``(out [B, Nq, Hq, Dv], lse [B, Hq, Nq] float32)``; rows that see nothing get
     out 0 and lse -inf. ``precision``: "high" (float32 throughout, ``out`` float32 or
-    float64) or "input" (see the module doc; ``out`` in the input dtype).
-    Differentiable (used for reference gradients).
+    float64; gradients by autodiff) or "input" (see the module doc; ``out`` in the input
+    dtype; gradients computed densely with the input-dtype rounding points of the module
+    doc). Differentiable (used for reference gradients).
     """
-    dtype = q.dtype
-    d = q.shape[-1]
-    scale = 1.0 / math.sqrt(d) if scale is None else scale
-    g = q.shape[2] // k.shape[2]
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     if precision == "high":
         hi = jnp.float64 if jax.config.jax_enable_x64 else jnp.float32
         q, k, v = (x.astype(hi) for x in (q, k, v))
-    elif precision != "input":
+        return _dense_forward(q, k, v, mask, scale, softcap, round_to=None)[:2]
+    if precision != "input":
         raise ValueError("precision must be 'high' or 'input'")
+    return _input_precision(q, k, v, jnp.asarray(mask, bool), scale, softcap)
+
+
+_HIGHEST = jax.lax.Precision.HIGHEST   # not TF32: XLA's default f32 dot on a GPU may be
+
+
+def _dense_forward(q, k, v, mask, scale, softcap, round_to):
+    """(out, lse, p, t): the dense forward; ``round_to`` rounds p and out (input mode)."""
+    g = q.shape[2] // k.shape[2]
     k = jnp.repeat(k, g, axis=2)
     v = jnp.repeat(v, g, axis=2)
     acc = jnp.float64 if q.dtype == jnp.float64 else jnp.float32
-    # HIGHEST: on GPUs XLA's default float32 dot may use TF32 (10-bit mantissa), which
-    # would make the "high" reference about as coarse as float16 itself.
-    hp = jax.lax.Precision.HIGHEST
-    s = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=acc, precision=hp) * scale
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=acc, precision=_HIGHEST) * scale
+    t = None
     if softcap is not None:
-        s = softcap * jnp.tanh(s / softcap)
+        t = jnp.tanh(s / softcap)
+        s = softcap * t
     mask = jnp.asarray(mask, bool)
     s = jnp.where(mask, s, -jnp.inf)
     m = jnp.max(s, axis=-1, keepdims=True)
@@ -59,13 +71,56 @@ def reference_attention(q, k, v, mask, *, scale=None, softcap=None, precision="h
     p = jnp.exp(s - m)
     l = jnp.sum(p, axis=-1, keepdims=True)
     p = p / jnp.where(seen, l, 1.0)
-    if precision == "input":
-        p = p.astype(dtype)
-    out = jnp.einsum("bhqk,bkhd->bqhd", p, v, preferred_element_type=acc, precision=hp)
+    pv = p if round_to is None else p.astype(round_to)
+    out = jnp.einsum("bhqk,bkhd->bqhd", pv, v, preferred_element_type=acc, precision=_HIGHEST)
     lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)[..., 0]
-    if precision == "input":
-        out = out.astype(dtype)
-    return out, lse.astype(jnp.float32)
+    if round_to is not None:
+        out = out.astype(round_to)
+    return out, lse.astype(jnp.float32), p, t
+
+
+@jax.custom_vjp
+def _input_precision(q, k, v, mask, scale, softcap):
+    return _dense_forward(q, k, v, mask, scale, softcap, round_to=q.dtype)[:2]
+
+
+def _input_precision_fwd(q, k, v, mask, scale, softcap):
+    out, lse, p, t = _dense_forward(q, k, v, mask, scale, softcap, round_to=q.dtype)
+    return (out, lse), (q, k, v, mask, out, lse, p, t, scale, softcap)
+
+
+def _input_precision_bwd(res, cts):
+    """The backward of a tensor-core kernel, densely: dP = dO V^T and the dV, dK, dQ
+    products take input-dtype operands with float32 accumulation (P and dS rounded to the
+    input dtype), delta = rowsum(dO * O) from the rounded output O."""
+    q, k, v, mask, out, lse, p, t, scale, softcap = res
+    dout, dlse = cts
+    dt, f32 = q.dtype, jnp.float32
+    b, nq, hq, d = q.shape
+    hkv = k.shape[2]
+    g = hq // hkv
+    kr, vr = jnp.repeat(k, g, axis=2), jnp.repeat(v, g, axis=2)
+    do = dout.astype(dt)
+    dvr = jnp.einsum("bhqk,bqhd->bkhd", p.astype(dt), do, preferred_element_type=f32,
+                     precision=_HIGHEST)
+    dp = jnp.einsum("bqhd,bkhd->bhqk", do, vr, preferred_element_type=f32, precision=_HIGHEST)
+    delta = jnp.einsum("bqhd,bqhd->bhq", out.astype(f32), do.astype(f32))
+    if dlse is not None:
+        delta = delta - jnp.where(jnp.isneginf(lse), 0.0, dlse.astype(f32))
+    ds = p * (dp - delta[..., None])
+    if t is not None:
+        ds = ds * (1.0 - t * t)
+    ds = ds.astype(dt)
+    dq = scale * jnp.einsum("bhqk,bkhd->bqhd", ds, kr, preferred_element_type=f32,
+                            precision=_HIGHEST)
+    dkr = scale * jnp.einsum("bhqk,bqhd->bkhd", ds, q, preferred_element_type=f32,
+                             precision=_HIGHEST)
+    group = lambda x: x.reshape(b, x.shape[1], hkv, g, -1).sum(3)   # noqa: E731
+    return (dq.astype(dt), group(dkr).astype(k.dtype), group(dvr).astype(v.dtype), None,
+            None, None)
+
+
+_input_precision.defvjp(_input_precision_fwd, _input_precision_bwd)
 
 
 def policy_error(actual, high, low):
