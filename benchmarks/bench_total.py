@@ -79,9 +79,7 @@ def bench_jcm(mask, n, smoke=False, implementation=None):
                              has_fallback=bool(cm.fallback_regions),
                              num_intervals=cm.num_intervals)
     impl = jcm.backends.select(implementation, call).name     # the registry's pick
-    from jcompilemask.lower.compiled import _tilelang_usable
-    preprocess = os.environ.get("JCOMPILEMASK_PREPROCESS") or (
-        "tilelang" if not cm.fallback_regions and _tilelang_usable() else "jnp")
+    preprocess = cm.default_preprocess()
     instantiate = jax.jit(lambda m: cm.instantiate(m, L, L, preprocess=preprocess))
     desc = instantiate(md)
     pairs = W.visible_pairs(desc.fwd_intervals) * (b if desc.batch == 1 else 1)

@@ -22,7 +22,6 @@ import argparse
 import json
 import math
 import os
-from collections import defaultdict
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MASKS = ("causal", "hstu", "shared_prompt", "clear")
@@ -109,19 +108,18 @@ def forward_table(fwd, value="fwd_tflops", ours=OURS_FWD):
     """Markdown: TF/s per (mask, n) and impl, then ours / peer ratios."""
     cell = {(r["mask"], r["n"], r["impl"]): r for r in fwd}
     impls = _impl_order({r["impl"] for r in fwd}, ours)
-    OURS = ours
-    peers = [i for i in impls if i != OURS]
-    head = ["mask", "N"] + impls + [f"{OURS} / {p}" for p in peers] + ["vs best peer"]
+    peers = [i for i in impls if i != ours]
+    head = ["mask", "N"] + impls + [f"{ours} / {p}" for p in peers] + ["vs best peer"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for m in MASKS:
         for n in sorted({r["n"] for r in fwd if r["mask"] == m}):
             row = [m, _label(n)]
             vals = {i: cell[m, n, i][value] for i in impls if (m, n, i) in cell}
             row += [f"{vals[i]:.0f}" if i in vals else "" for i in impls]
-            ours = vals.get(OURS)
-            row += [f"{ours / vals[p]:.2f}" if ours and p in vals else "" for p in peers]
+            mine = vals.get(ours)
+            row += [f"{mine / vals[p]:.2f}" if mine and p in vals else "" for p in peers]
             best = max((vals[p] for p in peers if p in vals), default=None)
-            row.append(f"{ours / best:.2f}" if ours and best else "")
+            row.append(f"{mine / best:.2f}" if mine and best else "")
             lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 

@@ -255,8 +255,6 @@ def cute_backward_reason(q, v, desc, softcap) -> Optional[str]:
                 f"runs {BWD_TILES[0]}x{BWD_TILES[1]})")
     if desc.num_bwd_intervals > 16:
         return f"Kc = {desc.num_bwd_intervals} column intervals (the kernel unrolls up to 16)"
-    if desc.metadata:
-        return "fallback regions"
     return None
 
 

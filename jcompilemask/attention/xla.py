@@ -31,7 +31,7 @@ from jax import lax
 
 from ..lower.descriptor import COMPUTE, PARTIAL, ExecutionDescriptor
 
-__all__ = ["forward", "backward"]
+__all__ = ["forward", "backward", "softmax_delta"]
 
 F32 = jnp.float32
 NEG_INF = float("-inf")
@@ -197,12 +197,19 @@ def _dlogits(P, p, dp, delta_b, t):
     return ds * P.scale
 
 
-def _bwd_impl(q, k, v, desc, scale, softcap, out, lse, do, dlse=None):
-    P = _Problem(q, k, v, desc, scale, softcap, out, lse, do, *([] if dlse is None else [dlse]))
+def softmax_delta(out, do, lse, dlse=None):
+    """delta [B, Hq, Nq] float32 = rowsum(dO * O), minus the lse cotangent where the row
+    sees something (d lse_i / d s_ij = p_ij, so a cotangent on lse enters like -delta).
+    Shared by every backward (dS = P * (dP - delta))."""
     delta = jnp.einsum("bqhd,bqhd->bhq", out.astype(F32), do.astype(F32))
     if dlse is not None:
-        # d lse_i / d s_ij = p_ij: a cotangent on lse enters like -delta.
         delta = delta - jnp.where(lse == NEG_INF, 0.0, dlse.astype(F32))
+    return delta
+
+
+def _bwd_impl(q, k, v, desc, scale, softcap, out, lse, do, dlse=None):
+    P = _Problem(q, k, v, desc, scale, softcap, out, lse, do, *([] if dlse is None else [dlse]))
+    delta = softmax_delta(out, do, lse, dlse)
     dq = _dq_pass(P, q, k, v, do, lse, delta)
     dk, dv = _dkv_pass(P, q, k, v, do, lse, delta)
     return dq, dk, dv

@@ -123,6 +123,13 @@ class CompiledMask:
                 f"Kc={self.num_bwd_intervals} fallback={list(self.fallback_regions)}>")
 
     # -- instantiation -------------------------------------------------------------------
+    def default_preprocess(self) -> str:
+        """The preprocess ``instantiate(preprocess=None)`` runs: ``$JCOMPILEMASK_PREPROCESS``
+        if set, else "tilelang" on an SM90 GPU with the CUDA extras for a mask without
+        fallback regions, else "jnp"."""
+        return os.environ.get("JCOMPILEMASK_PREPROCESS") or (
+            "tilelang" if (not self.fallback_regions and _tilelang_usable()) else "jnp")
+
     def instantiate(self, metadata: Mapping | None, q_len: int, kv_len: int | None = None,
                     *, block_q: Optional[int] = None, block_kv: Optional[int] = None,
                     bwd_block_q: Optional[int] = None, bwd_block_kv: Optional[int] = None,
@@ -138,8 +145,7 @@ class CompiledMask:
         """
         kv_len = q_len if kv_len is None else kv_len
         tiles = resolve_tiles(block_q, block_kv, bwd_block_q, bwd_block_kv)
-        impl = preprocess or os.environ.get("JCOMPILEMASK_PREPROCESS") or (
-            "tilelang" if (not self.fallback_regions and _tilelang_usable()) else "jnp")
+        impl = preprocess or self.default_preprocess()
         if impl == "tilelang":
             if self.fallback_regions:
                 raise ValueError("preprocess='tilelang' cannot serve masks with fallback "

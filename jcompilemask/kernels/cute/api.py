@@ -423,9 +423,8 @@ def cute_backward(q, k, v, out, lse, do, bwd_intervals, bwd_tiles, fwd_intervals
     f32 = jnp.float32
     lse = lse.astype(f32)
     lse2 = jnp.where(jnp.isneginf(lse), jnp.inf, lse * np.float32(1.0 / math.log(2.0)))
-    delta = jnp.einsum("bqhd,bqhd->bhq", out.astype(f32), do.astype(f32))
-    if dlse is not None:
-        delta = delta - jnp.where(jnp.isneginf(lse), 0.0, dlse.astype(f32))
+    from ...attention.xla import softmax_delta
+    delta = softmax_delta(out, do, lse, dlse)
     if Kc == 0:      # no column view: a 1-slot empty table keeps the operand shapes valid
         bwd_intervals = jnp.zeros((Bm, Hm, Nk, 1, 2), jnp.int32)
     exact = jnp.broadcast_to(jnp.asarray(bwd_exact, jnp.int32).reshape(-1), (Bm,))

@@ -47,21 +47,15 @@ from cutlass import Boolean, Float32, Int32, Uint32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-from .common import _as_a_operand, _rows_view, _unsigned_lt, issue_wgmma, tile_bits
+from .common import (WarpSpecializedSm90, _as_a_operand, _rows_view, _unsigned_lt, issue_wgmma,
+                     smem_tensor, tile_bits, tma_tiles)
 
 _BARRIER_DS_READY = 1   # both consumer warpgroups wrote their half of dS^T
 _BARRIER_DS_FREE = 2    # both finished reading dS for the dQ product
 _LOG2_E = math.log2(math.e)
 
 
-def _transposed(storage_range, layout: cute.ComposedLayout):
-    """The same shared buffer with its first two modes swapped (a K-major tile seen as
-    the MN-major operand of the transposed product). The swizzle acts on offsets, so
-    only the outer layout is permuted."""
-    return storage_range.get_tensor(cute.select(layout.outer, mode=[1, 0, 2]), swizzle=layout.inner)
-
-
-class FlashBackwardSm90:
+class FlashBackwardSm90(WarpSpecializedSm90):
     """Backward attention over a tile-state descriptor (SM90).
 
     Inputs of ``__call__`` (layouts of ``jax.nn.dot_product_attention``):
@@ -74,9 +68,6 @@ class FlashBackwardSm90:
     outputs mdQaccum float32 [B, Nq, Hq, D] (zero on entry; receives dS K, unscaled),
       mdK, mdV [B, Nk, Hkv, D] (dtype).
     """
-
-    num_consumer_wgs = 2
-    threads_per_wg = 128
 
     def __init__(
         self,
@@ -107,9 +98,6 @@ class FlashBackwardSm90:
         self.broadcast_batch = broadcast_batch
         self.broadcast_head = broadcast_head
         self.num_stages = num_stages
-        self.num_threads = self.threads_per_wg * (1 + self.num_consumer_wgs)
-        self.producer_regs = 24
-        self.consumer_regs = 240
         # Split the dQ product over the warpgroups by head dim only when each half is a
         # whole 128B-swizzle row (64 elements of 16 bits) of K's buffer.
         self.dq_single_wg = head_dim // self.num_consumer_wgs < 64
@@ -161,17 +149,12 @@ class FlashBackwardSm90:
         sK_layout = sm90_helpers.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (bk, bq, d), self.dtype, 1)
         sQ_layout = sm90_helpers.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (bk, bq, d), self.dtype, self.num_stages)
         sdS_layout = sm90_helpers.make_smem_layout_a(LayoutEnum.COL_MAJOR, (bq, d, bk), self.dtype, 1)
-        g2s = cpasync.CopyBulkTensorTileG2SOp()
-        tma_atom_q, mQ_tma = cpasync.make_tiled_tma_atom(
-            g2s, mQt, cute.slice_(sQ_layout, (None, None, 0)), (bq, d))
-        tma_atom_do, mdO_tma = cpasync.make_tiled_tma_atom(
-            g2s, mdOt, cute.slice_(sQ_layout, (None, None, 0)), (bq, d))
-        tma_atom_k, mK_tma = cpasync.make_tiled_tma_atom(
-            g2s, mKt, cute.slice_(sK_layout, (None, None, 0)), (bk, d))
-        tma_atom_v, mV_tma = cpasync.make_tiled_tma_atom(
-            g2s, mVt, cute.slice_(sK_layout, (None, None, 0)), (bk, d))
-        self.bytes_q = cute.size_in_bytes(self.dtype, cute.slice_(sQ_layout, (None, None, 0)))
-        self.bytes_k = cute.size_in_bytes(self.dtype, cute.slice_(sK_layout, (None, None, 0)))
+        tma_atom_q, mQ_tma = self.tma_load_atom(mQt, sQ_layout, (bq, d))
+        tma_atom_do, mdO_tma = self.tma_load_atom(mdOt, sQ_layout, (bq, d))
+        tma_atom_k, mK_tma = self.tma_load_atom(mKt, sK_layout, (bk, d))
+        tma_atom_v, mV_tma = self.tma_load_atom(mVt, sK_layout, (bk, d))
+        self.bytes_q = self.stage_bytes(sQ_layout)
+        self.bytes_k = self.stage_bytes(sK_layout)
 
         @cute.struct
         class SharedStorage:
@@ -236,27 +219,16 @@ class FlashBackwardSm90:
                 cpasync.prefetch_descriptor(atom)
 
         storage = cutlass_memory.SmemAllocator().allocate(self.shared_storage)
-        one_thread = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
-        consumer_warps = pipeline.CooperativeGroup(
-            pipeline.Agent.Thread, self.num_consumer_wgs * self.threads_per_wg // 32)
-        pipeline_kv = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_kv.data_ptr(), num_stages=1, producer_group=one_thread,
-            consumer_group=consumer_warps, tx_count=2 * self.bytes_k, defer_sync=True)
-        pipeline_q = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_q.data_ptr(), num_stages=self.num_stages,
-            producer_group=one_thread, consumer_group=consumer_warps, tx_count=self.bytes_q,
-            defer_sync=True)
-        pipeline_do = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_do.data_ptr(), num_stages=self.num_stages,
-            producer_group=one_thread, consumer_group=consumer_warps, tx_count=self.bytes_q,
-            defer_sync=True)
+        pipeline_kv = self.tma_pipeline(storage.mbar_kv, 1, 2 * self.bytes_k)   # K and V together
+        pipeline_q = self.tma_pipeline(storage.mbar_q, self.num_stages, self.bytes_q)
+        pipeline_do = self.tma_pipeline(storage.mbar_do, self.num_stages, self.bytes_q)
         pipeline.pipeline_init_arrive()
 
-        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
-        sV = storage.sV.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
-        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
-        sdO = storage.sdO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
-        sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
+        sK = smem_tensor(storage.sK, sK_layout)
+        sV = smem_tensor(storage.sV, sK_layout)
+        sQ = smem_tensor(storage.sQ, sQ_layout)
+        sdO = smem_tensor(storage.sdO, sQ_layout)
+        sdS = smem_tensor(storage.sdS, sdS_layout)
 
         k_tile, head_kv, batch = cute.arch.block_idx()
         group = num_heads // mK.shape[2]
@@ -292,10 +264,8 @@ class FlashBackwardSm90:
         d, bq, bk = self.head_dim, self.block_q, self.block_kv
         gK = cute.local_tile(mK[None, None, head_kv, batch], (bk, d), (k_tile, 0))
         gV = cute.local_tile(mV[None, None, head_kv, batch], (bk, d), (k_tile, 0))
-        tKsK, tKgK = cpasync.tma_partition(
-            tma_atom_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
-        tVsV, tVgV = cpasync.tma_partition(
-            tma_atom_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
+        tKsK, tKgK = tma_tiles(tma_atom_k, sK, gK)
+        tVsV, tVgV = tma_tiles(tma_atom_v, sV, gV)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         pipeline_kv.producer_acquire(kv_state)
         bar = pipeline_kv.producer_get_barrier(kv_state)
@@ -308,10 +278,8 @@ class FlashBackwardSm90:
             gTiles = mBwdTiles[mask_batch, self.mask_head(head), k_tile, None]
             gQ = cute.local_tile(mQ[None, None, head, batch], (bq, d), (None, 0))
             gdO = cute.local_tile(mdO[None, None, head, batch], (bq, d), (None, 0))
-            tQsQ, tQgQ = cpasync.tma_partition(
-                tma_atom_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
-            tdOsdO, tdOgdO = cpasync.tma_partition(
-                tma_atom_do, 0, cute.make_layout(1), cute.group_modes(sdO, 0, 2), cute.group_modes(gdO, 0, 2))
+            tQsQ, tQgQ = tma_tiles(tma_atom_q, sQ, gQ)
+            tdOsdO, tdOgdO = tma_tiles(tma_atom_do, sdO, gdO)
             for q_tile in cutlass.range(n_q_tiles, unroll=1):
                 if tile_bits(gTiles, q_tile) & Uint32(1) != Uint32(0):
                     pipeline_q.producer_acquire(state)
@@ -342,9 +310,9 @@ class FlashBackwardSm90:
         tSrV = mma_sdp.make_fragment_A(mma_sdp.partition_A(sV))
         tSrQ = mma_sdp.make_fragment_B(mma_sdp.partition_B(sQ))
         tSrdO = mma_sdp.make_fragment_B(mma_sdp.partition_B(sdO))
-        sQt = _transposed(storage.sQ, sQ_layout)       # (D, queries, stage)
-        sdOt = _transposed(storage.sdO, sQ_layout)
-        sKt = _transposed(storage.sK, sK_layout)       # (D, keys, 1)
+        sQt = smem_tensor(storage.sQ, sQ_layout, [1, 0, 2])     # (D, queries, stage)
+        sdOt = smem_tensor(storage.sdO, sQ_layout, [1, 0, 2])
+        sKt = smem_tensor(storage.sK, sK_layout, [1, 0, 2])     # (D, keys, 1)
         tKVrQt = mma_dkv.make_fragment_B(mma_dkv.partition_B(sQt))
         tKVrdOt = mma_dkv.make_fragment_B(mma_dkv.partition_B(sdOt))
         tQrdS = mma_dq.make_fragment_A(mma_dq.partition_A(sdS))

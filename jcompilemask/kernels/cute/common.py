@@ -1,14 +1,16 @@
 """Helpers shared by the SM90 forward and backward kernels: register-fragment views of
 wgmma accumulators, the unsigned interval compare, a log-depth reduction, one wgmma
-issue over all k-blocks, and the 2-bit tile-state read."""
+issue over all k-blocks, the 2-bit tile-state read, and the warp-specialized kernel
+skeleton (TMA tiles, TMA pipelines, swizzled shared buffers)."""
 
 from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
+import cutlass.pipeline as pipeline
 from cutlass import Boolean, Int32, Uint32
 from cutlass._mlir.dialects import arith
-from cutlass.cute.nvgpu import warpgroup
+from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.cutlass_dsl import dsl_user_op
 
 
@@ -98,3 +100,52 @@ def tile_bits(words: cute.Tensor, tile: Int32) -> Uint32:
     compute, bit 1 masked (16 tiles per uint32 word)."""
     word = words[tile // 16]
     return (word >> Uint32(2 * (tile % 16))) & Uint32(3)
+
+
+class WarpSpecializedSm90:
+    """What the forward and backward kernels share: one producer warpgroup (a single
+    warp issues TMA loads) and `num_consumer_wgs` consumer warpgroups, FA3's register
+    split between them, and the host/device helpers for TMA tiles and pipelines."""
+
+    num_consumer_wgs = 2
+    threads_per_wg = 128
+    num_threads = threads_per_wg * (1 + num_consumer_wgs)
+    # The producer keeps few registers so the consumers can hold their tiles.
+    producer_regs = 24
+    consumer_regs = 240
+
+    @staticmethod
+    def tma_load_atom(tensor, smem_layout, tile):
+        """(atom, TMA tensor) loading `tile` of `tensor` into one stage of `smem_layout`."""
+        return cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), tensor, cute.slice_(smem_layout, (None, None, 0)), tile)
+
+    def stage_bytes(self, smem_layout) -> int:
+        """Bytes of one stage of `smem_layout` (the transaction count of its TMA load)."""
+        return cute.size_in_bytes(self.dtype, cute.slice_(smem_layout, (None, None, 0)))
+
+    def tma_pipeline(self, mbarriers, num_stages: int, tx_count: int):
+        """A TMA pipeline: one producer thread, consumers releasing once per warp (lane 0
+        of each consumer warp)."""
+        return pipeline.PipelineTmaAsync.create(
+            barrier_storage=mbarriers.data_ptr(), num_stages=num_stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+            consumer_group=pipeline.CooperativeGroup(
+                pipeline.Agent.Thread, self.num_consumer_wgs * self.threads_per_wg // 32),
+            tx_count=tx_count, defer_sync=True,
+        )
+
+
+def tma_tiles(atom, smem, gmem):
+    """(shared, global) partitions of a TMA copy between tiles whose first two modes are
+    the tile (the rest index stages / tiles): no multicast."""
+    return cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(smem, 0, 2),
+                                 cute.group_modes(gmem, 0, 2))
+
+
+def smem_tensor(storage_range, layout, modes=None):
+    """A shared buffer as a tensor of a swizzled (composed) layout; `modes` permutes the
+    outer modes (e.g. [1, 0, 2]: a K-major tile seen as the MN-major operand of the
+    transposed product; the swizzle acts on offsets, so only the outer layout moves)."""
+    outer = layout.outer if modes is None else cute.select(layout.outer, mode=modes)
+    return storage_range.get_tensor(outer, swizzle=layout.inner)

@@ -49,7 +49,8 @@ from cutlass import Boolean, Float32, Int32, Uint32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-from .common import _as_a_operand, _rows_view, _tree, _unsigned_lt, issue_wgmma, tile_bits
+from .common import (WarpSpecializedSm90, _as_a_operand, _rows_view, _tree, _unsigned_lt, issue_wgmma,
+                     smem_tensor, tile_bits, tma_tiles)
 
 # Named barrier ids. 0 is __syncthreads; the two consumer warpgroups each own one
 # scheduling barrier that the other one arrives on (tensor-core ping-pong).
@@ -59,7 +60,7 @@ _LOG2_E = math.log2(math.e)
 _LN_2 = math.log(2.0)
 
 
-class FlashForwardSm90:
+class FlashForwardSm90(WarpSpecializedSm90):
     """Forward attention over a tile-state descriptor, one class for SM90's forward pass.
 
     Static choices (the compile key) are fixed here; shapes B, Nq, Nk, heads are runtime.
@@ -68,9 +69,6 @@ class FlashForwardSm90:
       mIntervals int32 [Bm, Hm, Nq, K, 2], mTiles uint32 [Bm, Hm, Tq, W],
       mO [B, Nq, Hq, Dv] (dtype), mLSE float32 [B, Hq, Nq].
     """
-
-    num_consumer_wgs = 2
-    threads_per_wg = 128
 
     def __init__(
         self,
@@ -112,10 +110,6 @@ class FlashForwardSm90:
         self.broadcast_batch = broadcast_batch
         self.broadcast_head = broadcast_head
         self.num_stages = num_stages
-        self.num_threads = self.threads_per_wg * (1 + self.num_consumer_wgs)
-        # Producer keeps few registers so the consumers can hold S, P and O (FA3's split).
-        self.producer_regs = 24
-        self.consumer_regs = 240
         # The intervals take 4 K registers per consumer thread (2 rows x start, length).
         # Beside D = 256's 128-register O they fit up to K = 4; K = 6 spilled 48 bytes
         # (cuobjdump, NOTES.md), so above that they are reloaded per masked tile.
@@ -161,25 +155,18 @@ class FlashForwardSm90:
         sV_layout = sm90_helpers.make_smem_layout_b(
             LayoutEnum.COL_MAJOR, (self.block_q, self.head_dim_v, self.block_kv), self.dtype, self.num_stages
         )
-        g2s = cpasync.CopyBulkTensorTileG2SOp()
-        tma_atom_q, mQ_tma = cpasync.make_tiled_tma_atom(
-            g2s, mQt, cute.slice_(sQ_layout, (None, None, 0)), (self.block_q, self.head_dim)
-        )
-        tma_atom_k, mK_tma = cpasync.make_tiled_tma_atom(
-            g2s, mKt, cute.slice_(sK_layout, (None, None, 0)), (self.block_kv, self.head_dim)
-        )
-        tma_atom_v, mV_tma = cpasync.make_tiled_tma_atom(
-            g2s, mVt, cute.slice_(sV_layout, (None, None, 0)), (self.head_dim_v, self.block_kv)
-        )
+        tma_atom_q, mQ_tma = self.tma_load_atom(mQt, sQ_layout, (self.block_q, self.head_dim))
+        tma_atom_k, mK_tma = self.tma_load_atom(mKt, sK_layout, (self.block_kv, self.head_dim))
+        tma_atom_v, mV_tma = self.tma_load_atom(mVt, sV_layout, (self.head_dim_v, self.block_kv))
         # O leaves through shared memory and one TMA store: it reuses Q's buffer (same
         # shape and swizzle when Dv == D) and TMA clips the rows past Nq for us.
         tma_atom_o, mO_tma = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileS2GOp(), mOt, cute.slice_(sQ_layout, (None, None, 0)),
             (self.block_q, self.head_dim_v),
         )
-        self.bytes_q = cute.size_in_bytes(self.dtype, cute.slice_(sQ_layout, (None, None, 0)))
-        self.bytes_k = cute.size_in_bytes(self.dtype, cute.slice_(sK_layout, (None, None, 0)))
-        self.bytes_v = cute.size_in_bytes(self.dtype, cute.slice_(sV_layout, (None, None, 0)))
+        self.bytes_q = self.stage_bytes(sQ_layout)
+        self.bytes_k = self.stage_bytes(sK_layout)
+        self.bytes_v = self.stage_bytes(sV_layout)
 
         @cute.struct
         class SharedStorage:
@@ -235,31 +222,14 @@ class FlashForwardSm90:
             cpasync.prefetch_descriptor(tma_atom_o)
 
         storage = cutlass_memory.SmemAllocator().allocate(self.shared_storage)
-        one_thread = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
-        # Consumers release a stage once per warp (lane 0 of each of the 8 warps).
-        consumer_warps = pipeline.CooperativeGroup(
-            pipeline.Agent.Thread, self.num_consumer_wgs * self.threads_per_wg // 32
-        )
-        pipeline_q = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_q.data_ptr(), num_stages=1,
-            producer_group=one_thread, consumer_group=consumer_warps,
-            tx_count=self.bytes_q, defer_sync=True,
-        )
-        pipeline_k = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_k.data_ptr(), num_stages=self.num_stages,
-            producer_group=one_thread, consumer_group=consumer_warps,
-            tx_count=self.bytes_k, defer_sync=True,
-        )
-        pipeline_v = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_v.data_ptr(), num_stages=self.num_stages,
-            producer_group=one_thread, consumer_group=consumer_warps,
-            tx_count=self.bytes_v, defer_sync=True,
-        )
+        pipeline_q = self.tma_pipeline(storage.mbar_q, 1, self.bytes_q)
+        pipeline_k = self.tma_pipeline(storage.mbar_k, self.num_stages, self.bytes_k)
+        pipeline_v = self.tma_pipeline(storage.mbar_v, self.num_stages, self.bytes_v)
         pipeline.pipeline_init_arrive()
 
-        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
-        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
-        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        sQ = smem_tensor(storage.sQ, sQ_layout)
+        sK = smem_tensor(storage.sK, sK_layout)
+        sV = smem_tensor(storage.sV, sV_layout)
 
         # Heaviest query tiles first: under a causal-like mask the last tile rows see
         # the most keys, and launching them first shortens the tail of the grid.
@@ -299,15 +269,9 @@ class FlashForwardSm90:
         gQ = cute.local_tile(mQ[None, None, head, batch], (self.block_q, self.head_dim), (q_tile, 0))
         gK = cute.local_tile(mK[None, None, head_kv, batch], (self.block_kv, self.head_dim), (None, 0))
         gV = cute.local_tile(mV[None, None, head_kv, batch], (self.head_dim_v, self.block_kv), (0, None))
-        tQsQ, tQgQ = cpasync.tma_partition(
-            tma_atom_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
-        )
-        tKsK, tKgK = cpasync.tma_partition(
-            tma_atom_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2)
-        )
-        tVsV, tVgV = cpasync.tma_partition(
-            tma_atom_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2)
-        )
+        tQsQ, tQgQ = tma_tiles(tma_atom_q, sQ, gQ)
+        tKsK, tKgK = tma_tiles(tma_atom_k, sK, gK)
+        tVsV, tVgV = tma_tiles(tma_atom_v, sV, gV)
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         pipeline_q.producer_acquire(q_state)
         cute.copy(tma_atom_q, tQgQ, tQsQ[None, 0], tma_bar_ptr=pipeline_q.producer_get_barrier(q_state))
@@ -596,9 +560,7 @@ class FlashForwardSm90:
         cute.arch.barrier(barrier_id=_BARRIER_EPILOGUE, number_of_threads=self.num_consumer_wgs * self.threads_per_wg)
         if tidx // 32 == 0:
             gO = cute.local_tile(mO[None, None, head, batch], (self.block_q, self.head_dim_v), (q_tile, 0))
-            tOsO, tOgO = cpasync.tma_partition(
-                tma_atom_o, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gO, 0, 2)
-            )
+            tOsO, tOgO = tma_tiles(tma_atom_o, sQ, gO)
             cute.copy(tma_atom_o, tOsO[None, 0], tOgO)
             cute.arch.cp_async_bulk_commit_group()
             # The CTA's shared memory must outlive the store's reads of it.
