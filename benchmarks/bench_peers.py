@@ -49,7 +49,7 @@ def bench_flex(mask, n, md, backend, torch, dev, pairs):
     q, k, v = (torch.randn(b, W.HEADS, L, W.HEAD_DIM, device=dev, dtype=torch.bfloat16,
                            generator=g) for _ in range(3))
     opts = {"BACKEND": "FLASH"} if backend == "fa4" else {"BACKEND": "TRITON"}
-    fn = torch.compile(flex_attention)
+    fn = W.torch_compile_fresh(torch, flex_attention)
     ms = triton.testing.do_bench(lambda: fn(q, k, v, block_mask=bm, kernel_options=opts),
                                  warmup=100, rep=400, return_mode="median")
     return ms

@@ -133,13 +133,13 @@ def bench_flex(mask, n, md, backend):
     L, b = W.seq_len(mask, n), W.batch_for(n)
     mm = W.torch_mask_mod(mask, n, md, torch, dev)
     bsz = b if mask != "causal" else None
-    cbm = torch.compile(create_block_mask)
+    cbm = W.torch_compile_fresh(torch, create_block_mask)
     pre = triton.testing.do_bench(lambda: cbm(mm, bsz, None, L, L, device=dev),
                                   warmup=3, rep=100, return_mode="median")
     bm = cbm(mm, bsz, None, L, L, device=dev)
     q, k, v, do = _torch_inputs(torch, dev, (b, W.HEADS, L, W.HEAD_DIM), n)
     opts = {"BACKEND": "FLASH"} if backend == "fa4" else {"BACKEND": "TRITON"}
-    fn = torch.compile(flex_attention)
+    fn = W.torch_compile_fresh(torch, flex_attention)
     f, s = _torch_times(torch, lambda q, k, v: fn(q, k, v, block_mask=bm, kernel_options=opts),
                         q, k, v, do)
     return pre, f, s

@@ -13,6 +13,7 @@
 #   kernels      GPU tests of the CuTe forward kernel alone (48 variant cases)
 #   forward      bench_forward (D = 128 causal vs FA4 native, same run) + the step-2 variants
 #   peers        FlexAttention (Triton, FA4) / FA4 native / cuDNN forward at 2K and 8K
+#   peers2k      the same at 2K alone
 #   peers32      FlexAttention at 32K for the masks not yet measured there
 #   total        training step (preprocess + fwd + bwd), jcm with the CuTe backward and peers
 #                (run right after `tilelang` on the same warm machine for the TileLang preprocess)
@@ -20,13 +21,15 @@
 #   sanitize     compute-sanitizer memcheck + racecheck over a small CuTe backward run
 #   profile      ncu on one clear forward launch at 32K (why 53 TF/s)
 set -uo pipefail
-stage=${1:?stage: correctness | kernels | forward | peers | peers32 | total | tilelang | sanitize | profile}
+stage=${1:?stage: correctness | kernels | forward | peers | peers2k | peers32 | total | tilelang | sanitize | profile}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 bundle=cute
 [[ $stage == tilelang ]] && bundle=tilelang
-python3 ".device-stage/$bundle/install.py" >/dev/null || { echo "install of $bundle failed"; exit 2; }
+# h200-pair.sh unpacks once for both of its stages (two concurrent unpacks would race).
+[[ -n ${JCM_BUNDLE_READY:-} ]] || python3 ".device-stage/$bundle/install.py" >/dev/null \
+  || { echo "install of $bundle failed"; exit 2; }
 python3 -c 'import sympy, jax; print("sympy", sympy.__version__, "jax", jax.__version__, jax.devices())'
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu --format=csv,noheader
 
@@ -51,6 +54,11 @@ case $stage in
     cp benchmarks/results/h200-forward-peers.json "$OUT/" 2>/dev/null
     timeout 560 python3 benchmarks/bench_peers.py --ns 8192,2048 --budget-s 500 \
       --out "$OUT/h200-forward-peers.json" 2>&1 | grep -v Warning | tee "$OUT/bench_peers.log" | tail -30
+    ;;
+  peers2k)
+    cp benchmarks/results/h200-forward-peers.json "$OUT/" 2>/dev/null
+    timeout 400 python3 benchmarks/bench_peers.py --ns 2048 --budget-s 340 \
+      --out "$OUT/h200-forward-peers.json" 2>&1 | grep -v Warning | tee "$OUT/bench_peers2k.log" | tail -14
     ;;
   peers32)
     cp benchmarks/results/h200-forward-peers.json "$OUT/" 2>/dev/null
