@@ -17,8 +17,8 @@ For each workload of DESIGN.md §8 (bf16, 8 heads, head dim 128, batch 131072 / 
   heads * visible pairs (pairs from jcompilemask's own descriptor, so all impls compare).
 
 jcompilemask runs the backend the registry picks (``jcm.backends.explain()``; the impl
-name records it, e.g. ``jcm-cute`` — CuTe forward and the ``xla`` backward;
-``--cute-backward`` opts into the CuTe backward kernel, recorded as ``jcm-cute-bwd``).
+name records it, e.g. ``jcm-cute`` — CuTe forward and CuTe backward;
+``--xla-backward`` turns the CuTe backward kernel off, recorded as ``jcm-cute-xlabwd``).
 JAX times: many back-to-back calls synchronised once, median of repeats
 (``bench_forward._median_time``); torch times: ``triton.testing.do_bench`` (CUDA events,
 median). Configurations run largest N first and stop when ``--budget-s``
@@ -195,16 +195,16 @@ def main(argv=None):
     ap.add_argument("--impls", default="jcm,flex-fa4,flex-triton,fa4-native,jax-cudnn")
     ap.add_argument("--jcm-implementation", default=None,
                     help="force a jcompilemask backend (cute, xla); default: the registry's")
-    ap.add_argument("--cute-backward", action="store_true",
-                    help="use the CuTe backward kernel (sets JCOMPILEMASK_CUTE_BACKWARD=1; "
-                         "impl name jcm-cute-bwd)")
+    ap.add_argument("--xla-backward", action="store_true",
+                    help="gradients from the xla backward instead of the CuTe backward kernel "
+                         "(sets JCOMPILEMASK_CUTE_BACKWARD=0; impl name jcm-cute-xlabwd)")
     ap.add_argument("--budget-s", type=float, default=400)
     ap.add_argument("--out", default=os.path.join(HERE, "results", "h200-total.json"))
     ap.add_argument("--smoke", action="store_true",
                     help="tiny shapes, jcompilemask only (any machine, CPU included)")
     args = ap.parse_args(argv)
-    if args.cute_backward:
-        os.environ["JCOMPILEMASK_CUTE_BACKWARD"] = "1"
+    if args.xla_backward:
+        os.environ["JCOMPILEMASK_CUTE_BACKWARD"] = "0"
     ns = SMOKE["ns"] if args.smoke else [int(x) for x in args.ns.split(",")]
     impls = ["jcm"] if args.smoke else args.impls.split(",")
     records, t0 = [], time.time()
@@ -222,8 +222,8 @@ def main(argv=None):
                     if impl == "jcm":
                         name, pairs, pre, f, s, (h, d), prep = bench_jcm(
                             mask, n, args.smoke, args.jcm_implementation)
-                        if args.cute_backward and name == "jcm-cute":
-                            name = "jcm-cute-bwd"
+                        if args.xla_backward and name == "jcm-cute":
+                            name = "jcm-cute-xlabwd"
                         rec = dict(record(mask, n, name, pairs, pre, f, s, h, d), preprocess=prep)
                     else:
                         if pairs is None:

@@ -227,16 +227,15 @@ CUTE_BACKWARD_ENV = "JCOMPILEMASK_CUTE_BACKWARD"
 
 def _cute_backward_enabled() -> bool:
     import os
-    return os.environ.get(CUTE_BACKWARD_ENV, "0") == "1"
+    return os.environ.get(CUTE_BACKWARD_ENV, "1") != "0"
 
 
 def _cute_backward_note() -> str:
     if _cute_backward_enabled():
-        return ("CuTe backward for D 64/128 without soft cap (opt-in, "
-                f"{CUTE_BACKWARD_ENV}=1); xla backward otherwise")
-    return ("gradients from the xla backward on the CuTe forward's residuals; the CuTe "
-            f"backward (D 64/128) is compiled but not yet validated on an H200: opt in "
-            f"with {CUTE_BACKWARD_ENV}=1")
+        return ("CuTe backward for D 64/128 without soft cap; xla backward on the CuTe "
+                f"forward's residuals otherwise ({CUTE_BACKWARD_ENV}=0 uses it always)")
+    return (f"gradients from the xla backward on the CuTe forward's residuals "
+            f"({CUTE_BACKWARD_ENV}=0 turned the CuTe backward off)")
 
 
 def cute_backward_reason(q, v, desc, softcap) -> Optional[str]:
@@ -244,7 +243,7 @@ def cute_backward_reason(q, v, desc, softcap) -> Optional[str]:
     backward does (checked at trace time, from static shapes only)."""
     from .kernels.cute.api import BWD_HEAD_DIMS, BWD_TILES
     if not _cute_backward_enabled():
-        return f"the CuTe backward is opt-in until validated on an H200 ({CUTE_BACKWARD_ENV}=1)"
+        return f"the CuTe backward is turned off ({CUTE_BACKWARD_ENV}=0)"
     d, dv = q.shape[-1], v.shape[-1]
     if d not in BWD_HEAD_DIMS or dv != d:
         return f"head dims {d}/{dv} (the CuTe backward is built for D in {BWD_HEAD_DIMS}, Dv == D)"

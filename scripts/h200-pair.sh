@@ -6,8 +6,7 @@
 #       kind="nvidia-h200-x2")
 #
 # Each argument is what one GPU runs: stages of scripts/h200.sh joined by '+', run in
-# turn. A stage `tests:FILE,FILE[@KEXPR]` runs pytest on those files (with `-k KEXPR`)
-# under JCOMPILEMASK_CUTE_BACKWARD=1. Both GPUs use the cute bundle (tilelang has its own
+# turn. A stage `tests:FILE,FILE[@KEXPR]` runs pytest on those files (with `-k KEXPR`). Both GPUs use the cute bundle (tilelang has its own
 # call). Stage i of GPU g writes under $OUT/gpu<g>-<i>-<name>/; logs are printed at the end.
 set -uo pipefail
 a=${1:?work of GPU 0}; b=${2:?work of GPU 1}
@@ -25,7 +24,7 @@ run_chain() {  # gpu, chain
     if [[ $name == tests ]]; then
       files=${st#*:}; kexpr=
       [[ $files == *@* ]] && { kexpr=${files#*@}; files=${files%%@*}; }
-      ( export CUDA_VISIBLE_DEVICES=$g XLA_PYTHON_CLIENT_PREALLOCATE=false JCOMPILEMASK_CUTE_BACKWARD=1
+      ( export CUDA_VISIBLE_DEVICES=$g XLA_PYTHON_CLIENT_PREALLOCATE=false
         timeout 560 python3 -m pytest -q -rs -p no:cacheprovider ${files//,/ } ${kexpr:+-k "$kexpr"} \
           --junitxml="$dir/junit.xml" --durations=10 >"$dir/stage.log" 2>&1 )
     else

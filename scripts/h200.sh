@@ -8,7 +8,7 @@
 # repeat on a warm machine), and leaves logs, JUnit XML and result JSON under $OUT.
 # Stages:
 #   correctness  GPU tests of the CuTe backward and of mask_attention end to end (their
-#                gradients through the CuTe backward); test_cute_forward.py separately:
+#                gradients through the CuTe backward, the default); test_cute_forward.py separately:
 #                `bash scripts/h200.sh kernels`
 #   kernels      GPU tests of the CuTe forward kernel alone (48 variant cases)
 #   forward      bench_forward (D = 128 causal vs FA4 native, same run) + the step-2 variants
@@ -35,7 +35,7 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu --format=csv
 
 case $stage in
   correctness)
-    JCOMPILEMASK_CUTE_BACKWARD=1 timeout 560 python3 -m pytest -q -rs -p no:cacheprovider \
+    timeout 560 python3 -m pytest -q -rs -p no:cacheprovider \
       tests/gpu/test_cute_backward.py tests/gpu/test_cute_attention.py \
       --junitxml="$OUT/junit-cute.xml" --durations=10 2>&1 | tee "$OUT/pytest-cute.log" | tail -40
     ;;
@@ -71,7 +71,7 @@ case $stage in
     # machine, the preprocess is TileLang's; compile its programs in parallel first.
     python3 -c 'import tilelang' 2>/dev/null && timeout 120 python3 benchmarks/bench_preprocess.py \
       --warm-only --ns 32768,8192,2048 | tail -2
-    timeout 440 python3 benchmarks/bench_total.py --cute-backward --ns 32768,8192,2048 --budget-s 380 \
+    timeout 440 python3 benchmarks/bench_total.py --ns 32768,8192,2048 --budget-s 380 \
       --out "$OUT/h200-total.json" 2>&1 | grep -v Warning | tee "$OUT/bench_total.log" | tail -30
     ;;
   sanitize)

@@ -1,6 +1,7 @@
 """mask_attention(implementation="cute") end to end on the H200: descriptors from the real
 preprocess of every built-in mask and of random lowered specs, against the tolerance
-policy (forward out and lse; gradients from the xla backward on the CuTe residuals).
+policy (forward out and lse; gradients through the CuTe backward where it applies, else
+the xla backward on the CuTe residuals).
 
 Runs on an SM90 GPU with the CUDA extras; skips elsewhere with the reason.
 """

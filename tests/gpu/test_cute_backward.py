@@ -1,5 +1,5 @@
 """CuTe DSL SM90 backward kernel: compiles without a GPU; on the H200, dq / dk / dv of
-mask_attention(implementation="cute") with JCOMPILEMASK_CUTE_BACKWARD=1 meet the
+mask_attention(implementation="cute") (CuTe backward, the default) meet the
 tolerance policy against the dense reference, for every built-in mask, random lowered
 specs, a mask with no column view (the kernel checks the forward row intervals), fully
 masked rows, ragged lengths, GQA / MQA, D 64 / 128, bf16 / fp16.
@@ -65,12 +65,14 @@ def test_backward_selection_reasons(monkeypatch):
                                                         block_kv=128, bwd_block_q=64,
                                                         bwd_block_kv=128, preprocess="jnp")
     x = jnp.zeros((1, 256, 2, 128), jnp.bfloat16)
-    monkeypatch.delenv(backends.CUTE_BACKWARD_ENV, raising=False)
-    assert "opt-in" in backends.cute_backward_reason(x, x, desc, None)
-    assert "not yet validated" in backends._cute_backward_note()
+    monkeypatch.delenv(backends.CUTE_BACKWARD_ENV, raising=False)    # default: on
+    assert backends.cute_backward_reason(x, x, desc, None) is None
+    assert "CuTe backward for D 64/128" in backends._cute_backward_note()
+    monkeypatch.setenv(backends.CUTE_BACKWARD_ENV, "0")
+    assert "turned off" in backends.cute_backward_reason(x, x, desc, None)
+    assert "turned the CuTe backward off" in backends.get("cute").backward_note()  # asked afresh
     monkeypatch.setenv(backends.CUTE_BACKWARD_ENV, "1")
     assert backends.cute_backward_reason(x, x, desc, None) is None
-    assert "opt-in" in backends.get("cute").backward_note()   # asked afresh: env now set
     assert "soft cap" in backends.cute_backward_reason(x, x, desc, 5.0)
     x256 = jnp.zeros((1, 256, 2, 256), jnp.bfloat16)
     assert "head dims" in backends.cute_backward_reason(x256, x256, desc, None)

@@ -1,6 +1,6 @@
 """A small CuTe backward run for compute-sanitizer (memcheck / racecheck) on the H200:
 
-    JCOMPILEMASK_CUTE_BACKWARD=1 compute-sanitizer --tool memcheck python3 tests/scripts/gpu_backward_small.py
+    compute-sanitizer --tool memcheck python3 tests/scripts/gpu_backward_small.py
 
 Ragged lengths, fully masked rows, GQA, both head dims and a K = 6 / Kc = 7 mask; prints
 the max |error| of each gradient against the xla backward (no tolerance decision here:

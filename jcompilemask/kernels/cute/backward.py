@@ -29,9 +29,10 @@ each owning 64 of the 128 keys for the S / dP / dK / dV products and half of the
 dims for the dQ product (which needs both halves of dS: a named barrier); at D = 64
 the first warpgroup computes dQ alone (see `dq_single_wg`).
 
-Not yet run on a GPU (compile-checked for sm_90a only): the cute backend uses it only
-with JCOMPILEMASK_CUTE_BACKWARD=1 until tests/gpu/test_cute_backward.py passes on the
-H200 (`backends.cute_backward_reason`).
+Validated on the H200 (tests/gpu/test_cute_backward.py: every built-in mask, random
+lowered specs, fully masked rows, ragged lengths, GQA/MQA, D 64 fp16); the cute backend
+uses it by default for D 64/128 without soft cap (`backends.cute_backward_reason` says
+why not otherwise; JCOMPILEMASK_CUTE_BACKWARD=0 turns it off).
 """
 
 from __future__ import annotations
