@@ -224,6 +224,11 @@ def main(argv=None):
                             mask, n, args.smoke, args.jcm_implementation)
                         if args.xla_backward and name == "jcm-cute":
                             name = "jcm-cute-xlabwd"
+                        elif name == "jcm-cute":     # backward kernel variants under trial
+                            for env, tag in (("JCOMPILEMASK_CUTE_BWD_STATS_TMA", "st"),
+                                             ("JCOMPILEMASK_CUTE_BWD_DQ_BULK", "dqb")):
+                                if os.environ.get(env) == "1":
+                                    name += "-" + tag
                         rec = dict(record(mask, n, name, pairs, pre, f, s, h, d), preprocess=prep)
                     else:
                         if pairs is None:

@@ -233,7 +233,9 @@ def build(results_dir):
     """Write REPORT.md, forward.svg and preprocess.svg; returns the paths written."""
     fwd, pre, low, total, variants = load(results_dir)
     fwd, pre = dedupe(fwd, OURS_FWD), dedupe(pre, OURS_PRE)
-    ours_total = next((r["impl"] for r in total if r["impl"].startswith("jcm-")), None)
+    # jcm-cute when present (kernel variants such as jcm-cute-st-dqb are extra columns)
+    ours_total = ("jcm-cute" if any(r["impl"] == "jcm-cute" for r in total) else
+                  next((r["impl"] for r in total if r["impl"].startswith("jcm-")), None))
     total = dedupe(total, ours_total)
     written = []
     parts = ["# Benchmark report",

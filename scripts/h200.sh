@@ -10,6 +10,7 @@
 #   correctness  GPU tests of the CuTe backward and of mask_attention end to end (their
 #                gradients through the CuTe backward, the default); test_cute_forward.py separately:
 #                `bash scripts/h200.sh kernels`
+#   bwdvariants  the backward kernel variants under trial: GPU tests + training-step timing
 #   kernels      GPU tests of the CuTe forward kernel alone (48 variant cases)
 #   forward      bench_forward (D = 128 causal vs FA4 native, same run) + the step-2 variants
 #   peers        FlexAttention (Triton, FA4) / FA4 native / cuDNN forward at 2K and 8K
@@ -21,7 +22,7 @@
 #   sanitize     compute-sanitizer memcheck + racecheck over a small CuTe backward run
 #   profile      ncu on one clear forward launch at 32K (why 53 TF/s)
 set -uo pipefail
-stage=${1:?stage: correctness | kernels | forward | peers | peers2k | peers32 | total | tilelang | sanitize | profile}
+stage=${1:?stage: correctness | bwdvariants | kernels | forward | peers | peers2k | peers32 | total | tilelang | sanitize | profile}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
@@ -38,6 +39,17 @@ case $stage in
     timeout 560 python3 -m pytest -q -rs -p no:cacheprovider \
       tests/gpu/test_cute_backward.py tests/gpu/test_cute_attention.py \
       --junitxml="$OUT/junit-cute.xml" --durations=10 2>&1 | tee "$OUT/pytest-cute.log" | tail -40
+    ;;
+  bwdvariants)
+    # The backward variants under trial (api._bwd_variant): their GPU tests, then the
+    # training step of jcm alone at 32K for the default kernel and each variant (same run).
+    JCOMPILEMASK_CUTE_BWD_STATS_TMA=1 JCOMPILEMASK_CUTE_BWD_DQ_BULK=1 timeout 280 python3 -m pytest -q -rs \
+      -p no:cacheprovider tests/gpu/test_cute_backward.py -k "not compile" \
+      --junitxml="$OUT/junit-bwdvariants.xml" 2>&1 | tee "$OUT/pytest-bwdvariants.log" | tail -15
+    for v in "" "JCOMPILEMASK_CUTE_BWD_STATS_TMA=1" "JCOMPILEMASK_CUTE_BWD_STATS_TMA=1 JCOMPILEMASK_CUTE_BWD_DQ_BULK=1"; do
+      env $v timeout 80 python3 benchmarks/bench_total.py --impls jcm --masks causal,hstu --ns 32768 \
+        --budget-s 60 --out "$OUT/h200-bwd-variants.json" 2>&1 | grep -v Warning | grep '^|' | tail -3
+    done
     ;;
   kernels)
     timeout 560 python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_cute_forward.py \

@@ -47,6 +47,49 @@ def test_backward_compiles_for_sm90(dtype, d, kk, kc, bb, bh):
     assert key.target_name.startswith("jcompilemask_cute_bwd_")
 
 
+@needs_cutlass
+@pytest.mark.parametrize("d,kk,kc,stats_tma,dq_bulk", [
+    (128, 1, 1, True, True), (64, 2, 4, True, True), (128, 6, 7, True, False),
+    (128, 1, 0, False, True),
+])
+def test_backward_variants_compile_for_sm90(d, kk, kc, stats_tma, dq_bulk):
+    """The variants under trial (lse / delta by TMA, dQ by bulk reduce-add) compile."""
+    from jcompilemask.kernels.cute.api import BackwardKey, compile_backward
+    key = BackwardKey("bfloat16", d, kk, kc, 64, 128, False, True, d ** -0.5,
+                      stats_tma=stats_tma, dq_bulk=dq_bulk)
+    assert compile_backward(key) is not None
+    assert key.target_name.endswith(("_st" if stats_tma else "") + ("_dqb" if dq_bulk else ""))
+
+
+def test_dq_bulk_slots_round_trip():
+    """dq_bulk's per-tile accumulator slots (dq_tile_offset order, padded rows) map back
+    to [B, Nq, Hq, D] exactly, ragged last tile included (pure JAX, any machine)."""
+    from jcompilemask.kernels.cute.api import (BWD_TILES, DQ_ROW_PAD, dq_bulk_unpad,
+                                               dq_tile_offset)
+    bq = BWD_TILES[0]
+    for b, nq, hq, d in ((2, 150, 3, 64), (1, 128, 2, 128)):
+        tq = -(-nq // bq)
+        dq = np.random.default_rng(0).normal(size=(b, nq, hq, d)).astype(np.float32)
+        slots = np.full((b, hq, tq, bq * (d + DQ_ROW_PAD)), np.nan, np.float32)
+        for t in range(tq):
+            for r in range(bq):
+                i = t * bq + r
+                cols = np.arange(d)
+                off = dq_tile_offset(r, cols, d)
+                slots[:, :, t, off] = dq[:, i] if i < nq else 0.0
+        np.testing.assert_array_equal(np.asarray(dq_bulk_unpad(jnp.asarray(slots), nq, d)), dq)
+
+
+def test_backward_variant_env(monkeypatch):
+    """The trial variants are chosen from the environment at trace time; off by default."""
+    from jcompilemask.kernels.cute import api
+    monkeypatch.delenv(api.BWD_STATS_TMA_ENV, raising=False)
+    monkeypatch.delenv(api.BWD_DQ_BULK_ENV, raising=False)
+    assert not api._bwd_variant(api.BWD_STATS_TMA_ENV)
+    monkeypatch.setenv(api.BWD_DQ_BULK_ENV, "1")
+    assert api._bwd_variant(api.BWD_DQ_BULK_ENV)
+
+
 def test_backward_key_rejects_unsupported():
     from jcompilemask.kernels.cute.api import BackwardKey
     with pytest.raises(ValueError, match="head dims"):

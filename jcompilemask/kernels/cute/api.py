@@ -23,6 +23,7 @@ _DTYPES = ("bfloat16", "float16")
 HEAD_DIMS = (64, 128, 256)
 # Dynamic shared memory one CTA may opt into on SM90 (227 KB).
 _SMEM_LIMIT = 232448
+DQ_ROW_PAD = 8   # floats after each row of a dq_bulk tile (dq_tile_offset)
 
 
 def preferred_forward_tiles(head_dim: int, dtype: str = "bfloat16") -> tuple[int, int]:
@@ -288,11 +289,12 @@ BWD_TILES = (64, 128)       # (bwd_block_q, bwd_block_kv): the descriptor's back
 
 
 def backward_smem_bytes(head_dim: int, block_q: int, block_kv: int, num_stages: int,
-                        elem_bytes: int = 2) -> int:
+                        elem_bytes: int = 2, dq_bulk: bool = False) -> int:
     """Shared memory of FlashBackwardSm90: barriers, K and V, `num_stages` Q and dO
-    tiles, and one dS tile."""
-    return 1024 + elem_bytes * (2 * block_kv * head_dim + 2 * num_stages * block_q * head_dim
-                                + block_q * block_kv)
+    tiles, one dS tile, lse / delta stages, and (dq_bulk) one float32 dQ tile."""
+    return (1024 + elem_bytes * (2 * block_kv * head_dim + 2 * num_stages * block_q * head_dim
+                                 + block_q * block_kv)
+            + 2 * 4 * block_q * num_stages + (4 * block_q * (head_dim + DQ_ROW_PAD) if dq_bulk else 0))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -309,6 +311,12 @@ class BackwardKey:
     broadcast_head: bool
     scale: float
     num_stages: int = 2
+    # lse / delta per query tile TMA'd into shared memory with Q / dO (see
+    # FlashBackwardSm90.stats_tma); off until validated on the H200 (NOTES.md).
+    stats_tma: bool = False
+    # dQ per tile through shared memory and one bulk reduce-add into a per-tile
+    # accumulator slot (FlashBackwardSm90.dq_bulk); off until validated on the H200.
+    dq_bulk: bool = False
 
     def __post_init__(self):
         if self.dtype not in _DTYPES:
@@ -322,7 +330,8 @@ class BackwardKey:
         if not 1 <= self.num_intervals <= 8 or not 0 <= self.num_bwd_intervals <= 16:
             raise ValueError(f"interval counts K={self.num_intervals} (1..8), "
                              f"Kc={self.num_bwd_intervals} (0..16) out of range")
-        smem = backward_smem_bytes(self.head_dim, self.block_q, self.block_kv, self.num_stages)
+        smem = backward_smem_bytes(self.head_dim, self.block_q, self.block_kv, self.num_stages,
+                                   dq_bulk=self.dq_bulk)
         if self.num_stages < 1 or smem > _SMEM_LIMIT:
             raise ValueError(f"num_stages={self.num_stages} needs {smem} bytes of shared memory")
 
@@ -332,7 +341,8 @@ class BackwardKey:
         return (f"jcompilemask_cute_bwd_{self.dtype}_d{self.head_dim}_k{self.num_intervals}"
                 f"c{self.num_bwd_intervals}_t{self.block_q}x{self.block_kv}"
                 f"_b{int(self.broadcast_batch)}h{int(self.broadcast_head)}_s{self.num_stages}"
-                f"_{scale_bits:016x}")
+                f"_{scale_bits:016x}" + ("_st" if self.stats_tma else "")
+                + ("_dqb" if self.dq_bulk else ""))
 
 
 def compile_backward(key: BackwardKey):
@@ -365,23 +375,71 @@ def compile_backward(key: BackwardKey):
             cutlass.Uint32, (bm, hm, sym(), sym()), stride=(sym64(), sym64(), sym64(), 1),
             assumed_align=4)
         exact = cute.runtime.make_fake_tensor(cutlass.Int32, (bm,), stride=(1,), assumed_align=4)
-        rows = lambda: cute.runtime.make_fake_tensor(  # noqa: E731
-            cutlass.Float32, (b, hq, nq), stride=(sym64(), sym64(), 1), assumed_align=4)
+        if key.stats_tma:    # padded to whole query tiles: TMA boxes, 16-byte strides
+            nq_pad = sym()
+            rows = lambda: cute.runtime.make_fake_tensor(  # noqa: E731
+                cutlass.Float32, (b, hq, nq_pad), stride=(sym64(divisibility=key.block_q),
+                                                          sym64(divisibility=key.block_q), 1),
+                assumed_align=16)
+        else:
+            rows = lambda: cute.runtime.make_fake_tensor(  # noqa: E731
+                cutlass.Float32, (b, hq, nq), stride=(sym64(), sym64(), 1), assumed_align=4)
         kernel = FlashBackwardSm90(
             dtype, d, key.num_intervals, key.num_bwd_intervals, key.scale,
             block_q=key.block_q, block_kv=key.block_kv, broadcast_batch=key.broadcast_batch,
-            broadcast_head=key.broadcast_head, num_stages=key.num_stages)
+            broadcast_head=key.broadcast_head, num_stages=key.num_stages, stats_tma=key.stats_tma,
+            dq_bulk=key.dq_bulk)
+        if key.dq_bulk:      # [B, Hq, Tq, block_q * (D + pad)]: one contiguous slot per query tile
+            tile = key.block_q * (d + DQ_ROW_PAD)
+            dq_acc = lambda: cute.runtime.make_fake_tensor(  # noqa: E731
+                cutlass.Float32, (b, hq, sym(), tile), stride=(sym64(divisibility=tile),
+                                                                sym64(divisibility=tile), tile, 1),
+                assumed_align=16)
+        else:
+            dq_acc = lambda: bshd(cutlass.Float32, nq, hq, align=16, div=4)  # noqa: E731
         fn = cute.compile(
             kernel,
             bshd(dtype, nq, hq), bshd(dtype, nk, hkv), bshd(dtype, nk, hkv), bshd(dtype, nq, hq),
             rows(), rows(), bwd_iv, tiles, fwd_iv, exact,
-            bshd(cutlass.Float32, nq, hq, align=16, div=4), bshd(cutlass.Float32, nq, hq, align=16, div=4),
+            dq_acc(), dq_acc(),
             bshd(dtype, nk, hkv), bshd(dtype, nk, hkv),
             cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
             options=_options(),
         )
         _compiled[key] = fn
         return fn
+
+
+BWD_STATS_TMA_ENV = "JCOMPILEMASK_CUTE_BWD_STATS_TMA"
+BWD_DQ_BULK_ENV = "JCOMPILEMASK_CUTE_BWD_DQ_BULK"
+
+
+def _bwd_variant(env: str) -> bool:
+    """Backward kernel variants not yet validated on the H200, selected by environment
+    (read at trace time): ``JCOMPILEMASK_CUTE_BWD_STATS_TMA=1`` stages lse and delta in
+    shared memory by TMA (BackwardKey.stats_tma); ``JCOMPILEMASK_CUTE_BWD_DQ_BULK=1`` adds
+    dQ per tile with one bulk reduce-add (BackwardKey.dq_bulk). Both become the default
+    once they pass tests/gpu/test_cute_backward.py there and measure faster."""
+    import os
+    return os.environ.get(env, "0") == "1"
+
+
+def dq_tile_offset(row, col, head_dim):
+    """dq_bulk: where element (row, col) of a block_q x head_dim dQ tile sits in the
+    shared tile and in its global accumulator slot: row-major with rows of head_dim + 8
+    floats. Linear in (row, col), so each thread's addresses are one base plus constants
+    (a XOR swizzle made the compiler hoist and spill 32 addresses); the pad puts the 8
+    rows of one accumulator store in distinct banks. `dq_bulk_unpad` drops it. Works on
+    Python / numpy ints and on DSL integers."""
+    return row * (head_dim + DQ_ROW_PAD) + col
+
+
+def dq_bulk_unpad(acc, nq: int, head_dim: int):
+    """[B, Hq, Tq, block_q * (D + pad)] per-tile accumulator slots (dq_tile_offset order)
+    -> [B, Nq, Hq, D]."""
+    b, hq, tq, _ = acc.shape
+    rows = acc.reshape(b, hq, tq * BWD_TILES[0], head_dim + DQ_ROW_PAD)[..., :head_dim]
+    return jnp.transpose(rows, (0, 2, 1, 3))[:, :nq]
 
 
 def cute_backward(q, k, v, out, lse, do, bwd_intervals, bwd_tiles, fwd_intervals, bwd_exact, *,
@@ -418,18 +476,24 @@ def cute_backward(q, k, v, out, lse, do, bwd_intervals, bwd_tiles, fwd_intervals
     key = BackwardKey(
         dtype=jnp.dtype(q.dtype).name, head_dim=D, num_intervals=K, num_bwd_intervals=Kc,
         block_q=block_q, block_kv=block_kv, broadcast_batch=(Bm == 1), broadcast_head=(Hm == 1),
-        scale=float(scale))
+        scale=float(scale), stats_tma=_bwd_variant(BWD_STATS_TMA_ENV),
+        dq_bulk=_bwd_variant(BWD_DQ_BULK_ENV))
     name = _ensure_registered(key)
     f32 = jnp.float32
     lse = lse.astype(f32)
     lse2 = jnp.where(jnp.isneginf(lse), jnp.inf, lse * np.float32(1.0 / math.log(2.0)))
     from ...attention.xla import softmax_delta
     delta = softmax_delta(out, do, lse, dlse)
+    if key.stats_tma:   # whole query tiles: +inf lse (P = 0) and 0 delta past Nq
+        pad = ((0, 0), (0, 0), (0, Tq * block_q - Nq))
+        lse2 = jnp.pad(lse2, pad, constant_values=np.inf)
+        delta = jnp.pad(delta.astype(f32), pad)
     if Kc == 0:      # no column view: a 1-slot empty table keeps the operand shapes valid
         bwd_intervals = jnp.zeros((Bm, Hm, Nk, 1, 2), jnp.int32)
     exact = jnp.broadcast_to(jnp.asarray(bwd_exact, jnp.int32).reshape(-1), (Bm,))
+    acc_shape = (B, Hq, Tq, block_q * (D + DQ_ROW_PAD)) if key.dq_bulk else (B, Nq, Hq, D)
     out_types = (
-        jax.ShapeDtypeStruct((B, Nq, Hq, D), f32),
+        jax.ShapeDtypeStruct(acc_shape, f32),
         jax.ShapeDtypeStruct(k.shape, k.dtype),
         jax.ShapeDtypeStruct(v.shape, v.dtype),
     )
@@ -438,5 +502,7 @@ def cute_backward(q, k, v, out, lse, do, bwd_intervals, bwd_tiles, fwd_intervals
                             input_output_aliases={10: 0})
     dq_acc, dk, dv = call(q, k, v, do, lse2, delta, bwd_intervals.astype(jnp.int32),
                           bwd_tiles.astype(jnp.uint32), fwd_intervals.astype(jnp.int32), exact,
-                          jnp.zeros((B, Nq, Hq, D), f32))
+                          jnp.zeros(acc_shape, f32))
+    if key.dq_bulk:
+        dq_acc = dq_bulk_unpad(dq_acc, Nq, D)
     return (dq_acc * np.float32(scale)).astype(q.dtype), dk, dv

@@ -48,13 +48,16 @@ from cutlass import Boolean, Float32, Int32, Uint32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-from .common import (WarpSpecializedSm90, _as_a_operand, _rows_view, _unsigned_lt, issue_wgmma,
-                     smem_tensor, tile_bits, tma_tiles)
+from .api import DQ_ROW_PAD, dq_tile_offset
+from .common import (WarpSpecializedSm90, _as_a_operand, _rows_view, _unsigned_lt,
+                     bulk_reduce_add_f32, issue_wgmma, smem_tensor, tile_bits, tma_tiles)
 
 _BARRIER_DS_READY = 1   # both consumer warpgroups wrote their half of dS^T
 _BARRIER_DS_FREE = 2    # both finished reading dS for the dQ product
-_LOG2_E = math.log2(math.e)
+_BARRIER_DQ_READY = 3   # dq_bulk: the dQ tile is in shared memory for the bulk reduce-add
 
+
+_LOG2_E = math.log2(math.e)
 
 class FlashBackwardSm90(WarpSpecializedSm90):
     """Backward attention over a tile-state descriptor (SM90).
@@ -63,10 +66,14 @@ class FlashBackwardSm90(WarpSpecializedSm90):
       mQ [B, Nq, Hq, D], mK [B, Nk, Hkv, D], mV [B, Nk, Hkv, D], mdO [B, Nq, Hq, D] (dtype);
       mLSE2 float32 [B, Hq, Nq]: lse * log2(e), +inf for rows that see nothing;
       mDelta float32 [B, Hq, Nq]: rowsum(dO * O) (minus the lse cotangent);
+        with ``stats_tma`` both are padded to Nq' = ceil(Nq / block_q) * block_q (lse2 +inf,
+        delta 0) and arrive in shared memory by TMA with each Q / dO tile;
       mBwdIntervals int32 [Bm, Hm, Nk, Kc, 2]; mBwdTiles uint32 [Bm, Hm, Tk, W];
       mFwdIntervals int32 [Bm, Hm, Nq, K, 2]; mBwdExact int32 [Bm];
     mdQinit: the zeroed dQ accumulator as an input (XLA aliases it to mdQaccum; unused);
-    outputs mdQaccum float32 [B, Nq, Hq, D] (zero on entry; receives dS K, unscaled),
+    outputs mdQaccum float32 [B, Nq, Hq, D] (zero on entry; receives dS K, unscaled) —
+      with ``dq_bulk`` float32 [B, Hq, Tq, block_q * (D + 8)], one slot per query tile
+      in dq_tile_offset order —,
       mdK, mdV [B, Nk, Hkv, D] (dtype).
     """
 
@@ -83,6 +90,8 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         broadcast_batch: bool = False,
         broadcast_head: bool = False,
         num_stages: int = 2,
+        stats_tma: bool = False,
+        dq_bulk: bool = False,
     ):
         assert dtype in (cutlass.BFloat16, cutlass.Float16), dtype
         assert block_kv == 64 * self.num_consumer_wgs, "each consumer warpgroup owns 64 keys"
@@ -99,6 +108,14 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         self.broadcast_batch = broadcast_batch
         self.broadcast_head = broadcast_head
         self.num_stages = num_stages
+        # lse and delta of a query tile: TMA'd into shared memory beside Q / dO (FA3's way)
+        # instead of read from global memory by every consumer thread after its S / dP
+        # products completed (latency in the critical path, 64-bit addresses in registers).
+        self.stats_tma = stats_tma
+        # dQ of a tile: written to shared memory (padded rows, dq_tile_offset) and added to a
+        # per-tile global accumulator slot with one bulk reduce-add, instead of one
+        # red.global.add per element pair from every consumer thread.
+        self.dq_bulk = dq_bulk
         # Split the dQ product over the warpgroups by head dim only when each half is a
         # whole 128B-swizzle row (64 elements of 16 bits) of K's buffer.
         self.dq_single_wg = head_dim // self.num_consumer_wgs < 64
@@ -156,6 +173,15 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         tma_atom_v, mV_tma = self.tma_load_atom(mVt, sK_layout, (bk, d))
         self.bytes_q = self.stage_bytes(sQ_layout)
         self.bytes_k = self.stage_bytes(sK_layout)
+        self.bytes_stat = 0
+        tma_atom_lse, tma_atom_delta = tma_atom_q, tma_atom_q    # placeholders when unused
+        if const_expr(self.stats_tma):
+            # (B, H, Nq') -> (Nq', H, B); one TMA box of block_q floats per query tile.
+            stats_first = lambda t: cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 1, 0]))  # noqa: E731
+            g2s = cpasync.CopyBulkTensorTileG2SOp()
+            tma_atom_lse, mLSE2 = cpasync.make_tiled_tma_atom(g2s, stats_first(mLSE2), cute.make_layout(bq), (bq,))
+            tma_atom_delta, mDelta = cpasync.make_tiled_tma_atom(g2s, stats_first(mDelta), cute.make_layout(bq), (bq,))
+            self.bytes_stat = bq * 4
 
         @cute.struct
         class SharedStorage:
@@ -167,13 +193,16 @@ class FlashBackwardSm90(WarpSpecializedSm90):
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], 1024]
+            sLSE: cute.struct.Align[cute.struct.MemRange[Float32, bq * self.num_stages], 128]
+            sDelta: cute.struct.Align[cute.struct.MemRange[Float32, bq * self.num_stages], 128]
+            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, bq * (d + DQ_ROW_PAD) if self.dq_bulk else 4], 128]
 
         self.shared_storage = SharedStorage
         num_k_tiles = cute.ceil_div(mK.shape[1], bk)
         self.kernel(
             mQ_tma, mK_tma, mV_tma, mdO_tma, mLSE2, mDelta, mBwdIntervals, mBwdTiles,
             mFwdIntervals, mBwdExact, mdQaccum, mdK, mdV,
-            tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_do,
+            tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_do, tma_atom_lse, tma_atom_delta,
             tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, sQ_layout, sK_layout, sdS_layout,
             mQ.shape[1], mQ.shape[2],
         ).launch(
@@ -204,6 +233,8 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         tma_atom_k: cute.CopyAtom,
         tma_atom_v: cute.CopyAtom,
         tma_atom_do: cute.CopyAtom,
+        tma_atom_lse: cute.CopyAtom,
+        tma_atom_delta: cute.CopyAtom,
         tiled_mma_sdp: cute.TiledMma,
         tiled_mma_dkv: cute.TiledMma,
         tiled_mma_dq: cute.TiledMma,
@@ -218,11 +249,15 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         if warp_idx == 0:
             for atom in (tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_do):
                 cpasync.prefetch_descriptor(atom)
+            if const_expr(self.stats_tma):
+                cpasync.prefetch_descriptor(tma_atom_lse)
+                cpasync.prefetch_descriptor(tma_atom_delta)
 
         storage = cutlass_memory.SmemAllocator().allocate(self.shared_storage)
         pipeline_kv = self.tma_pipeline(storage.mbar_kv, 1, 2 * self.bytes_k)   # K and V together
-        pipeline_q = self.tma_pipeline(storage.mbar_q, self.num_stages, self.bytes_q)
-        pipeline_do = self.tma_pipeline(storage.mbar_do, self.num_stages, self.bytes_q)
+        # With stats_tma the Q (dO) barrier also counts the tile's lse (delta) bytes.
+        pipeline_q = self.tma_pipeline(storage.mbar_q, self.num_stages, self.bytes_q + self.bytes_stat)
+        pipeline_do = self.tma_pipeline(storage.mbar_do, self.num_stages, self.bytes_q + self.bytes_stat)
         pipeline.pipeline_init_arrive()
 
         sK = smem_tensor(storage.sK, sK_layout)
@@ -230,6 +265,10 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         sQ = smem_tensor(storage.sQ, sQ_layout)
         sdO = smem_tensor(storage.sdO, sQ_layout)
         sdS = smem_tensor(storage.sdS, sdS_layout)
+        sLSE = storage.sLSE.get_tensor(cute.make_layout((self.block_q, self.num_stages)))
+        sDelta = storage.sDelta.get_tensor(cute.make_layout((self.block_q, self.num_stages)))
+        sdQ = storage.sdQ.get_tensor(cute.make_layout(
+            self.block_q * (self.head_dim + DQ_ROW_PAD) if self.dq_bulk else 4))
 
         k_tile, head_kv, batch = cute.arch.block_idx()
         group = num_heads // mK.shape[2]
@@ -243,12 +282,15 @@ class FlashBackwardSm90(WarpSpecializedSm90):
             if warp_idx == 0:
                 self.load(mQ, mK, mV, mdO, sQ, sK, sV, sdO, tma_atom_q, tma_atom_k, tma_atom_v,
                           tma_atom_do, pipeline_kv, pipeline_q, pipeline_do, mBwdTiles,
-                          n_q_tiles, k_tile, head_kv, batch, mask_batch, group)
+                          n_q_tiles, k_tile, head_kv, batch, mask_batch, group,
+                          (mLSE2, mDelta, sLSE, sDelta, tma_atom_lse, tma_atom_delta))
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self.consume(
-                storage, sQ_layout, sK_layout, sQ, sK, sV, sdO, sdS, mLSE2, mDelta, mBwdIntervals,
-                mBwdTiles, mFwdIntervals, mBwdExact, mdQaccum, mdK, mdV, tiled_mma_sdp,
+                storage, sQ_layout, sK_layout, sQ, sK, sV, sdO, sdS,
+                sLSE if const_expr(self.stats_tma) else mLSE2,
+                sDelta if const_expr(self.stats_tma) else mDelta, mBwdIntervals,
+                mBwdTiles, mFwdIntervals, mBwdExact, (mdQaccum, sdQ), mdK, mdV, tiled_mma_sdp,
                 tiled_mma_dkv, tiled_mma_dq, pipeline_kv, pipeline_q, pipeline_do, n_q_tiles,
                 seqlen_q, mK.shape[0], k_tile, head_kv, batch, mask_batch, group,
                 tidx - self.threads_per_wg)
@@ -261,7 +303,7 @@ class FlashBackwardSm90(WarpSpecializedSm90):
     @cute.jit
     def load(self, mQ, mK, mV, mdO, sQ, sK, sV, sdO, tma_atom_q, tma_atom_k, tma_atom_v,
              tma_atom_do, pipeline_kv, pipeline_q, pipeline_do, mBwdTiles, n_q_tiles, k_tile,
-             head_kv, batch, mask_batch, group):
+             head_kv, batch, mask_batch, group, stats):
         d, bq, bk = self.head_dim, self.block_q, self.block_kv
         gK = cute.local_tile(mK[None, None, head_kv, batch], (bk, d), (k_tile, 0))
         gV = cute.local_tile(mV[None, None, head_kv, batch], (bk, d), (k_tile, 0))
@@ -281,14 +323,28 @@ class FlashBackwardSm90(WarpSpecializedSm90):
             gdO = cute.local_tile(mdO[None, None, head, batch], (bq, d), (None, 0))
             tQsQ, tQgQ = tma_tiles(tma_atom_q, sQ, gQ)
             tdOsdO, tdOgdO = tma_tiles(tma_atom_do, sdO, gdO)
+            mLSE2, mDelta, sLSE, sDelta, tma_atom_lse, tma_atom_delta = stats
+            tLsL, tLgL, tDsD, tDgD = tQsQ, tQgQ, tdOsdO, tdOgdO     # placeholders when unused
+            if const_expr(self.stats_tma):
+                one = lambda t: cute.group_modes(t, 0, 1)  # noqa: E731
+                gL = cute.local_tile(mLSE2[None, head, batch], (bq,), (None,))
+                gD = cute.local_tile(mDelta[None, head, batch], (bq,), (None,))
+                tLsL, tLgL = cpasync.tma_partition(tma_atom_lse, 0, cute.make_layout(1), one(sLSE), one(gL))
+                tDsD, tDgD = cpasync.tma_partition(tma_atom_delta, 0, cute.make_layout(1), one(sDelta), one(gD))
             for q_tile in cutlass.range(n_q_tiles, unroll=1):
                 if tile_bits(gTiles, q_tile) & Uint32(1) != Uint32(0):
                     pipeline_q.producer_acquire(state)
                     cute.copy(tma_atom_q, tQgQ[None, q_tile], tQsQ[None, state.index],
                               tma_bar_ptr=pipeline_q.producer_get_barrier(state))
+                    if const_expr(self.stats_tma):
+                        cute.copy(tma_atom_lse, tLgL[None, q_tile], tLsL[None, state.index],
+                                  tma_bar_ptr=pipeline_q.producer_get_barrier(state))
                     pipeline_do.producer_acquire(state)
                     cute.copy(tma_atom_do, tdOgdO[None, q_tile], tdOsdO[None, state.index],
                               tma_bar_ptr=pipeline_do.producer_get_barrier(state))
+                    if const_expr(self.stats_tma):
+                        cute.copy(tma_atom_delta, tDgD[None, q_tile], tDsD[None, state.index],
+                                  tma_bar_ptr=pipeline_do.producer_get_barrier(state))
                     state.advance()
 
     # ------------------------------------------------------------------ consumers
@@ -384,6 +440,9 @@ class FlashBackwardSm90(WarpSpecializedSm90):
                                   mFwdIntervals, mdQaccum, pipeline_q, pipeline_do, seqlen_q,
                                   seqlen_k, k_tile, head, mh, batch, mask_batch, tidx)
                     state.advance()
+        if const_expr(self.dq_bulk):
+            if tidx == 0:        # the last bulk reduce-add completes before the CTA exits
+                cute.arch.cp_async_bulk_wait_group(0)
         self.epilogue(acc_dK, acc_dV, mdK, mdV, tiled_mma_dkv, tidx, seqlen_k, k_tile, head_kv, batch)
 
     @cute.jit
@@ -410,7 +469,10 @@ class FlashBackwardSm90(WarpSpecializedSm90):
             cols[c] = i if i < seqlen_q else 0
         stat = cute.make_rmem_tensor(n_cols, Float32)
         for c in cutlass.range_constexpr(n_cols):
-            stat[c] = mLSE2[batch, head, cols[c]]
+            if const_expr(self.stats_tma):      # mLSE2 is this stage's shared lse (Q's barrier)
+                stat[c] = mLSE2[tScS[0, c][1], state.index]
+            else:
+                stat[c] = mLSE2[batch, head, cols[c]]
         scale_log2 = Float32(self.scale_log2)
         for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
             for c in cutlass.range_constexpr(n_cols):
@@ -419,7 +481,10 @@ class FlashBackwardSm90(WarpSpecializedSm90):
             self.apply_mask(S, tScS, q_tile, col_starts, col_lengths, exact, mFwdIntervals,
                             seqlen_q, seqlen_k, k_tile, mh, mask_batch)
         for c in cutlass.range_constexpr(n_cols):
-            stat[c] = mDelta[batch, head, cols[c]]
+            if const_expr(self.stats_tma):      # dO's barrier was waited on above
+                stat[c] = mDelta[tScS[0, c][1], state.index]
+            else:
+                stat[c] = mDelta[batch, head, cols[c]]
         warpgroup.wait_group(0)
         dP = _rows_view(acc_dP)
         for r in cutlass.range_constexpr(cute.size(dP, mode=[0])):
@@ -432,6 +497,11 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         issue_wgmma(mma_dkv, acc_dK, tKVrdS, tKVrQt[None, None, None, state.index], False)
 
         # dS^T -> shared memory (after both warpgroups finished the previous dQ product).
+        if const_expr(self.dq_bulk):
+            # The previous tile's bulk reduce-add must have read the shared dQ tile before
+            # anyone passes DS_FREE and (further down) rewrites it.
+            if tidx == 0:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
         cute.arch.barrier(barrier_id=_BARRIER_DS_FREE, number_of_threads=self.num_consumer_wgs * self.threads_per_wg)
         ds_copy, tdSsdS_dst = tdSsdS
         rdS = cute.make_rmem_tensor_like(acc_dP, self.dtype)
@@ -458,6 +528,16 @@ class FlashBackwardSm90(WarpSpecializedSm90):
             pipeline_q.consumer_release(state)
             pipeline_do.consumer_release(state)
             self.store_dq(acc_dQ, mdQaccum, tdQcdQ, seqlen_q, q_tile, head, batch)
+        if const_expr(self.dq_bulk):
+            # Every consumer thread's part of the tile is in shared memory (fenced for the
+            # async proxy): one thread adds the whole tile to its global slot.
+            cute.arch.barrier(barrier_id=_BARRIER_DQ_READY,
+                              number_of_threads=self.num_consumer_wgs * self.threads_per_wg)
+            if tidx == 0:
+                mdQ, sdQ = mdQaccum
+                bulk_reduce_add_f32(mdQ[batch, head, q_tile, None].iterator.llvm_ptr,
+                                    sdQ.iterator.llvm_ptr, bq * (d + DQ_ROW_PAD) * 4)
+                cute.arch.cp_async_bulk_commit_group()
 
     @cute.jit
     def apply_mask(self, P, tScS, q_tile, col_starts, col_lengths, exact, mFwdIntervals,
@@ -496,19 +576,29 @@ class FlashBackwardSm90(WarpSpecializedSm90):
 
     @cute.jit
     def store_dq(self, acc_dQ, mdQaccum, coords, seqlen_q, q_tile, head, batch):
-        """fp32 atomic adds of this thread's dQ elements (rows past Nq dropped)."""
+        """fp32 atomic adds of this thread's dQ elements (rows past Nq dropped); with
+        dq_bulk, its elements into the shared dQ tile (rows past Nq included: their slot
+        of the padded accumulator is dropped by the caller)."""
         acc = _rows_view(acc_dQ)
-        pair = cute.make_rmem_tensor(2, Float32)
-        for r in cutlass.range_constexpr(cute.size(acc, mode=[0])):
-            row = q_tile * self.block_q + coords[r, 0][0]
-            if row < seqlen_q:
-                dst = mdQaccum[batch, row, head, None]
-                # Columns c, c + 1 of a thread are adjacent in memory: one red.v2.f32.
-                for c in cutlass.range_constexpr(0, cute.size(acc, mode=[1]), 2):
-                    pair[0] = acc[r, c]
-                    pair[1] = acc[r, c + 1]
-                    cute.arch.atomic_add((dst.iterator + coords[r, c][1]).llvm_ptr,
-                                         pair.load().ir_value())
+        if const_expr(self.dq_bulk):
+            _, sdQ = mdQaccum
+            for r in cutlass.range_constexpr(cute.size(acc, mode=[0])):
+                row = coords[r, 0][0]
+                for c in cutlass.range_constexpr(cute.size(acc, mode=[1])):
+                    sdQ[dq_tile_offset(row, coords[r, c][1], self.head_dim)] = acc[r, c]
+            cute.arch.fence_view_async_shared()
+        else:
+            pair = cute.make_rmem_tensor(2, Float32)
+            for r in cutlass.range_constexpr(cute.size(acc, mode=[0])):
+                row = q_tile * self.block_q + coords[r, 0][0]
+                if row < seqlen_q:
+                    dst = mdQaccum[0][batch, row, head, None]
+                    # Columns c, c + 1 of a thread are adjacent in memory: one red.v2.f32.
+                    for c in cutlass.range_constexpr(0, cute.size(acc, mode=[1]), 2):
+                        pair[0] = acc[r, c]
+                        pair[1] = acc[r, c + 1]
+                        cute.arch.atomic_add((dst.iterator + coords[r, c][1]).llvm_ptr,
+                                             pair.load().ir_value())
 
     @cute.jit
     def epilogue(self, acc_dK, acc_dV, mdK, mdV, tiled_mma_dkv, tidx, seqlen_k, k_tile, head_kv, batch):

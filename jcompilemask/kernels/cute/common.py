@@ -9,7 +9,7 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 from cutlass import Boolean, Int32, Uint32
-from cutlass._mlir.dialects import arith
+from cutlass._mlir.dialects import arith, llvm
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.cutlass_dsl import dsl_user_op
 
@@ -30,6 +30,28 @@ def _unsigned_lt(a, b, *, loc=None, ip=None) -> Boolean:
             loc=loc,
             ip=ip,
         )
+    )
+
+
+@dsl_user_op
+def bulk_reduce_add_f32(dst_gmem, src_smem, num_bytes: int, *, loc=None, ip=None) -> None:
+    """``cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32``: adds `num_bytes`
+    (a multiple of 16) of float32 from shared memory at `src_smem` onto global memory at
+    `dst_gmem` (both 16-byte aligned; LLVM pointers). Asynchronous: commit it with
+    ``cute.arch.cp_async_bulk_commit_group()`` and wait with
+    ``cp_async_bulk_wait_group(n, read=True)`` before the shared source is rewritten.
+    The writes to the source must be fenced (``fence_view_async_shared``) first."""
+    g = llvm.ptrtoint(cutlass.Int64.mlir_type, dst_gmem, loc=loc, ip=ip)
+    s = llvm.ptrtoint(cutlass.Int32.mlir_type, src_smem, loc=loc, ip=ip)
+    llvm.inline_asm(
+        res=None,
+        operands_=[g, s, Int32(num_bytes).ir_value(loc=loc, ip=ip)],
+        asm_string="cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [$0], [$1], $2;",
+        constraints="l,r,r,~{memory}",
+        has_side_effects=True,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc,
+        ip=ip,
     )
 
 
