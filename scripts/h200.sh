@@ -21,8 +21,9 @@
 #   tilelang     TileLang preprocess bit-exactness tests and the preprocess benchmark
 #   sanitize     compute-sanitizer memcheck + racecheck over a small CuTe backward run
 #   profile      ncu on one clear forward launch at 32K (why 53 TF/s)
+#   profilebwd   ncu on one CuTe backward launch, causal 32K
 set -uo pipefail
-stage=${1:?stage: correctness | bwdvariants | kernels | forward | peers | peers2k | peers32 | total | tilelang | sanitize | profile}
+stage=${1:?stage: correctness | bwdvariants | kernels | forward | peers | peers2k | peers32 | total | tilelang | sanitize | profile | profilebwd}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
@@ -92,6 +93,15 @@ case $stage in
       timeout 270 compute-sanitizer --tool $tool --print-limit 20 python3 tests/scripts/gpu_backward_small.py \
         2>&1 | grep -v Warning | tee "$OUT/sanitize-$tool.log" | tail -15
     done
+    ;;
+  profilebwd)
+    # Nsight Compute on one CuTe backward launch, causal 32K (1.9x FA4's backward time);
+    # the variants under trial are profiled when their environment variables are set.
+    timeout 560 ncu --clock-control none --kernel-name regex:FlashBackward --launch-skip 2 --launch-count 1 \
+      --section SpeedOfLight --section WarpStateStats --section LaunchStats --section Occupancy \
+      --section MemoryWorkloadAnalysis python3 benchmarks/bench_total.py --impls jcm --masks causal \
+      --ns 32768 --budget-s 30 --out /tmp/ncu-total.json 2>&1 \
+      | grep -v Warning | tee "$OUT/ncu-bwd.log" | tail -80
     ;;
   profile)
     # Nsight Compute on one forward launch of the clear mask at 32K (the slow workload).
