@@ -263,8 +263,10 @@ def build(results_dir):
                       f"{r['impl']} {r['mask']} {_label(r['n'])}: pre {r['pre_ms']}, fwd "
                       f"{r['fwd_ms']}, bwd {r['bwd_ms']}" for r in total) + ".", ""]
     if pre:
-        parts += ["## Preprocess (both descriptors), ms", "", preprocess_table(pre), "",
-                  "![preprocess](preprocess.svg)", ""]
+        parts += ["## Preprocess (both descriptors), ms", "", preprocess_table(pre), ""]
+        notes = sorted({f"{r['impl']}: {r['note']}" for r in pre if r.get("note")})
+        parts += [f"Note — {n}" for n in notes] + ([""] if notes else [])
+        parts += ["![preprocess](preprocess.svg)", ""]
         path = os.path.join(results_dir, "preprocess.svg")
         with open(path, "w") as f:
             f.write(svg_panels(pre, lambda r: r["ms"], "Mask preprocess, both descriptors",
