@@ -55,9 +55,8 @@ from .common import (WarpSpecializedSm90, _as_a_operand, _rows_view, _unsigned_l
 _BARRIER_DS_READY = 1   # both consumer warpgroups wrote their half of dS^T
 _BARRIER_DS_FREE = 2    # both finished reading dS for the dQ product
 _BARRIER_DQ_READY = 3   # dq_bulk: the dQ tile is in shared memory for the bulk reduce-add
-
-
 _LOG2_E = math.log2(math.e)
+
 
 class FlashBackwardSm90(WarpSpecializedSm90):
     """Backward attention over a tile-state descriptor (SM90).
