@@ -225,9 +225,10 @@ def main(argv=None):
                         if args.xla_backward and name == "jcm-cute":
                             name = "jcm-cute-xlabwd"
                         elif name == "jcm-cute":     # backward kernel variants under trial
-                            for env, tag in (("JCOMPILEMASK_CUTE_BWD_STATS_TMA", "st"),
-                                             ("JCOMPILEMASK_CUTE_BWD_DQ_BULK", "dqb")):
-                                if os.environ.get(env) == "1":
+                            from jcompilemask.kernels.cute import api as cute_api
+                            for env, tag in ((cute_api.BWD_STATS_TMA_ENV, "st"),
+                                             (cute_api.BWD_DQ_BULK_ENV, "dqb")):
+                                if cute_api._bwd_variant(env):
                                     name += "-" + tag
                         rec = dict(record(mask, n, name, pairs, pre, f, s, h, d), preprocess=prep)
                     else:

@@ -6,8 +6,9 @@
 #       kind="nvidia-h200-x2")
 #
 # Each argument is what one GPU runs: stages of scripts/h200.sh joined by '+', run in
-# turn. A stage `tests:FILE,FILE[@KEXPR]` runs pytest on those files (with `-k KEXPR`). Both GPUs use the cute bundle (tilelang has its own
-# call). Stage i of GPU g writes under $OUT/gpu<g>-<i>-<name>/; logs are printed at the end.
+# turn. A stage `tests:FILE,FILE[@KEXPR]` runs pytest on those files (with `-k KEXPR`).
+# Both GPUs use the cute bundle (tilelang has its own call). Stage i of GPU g writes under
+# $OUT/gpu<g>-<i>-<name>/; logs are printed at the end.
 set -uo pipefail
 a=${1:?work of GPU 0}; b=${2:?work of GPU 1}
 OUT=${OUT:-/tmp/out}

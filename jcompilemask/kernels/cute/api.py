@@ -437,8 +437,9 @@ def dq_tile_offset(row, col, head_dim):
 def dq_bulk_unpad(acc, nq: int, head_dim: int):
     """[B, Hq, Tq, block_q * (D + pad)] per-tile accumulator slots (dq_tile_offset order)
     -> [B, Nq, Hq, D]."""
-    b, hq, tq, _ = acc.shape
-    rows = acc.reshape(b, hq, tq * BWD_TILES[0], head_dim + DQ_ROW_PAD)[..., :head_dim]
+    b, hq, tq, slot = acc.shape
+    rows = acc.reshape(b, hq, tq * (slot // (head_dim + DQ_ROW_PAD)), head_dim + DQ_ROW_PAD)
+    rows = rows[..., :head_dim]
     return jnp.transpose(rows, (0, 2, 1, 3))[:, :nq]
 
 

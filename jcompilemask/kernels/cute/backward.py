@@ -325,11 +325,10 @@ class FlashBackwardSm90(WarpSpecializedSm90):
             mLSE2, mDelta, sLSE, sDelta, tma_atom_lse, tma_atom_delta = stats
             tLsL, tLgL, tDsD, tDgD = tQsQ, tQgQ, tdOsdO, tdOgdO     # placeholders when unused
             if const_expr(self.stats_tma):
-                one = lambda t: cute.group_modes(t, 0, 1)  # noqa: E731
                 gL = cute.local_tile(mLSE2[None, head, batch], (bq,), (None,))
                 gD = cute.local_tile(mDelta[None, head, batch], (bq,), (None,))
-                tLsL, tLgL = cpasync.tma_partition(tma_atom_lse, 0, cute.make_layout(1), one(sLSE), one(gL))
-                tDsD, tDgD = cpasync.tma_partition(tma_atom_delta, 0, cute.make_layout(1), one(sDelta), one(gD))
+                tLsL, tLgL = tma_tiles(tma_atom_lse, sLSE, gL, tile_rank=1)
+                tDsD, tDgD = tma_tiles(tma_atom_delta, sDelta, gD, tile_rank=1)
             for q_tile in cutlass.range(n_q_tiles, unroll=1):
                 if tile_bits(gTiles, q_tile) & Uint32(1) != Uint32(0):
                     pipeline_q.producer_acquire(state)
@@ -462,10 +461,11 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         # statistics are read where they are used (L1/L2), not held across the step.
         S = _rows_view(acc_S)
         n_cols = cute.size(S, mode=[1])
-        cols = cute.make_rmem_tensor(n_cols, Int32)
-        for c in cutlass.range_constexpr(n_cols):
-            i = q_tile * bq + tScS[0, c][1]
-            cols[c] = i if i < seqlen_q else 0
+        cols = cute.make_rmem_tensor(n_cols, Int32)     # global query rows (clamped)
+        if const_expr(not self.stats_tma):
+            for c in cutlass.range_constexpr(n_cols):
+                i = q_tile * bq + tScS[0, c][1]
+                cols[c] = i if i < seqlen_q else 0
         stat = cute.make_rmem_tensor(n_cols, Float32)
         for c in cutlass.range_constexpr(n_cols):
             if const_expr(self.stats_tma):      # mLSE2 is this stage's shared lse (Q's barrier)

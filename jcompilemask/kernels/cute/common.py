@@ -158,11 +158,11 @@ class WarpSpecializedSm90:
         )
 
 
-def tma_tiles(atom, smem, gmem):
-    """(shared, global) partitions of a TMA copy between tiles whose first two modes are
-    the tile (the rest index stages / tiles): no multicast."""
-    return cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(smem, 0, 2),
-                                 cute.group_modes(gmem, 0, 2))
+def tma_tiles(atom, smem, gmem, tile_rank: int = 2):
+    """(shared, global) partitions of a TMA copy between tiles whose first `tile_rank`
+    modes are the tile (the rest index stages / tiles): no multicast."""
+    return cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(smem, 0, tile_rank),
+                                 cute.group_modes(gmem, 0, tile_rank))
 
 
 def smem_tensor(storage_range, layout, modes=None):
