@@ -51,6 +51,9 @@ case $stage in
       env $v timeout 80 python3 benchmarks/bench_total.py --impls jcm --masks causal,hstu --ns 32768 \
         --budget-s 60 --out "$OUT/h200-bwd-variants.json" 2>&1 | grep -v Warning | grep '^|' | tail -3
     done
+    # FA4 native in the same call: the link between calls is the ratio to it.
+    timeout 80 python3 benchmarks/bench_total.py --impls jcm,fa4-native --masks causal --ns 32768 \
+      --budget-s 60 --out "$OUT/h200-bwd-fa4.json" 2>&1 | grep -v Warning | grep '^|' | tail -3
     ;;
   kernels)
     timeout 560 python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_cute_forward.py \
