@@ -19,6 +19,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import clocks  # noqa: E402  (run id, SM clock / power medians of every record)
 from bench_forward import _median_time  # noqa: E402  (one timing method for all)
 
 # (label, head_dim, dtype, softcap, fast_tanh, num_stages or None for the preferred one)
@@ -57,11 +58,13 @@ def bench(ns, heads=8, labels=None) -> list[dict]:
             fwd = jax.jit(lambda q, k, v, iv, t, d=d, cap=cap, fast=fast, stages=stages, bq=bq, bk=bk: cute_forward(
                 q, k, v, iv, t, scale=1 / math.sqrt(d), softcap=cap, block_q=bq, block_kv=bk,
                 num_stages=stages, softcap_fast_tanh=fast))
-            iters = max(3, min(50, int(400 * 2048 / n)))
-            sec = _median_time(lambda: fwd(q, k, v, iv, tiles), warmup=3, iters=iters, repeats=5)
+            clocks.start()
+            win = []
+            sec = _median_time(lambda: fwd(q, k, v, iv, tiles), warmup=3, repeats=5, windows=win)
             flops = 4 * d * heads * B * causal_visible_pairs(n)
             rec = {"mask": "causal", "n": n, "impl": f"jcm-cute-{label}", "head_dim": d, "dtype": dtype,
-                   "softcap": cap, "fast_tanh": fast, "fwd_ms": sec * 1e3, "fwd_tflops": flops / sec / 1e12}
+                   "softcap": cap, "fast_tanh": fast, "fwd_ms": sec * 1e3, "fwd_tflops": flops / sec / 1e12,
+                   **clocks.fields(win)}
             print(f"{label:>18} n={n:>6} B={B:>3}: {rec['fwd_ms']:8.3f} ms {rec['fwd_tflops']:6.1f} TF/s", flush=True)
             records.append(rec)
             del q, k, v
@@ -77,7 +80,7 @@ def main():
     recs = bench([int(x) for x in a.ns.split(",")], labels=set(filter(None, a.only.split(","))))
     if a.out:
         with open(a.out, "w") as f:
-            json.dump({"records": recs}, f, indent=1)
+            json.dump({"run": clocks.run_id(), "records": recs}, f, indent=1)
 
 
 if __name__ == "__main__":

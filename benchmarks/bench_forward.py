@@ -6,11 +6,12 @@
 tables (causal, GQA + ragged lengths, packed documents, prefix + per-head sliding
 window (K = 2), random 3-interval rows with fully masked rows), on fresh random data.
 --bench times causal attention at N = 2K / 8K / 32K with batch 131072 / N, 8 heads,
-head dim 128, bf16: FLOPs = 4 * D * heads * (visible pairs); time = median over
-repeats of (host clock around `iters` back-to-back asynchronous calls, synchronised
-before reading the clock), after warm-up. --fa4 adds FlashAttention-4's native CuTe
-kernel (torch, CUDA events) as impl "fa4-native". Records {mask, n, impl, fwd_ms,
-fwd_tflops} go to --out (default benchmarks/results/h200-forward.json).
+head dim 128, bf16: FLOPs = 4 * D * heads * (visible pairs); time = ``timing.sustained``
+(median over repeats of a host-clocked loop of N back-to-back calls synchronised once,
+N chosen so a loop lasts >= 0.5 s, after warm-up), the same method for every impl.
+--fa4 adds FlashAttention-4's native CuTe kernel (torch) as impl "fa4-native". Records
+{mask, n, impl, fwd_ms, fwd_tflops, run, sm_clock_mhz, power_w} (``clocks.py``) go to
+--out (default benchmarks/results/h200-forward.json).
 """
 
 from __future__ import annotations
@@ -19,14 +20,14 @@ import argparse
 import json
 import math
 import os
-import statistics
 import sys
-import time
 
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import clocks  # noqa: E402  (run id, SM clock / power medians of every record)
+import timing  # noqa: E402  (one timing method for every impl)
 
 BLOCK = 128
 
@@ -87,20 +88,12 @@ def run_checks(seed: int) -> bool:
     return ok_all
 
 
-def _median_time(fn, warmup: int, iters: int, repeats: int) -> float:
-    import jax
-
-    for _ in range(warmup):
-        out = fn()
-    jax.block_until_ready(out)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            out = fn()
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - t0) / iters)
-    return statistics.median(times)
+def _median_time(fn, warmup: int = 3, iters: int | None = None, repeats: int = 5,
+                 windows: list | None = None, min_repeat_s: float = timing.MIN_REPEAT_S) -> float:
+    """Seconds per call of a JAX ``fn``: ``timing.sustained`` (``iters`` None: N calibrated
+    so one loop lasts ``min_repeat_s``; a number fixes N, for CPU smoke runs)."""
+    return timing.jax_time(fn, warmup=warmup, iters=iters, repeats=repeats, windows=windows,
+                           min_repeat_s=min_repeat_s)
 
 
 def bench_jcm(ns, heads=8, dim=128) -> list[dict]:
@@ -122,10 +115,12 @@ def bench_jcm(ns, heads=8, dim=128) -> list[dict]:
         v = _rand(kv, (B, n, heads, dim), jnp.bfloat16)
         iv_d, tiles_d = jnp.asarray(iv), jnp.asarray(tiles)
         fwd = jax.jit(lambda q, k, v, iv, t: cute_forward(q, k, v, iv, t))
-        iters = max(3, min(50, int(400 * 2048 / n)))
-        sec = _median_time(lambda: fwd(q, k, v, iv_d, tiles_d), warmup=3, iters=iters, repeats=5)
+        clocks.start()
+        win = []
+        sec = _median_time(lambda: fwd(q, k, v, iv_d, tiles_d), warmup=3, repeats=5, windows=win)
         flops = 4 * dim * heads * B * causal_visible_pairs(n)
-        rec = {"mask": "causal", "n": n, "impl": "jcm-cute", "fwd_ms": sec * 1e3, "fwd_tflops": flops / sec / 1e12}
+        rec = {"mask": "causal", "n": n, "impl": "jcm-cute", "fwd_ms": sec * 1e3,
+               "fwd_tflops": flops / sec / 1e12, **clocks.fields(win)}
         print(f"bench jcm-cute causal n={n} B={B}: {rec['fwd_ms']:.3f} ms {rec['fwd_tflops']:.1f} TF/s", flush=True)
         records.append(rec)
     return records
@@ -156,10 +151,12 @@ def bench_masks(ns, masks) -> list[dict]:
             k = _rand(kk, (B, L, W.HEADS, W.HEAD_DIM), jnp.bfloat16)
             v = _rand(kv, (B, L, W.HEADS, W.HEAD_DIM), jnp.bfloat16)
             fwd = jax.jit(lambda q, k, v, d: jcm.mask_attention(q, k, v, d, implementation="cute"))
-            iters = max(3, min(50, int(400 * 2048 / n)))
-            sec = _median_time(lambda: fwd(q, k, v, desc), warmup=3, iters=iters, repeats=5)
+            clocks.start()
+            win = []
+            sec = _median_time(lambda: fwd(q, k, v, desc), warmup=3, repeats=5, windows=win)
             rec = {"mask": mask, "n": n, "impl": "jcm-cute", "fwd_ms": sec * 1e3,
-                   "fwd_tflops": W.tflops(pairs, sec * 1e3), "pairs": pairs}
+                   "fwd_tflops": W.tflops(pairs, sec * 1e3), "pairs": pairs,
+                   **clocks.fields(win)}
             print(f"bench jcm-cute {mask} n={n} B={B}: {rec['fwd_ms']:.3f} ms "
                   f"{rec['fwd_tflops']:.1f} TF/s", flush=True)
             records.append(rec)
@@ -186,22 +183,14 @@ def bench_fa4(ns, heads=8, dim=128) -> list[dict]:
     for n in ns:
         B = 131072 // n
         q, k, v = (torch.randn(B, n, heads, dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-        for _ in range(3):
-            flash_attn_func(q, k, v, causal=True)
-        torch.cuda.synchronize()
-        iters = max(3, min(50, int(400 * 2048 / n)))
-        times = []
-        for _ in range(5):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(iters):
-                flash_attn_func(q, k, v, causal=True)
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end) / iters / 1e3)
-        sec = statistics.median(times)
+        clocks.start()
+        win = []
+        with torch.no_grad():
+            sec = timing.torch_time(lambda: flash_attn_func(q, k, v, causal=True), warmup=3,
+                                    repeats=5, windows=win)
         flops = 4 * dim * heads * B * (n * (n + 1) // 2)
-        rec = {"mask": "causal", "n": n, "impl": "fa4-native", "fwd_ms": sec * 1e3, "fwd_tflops": flops / sec / 1e12}
+        rec = {"mask": "causal", "n": n, "impl": "fa4-native", "fwd_ms": sec * 1e3,
+               "fwd_tflops": flops / sec / 1e12, **clocks.fields(win)}
         print(f"bench fa4-native causal n={n} B={B}: {rec['fwd_ms']:.3f} ms {rec['fwd_tflops']:.1f} TF/s", flush=True)
         records.append(rec)
         del q, k, v
@@ -239,7 +228,8 @@ def main():
         os.makedirs(os.path.dirname(args.out), exist_ok=True)
         merged = _merge(args.out, records)
         with open(args.out, "w") as f:
-            json.dump({"device": "NVIDIA H200", "records": merged}, f, indent=1)
+            json.dump({"device": "NVIDIA H200", "run": clocks.run_id(), "records": merged}, f,
+                      indent=1)
         print(f"{'impl':12s} {'mask':8s} {'n':>6s} {'fwd_ms':>9s} {'TF/s':>7s}")
         for r in records:
             print(f"{r['impl']:12s} {r['mask']:8s} {r['n']:6d} {r['fwd_ms']:9.3f} {r['fwd_tflops']:7.1f}")

@@ -6,8 +6,10 @@ Peers: FlexAttention with its Triton and FA4 (``BACKEND="FLASH"``) backends for 
 hstu, shared_prompt and clear; FA4 native causal (``flash_attn.cute``); cuDNN causal
 through ``jax.nn.dot_product_attention``. Metadata comes from ``workloads.py`` (the same
 seeds jcompilemask's benchmarks use); FLOPs count visible pairs of jcompilemask's own
-descriptor, so all figures compare. Torch timings: ``triton.testing.do_bench`` (CUDA
-events, median). JAX timings: many iterations inside one jitted loop, median of repeats.
+descriptor, so all figures compare. Every impl is timed the same way
+(``timing.sustained``: N back-to-back calls synchronised once, N chosen so one loop lasts
+>= 0.5 s, median of repeats after warm-up); every record carries ``run``,
+``sm_clock_mhz`` and ``power_w`` (``clocks.py``).
 Configurations run largest N first and stop when ``--budget-s`` is spent; records are
 written after each one, merged into ``--out`` (a record of the same mask, n and impl is
 replaced, others are kept).
@@ -20,9 +22,9 @@ import os
 import sys
 import time
 
-import numpy as np
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import clocks  # noqa: E402  (run id, SM clock / power medians of every record)
+import timing  # noqa: E402  (one timing method for every impl)
 import workloads as W  # noqa: E402
 
 
@@ -38,8 +40,7 @@ def jcm_pairs(mask, n, md):
     return pairs
 
 
-def bench_flex(mask, n, md, backend, torch, dev, pairs):
-    import triton
+def bench_flex(mask, n, md, backend, torch, dev, pairs, windows):
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
     L, b = W.seq_len(mask, n), W.batch_for(n)
     mm = W.torch_mask_mod(mask, n, md, torch, dev)
@@ -50,44 +51,31 @@ def bench_flex(mask, n, md, backend, torch, dev, pairs):
                            generator=g) for _ in range(3))
     opts = {"BACKEND": "FLASH"} if backend == "fa4" else {"BACKEND": "TRITON"}
     fn = W.torch_compile_fresh(torch, flex_attention)
-    ms = triton.testing.do_bench(lambda: fn(q, k, v, block_mask=bm, kernel_options=opts),
-                                 warmup=100, rep=400, return_mode="median")
-    return ms
+    with torch.no_grad():
+        return 1e3 * timing.torch_time(lambda: fn(q, k, v, block_mask=bm, kernel_options=opts),
+                                       windows=windows)
 
 
-def bench_fa4_native(n, torch, dev, pairs):
-    import triton
+def bench_fa4_native(n, torch, dev, pairs, windows):
     from flash_attn.cute import flash_attn_func
     b = W.batch_for(n)
     g = torch.Generator(device=dev).manual_seed(0)
     q, k, v = (torch.randn(b, n, W.HEADS, W.HEAD_DIM, device=dev, dtype=torch.bfloat16,
                            generator=g) for _ in range(3))
-    return triton.testing.do_bench(lambda: flash_attn_func(q, k, v, causal=True),
-                                   warmup=100, rep=400, return_mode="median")
+    with torch.no_grad():
+        return 1e3 * timing.torch_time(lambda: flash_attn_func(q, k, v, causal=True),
+                                       windows=windows)
 
 
-def bench_cudnn(n):
+def bench_cudnn(n, windows):
     import jax
     import jax.numpy as jnp
     b = W.batch_for(n)
     ks = jax.random.split(jax.random.key(0), 3)
     q, k, v = (jax.random.normal(kk, (b, n, W.HEADS, W.HEAD_DIM), jnp.bfloat16) for kk in ks)
-    iters = 20
-
-    @jax.jit
-    def loop(q, k, v):
-        def body(i, acc):
-            o = jax.nn.dot_product_attention(q + acc[:1, :1, :1, :1] * 0, k, v,
-                                             is_causal=True, implementation="cudnn")
-            return acc + o[:1, :1, :1, :1].astype(acc.dtype)
-        return jax.lax.fori_loop(0, iters, body, jnp.zeros((1, 1, 1, 1), jnp.bfloat16))
-    loop(q, k, v).block_until_ready()
-    times = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        loop(q, k, v).block_until_ready()
-        times.append((time.perf_counter() - t0) * 1e3 / iters)
-    return float(np.median(times))
+    fwd = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
+        q, k, v, is_causal=True, implementation="cudnn"))
+    return 1e3 * timing.jax_time(lambda: fwd(q, k, v), windows=windows)
 
 
 def main():
@@ -122,29 +110,34 @@ def main():
                     break
                 if impl in ("fa4-native", "jax-cudnn") and mask != "causal":
                     continue
+                clocks.start()
+                win = []
                 try:
                     if impl == "fa4-native":
-                        ms = bench_fa4_native(n, torch, dev, pairs)
+                        ms = bench_fa4_native(n, torch, dev, pairs, win)
                     elif impl == "jax-cudnn":
-                        ms = bench_cudnn(n)
+                        ms = bench_cudnn(n, win)
                     else:
-                        ms = bench_flex(mask, n, md, impl.split("-")[1], torch, dev, pairs)
+                        ms = bench_flex(mask, n, md, impl.split("-")[1], torch, dev, pairs, win)
                 except Exception as e:  # a peer that fails is recorded, not fatal
                     print(f"{impl} {mask} {n}: FAILED {type(e).__name__}: {e}", flush=True)
-                    records.append({"mask": mask, "n": n, "impl": impl, "error": str(e)[:300]})
+                    records.append({"mask": mask, "n": n, "impl": impl, "error": str(e)[:300],
+                                    **clocks.fields([])})
                     continue
                 rec = {"mask": mask, "n": n, "impl": impl, "fwd_ms": round(ms, 4),
-                       "fwd_tflops": round(W.tflops(pairs, ms), 1), "pairs": pairs}
+                       "fwd_tflops": round(W.tflops(pairs, ms), 1), "pairs": pairs,
+                       **clocks.fields(win)}
                 records.append(rec)
                 print(json.dumps(rec), flush=True)
                 os.makedirs(os.path.dirname(args.out), exist_ok=True)
                 with open(args.out, "w") as f:
-                    json.dump({"device": torch.cuda.get_device_name(), "records": merged()},
-                              f, indent=1)
-    print("\n| mask | n | impl | fwd ms | TF/s |\n|---|---|---|---|---|")
+                    json.dump({"device": torch.cuda.get_device_name(), "run": clocks.run_id(),
+                               "records": merged()}, f, indent=1)
+    print("\n| mask | n | impl | fwd ms | TF/s | sm_clock_mhz |\n|---|---|---|---|---|---|")
     for r in records:
         if "fwd_ms" in r:
-            print(f"| {r['mask']} | {r['n']} | {r['impl']} | {r['fwd_ms']} | {r['fwd_tflops']} |")
+            print(f"| {r['mask']} | {r['n']} | {r['impl']} | {r['fwd_ms']} | {r['fwd_tflops']} | "
+                  f"{r['sm_clock_mhz']} |")
 
 
 if __name__ == "__main__":

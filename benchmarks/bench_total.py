@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python3 benchmarks/bench_total.py [--ns 32768,8192,2048] [--masks ...]
         [--impls jcm,flex-fa4,flex-triton,fa4-native,jax-cudnn] [--budget-s 400]
+        [--jcm-variants "base=;ds1=JCOMPILEMASK_CUTE_BWD_CONFIG=ds_stages=1"] [--check]
         [--out benchmarks/results/h200-total.json]
     python3 benchmarks/bench_total.py --smoke        # CPU: tiny shapes, jcm only
 
@@ -12,23 +13,42 @@ For each workload of DESIGN.md §8 (bf16, 8 heads, head dim 128, batch 131072 / 
   record's ``preprocess`` says which; FlexAttention: ``create_block_mask``,
   compiled; 0 for the causal-only kernels, which need no mask);
 - ``fwd_ms``: the forward pass; ``step_ms``: forward + backward (gradients of q, k, v
-  for a fixed output cotangent); ``bwd_ms`` = step - fwd;
+  for a fixed output cotangent; torch through ``torch.autograd.grad``, so nothing
+  accumulates between steps); ``bwd_ms`` = step - fwd;
 - ``total_tflops`` = 3.5 * forward FLOPs / (pre + step), forward FLOPs = 4 * head_dim *
-  heads * visible pairs (pairs from jcompilemask's own descriptor, so all impls compare).
+  heads * visible pairs (pairs from jcompilemask's own descriptor, so all impls compare);
+- ``run``, ``sm_clock_mhz``, ``power_w`` (``clocks.py``): the run id shared by all
+  records of one process (or ``$JCM_RUN_ID``) and the median SM clock / board power over
+  the record's timed loops (null where no GPU can be sampled).
+
+Every impl is timed the same way (``timing.sustained``): after warm-up, N back-to-back
+calls synchronised once (JAX: ``block_until_ready`` on the last result; torch:
+``torch.cuda.synchronize()``), N chosen so one loop lasts >= ``--min-repeat-s``, median
+of 5 loops. Figures of different runs are compared only through ratios to a peer of the
+same run (the printed table's ``bwd / best peer``: bwd_ms over the smallest peer bwd_ms
+of the same mask and N).
 
 jcompilemask runs the backend the registry picks (``jcm.backends.explain()``; the impl
 name records it, e.g. ``jcm-cute`` — CuTe forward and CuTe backward;
 ``--xla-backward`` turns the CuTe backward kernel off, recorded as ``jcm-cute-xlabwd``).
-JAX times: many back-to-back calls synchronised once, median of repeats
-(``bench_forward._median_time``); torch times: ``triton.testing.do_bench`` (CUDA events,
-median). Configurations run largest N first and stop when ``--budget-s``
-is spent; records are merged into ``--out`` after each one.
+``--jcm-variants`` times jcompilemask once per ``tag=ENV`` entry (``;``-separated; ENV
+is zero or more space-separated ``NAME=value`` assignments): the environment is set
+before tracing (fresh jitted functions, JAX's caches cleared) and restored after; the
+record's impl is ``jcm-<backend>-<tag>`` (plain ``jcm-<backend>`` for the tag ``base`` or an
+empty tag). ``--check`` adds to each jcompilemask record ``check``: ``"ok"`` or ``"FAIL:
+..."``, dq / dk / dv of the same mask at N = 2048, batch 1, 2 heads against the dense
+reference under the tolerance policy (``jcompilemask.testing``).
+
+Configurations run largest N first and stop when ``--budget-s`` is spent; records are
+merged into ``--out`` after each one.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import shlex
 import sys
 import time
 
@@ -37,10 +57,13 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
+import clocks  # noqa: E402  (run id, SM clock / power medians of every record)
+import timing  # noqa: E402  (one timing method for every impl)
 import workloads as W  # noqa: E402
-from bench_forward import _median_time, _merge  # noqa: E402  (one timing method, one merge)
+from bench_forward import _merge  # noqa: E402  (one merge)
 
 SMOKE = dict(ns=(256,), heads=2, head_dim=32, tokens=512)
+CHECK = dict(n=2048, batch=1, heads=2)
 
 
 def _shape(mask, n, smoke):
@@ -57,20 +80,80 @@ def _metadata(mask, n, b, smoke):
     return md
 
 
-def _iters(n):
-    return max(3, min(30, int(200 * 2048 / n)))
+def _spec(mask, n, smoke):
+    import jcompilemask as jcm
+    if smoke and mask == "clear":
+        return jcm.masks.clear(16, 2)
+    return W.spec_for(mask, n)
+
+
+def _timing_kw(smoke, min_repeat_s):
+    # CPU smoke runs fix N (a calibrated 0.5 s loop of the xla backend takes minutes).
+    return dict(iters=3, repeats=3) if smoke else dict(repeats=5, min_repeat_s=min_repeat_s)
+
+
+# -- variants ---------------------------------------------------------------------------
+def parse_variants(text):
+    """``[(tag, {NAME: value})]`` of a ``--jcm-variants`` string (module doc).
+
+    >>> parse_variants("base=;ds1=JCOMPILEMASK_CUTE_BWD_CONFIG=ds_stages=1")
+    [('base', {}), ('ds1', {'JCOMPILEMASK_CUTE_BWD_CONFIG': 'ds_stages=1'})]
+    >>> parse_variants(None)
+    [('', {})]
+    """
+    if not text:
+        return [("", {})]
+    out, seen = [], set()
+    for entry in filter(None, (e.strip() for e in text.split(";"))):
+        tag, _, env = entry.partition("=")
+        tag = tag.strip()
+        if any(c.isspace() or c == "/" for c in tag):
+            raise ValueError(f"--jcm-variants entry {entry!r}: expected tag=NAME=value with "
+                             f"a tag without spaces or '/' (e.g. ds1=VAR=1, base=)")
+        assignments = {}
+        for item in shlex.split(env):
+            name, eq2, value = item.partition("=")
+            if not eq2 or not name:
+                raise ValueError(f"--jcm-variants entry {entry!r}: {item!r} is not NAME=value")
+            assignments[name] = value
+        if tag in seen:
+            raise ValueError(f"--jcm-variants: tag {tag!r} given twice")
+        seen.add(tag)
+        out.append((tag, assignments))
+    return out or [("", {})]
+
+
+def variant_name(base, tag):
+    return base if tag in ("", "base") else f"{base}-{tag}"
+
+
+@contextlib.contextmanager
+def environment(assignments):
+    """``os.environ`` updated by ``assignments`` inside, restored on exit."""
+    old = {k: os.environ.get(k) for k in assignments}
+    os.environ.update(assignments)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 # -- jcompilemask -----------------------------------------------------------------------
-def bench_jcm(mask, n, smoke=False, implementation=None):
+def bench_jcm(mask, n, smoke=False, implementation=None, min_repeat_s=timing.MIN_REPEAT_S,
+              windows=None):
+    """jcompilemask's preprocess / forward / step times (ms) of one workload; the jitted
+    functions are made here, so the environment at call time is the one traced."""
     import jax
     import jax.numpy as jnp
 
     import jcompilemask as jcm
 
     L, b, h, d = _shape(mask, n, smoke)
-    spec = W.spec_for(mask, n) if not smoke else (
-        jcm.masks.clear(16, 2) if mask == "clear" else W.spec_for(mask, n))
+    spec = _spec(mask, n, smoke)
     md = _metadata(mask, n, b, smoke)
     md = None if md is None else {k: jnp.asarray(v) for k, v in md.items()}
     cm = jcm.compile(spec)
@@ -93,12 +176,56 @@ def bench_jcm(mask, n, smoke=False, implementation=None):
         return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32))
 
     step = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
-    it = 3 if smoke else _iters(n)
-    reps = 3 if smoke else 5
-    pre = _median_time(lambda: instantiate(md), warmup=2, iters=it, repeats=reps)
-    f = _median_time(lambda: fwd(q, k, v, desc), warmup=2, iters=it, repeats=reps)
-    s = _median_time(lambda: step(q, k, v, desc), warmup=2, iters=it, repeats=reps)
-    return f"jcm-{impl}", pairs, pre * 1e3, f * 1e3, s * 1e3, (h, d), preprocess
+    kw = dict(_timing_kw(smoke, min_repeat_s), windows=windows)
+    pre = timing.jax_time(lambda: instantiate(md), **kw)
+    f = timing.jax_time(lambda: fwd(q, k, v, desc), **kw)
+    s = timing.jax_time(lambda: step(q, k, v, desc), **kw)
+    return dict(impl=impl, pairs=pairs, pre=pre * 1e3, fwd=f * 1e3, step=s * 1e3,
+                heads=h, head_dim=d, preprocess=preprocess)
+
+
+def check_jcm(mask, smoke=False, implementation=None):
+    """``"ok"`` when dq / dk / dv of ``mask`` (N = 2048, batch 1, 2 heads; the smoke
+    shape under ``smoke``) meet the tolerance policy against the dense reference, else
+    ``"FAIL: ..."`` naming each failing gradient (never raises)."""
+    try:
+        import jax
+        import jax.numpy as jnp
+
+        import jcompilemask as jcm
+        from jcompilemask.testing import assert_within_policy, reference_attention
+
+        n = SMOKE["ns"][0] if smoke else CHECK["n"]
+        L, _, _, d = _shape(mask, n, smoke)
+        h = CHECK["heads"]
+        spec = _spec(mask, n, smoke)
+        md = _metadata(mask, n, CHECK["batch"], smoke)  # numpy: validated when traced
+        ks = jax.random.split(jax.random.key(1), 4)
+        q, k, v, do = (jax.random.normal(kk, (CHECK["batch"], L, h, d), jnp.float32)
+                       .astype(jnp.bfloat16) for kk in ks)
+        f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+
+        def loss_ours(a, b_, c):
+            o = jcm.mask_attention(a, b_, c, spec, metadata=md, implementation=implementation)
+            return jnp.sum(f32(o) * f32(do))
+
+        g = jax.jit(jax.grad(loss_ours, argnums=(0, 1, 2)))(q, k, v)
+        dense = spec.as_dense(md, L, L)
+
+        def loss_ref(prec):
+            return lambda a, b_, c: jnp.sum(
+                f32(reference_attention(a, b_, c, dense, precision=prec)[0]) * f32(do))
+        g_hi = jax.jit(jax.grad(loss_ref("high"), argnums=(0, 1, 2)))(f32(q), f32(k), f32(v))
+        g_lo = jax.jit(jax.grad(loss_ref("input"), argnums=(0, 1, 2)))(q, k, v)
+        problems = []
+        for name, a, hi, lo in zip(("dq", "dk", "dv"), g, g_hi, g_lo):
+            try:
+                assert_within_policy(a, hi, lo, name)
+            except AssertionError as err:
+                problems.append(str(err))
+        return "ok" if not problems else "FAIL: " + "; ".join(problems)[:500]
+    except Exception as e:  # noqa: BLE001 - a check that cannot run is a failed check
+        return f"FAIL: {type(e).__name__}: " + " ".join(str(e).split())[:400]
 
 
 # -- peers ------------------------------------------------------------------------------
@@ -108,44 +235,39 @@ def _torch_inputs(torch, dev, shape, n):
             for _ in range(4)]
 
 
-def _torch_times(torch, fwd, q, k, v, do):
-    import triton
+def _torch_times(torch, fwd, q, k, v, do, windows, min_repeat_s):
     for x in (q, k, v):
         x.requires_grad_(True)
 
-    def step():
-        o = fwd(q, k, v)
-        o.backward(do)
+    def step():   # autograd.grad: fresh gradients each step, nothing accumulates in .grad
+        return torch.autograd.grad(fwd(q, k, v), (q, k, v), do)
 
     with torch.no_grad():
-        f = triton.testing.do_bench(lambda: fwd(q, k, v), warmup=50, rep=300,
-                                    return_mode="median")
-    s = triton.testing.do_bench(step, warmup=50, rep=300, return_mode="median",
-                                grad_to_none=[q, k, v])
-    return f, s
+        f = timing.torch_time(lambda: fwd(q, k, v), windows=windows, min_repeat_s=min_repeat_s)
+    s = timing.torch_time(step, windows=windows, min_repeat_s=min_repeat_s)
+    return f * 1e3, s * 1e3
 
 
-def bench_flex(mask, n, md, backend):
+def bench_flex(mask, n, md, backend, windows, min_repeat_s):
     import torch
-    import triton
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
     dev = "cuda"
     L, b = W.seq_len(mask, n), W.batch_for(n)
     mm = W.torch_mask_mod(mask, n, md, torch, dev)
     bsz = b if mask != "causal" else None
     cbm = W.torch_compile_fresh(torch, create_block_mask)
-    pre = triton.testing.do_bench(lambda: cbm(mm, bsz, None, L, L, device=dev),
-                                  warmup=3, rep=100, return_mode="median")
+    pre = 1e3 * timing.torch_time(lambda: cbm(mm, bsz, None, L, L, device=dev), warmup=3,
+                                  windows=windows, min_repeat_s=min_repeat_s)
     bm = cbm(mm, bsz, None, L, L, device=dev)
     q, k, v, do = _torch_inputs(torch, dev, (b, W.HEADS, L, W.HEAD_DIM), n)
     opts = {"BACKEND": "FLASH"} if backend == "fa4" else {"BACKEND": "TRITON"}
     fn = W.torch_compile_fresh(torch, flex_attention)
     f, s = _torch_times(torch, lambda q, k, v: fn(q, k, v, block_mask=bm, kernel_options=opts),
-                        q, k, v, do)
+                        q, k, v, do, windows, min_repeat_s)
     return pre, f, s
 
 
-def bench_fa4_native(n):
+def bench_fa4_native(n, windows, min_repeat_s):
     import torch
     from flash_attn.cute import flash_attn_func
     b = W.batch_for(n)
@@ -154,11 +276,11 @@ def bench_fa4_native(n):
     def fwd(q, k, v):
         o = flash_attn_func(q, k, v, causal=True)
         return o[0] if isinstance(o, tuple) else o
-    f, s = _torch_times(torch, fwd, q, k, v, do)
+    f, s = _torch_times(torch, fwd, q, k, v, do, windows, min_repeat_s)
     return 0.0, f, s
 
 
-def bench_cudnn(n):
+def bench_cudnn(n, windows, min_repeat_s):
     import jax
     import jax.numpy as jnp
     b = W.batch_for(n)
@@ -171,20 +293,53 @@ def bench_cudnn(n):
     step = jax.jit(jax.grad(lambda q, k, v: jnp.sum(attn(q, k, v).astype(jnp.float32)
                                                      * do.astype(jnp.float32)),
                             argnums=(0, 1, 2)))
-    it = _iters(n)
-    f = _median_time(lambda: fwd(q, k, v), warmup=2, iters=it, repeats=5)
-    s = _median_time(lambda: step(q, k, v), warmup=2, iters=it, repeats=5)
+    kw = dict(windows=windows, min_repeat_s=min_repeat_s)
+    f = timing.jax_time(lambda: fwd(q, k, v), **kw)
+    s = timing.jax_time(lambda: step(q, k, v), **kw)
     return 0.0, f * 1e3, s * 1e3
 
 
 # -- driver -----------------------------------------------------------------------------
-def record(mask, n, impl, pairs, pre, fwd, step, heads=W.HEADS, head_dim=W.HEAD_DIM):
+def record(mask, n, impl, pairs, pre, fwd, step, heads=W.HEADS, head_dim=W.HEAD_DIM,
+           windows=()):
     flops = 4 * head_dim * heads * pairs
     return {"mask": mask, "n": n, "impl": impl, "pre_ms": round(pre, 4),
             "fwd_ms": round(fwd, 4), "bwd_ms": round(step - fwd, 4),
             "step_ms": round(step, 4),
             "total_tflops": float(f"{3.5 * flops / ((pre + step) * 1e-3) / 1e12:.4g}"),
-            "fwd_tflops": float(f"{flops / (fwd * 1e-3) / 1e12:.4g}"), "pairs": int(pairs)}
+            "fwd_tflops": float(f"{flops / (fwd * 1e-3) / 1e12:.4g}"), "pairs": int(pairs),
+            **clocks.fields(list(windows))}
+
+
+def bwd_ratios(records):
+    """bwd_ms of each record over the smallest bwd_ms of a peer (an impl not ``jcm-*``)
+    of the same mask and N among ``records`` (None without such a peer)."""
+    best = {}
+    for r in records:
+        if "bwd_ms" in r and not r["impl"].startswith("jcm"):
+            key = (r["mask"], r["n"])
+            best[key] = min(best.get(key, float("inf")), r["bwd_ms"])
+    return [None if "bwd_ms" not in r or (r["mask"], r["n"]) not in best
+            or best[(r["mask"], r["n"])] <= 0
+            else round(r["bwd_ms"] / best[(r["mask"], r["n"])], 3) for r in records]
+
+
+def table(records):
+    """The markdown table printed at the end of a run."""
+    checked = any("check" in r and r["check"] is not None for r in records)
+    head = ["mask", "n", "impl", "pre ms", "fwd ms", "bwd ms", "total TF/s", "sm_clock_mhz",
+            "bwd / best peer"] + (["check"] if checked else [])
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r, ratio in zip(records, bwd_ratios(records)):
+        if "error" in r:
+            continue
+        cells = [r["mask"], r["n"], r["impl"], r["pre_ms"], r["fwd_ms"], r["bwd_ms"],
+                 r["total_tflops"], "" if r["sm_clock_mhz"] is None else r["sm_clock_mhz"],
+                 "" if ratio is None else f"{ratio:.2f}"]
+        if checked:
+            cells.append(r.get("check") or "")
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return "\n".join(lines)
 
 
 def main(argv=None):
@@ -198,71 +353,108 @@ def main(argv=None):
     ap.add_argument("--xla-backward", action="store_true",
                     help="gradients from the xla backward instead of the CuTe backward kernel "
                          "(sets JCOMPILEMASK_CUTE_BACKWARD=0; impl name jcm-cute-xlabwd)")
+    ap.add_argument("--jcm-variants", default=None,
+                    help="';'-separated tag=NAME=value entries: jcompilemask is timed once per "
+                         "entry with that environment (impl jcm-<backend>-<tag>; tag base or "
+                         "empty: jcm-<backend>), e.g. "
+                         "'base=;ds1=JCOMPILEMASK_CUTE_BWD_CONFIG=ds_stages=1'")
+    ap.add_argument("--check", action="store_true",
+                    help="record check: ok | FAIL: ... for each jcompilemask record (dq, dk, dv "
+                         "of the mask at N=2048, batch 1, 2 heads against the dense reference)")
+    ap.add_argument("--min-repeat-s", type=float, default=timing.MIN_REPEAT_S,
+                    help="shortest timed loop (s): N back-to-back calls are chosen to last it")
     ap.add_argument("--budget-s", type=float, default=400)
     ap.add_argument("--out", default=os.path.join(HERE, "results", "h200-total.json"))
     ap.add_argument("--smoke", action="store_true",
                     help="tiny shapes, jcompilemask only (any machine, CPU included)")
     args = ap.parse_args(argv)
+    try:
+        variants = parse_variants(args.jcm_variants)
+    except ValueError as e:
+        ap.error(str(e))
     if args.xla_backward:
         os.environ["JCOMPILEMASK_CUTE_BACKWARD"] = "0"
     ns = SMOKE["ns"] if args.smoke else [int(x) for x in args.ns.split(",")]
     impls = ["jcm"] if args.smoke else args.impls.split(",")
+    clocks.start()                       # sampling runs before the first timed loop
     records, t0 = [], time.time()
     device = "cpu"
+
+    def save(rec):
+        nonlocal device
+        records.append(rec)
+        print(json.dumps(rec), flush=True)
+        try:
+            import jax
+            device = jax.devices()[0].device_kind
+        except Exception:  # noqa: BLE001
+            pass
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        merged = _merge(args.out, records)
+        with open(args.out, "w") as f_:
+            json.dump({"device": device, "smoke": args.smoke, "run": clocks.run_id(),
+                       "records": merged}, f_, indent=1)
+
+    def failed(impl, mask, n, e):
+        print(f"{impl} {mask} {n}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+        return {"mask": mask, "n": n, "impl": impl, "error": str(e)[:300],
+                **clocks.fields([])}
+
     for n in ns:
         for mask in args.masks.split(","):
             pairs = None
             for impl in impls:
+                if impl in ("fa4-native", "jax-cudnn") and mask != "causal":
+                    continue
+                if impl == "jcm":
+                    for tag, env in variants:
+                        if time.time() - t0 > args.budget_s:
+                            print(f"budget spent; stopping before jcm {tag} {mask} {n}",
+                                  flush=True)
+                            break
+                        with environment(env):
+                            if len(variants) > 1:
+                                import jax
+                                jax.clear_caches()     # every variant traces afresh
+                            win = []
+                            try:
+                                r = bench_jcm(mask, n, args.smoke, args.jcm_implementation,
+                                              args.min_repeat_s, win)
+                            except Exception as e:  # noqa: BLE001 - recorded, not fatal
+                                save(failed(variant_name("jcm", tag), mask, n, e))
+                                continue
+                            pairs = r["pairs"]
+                            name = f"jcm-{r['impl']}"
+                            if args.xla_backward and name == "jcm-cute":
+                                name = "jcm-cute-xlabwd"
+                            rec = dict(record(mask, n, variant_name(name, tag), pairs,
+                                              r["pre"], r["fwd"], r["step"], r["heads"],
+                                              r["head_dim"], win),
+                                       preprocess=r["preprocess"])
+                            rec["check"] = (check_jcm(mask, args.smoke, r["impl"])
+                                            if args.check else None)
+                        save(rec)
+                    continue
                 if time.time() - t0 > args.budget_s:
                     print(f"budget spent; stopping before {impl} {mask} {n}", flush=True)
                     break
-                if impl in ("fa4-native", "jax-cudnn") and mask != "causal":
-                    continue
+                win = []
                 try:
-                    if impl == "jcm":
-                        name, pairs, pre, f, s, (h, d), prep = bench_jcm(
-                            mask, n, args.smoke, args.jcm_implementation)
-                        if args.xla_backward and name == "jcm-cute":
-                            name = "jcm-cute-xlabwd"
-                        elif name == "jcm-cute":     # backward kernel variants under trial
-                            from jcompilemask.kernels.cute import api as cute_api
-                            for env, tag in ((cute_api.BWD_STATS_TMA_ENV, "st"),
-                                             (cute_api.BWD_DQ_BULK_ENV, "dqb")):
-                                if cute_api._bwd_variant(env):
-                                    name += "-" + tag
-                        rec = dict(record(mask, n, name, pairs, pre, f, s, h, d), preprocess=prep)
+                    if pairs is None:
+                        raise RuntimeError("run with impl jcm first (it counts the pairs)")
+                    md = W.metadata_for(mask, n)
+                    if impl == "fa4-native":
+                        pre, f, s = bench_fa4_native(n, win, args.min_repeat_s)
+                    elif impl == "jax-cudnn":
+                        pre, f, s = bench_cudnn(n, win, args.min_repeat_s)
                     else:
-                        if pairs is None:
-                            raise RuntimeError("run with impl jcm first (it counts the pairs)")
-                        md = W.metadata_for(mask, n)
-                        if impl == "fa4-native":
-                            pre, f, s = bench_fa4_native(n)
-                        elif impl == "jax-cudnn":
-                            pre, f, s = bench_cudnn(n)
-                        else:
-                            pre, f, s = bench_flex(mask, n, md, impl.split("-")[1])
-                        rec = record(mask, n, impl, pairs, pre, f, s)
+                        pre, f, s = bench_flex(mask, n, md, impl.split("-")[1], win,
+                                               args.min_repeat_s)
+                    rec = record(mask, n, impl, pairs, pre, f, s, windows=win)
                 except Exception as e:  # noqa: BLE001 - a failing impl is recorded
-                    print(f"{impl} {mask} {n}: FAILED {type(e).__name__}: {str(e)[:300]}",
-                          flush=True)
-                    rec = {"mask": mask, "n": n, "impl": impl, "error": str(e)[:300]}
-                records.append(rec)
-                print(json.dumps(rec), flush=True)
-                try:
-                    import jax
-                    device = jax.devices()[0].device_kind
-                except Exception:  # noqa: BLE001
-                    pass
-                os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-                merged = _merge(args.out, records)
-                with open(args.out, "w") as f_:
-                    json.dump({"device": device, "smoke": args.smoke, "records": merged},
-                              f_, indent=1)
-    print("\n| mask | n | impl | pre ms | fwd ms | bwd ms | total TF/s |\n|---|---|---|---|---|---|---|")
-    for r in records:
-        if "error" not in r:
-            print(f"| {r['mask']} | {r['n']} | {r['impl']} | {r['pre_ms']} | {r['fwd_ms']} | "
-                  f"{r['bwd_ms']} | {r['total_tflops']} |")
+                    rec = failed(impl, mask, n, e)
+                save(rec)
+    print("\n" + table(records))
     return records
 
 

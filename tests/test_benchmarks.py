@@ -6,6 +6,8 @@ import json
 import os
 import xml.etree.ElementTree as ET
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -86,3 +88,116 @@ def test_bench_total_smoke_runs_on_cpu(tmp_path):
     # smoke files are not results: the report skips them
     rep = _report()
     assert rep.load(str(tmp_path))[3] == []  # total records
+
+
+def _bench_module(name):
+    import sys
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    spec = importlib.util.spec_from_file_location(
+        name, os.path.join(ROOT, "benchmarks", f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_bench_total_records_run_and_clock_fields(tmp_path):
+    """Every record carries the run id and the clock / power medians; with no GPU to
+    sample they are null, not missing."""
+    mod = _bench_module("bench_total")
+    import clocks
+    recs = mod.main(["--smoke", "--masks", "causal", "--out", str(tmp_path / "t.json")])
+    assert len(recs) == 1
+    r = recs[0]
+    for key in ("run", "sm_clock_mhz", "power_w", "check"):
+        assert key in r, key
+    assert r["run"] == clocks.run_id() and r["check"] is None
+    if clocks.sampler().source is None:        # no pynvml, no nvidia-smi: a CPU machine
+        assert r["sm_clock_mhz"] is None and r["power_w"] is None
+    saved = json.loads((tmp_path / "t.json").read_text())
+    assert saved["run"] == r["run"]
+
+
+def test_bench_total_variants_and_check(tmp_path, monkeypatch):
+    """--jcm-variants: one record per entry, named by its tag, each traced under its own
+    environment (restored after); --check records "ok" for the jcm gradients."""
+    mod = _bench_module("bench_total")
+    var = "JCM_BENCH_TEST_VARIANT"
+    monkeypatch.delenv(var, raising=False)
+    seen = []
+    real = mod.bench_jcm
+
+    def spy(*a, **kw):
+        seen.append(os.environ.get(var))
+        return real(*a, **kw)
+    monkeypatch.setattr(mod, "bench_jcm", spy)
+    recs = mod.main(["--smoke", "--masks", "hstu", "--out", str(tmp_path / "v.json"),
+                     "--jcm-variants", f"base=;v2={var}=a=b", "--check"])
+    backend = recs[0]["impl"]
+    assert backend.startswith("jcm-")
+    assert [r["impl"] for r in recs] == [backend, backend + "-v2"]
+    assert seen == [None, "a=b"] and var not in os.environ
+    assert all(r["check"] == "ok" for r in recs), recs
+    assert len({r["run"] for r in recs}) == 1
+    assert mod.parse_variants("x=A=1 B=2;;y") == [("x", {"A": "1", "B": "2"}), ("y", {})]
+    with pytest.raises(ValueError, match="--jcm-variants"):
+        mod.parse_variants("a b=X=1")
+    with pytest.raises(ValueError, match="twice"):
+        mod.parse_variants("a=;a=X=1")
+
+
+def test_bench_total_check_reports_failure_instead_of_raising():
+    mod = _bench_module("bench_total")
+    out = mod.check_jcm("hstu", smoke=True, implementation="no-such-backend")
+    assert out.startswith("FAIL: ") and "\n" not in out
+
+
+def test_bench_total_table_has_clock_and_peer_ratio_columns():
+    mod = _bench_module("bench_total")
+    base = dict(mask="causal", n=8192, pre_ms=0.0, fwd_ms=1.0, total_tflops=1.0,
+                run="r", power_w=None)
+    recs = [dict(base, impl="jcm-cute", bwd_ms=3.0, sm_clock_mhz=1650.0),
+            dict(base, impl="fa4-native", bwd_ms=2.0, sm_clock_mhz=1700.0),
+            dict(base, impl="jax-cudnn", bwd_ms=4.0, sm_clock_mhz=None),
+            dict(base, mask="hstu", impl="jcm-cute", bwd_ms=5.0, sm_clock_mhz=None),
+            {"mask": "hstu", "n": 8192, "impl": "flex-fa4", "error": "x"}]
+    assert mod.bwd_ratios(recs) == [1.5, 1.0, 2.0, None, None]
+    md = mod.table(recs)
+    assert "| sm_clock_mhz | bwd / best peer |" in md
+    assert "| causal | 8192 | jcm-cute | 0.0 | 1.0 | 3.0 | 1.0 | 1650.0 | 1.50 |" in md
+    assert "| hstu | 8192 | jcm-cute | 0.0 | 1.0 | 5.0 | 1.0 |  |  |" in md
+    assert "flex-fa4" not in md
+
+
+def test_sustained_timing_loop_lasts_the_minimum():
+    timing = _bench_module("timing")
+    import time
+    calls, syncs, windows = [], [], []
+    t = timing.sustained(lambda: calls.append(time.sleep(0.002)), syncs.append,
+                         min_repeat_s=0.05, repeats=3, windows=windows)
+    assert 0.002 <= t < 0.02
+    assert len(windows) == 3 and all(t1 - t0 >= 0.04 for t0, t1 in windows)
+    # one synchronisation per loop, not per call
+    assert len(syncs) < len(calls) / 10
+
+
+def test_clock_sampler_reads_nvidia_smi(tmp_path, monkeypatch):
+    """The nvidia-smi path of the sampler, against a stand-in printing the same CSV."""
+    clocks = _bench_module("clocks")
+    import time
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text("#!/bin/sh\nwhile true; do\n"
+                    "  echo \"$(date '+%Y/%m/%d %H:%M:%S.%N' | cut -c1-23), 1755, 512.5\"\n"
+                    "  sleep 0.1\ndone\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    s = clocks.Sampler(index=0, sources=("nvidia-smi",))
+    try:
+        assert s.source == "nvidia-smi"
+        t0 = time.time()
+        time.sleep(0.6)
+        assert s.summary([(t0, time.time())]) == {"sm_clock_mhz": 1755.0, "power_w": 512.5}
+    finally:
+        s.close()
+    none = clocks.Sampler(index=0, sources=())
+    assert none.source is None
+    assert none.summary([(0.0, 1.0)]) == {"sm_clock_mhz": None, "power_w": None}
