@@ -83,17 +83,25 @@ def variants_table(variants):
 
 def dedupe(records, ours):
     """One record per (mask, n, impl). A figure measured twice (a peer in the same run as
-    ours and again in a peers-only run) keeps the one from the file that holds ours for
-    that (mask, n): the same run, so the ratio is the fairest; otherwise the last file in
-    name order."""
-    our_src = {(r["mask"], r["n"]): r["source"] for r in records if r["impl"] == ours}
+    ours and again in a peers-only run) keeps the one of the same run as ours for that
+    (mask, n) — the same ``run`` id (``clocks.py``; several scripts of one device call
+    share it) or, for records without one, the same file — so the ratio is the fairest
+    (the card's clock moves between runs); otherwise the last file in name order."""
+    our = {(r["mask"], r["n"]): r for r in records if r["impl"] == ours}
     pick = {}
     for r in records:
         key = (r["mask"], r["n"], r["impl"])
         old = pick.get(key)
-        if old is None or old["source"] != our_src.get(key[:2]):
+        ref = our.get(key[:2])
+        if old is None or ref is None or not _same_run(old, ref):
             pick[key] = r
     return list(pick.values())
+
+
+def _same_run(a, b):
+    if a.get("run") and b.get("run"):
+        return a["run"] == b["run"]
+    return a["source"] == b["source"]
 
 
 def _impl_order(impls, ours):

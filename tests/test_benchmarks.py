@@ -201,3 +201,18 @@ def test_clock_sampler_reads_nvidia_smi(tmp_path, monkeypatch):
     none = clocks.Sampler(index=0, sources=())
     assert none.source is None
     assert none.summary([(0.0, 1.0)]) == {"sm_clock_mhz": None, "power_w": None}
+
+
+def test_report_prefers_the_peer_of_the_same_run_id(tmp_path):
+    rep = _report()
+    _write(tmp_path / "a-forward.json", {"records": [
+        {"mask": "causal", "n": 2048, "impl": "jcm-cute", "fwd_ms": 1.0, "fwd_tflops": 400.0,
+         "run": "r1"}]})
+    _write(tmp_path / "b-peers.json", {"records": [
+        {"mask": "causal", "n": 2048, "impl": "fa4-native", "fwd_ms": 1.0, "fwd_tflops": 500.0,
+         "run": "r1"}]})
+    _write(tmp_path / "c-peers.json", {"records": [
+        {"mask": "causal", "n": 2048, "impl": "fa4-native", "fwd_ms": 1.0, "fwd_tflops": 800.0,
+         "run": "r2"}]})
+    rep.build(str(tmp_path))
+    assert "| causal | 2K | 400 | 500 |" in (tmp_path / "REPORT.md").read_text()
