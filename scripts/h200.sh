@@ -10,7 +10,7 @@
 #   correctness  GPU tests of the CuTe backward and of mask_attention end to end (their
 #                gradients through the CuTe backward, the default); test_cute_forward.py separately:
 #                `bash scripts/h200.sh kernels`
-#   bwdvariants  the backward kernel variants under trial: GPU tests + training-step timing
+#   bwdv1        backward v1: smoke run, a subset of its GPU tests, config variants timed beside FA4
 #   kernels      GPU tests of the CuTe forward kernel alone (48 variant cases)
 #   forward      bench_forward (D = 128 causal vs FA4 native, same run) + the step-2 variants
 #   peers        FlexAttention (Triton, FA4) / FA4 native / cuDNN forward at 2K and 8K
@@ -23,7 +23,7 @@
 #   profile      ncu on one clear forward launch at 32K (why 53 TF/s)
 #   profilebwd   ncu on one CuTe backward launch, causal 32K
 set -uo pipefail
-stage=${1:?stage: correctness | bwdvariants | kernels | forward | peers | peers2k | peers32 | total | tilelang | sanitize | profile | profilebwd}
+stage=${1:?stage: correctness | bwdv1 | kernels | forward | peers | peers2k | peers32 | total | tilelang | sanitize | profile | profilebwd}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
@@ -41,19 +41,23 @@ case $stage in
       tests/gpu/test_cute_backward.py tests/gpu/test_cute_attention.py \
       --junitxml="$OUT/junit-cute.xml" --durations=10 2>&1 | tee "$OUT/pytest-cute.log" | tail -40
     ;;
-  bwdvariants)
-    # The backward variants under trial (api._bwd_variant): their GPU tests, then the
-    # training step of jcm alone at 32K for the default kernel and each variant (same run).
-    JCOMPILEMASK_CUTE_BWD_STATS_TMA=1 JCOMPILEMASK_CUTE_BWD_DQ_BULK=1 timeout 280 python3 -m pytest -q -rs \
-      -p no:cacheprovider tests/gpu/test_cute_backward.py -k "not compile" \
-      --junitxml="$OUT/junit-bwdvariants.xml" 2>&1 | tee "$OUT/pytest-bwdvariants.log" | tail -15
-    for v in "" "JCOMPILEMASK_CUTE_BWD_STATS_TMA=1" "JCOMPILEMASK_CUTE_BWD_STATS_TMA=1 JCOMPILEMASK_CUTE_BWD_DQ_BULK=1"; do
-      env $v timeout 80 python3 benchmarks/bench_total.py --impls jcm --masks causal,hstu --ns 32768 \
-        --budget-s 60 --out "$OUT/h200-bwd-variants.json" 2>&1 | grep -v Warning | grep '^|' | tail -3
-    done
-    # FA4 native in the same call: the link between calls is the ratio to it.
-    timeout 80 python3 benchmarks/bench_total.py --impls jcm,fa4-native --masks causal --ns 32768 \
-      --budget-s 60 --out "$OUT/h200-bwd-fa4.json" 2>&1 | grep -v Warning | grep '^|' | tail -3
+  bwdv1)
+    # Backward v1 (BackwardConfig): a small smoke run first (a barrier mismatch would hang:
+    # the timeout says so), then a subset of the GPU tests, then the config variants timed
+    # beside FA4 native in one run.
+    export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
+    timeout 90 python3 tests/scripts/gpu_backward_small.py 2>&1 | grep -v Warning | tail -6 \
+      || { echo "SMOKE FAILED OR HUNG"; exit 3; }
+    t=tests/gpu/test_cute_backward.py
+    timeout 250 python3 -m pytest -q -rs -p no:cacheprovider "$t::test_builtin_grads[causal]" \
+      "$t::test_builtin_grads[hstu]" "$t::test_builtin_grads[shared_prompt]" "$t::test_builtin_grads[clear]" \
+      "$t::test_builtin_grads[document]" "$t::test_builtin_grads[sliding_window]" \
+      "$t::test_head_dim_64_fp16_mqa" "$t::test_fully_masked_rows" "$t::test_no_column_view_uses_row_intervals" \
+      "$t::test_random_lowered_specs[0]" "$t::test_random_lowered_specs[1]" \
+      --junitxml="$OUT/junit-bwdv1.xml" 2>&1 | tee "$OUT/pytest-bwdv1.log" | tail -12
+    timeout 230 python3 benchmarks/bench_total.py --ns 32768 --masks causal,hstu --impls jcm,fa4-native \
+      --jcm-variants "base=;late=JCOMPILEMASK_CUTE_BWD_CONFIG=stats_early=0;ds1=JCOMPILEMASK_CUTE_BWD_CONFIG=ds_stages=1" \
+      --min-repeat-s 0.3 --budget-s 200 --out "$OUT/h200-bwd-v1.json" 2>&1 | grep -v Warning | tee "$OUT/bench-bwdv1.log" | grep '^|' | tail -12
     ;;
   kernels)
     timeout 560 python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_cute_forward.py \

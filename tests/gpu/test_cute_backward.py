@@ -42,64 +42,84 @@ needs_gpu = pytest.mark.skipif(_why is not None, reason=f"cute backend unavailab
 ])
 def test_backward_compiles_for_sm90(dtype, d, kk, kc, bb, bh):
     from jcompilemask.kernels.cute.api import BackwardKey, compile_backward
-    key = BackwardKey(dtype, d, kk, kc, 64, 128, bb, bh, d ** -0.5)
+    key = BackwardKey(dtype, d, kk, kc, bb, bh, d ** -0.5)
     assert compile_backward(key) is not None
     assert key.target_name.startswith("jcompilemask_cute_bwd_")
 
 
 @needs_cutlass
-@pytest.mark.parametrize("d,kk,kc,stats_tma,dq_bulk", [
-    (128, 1, 1, True, True), (64, 2, 4, True, True), (128, 6, 7, True, False),
-    (128, 1, 0, False, True),
-])
-def test_backward_variants_compile_for_sm90(d, kk, kc, stats_tma, dq_bulk):
-    """The variants under trial (lse / delta by TMA, dQ by bulk reduce-add) compile."""
-    from jcompilemask.kernels.cute.api import BackwardKey, compile_backward
-    key = BackwardKey("bfloat16", d, kk, kc, 64, 128, False, True, d ** -0.5,
-                      stats_tma=stats_tma, dq_bulk=dq_bulk)
+@pytest.mark.parametrize("d,changes", [(128, dict(ds_stages=1)), (128, dict(stats_early=False)),
+                                       (64, dict(ds_stages=1, stats_early=False))])
+def test_backward_config_variants_compile_for_sm90(d, changes):
+    """The configs benchmarked against the default (one dS buffer, late statistics)."""
+    import dataclasses
+    from jcompilemask.kernels.cute.api import BackwardConfig, BackwardKey, compile_backward
+    cfg = dataclasses.replace(BackwardConfig(), **changes)
+    key = BackwardKey("bfloat16", d, 1, 1, False, True, d ** -0.5, cfg)
     assert compile_backward(key) is not None
-    assert key.target_name.endswith(("_st" if stats_tma else "") + ("_dqb" if dq_bulk else ""))
+    assert cfg.tag in key.target_name
 
 
-def test_dq_bulk_slots_round_trip():
-    """dq_bulk's per-tile accumulator slots (dq_tile_offset order, padded rows) map back
-    to [B, Nq, Hq, D] exactly, ragged last tile included (pure JAX, any machine)."""
-    from jcompilemask.kernels.cute.api import (BWD_TILES, DQ_ROW_PAD, dq_bulk_unpad,
-                                               dq_tile_offset)
-    bq = BWD_TILES[0]
+def _fragment_order_reference(dq, bq=64):
+    """The kernel's dQ slot order written out element by element (the SM90 m64 wgmma
+    accumulator: thread t = 32 warp + 4 lq + lr holds rows 16 warp + lq (+8), columns
+    8 g + 2 lr (+1) of its warpgroup's part; float4 chunks, thread-major)."""
+    from jcompilemask.kernels.cute.api import dq_warpgroups
+    b, nq, hq, d = dq.shape
+    tq = -(-nq // bq)
+    w_n = dq_warpgroups(d)
+    n_w = d // w_n
+    slots = np.full((b, hq, tq, bq * d), np.nan, np.float32)
+    for t_q in range(tq):
+        for w in range(w_n):
+            for g in range(n_w // 8):
+                for t in range(128):
+                    warp, lq, lr = t // 32, (t % 32) // 4, t % 4
+                    for h in range(2):
+                        for p in range(2):
+                            row = t_q * bq + 16 * warp + 8 * h + lq
+                            col = w * n_w + 8 * g + 2 * lr + p
+                            off = w * bq * n_w + g * 512 + t * 4 + 2 * h + p
+                            slots[:, :, t_q, off] = dq[:, row, :, col] if row < nq else 0.0
+    return slots
+
+
+def test_dq_fragment_order_round_trip():
+    """The per-tile dQ slots (the registers' fragment order) map back to [B, Nq, Hq, D]
+    exactly, ragged last tile included, for both dQ splits (pure JAX, any machine)."""
+    from jcompilemask.kernels.cute.api import dq_fragment_unpermute
     for b, nq, hq, d in ((2, 150, 3, 64), (1, 128, 2, 128)):
-        tq = -(-nq // bq)
         dq = np.random.default_rng(0).normal(size=(b, nq, hq, d)).astype(np.float32)
-        slots = np.full((b, hq, tq, bq * (d + DQ_ROW_PAD)), np.nan, np.float32)
-        for t in range(tq):
-            for r in range(bq):
-                i = t * bq + r
-                cols = np.arange(d)
-                off = dq_tile_offset(r, cols, d)
-                slots[:, :, t, off] = dq[:, i] if i < nq else 0.0
-        np.testing.assert_array_equal(np.asarray(dq_bulk_unpad(jnp.asarray(slots), nq, d)), dq)
+        slots = _fragment_order_reference(dq)
+        assert not np.isnan(slots).any()
+        np.testing.assert_array_equal(np.asarray(dq_fragment_unpermute(jnp.asarray(slots), nq, d)), dq)
 
 
-def test_backward_variant_env(monkeypatch):
-    """The trial variants are chosen from the environment at trace time; off by default."""
+def test_backward_config_env(monkeypatch):
+    """Benchmarks override config fields from the environment at trace time."""
     from jcompilemask.kernels.cute import api
-    monkeypatch.delenv(api.BWD_STATS_TMA_ENV, raising=False)
-    monkeypatch.delenv(api.BWD_DQ_BULK_ENV, raising=False)
-    assert not api._bwd_variant(api.BWD_STATS_TMA_ENV)
-    monkeypatch.setenv(api.BWD_DQ_BULK_ENV, "1")
-    assert api._bwd_variant(api.BWD_DQ_BULK_ENV)
+    monkeypatch.delenv(api.BWD_CONFIG_ENV, raising=False)
+    assert api._config_from_env(api.BackwardConfig()) == api.BackwardConfig()
+    monkeypatch.setenv(api.BWD_CONFIG_ENV, "ds_stages=1,stats_early=0")
+    cfg = api._config_from_env(api.BackwardConfig())
+    assert (cfg.ds_stages, cfg.stats_early) == (1, False)
+    monkeypatch.setenv(api.BWD_CONFIG_ENV, "tile=3")
+    with pytest.raises(ValueError, match="unknown field 'tile'"):
+        api._config_from_env(api.BackwardConfig())
 
 
 def test_backward_key_rejects_unsupported():
-    from jcompilemask.kernels.cute.api import BackwardKey
+    from jcompilemask.kernels.cute.api import BackwardConfig, BackwardKey
     with pytest.raises(ValueError, match="head dims"):
-        BackwardKey("bfloat16", 256, 1, 1, 64, 128, True, True, 0.1)
+        BackwardKey("bfloat16", 256, 1, 1, True, True, 0.1)
     with pytest.raises(ValueError, match="backward tiles"):
-        BackwardKey("bfloat16", 128, 1, 1, 128, 128, True, True, 0.1)
+        BackwardConfig(block_q=128)
     with pytest.raises(ValueError, match="Kc="):
-        BackwardKey("bfloat16", 128, 1, 17, 64, 128, True, True, 0.1)
+        BackwardKey("bfloat16", 128, 1, 17, True, True, 0.1)
     with pytest.raises(ValueError, match="supports"):
-        BackwardKey("float32", 128, 1, 1, 64, 128, True, True, 0.1)
+        BackwardKey("float32", 128, 1, 1, True, True, 0.1)
+    with pytest.raises(ValueError, match="ds_stages"):
+        BackwardConfig(ds_stages=3)
 
 
 def test_backward_selection_reasons(monkeypatch):

@@ -23,7 +23,6 @@ _DTYPES = ("bfloat16", "float16")
 HEAD_DIMS = (64, 128, 256)
 # Dynamic shared memory one CTA may opt into on SM90 (227 KB).
 _SMEM_LIMIT = 232448
-DQ_ROW_PAD = 8   # floats after each row of a dq_bulk tile (dq_tile_offset)
 
 
 def preferred_forward_tiles(head_dim: int, dtype: str = "bfloat16") -> tuple[int, int]:
@@ -286,37 +285,103 @@ def cute_forward(q, k, v, fwd_intervals, fwd_tiles, *, scale=None, softcap=None,
 # ---------------------------------------------------------------------------- backward
 BWD_HEAD_DIMS = (64, 128)
 BWD_TILES = (64, 128)       # (bwd_block_q, bwd_block_kv): the descriptor's backward tiles
+BWD_CONFIG_ENV = "JCOMPILEMASK_CUTE_BWD_CONFIG"
 
 
-def backward_smem_bytes(head_dim: int, block_q: int, block_kv: int, num_stages: int,
-                        elem_bytes: int = 2, dq_bulk: bool = False) -> int:
-    """Shared memory of FlashBackwardSm90: barriers, K and V, `num_stages` Q and dO
-    tiles, one dS tile, lse / delta stages, and (dq_bulk) one float32 dQ tile."""
-    return (1024 + elem_bytes * (2 * block_kv * head_dim + 2 * num_stages * block_q * head_dim
-                                 + block_q * block_kv)
-            + 2 * 4 * block_q * num_stages + (4 * block_q * (head_dim + DQ_ROW_PAD) if dq_bulk else 0))
+@dataclasses.dataclass(frozen=True)
+class BackwardConfig:
+    """The static shape of FlashBackwardSm90, separate from what the mask decides.
+
+    - ``block_q`` x ``block_kv``: the backward tile (queries streamed, keys resident). Two
+      consumer warpgroups of 64 keys each; FA3 and FA4 use 64 x 128 at hdim 128 too.
+    - ``num_stages``: depth of the Q / dO (and lse / delta) ring.
+    - ``ds_stages``: dS^T buffers in shared memory. With 2, a warpgroup may write tile
+      t + 1's dS while the other still reads tile t's for its dQ product, so one barrier
+      per tile suffices (1: a second barrier guards the buffer).
+    - ``stats_early``: lse and delta read from shared memory into registers right after
+      the S^T and dP^T products are issued (their latency hides under the GEMMs), instead
+      of where they are used.
+    - ``dq_warp``: dQ of a tile leaves through shared memory (float32, in the register
+      fragment order: 128-bit stores, no padding) and one bulk reduce-add per warpgroup,
+      issued by a dedicated warp of the producer warpgroup and synchronised by full /
+      empty named barriers; the caller un-permutes (``dq_fragment_unpermute``). False:
+      the consumer warpgroups issue the bulk reduce-add themselves (one thread, after a
+      barrier of both) — kept to measure the warp against.
+
+    ``preferred_backward_config`` picks the default per head dim; ``JCOMPILEMASK_CUTE_BWD_CONFIG``
+    (e.g. ``ds_stages=1,stats_early=0``) overrides fields at trace time for benchmarks.
+    """
+
+    block_q: int = 64
+    block_kv: int = 128
+    num_stages: int = 2
+    ds_stages: int = 2
+    stats_early: bool = True
+    dq_warp: bool = True
+
+    def __post_init__(self):
+        if (self.block_q, self.block_kv) != BWD_TILES:
+            raise ValueError(f"cute backward runs {BWD_TILES[0]}x{BWD_TILES[1]} backward tiles; the "
+                             f"descriptor was built for {self.block_q}x{self.block_kv}")
+        if self.num_stages < 1 or self.ds_stages not in (1, 2):
+            raise ValueError(f"num_stages={self.num_stages} must be >= 1 and ds_stages="
+                             f"{self.ds_stages} 1 or 2")
+
+    @property
+    def tag(self) -> str:
+        return (f"t{self.block_q}x{self.block_kv}_s{self.num_stages}_ds{self.ds_stages}"
+                f"{'_se' if self.stats_early else ''}{'_dqw' if self.dq_warp else ''}")
+
+
+def preferred_backward_config(head_dim: int, dtype: str = "bfloat16") -> BackwardConfig:
+    """The backward config the registry uses. D 64 and 128 share it: 64 x 128 tiles, a
+    2-stage Q / dO ring, two dS buffers, early statistics and the dQ warp (NOTES.md,
+    "Backward v1": each measured on the H200 against the variant without it)."""
+    del head_dim, dtype
+    return BackwardConfig()
+
+
+def _config_from_env(config: BackwardConfig) -> BackwardConfig:
+    """Apply ``$JCOMPILEMASK_CUTE_BWD_CONFIG`` (``field=value,...``; read at trace time)."""
+    import os
+    text = os.environ.get(BWD_CONFIG_ENV, "").strip()
+    if not text:
+        return config
+    fields = {f.name: f.type for f in dataclasses.fields(BackwardConfig)}
+    changes = {}
+    for item in text.split(","):
+        name, _, value = item.partition("=")
+        name = name.strip()
+        if name not in fields:
+            raise ValueError(f"{BWD_CONFIG_ENV}: unknown field {name!r}; fields: {sorted(fields)}")
+        default = getattr(config, name)
+        changes[name] = (value.strip() in ("1", "true", "True")) if isinstance(default, bool) \
+            else int(value)
+    return dataclasses.replace(config, **changes)
+
+
+def backward_smem_bytes(head_dim: int, config: BackwardConfig, elem_bytes: int = 2) -> int:
+    """Shared memory of FlashBackwardSm90: barriers, K and V, the Q / dO ring with its
+    lse / delta, the dS^T buffers and one float32 dQ tile."""
+    bq, bk = config.block_q, config.block_kv
+    return (1024 + elem_bytes * (2 * bk * head_dim + 2 * config.num_stages * bq * head_dim
+                                 + config.ds_stages * bq * bk)
+            + 2 * 4 * bq * config.num_stages + 4 * bq * head_dim)
 
 
 @dataclasses.dataclass(frozen=True)
 class BackwardKey:
-    """Everything the compiled backward kernel depends on statically."""
+    """Everything the compiled backward kernel depends on statically: the mask's shape
+    (interval counts, broadcasting), the model's (dtype, head dim, scale) and the config."""
 
     dtype: str
     head_dim: int
     num_intervals: int          # K of the forward (row) table
     num_bwd_intervals: int      # Kc of the column table (0: no column view)
-    block_q: int
-    block_kv: int
     broadcast_batch: bool
     broadcast_head: bool
     scale: float
-    num_stages: int = 2
-    # lse / delta per query tile TMA'd into shared memory with Q / dO (see
-    # FlashBackwardSm90.stats_tma); off until validated on the H200 (NOTES.md).
-    stats_tma: bool = False
-    # dQ per tile through shared memory and one bulk reduce-add into a per-tile
-    # accumulator slot (FlashBackwardSm90.dq_bulk); off until validated on the H200.
-    dq_bulk: bool = False
+    config: BackwardConfig = BackwardConfig()
 
     def __post_init__(self):
         if self.dtype not in _DTYPES:
@@ -324,25 +389,27 @@ class BackwardKey:
         if self.head_dim not in BWD_HEAD_DIMS:
             raise ValueError(f"cute backward is built for head dims {BWD_HEAD_DIMS} (Dv == D), "
                              f"got {self.head_dim}; the xla backward serves the others")
-        if (self.block_q, self.block_kv) != BWD_TILES:
-            raise ValueError(f"cute backward runs {BWD_TILES[0]}x{BWD_TILES[1]} backward tiles; the "
-                             f"descriptor was built for {self.block_q}x{self.block_kv}")
         if not 1 <= self.num_intervals <= 8 or not 0 <= self.num_bwd_intervals <= 16:
             raise ValueError(f"interval counts K={self.num_intervals} (1..8), "
                              f"Kc={self.num_bwd_intervals} (0..16) out of range")
-        smem = backward_smem_bytes(self.head_dim, self.block_q, self.block_kv, self.num_stages,
-                                   dq_bulk=self.dq_bulk)
-        if self.num_stages < 1 or smem > _SMEM_LIMIT:
-            raise ValueError(f"num_stages={self.num_stages} needs {smem} bytes of shared memory")
+        smem = backward_smem_bytes(self.head_dim, self.config)
+        if smem > _SMEM_LIMIT:
+            raise ValueError(f"{self.config} needs {smem} bytes of shared memory at head dim "
+                             f"{self.head_dim} (SM90 allows {_SMEM_LIMIT})")
 
     @property
     def target_name(self) -> str:
         scale_bits = np.float64(self.scale).view(np.uint64)
         return (f"jcompilemask_cute_bwd_{self.dtype}_d{self.head_dim}_k{self.num_intervals}"
-                f"c{self.num_bwd_intervals}_t{self.block_q}x{self.block_kv}"
-                f"_b{int(self.broadcast_batch)}h{int(self.broadcast_head)}_s{self.num_stages}"
-                f"_{scale_bits:016x}" + ("_st" if self.stats_tma else "")
-                + ("_dqb" if self.dq_bulk else ""))
+                f"c{self.num_bwd_intervals}_b{int(self.broadcast_batch)}h{int(self.broadcast_head)}"
+                f"_{self.config.tag}_{scale_bits:016x}")
+
+
+def dq_warpgroups(head_dim: int, num_consumer_wgs: int = 2) -> int:
+    """Consumer warpgroups that compute dQ: they split D when each half is a whole
+    128B-swizzle row (64 elements of 16 bits) of K's buffer, else the first does it alone
+    (D = 64: a 32-column half would not be a canonical wgmma layout)."""
+    return num_consumer_wgs if head_dim // num_consumer_wgs >= 64 else 1
 
 
 def compile_backward(key: BackwardKey):
@@ -354,6 +421,7 @@ def compile_backward(key: BackwardKey):
         cutlass, cute, dtype, sym, sym64 = _dsl(key.dtype)
         from .backward import FlashBackwardSm90
 
+        cfg = key.config
         b, nq, nk, hq, hkv = sym(), sym(), sym(), sym(), sym()
         d = key.head_dim
 
@@ -375,28 +443,21 @@ def compile_backward(key: BackwardKey):
             cutlass.Uint32, (bm, hm, sym(), sym()), stride=(sym64(), sym64(), sym64(), 1),
             assumed_align=4)
         exact = cute.runtime.make_fake_tensor(cutlass.Int32, (bm,), stride=(1,), assumed_align=4)
-        if key.stats_tma:    # padded to whole query tiles: TMA boxes, 16-byte strides
-            nq_pad = sym()
-            rows = lambda: cute.runtime.make_fake_tensor(  # noqa: E731
-                cutlass.Float32, (b, hq, nq_pad), stride=(sym64(divisibility=key.block_q),
-                                                          sym64(divisibility=key.block_q), 1),
-                assumed_align=16)
-        else:
-            rows = lambda: cute.runtime.make_fake_tensor(  # noqa: E731
-                cutlass.Float32, (b, hq, nq), stride=(sym64(), sym64(), 1), assumed_align=4)
+        # lse2 / delta padded to whole query tiles: TMA boxes, 16-byte strides.
+        nq_pad = sym()
+        rows = lambda: cute.runtime.make_fake_tensor(  # noqa: E731
+            cutlass.Float32, (b, hq, nq_pad), stride=(sym64(divisibility=cfg.block_q),
+                                                      sym64(divisibility=cfg.block_q), 1),
+            assumed_align=16)
         kernel = FlashBackwardSm90(
-            dtype, d, key.num_intervals, key.num_bwd_intervals, key.scale,
-            block_q=key.block_q, block_kv=key.block_kv, broadcast_batch=key.broadcast_batch,
-            broadcast_head=key.broadcast_head, num_stages=key.num_stages, stats_tma=key.stats_tma,
-            dq_bulk=key.dq_bulk)
-        if key.dq_bulk:      # [B, Hq, Tq, block_q * (D + pad)]: one contiguous slot per query tile
-            tile = key.block_q * (d + DQ_ROW_PAD)
-            dq_acc = lambda: cute.runtime.make_fake_tensor(  # noqa: E731
-                cutlass.Float32, (b, hq, sym(), tile), stride=(sym64(divisibility=tile),
-                                                                sym64(divisibility=tile), tile, 1),
-                assumed_align=16)
-        else:
-            dq_acc = lambda: bshd(cutlass.Float32, nq, hq, align=16, div=4)  # noqa: E731
+            dtype, d, key.num_intervals, key.num_bwd_intervals, key.scale, cfg,
+            broadcast_batch=key.broadcast_batch, broadcast_head=key.broadcast_head)
+        # [B, Hq, Tq, block_q * D]: one contiguous slot per query tile (fragment order).
+        tile = cfg.block_q * d
+        dq_acc = lambda: cute.runtime.make_fake_tensor(  # noqa: E731
+            cutlass.Float32, (b, hq, sym(), tile), stride=(sym64(divisibility=tile),
+                                                            sym64(divisibility=tile), tile, 1),
+            assumed_align=16)
         fn = cute.compile(
             kernel,
             bshd(dtype, nq, hq), bshd(dtype, nk, hkv), bshd(dtype, nk, hkv), bshd(dtype, nq, hq),
@@ -410,37 +471,21 @@ def compile_backward(key: BackwardKey):
         return fn
 
 
-BWD_STATS_TMA_ENV = "JCOMPILEMASK_CUTE_BWD_STATS_TMA"
-BWD_DQ_BULK_ENV = "JCOMPILEMASK_CUTE_BWD_DQ_BULK"
+def dq_fragment_unpermute(acc, nq: int, head_dim: int, block_q: int = BWD_TILES[0]):
+    """[B, Hq, Tq, block_q * D] dQ accumulator slots -> [B, Nq, Hq, D].
 
-
-def _bwd_variant(env: str) -> bool:
-    """Backward kernel variants not yet validated on the H200, selected by environment
-    (read at trace time): ``JCOMPILEMASK_CUTE_BWD_STATS_TMA=1`` stages lse and delta in
-    shared memory by TMA (BackwardKey.stats_tma); ``JCOMPILEMASK_CUTE_BWD_DQ_BULK=1`` adds
-    dQ per tile with one bulk reduce-add (BackwardKey.dq_bulk). Both become the default
-    once they pass tests/gpu/test_cute_backward.py there and measure faster."""
-    import os
-    return os.environ.get(env, "0") == "1"
-
-
-def dq_tile_offset(row, col, head_dim):
-    """dq_bulk: where element (row, col) of a block_q x head_dim dQ tile sits in the
-    shared tile and in its global accumulator slot: row-major with rows of head_dim + 8
-    floats. Linear in (row, col), so each thread's addresses are one base plus constants
-    (a XOR swizzle made the compiler hoist and spill 32 addresses); the pad puts the 8
-    rows of one accumulator store in distinct banks. `dq_bulk_unpad` drops it. Works on
-    Python / numpy ints and on DSL integers."""
-    return row * (head_dim + DQ_ROW_PAD) + col
-
-
-def dq_bulk_unpad(acc, nq: int, head_dim: int):
-    """[B, Hq, Tq, block_q * (D + pad)] per-tile accumulator slots (dq_tile_offset order)
-    -> [B, Nq, Hq, D]."""
+    Each query tile's slot holds, per dQ warpgroup w (``dq_warpgroups``), its
+    block_q x (D / W) accumulator in the order the registers leave the threads: float4
+    chunk g (columns 8g..8g+7 of the warpgroup's part), thread t = 32 * warp + 4 * lq + lr,
+    then (row half h, column pair p). The element is row 16 * warp + 8 * h + lq,
+    column w * D / W + 8 g + 2 lr + p — the SM90 wgmma accumulator layout (m64nNk16)."""
+    assert block_q == 64, "the fragment order is that of one m64 wgmma per warpgroup"
     b, hq, tq, slot = acc.shape
-    rows = acc.reshape(b, hq, tq * (slot // (head_dim + DQ_ROW_PAD)), head_dim + DQ_ROW_PAD)
-    rows = rows[..., :head_dim]
-    return jnp.transpose(rows, (0, 2, 1, 3))[:, :nq]
+    w = dq_warpgroups(head_dim)
+    g = head_dim // w // 8
+    x = acc.reshape(b, hq, tq, w, g, 4, 8, 4, 2, 2)      # w g warp lq lr h p
+    x = jnp.transpose(x, (0, 2, 5, 8, 6, 1, 3, 4, 7, 9))  # b tq warp h lq | hq w g lr p
+    return x.reshape(b, tq * block_q, hq, head_dim)[:, :nq]
 
 
 def cute_backward(q, k, v, out, lse, do, bwd_intervals, bwd_tiles, fwd_intervals, bwd_exact, *,
@@ -474,25 +519,26 @@ def cute_backward(q, k, v, out, lse, do, bwd_intervals, bwd_tiles, fwd_intervals
     if bwd_tiles.shape != (Bm, Hm, Tk, -(-Tq // 16)):
         raise ValueError(f"bwd_tiles shape {bwd_tiles.shape} does not match {block_q}x{block_kv} "
                          f"backward tiles of Nq={Nq}, Nk={Nk}")
+    dtype_name = jnp.dtype(q.dtype).name
+    config = _config_from_env(dataclasses.replace(
+        preferred_backward_config(D, dtype_name), block_q=block_q, block_kv=block_kv))
     key = BackwardKey(
-        dtype=jnp.dtype(q.dtype).name, head_dim=D, num_intervals=K, num_bwd_intervals=Kc,
-        block_q=block_q, block_kv=block_kv, broadcast_batch=(Bm == 1), broadcast_head=(Hm == 1),
-        scale=float(scale), stats_tma=_bwd_variant(BWD_STATS_TMA_ENV),
-        dq_bulk=_bwd_variant(BWD_DQ_BULK_ENV))
+        dtype=dtype_name, head_dim=D, num_intervals=K, num_bwd_intervals=Kc,
+        broadcast_batch=(Bm == 1), broadcast_head=(Hm == 1), scale=float(scale), config=config)
     name = _ensure_registered(key)
     f32 = jnp.float32
     lse = lse.astype(f32)
     lse2 = jnp.where(jnp.isneginf(lse), jnp.inf, lse * np.float32(1.0 / math.log(2.0)))
     from ...attention.xla import softmax_delta
     delta = softmax_delta(out, do, lse, dlse)
-    if key.stats_tma:   # whole query tiles: +inf lse (P = 0) and 0 delta past Nq
-        pad = ((0, 0), (0, 0), (0, Tq * block_q - Nq))
-        lse2 = jnp.pad(lse2, pad, constant_values=np.inf)
-        delta = jnp.pad(delta.astype(f32), pad)
+    # Whole query tiles for the statistics' TMA boxes: +inf lse (P = 0) and 0 delta past Nq.
+    pad = ((0, 0), (0, 0), (0, Tq * block_q - Nq))
+    lse2 = jnp.pad(lse2, pad, constant_values=np.inf)
+    delta = jnp.pad(delta.astype(f32), pad)
     if Kc == 0:      # no column view: a 1-slot empty table keeps the operand shapes valid
         bwd_intervals = jnp.zeros((Bm, Hm, Nk, 1, 2), jnp.int32)
     exact = jnp.broadcast_to(jnp.asarray(bwd_exact, jnp.int32).reshape(-1), (Bm,))
-    acc_shape = (B, Hq, Tq, block_q * (D + DQ_ROW_PAD)) if key.dq_bulk else (B, Nq, Hq, D)
+    acc_shape = (B, Hq, Tq, block_q * D)
     out_types = (
         jax.ShapeDtypeStruct(acc_shape, f32),
         jax.ShapeDtypeStruct(k.shape, k.dtype),
@@ -504,6 +550,6 @@ def cute_backward(q, k, v, out, lse, do, bwd_intervals, bwd_tiles, fwd_intervals
     dq_acc, dk, dv = call(q, k, v, do, lse2, delta, bwd_intervals.astype(jnp.int32),
                           bwd_tiles.astype(jnp.uint32), fwd_intervals.astype(jnp.int32), exact,
                           jnp.zeros(acc_shape, f32))
-    if key.dq_bulk:
-        dq_acc = dq_bulk_unpad(dq_acc, Nq, D)
-    return (dq_acc * np.float32(scale)).astype(q.dtype), dk, dv
+    # One fused XLA pass: un-permute, scale, cast.
+    dq = dq_fragment_unpermute(dq_acc, Nq, D, block_q)
+    return (dq * np.float32(scale)).astype(q.dtype), dk, dv

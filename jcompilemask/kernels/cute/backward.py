@@ -12,31 +12,40 @@ the keys are the rows of every register tile):
     P^T  = exp2(S^T * scale * log2 e - lse_m * log2 e), zero where masked
     dS^T = P^T * (dP^T - delta_m)                    (delta = rowsum(dO * O) - dlse)
     dV  += P^T dO                (wgmma, P^T from registers, dO's buffer seen transposed)
+    dQ_m = dS K                  (dS^T stored to shared memory; wgmma; added to global)
     dK  += dS^T Q                (wgmma, dS^T from registers)
-    dQ_m += dS K                 (dS^T stored to shared memory, wgmma, fp32 atomics
-                                  into a dQ accumulator in global memory)
 
 A partial tile (mask bit) — and a ragged last query or key tile — checks each element:
 with the column view exact for this sequence (`bwd_exact[b]`), `uint32(i - start) <
 uint32(length)` over the key's Kc query intervals, which each thread loads once for its
 two keys; otherwise the forward row intervals of each query (the same check, over the
-row's K key intervals). dK is scaled by the softmax scale at the end; dQ leaves as the
-fp32 accumulator and is scaled and cast by the caller.
+row's K key intervals). dK is scaled by the softmax scale at the end; dQ leaves as an
+fp32 accumulator that the caller un-permutes, scales and casts.
 
-Warp specialization: warpgroup 0 is the producer (one warp: TMA loads of K and V once,
-Q and dO per visited tile into a `num_stages` ring); warpgroups 1 and 2 are consumers,
-each owning 64 of the 128 keys for the S / dP / dK / dV products and half of the head
-dims for the dQ product (which needs both halves of dS: a named barrier); at D = 64
-the first warpgroup computes dQ alone (see `dq_single_wg`).
+Warp roles. Warpgroup 0: warp 0 loads (TMA: K and V once, then per visited tile Q with
+its lse and dO with its delta into a `num_stages` ring); warp 1 writes dQ (per tile and
+dQ warpgroup, one `cp.reduce.async.bulk ... add.f32` of the warpgroup's float32 dQ tile
+from shared memory into the tile's global slot). Warpgroups 1 and 2 compute, each owning
+64 of the 128 keys for S / dP / dK / dV and half of the head dims for dQ (which needs
+both halves of dS: a named barrier; at D = 64 the first computes dQ alone).
 
-Validated on the H200 (tests/gpu/test_cute_backward.py: every built-in mask, random
-lowered specs, fully masked rows, ragged lengths, GQA/MQA, D 64 fp16); the cute backend
-uses it by default for D 64/128 without soft cap (`backends.cute_backward_reason` says
-why not otherwise; JCOMPILEMASK_CUTE_BACKWARD=0 turns it off).
+Per tile a consumer warpgroup issues S^T and dP^T, reads lse / delta from shared memory
+while they run, waits S^T (P^T, mask), waits dP^T (dS^T), issues dV, stores dS^T into
+one of two buffers, meets the other warpgroup once (DS_READY), issues dQ then dK, waits
+dV and dQ, hands its dQ tile to the dQ warp (DQ_FULL; DQ_EMPTY guards the buffer), waits
+dK and frees the Q / dO stage. Two dS buffers make one barrier per tile enough: a
+warpgroup writing tile t + 1's dS has passed tile t's DS_READY, which the other reached
+only after its dQ product of tile t - 1 (the same buffer) completed.
+
+The static shape (tiles, stages, dS buffers, early statistics) is `api.BackwardConfig`.
+Validated on the H200 (tests/gpu/test_cute_backward.py); the cute backend uses it by
+default for D 64/128 without soft cap (`backends.cute_backward_reason` says why not
+otherwise; JCOMPILEMASK_CUTE_BACKWARD=0 turns it off).
 """
 
 from __future__ import annotations
 
+import enum
 import math
 
 import cutlass
@@ -48,14 +57,21 @@ from cutlass import Boolean, Float32, Int32, Uint32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-from .api import DQ_ROW_PAD, dq_tile_offset
+from .api import BackwardConfig, dq_warpgroups
 from .common import (WarpSpecializedSm90, _as_a_operand, _rows_view, _unsigned_lt,
                      bulk_reduce_add_f32, issue_wgmma, smem_tensor, tile_bits, tma_tiles)
 
-_BARRIER_DS_READY = 1   # both consumer warpgroups wrote their half of dS^T
-_BARRIER_DS_FREE = 2    # both finished reading dS for the dQ product
-_BARRIER_DQ_READY = 3   # dq_bulk: the dQ tile is in shared memory for the bulk reduce-add
 _LOG2_E = math.log2(math.e)
+
+
+class Bar(enum.IntEnum):
+    """Named barrier ids (0 is __syncthreads). DQ_FULL + w / DQ_EMPTY + w exist per dQ
+    warpgroup w: its 128 threads and the dQ warp's 32 meet there."""
+
+    DS_READY = 1    # both consumer warpgroups stored their half of this tile's dS^T
+    DS_FREE = 2     # ds_stages == 1: both finished the previous tile's dQ product
+    DQ_FULL = 3     # 3, 4: warpgroup w's dQ tile is in shared memory (consumers arrive)
+    DQ_EMPTY = 5    # 5, 6: the dQ warp's bulk reduce-add has read it (the dQ warp arrives)
 
 
 class FlashBackwardSm90(WarpSpecializedSm90):
@@ -63,18 +79,17 @@ class FlashBackwardSm90(WarpSpecializedSm90):
 
     Inputs of ``__call__`` (layouts of ``jax.nn.dot_product_attention``):
       mQ [B, Nq, Hq, D], mK [B, Nk, Hkv, D], mV [B, Nk, Hkv, D], mdO [B, Nq, Hq, D] (dtype);
-      mLSE2 float32 [B, Hq, Nq]: lse * log2(e), +inf for rows that see nothing;
-      mDelta float32 [B, Hq, Nq]: rowsum(dO * O) (minus the lse cotangent);
-        with ``stats_tma`` both are padded to Nq' = ceil(Nq / block_q) * block_q (lse2 +inf,
-        delta 0) and arrive in shared memory by TMA with each Q / dO tile;
+      mLSE2 float32 [B, Hq, Nq']: lse * log2(e), +inf for rows that see nothing;
+      mDelta float32 [B, Hq, Nq']: rowsum(dO * O) (minus the lse cotangent); both padded to
+        Nq' = ceil(Nq / block_q) * block_q (+inf / 0), TMA'd with each Q / dO tile;
       mBwdIntervals int32 [Bm, Hm, Nk, Kc, 2]; mBwdTiles uint32 [Bm, Hm, Tk, W];
       mFwdIntervals int32 [Bm, Hm, Nq, K, 2]; mBwdExact int32 [Bm];
     mdQinit: the zeroed dQ accumulator as an input (XLA aliases it to mdQaccum; unused);
-    outputs mdQaccum float32 [B, Nq, Hq, D] (zero on entry; receives dS K, unscaled) —
-      with ``dq_bulk`` float32 [B, Hq, Tq, block_q * (D + 8)], one slot per query tile
-      in dq_tile_offset order —,
-      mdK, mdV [B, Nk, Hkv, D] (dtype).
+    outputs mdQaccum float32 [B, Hq, Tq, block_q * D] (zero on entry; receives dS K,
+      unscaled, in `api.dq_fragment_unpermute` order), mdK, mdV [B, Nk, Hkv, D] (dtype).
     """
+
+    dq_writer_warp = 1          # the warp of warpgroup 0 that issues the dQ reduce-adds
 
     def __init__(
         self,
@@ -83,18 +98,15 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         num_intervals: int,
         num_bwd_intervals: int,
         scale: float,
+        config: BackwardConfig,
         *,
-        block_q: int = 64,
-        block_kv: int = 128,
         broadcast_batch: bool = False,
         broadcast_head: bool = False,
-        num_stages: int = 2,
-        stats_tma: bool = False,
-        dq_bulk: bool = False,
     ):
         assert dtype in (cutlass.BFloat16, cutlass.Float16), dtype
-        assert block_kv == 64 * self.num_consumer_wgs, "each consumer warpgroup owns 64 keys"
-        assert block_q % 16 == 0 and head_dim % 32 == 0
+        assert config.block_kv == 64 * self.num_consumer_wgs, "each consumer warpgroup owns 64 keys"
+        assert config.block_q == 64, "dQ leaves in the fragment order of one m64 wgmma per warpgroup"
+        assert head_dim % 64 == 0
         assert 1 <= num_intervals <= 8 and 0 <= num_bwd_intervals <= 16
         self.dtype = dtype
         self.head_dim = head_dim
@@ -102,22 +114,17 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         self.num_bwd_intervals = num_bwd_intervals
         self.scale = float(scale)
         self.scale_log2 = float(scale) * _LOG2_E
-        self.block_q = block_q
-        self.block_kv = block_kv
+        self.config = config
+        self.block_q = config.block_q
+        self.block_kv = config.block_kv
+        self.num_stages = config.num_stages
         self.broadcast_batch = broadcast_batch
         self.broadcast_head = broadcast_head
-        self.num_stages = num_stages
-        # lse and delta of a query tile: TMA'd into shared memory beside Q / dO (FA3's way)
-        # instead of read from global memory by every consumer thread after its S / dP
-        # products completed (latency in the critical path, 64-bit addresses in registers).
-        self.stats_tma = stats_tma
-        # dQ of a tile: written to shared memory (padded rows, dq_tile_offset) and added to a
-        # per-tile global accumulator slot with one bulk reduce-add, instead of one
-        # red.global.add per element pair from every consumer thread.
-        self.dq_bulk = dq_bulk
-        # Split the dQ product over the warpgroups by head dim only when each half is a
-        # whole 128B-swizzle row (64 elements of 16 bits) of K's buffer.
-        self.dq_single_wg = head_dim // self.num_consumer_wgs < 64
+        self.dq_wgs = dq_warpgroups(head_dim, self.num_consumer_wgs)
+        self.dq_single_wg = self.dq_wgs == 1
+        # Floats of one dQ warpgroup's tile (block_q x D / dq_wgs) and its float4 chunks.
+        self.dq_wg_floats = self.block_q * head_dim // self.dq_wgs
+        self.dq_chunks = head_dim // self.dq_wgs // 8
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -156,31 +163,26 @@ class FlashBackwardSm90(WarpSpecializedSm90):
             warpgroup.OperandSource.RMEM,
         )
         # dQ = dS K: (queries, D), contraction over the keys; dS (queries-major in shared
-        # memory) and K seen transposed; the two warpgroups split D — except at D = 64,
-        # where a half would be 32 columns of a 64-column 128B-swizzle row, a start that
-        # is not a canonical wgmma layout: there the first warpgroup computes it alone.
-        dq_wgs = 1 if self.dq_single_wg else self.num_consumer_wgs
+        # memory) and K seen transposed; the dQ warpgroups split D (see dq_warpgroups).
         tiled_mma_dq = sm90_helpers.make_trivial_tiled_mma(
-            self.dtype, self.dtype, MN_MAJOR, MN_MAJOR, Float32, (1, dq_wgs, 1), (bq, d // dq_wgs),
+            self.dtype, self.dtype, MN_MAJOR, MN_MAJOR, Float32, (1, self.dq_wgs, 1), (bq, d // self.dq_wgs),
         )
         sK_layout = sm90_helpers.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (bk, bq, d), self.dtype, 1)
         sQ_layout = sm90_helpers.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (bk, bq, d), self.dtype, self.num_stages)
-        sdS_layout = sm90_helpers.make_smem_layout_a(LayoutEnum.COL_MAJOR, (bq, d, bk), self.dtype, 1)
+        sdS_layout = sm90_helpers.make_smem_layout_a(LayoutEnum.COL_MAJOR, (bq, d, bk), self.dtype,
+                                                     self.config.ds_stages)
         tma_atom_q, mQ_tma = self.tma_load_atom(mQt, sQ_layout, (bq, d))
         tma_atom_do, mdO_tma = self.tma_load_atom(mdOt, sQ_layout, (bq, d))
         tma_atom_k, mK_tma = self.tma_load_atom(mKt, sK_layout, (bk, d))
         tma_atom_v, mV_tma = self.tma_load_atom(mVt, sK_layout, (bk, d))
         self.bytes_q = self.stage_bytes(sQ_layout)
         self.bytes_k = self.stage_bytes(sK_layout)
-        self.bytes_stat = 0
-        tma_atom_lse, tma_atom_delta = tma_atom_q, tma_atom_q    # placeholders when unused
-        if const_expr(self.stats_tma):
-            # (B, H, Nq') -> (Nq', H, B); one TMA box of block_q floats per query tile.
-            stats_first = lambda t: cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 1, 0]))  # noqa: E731
-            g2s = cpasync.CopyBulkTensorTileG2SOp()
-            tma_atom_lse, mLSE2 = cpasync.make_tiled_tma_atom(g2s, stats_first(mLSE2), cute.make_layout(bq), (bq,))
-            tma_atom_delta, mDelta = cpasync.make_tiled_tma_atom(g2s, stats_first(mDelta), cute.make_layout(bq), (bq,))
-            self.bytes_stat = bq * 4
+        # lse / delta: (B, H, Nq') -> (Nq', H, B); one TMA box of block_q floats per tile.
+        stats_first = lambda t: cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 1, 0]))  # noqa: E731
+        g2s = cpasync.CopyBulkTensorTileG2SOp()
+        tma_atom_lse, mLSE2 = cpasync.make_tiled_tma_atom(g2s, stats_first(mLSE2), cute.make_layout(bq), (bq,))
+        tma_atom_delta, mDelta = cpasync.make_tiled_tma_atom(g2s, stats_first(mDelta), cute.make_layout(bq), (bq,))
+        self.bytes_stat = bq * 4
 
         @cute.struct
         class SharedStorage:
@@ -194,7 +196,7 @@ class FlashBackwardSm90(WarpSpecializedSm90):
             sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], 1024]
             sLSE: cute.struct.Align[cute.struct.MemRange[Float32, bq * self.num_stages], 128]
             sDelta: cute.struct.Align[cute.struct.MemRange[Float32, bq * self.num_stages], 128]
-            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, bq * (d + DQ_ROW_PAD) if self.dq_bulk else 4], 128]
+            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, bq * d], 128]
 
         self.shared_storage = SharedStorage
         num_k_tiles = cute.ceil_div(mK.shape[1], bk)
@@ -246,15 +248,12 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         if warp_idx == 0:
-            for atom in (tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_do):
+            for atom in (tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_do, tma_atom_lse, tma_atom_delta):
                 cpasync.prefetch_descriptor(atom)
-            if const_expr(self.stats_tma):
-                cpasync.prefetch_descriptor(tma_atom_lse)
-                cpasync.prefetch_descriptor(tma_atom_delta)
 
         storage = cutlass_memory.SmemAllocator().allocate(self.shared_storage)
         pipeline_kv = self.tma_pipeline(storage.mbar_kv, 1, 2 * self.bytes_k)   # K and V together
-        # With stats_tma the Q (dO) barrier also counts the tile's lse (delta) bytes.
+        # The Q (dO) barrier also counts the tile's lse (delta) bytes.
         pipeline_q = self.tma_pipeline(storage.mbar_q, self.num_stages, self.bytes_q + self.bytes_stat)
         pipeline_do = self.tma_pipeline(storage.mbar_do, self.num_stages, self.bytes_q + self.bytes_stat)
         pipeline.pipeline_init_arrive()
@@ -266,8 +265,7 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         sdS = smem_tensor(storage.sdS, sdS_layout)
         sLSE = storage.sLSE.get_tensor(cute.make_layout((self.block_q, self.num_stages)))
         sDelta = storage.sDelta.get_tensor(cute.make_layout((self.block_q, self.num_stages)))
-        sdQ = storage.sdQ.get_tensor(cute.make_layout(
-            self.block_q * (self.head_dim + DQ_ROW_PAD) if self.dq_bulk else 4))
+        sdQ = storage.sdQ.get_tensor(cute.make_layout(self.block_q * self.head_dim))
 
         k_tile, head_kv, batch = cute.arch.block_idx()
         group = num_heads // mK.shape[2]
@@ -279,17 +277,18 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
-                self.load(mQ, mK, mV, mdO, sQ, sK, sV, sdO, tma_atom_q, tma_atom_k, tma_atom_v,
-                          tma_atom_do, pipeline_kv, pipeline_q, pipeline_do, mBwdTiles,
-                          n_q_tiles, k_tile, head_kv, batch, mask_batch, group,
-                          (mLSE2, mDelta, sLSE, sDelta, tma_atom_lse, tma_atom_delta))
+                self.load(mQ, mK, mV, mdO, mLSE2, mDelta, sQ, sK, sV, sdO, sLSE, sDelta,
+                          (tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_do, tma_atom_lse, tma_atom_delta),
+                          pipeline_kv, pipeline_q, pipeline_do, mBwdTiles,
+                          n_q_tiles, k_tile, head_kv, batch, mask_batch, group)
+            if warp_idx == self.dq_writer_warp:
+                self.write_dq(mdQaccum, sdQ, mBwdTiles, n_q_tiles, k_tile, head_kv, batch,
+                              mask_batch, group)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self.consume(
-                storage, sQ_layout, sK_layout, sQ, sK, sV, sdO, sdS,
-                sLSE if const_expr(self.stats_tma) else mLSE2,
-                sDelta if const_expr(self.stats_tma) else mDelta, mBwdIntervals,
-                mBwdTiles, mFwdIntervals, mBwdExact, (mdQaccum, sdQ), mdK, mdV, tiled_mma_sdp,
+                storage, sQ_layout, sK_layout, sQ, sK, sV, sdO, sdS, sLSE, sDelta, sdQ,
+                mBwdIntervals, mBwdTiles, mFwdIntervals, mBwdExact, mdK, mdV, tiled_mma_sdp,
                 tiled_mma_dkv, tiled_mma_dq, pipeline_kv, pipeline_q, pipeline_do, n_q_tiles,
                 seqlen_q, mK.shape[0], k_tile, head_kv, batch, mask_batch, group,
                 tidx - self.threads_per_wg)
@@ -300,9 +299,11 @@ class FlashBackwardSm90(WarpSpecializedSm90):
 
     # ------------------------------------------------------------------ producer
     @cute.jit
-    def load(self, mQ, mK, mV, mdO, sQ, sK, sV, sdO, tma_atom_q, tma_atom_k, tma_atom_v,
-             tma_atom_do, pipeline_kv, pipeline_q, pipeline_do, mBwdTiles, n_q_tiles, k_tile,
-             head_kv, batch, mask_batch, group, stats):
+    def load(self, mQ, mK, mV, mdO, mLSE2, mDelta, sQ, sK, sV, sdO, sLSE, sDelta, atoms,
+             pipeline_kv, pipeline_q, pipeline_do, mBwdTiles, n_q_tiles, k_tile, head_kv, batch,
+             mask_batch, group):
+        """Warp 0: K and V once; per visited tile Q + lse and dO + delta into the ring."""
+        tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_do, tma_atom_lse, tma_atom_delta = atoms
         d, bq, bk = self.head_dim, self.block_q, self.block_kv
         gK = cute.local_tile(mK[None, None, head_kv, batch], (bk, d), (k_tile, 0))
         gV = cute.local_tile(mV[None, None, head_kv, batch], (bk, d), (k_tile, 0))
@@ -320,35 +321,55 @@ class FlashBackwardSm90(WarpSpecializedSm90):
             gTiles = mBwdTiles[mask_batch, self.mask_head(head), k_tile, None]
             gQ = cute.local_tile(mQ[None, None, head, batch], (bq, d), (None, 0))
             gdO = cute.local_tile(mdO[None, None, head, batch], (bq, d), (None, 0))
+            gL = cute.local_tile(mLSE2[None, head, batch], (bq,), (None,))
+            gD = cute.local_tile(mDelta[None, head, batch], (bq,), (None,))
             tQsQ, tQgQ = tma_tiles(tma_atom_q, sQ, gQ)
             tdOsdO, tdOgdO = tma_tiles(tma_atom_do, sdO, gdO)
-            mLSE2, mDelta, sLSE, sDelta, tma_atom_lse, tma_atom_delta = stats
-            tLsL, tLgL, tDsD, tDgD = tQsQ, tQgQ, tdOsdO, tdOgdO     # placeholders when unused
-            if const_expr(self.stats_tma):
-                gL = cute.local_tile(mLSE2[None, head, batch], (bq,), (None,))
-                gD = cute.local_tile(mDelta[None, head, batch], (bq,), (None,))
-                tLsL, tLgL = tma_tiles(tma_atom_lse, sLSE, gL, tile_rank=1)
-                tDsD, tDgD = tma_tiles(tma_atom_delta, sDelta, gD, tile_rank=1)
+            tLsL, tLgL = tma_tiles(tma_atom_lse, sLSE, gL, tile_rank=1)
+            tDsD, tDgD = tma_tiles(tma_atom_delta, sDelta, gD, tile_rank=1)
             for q_tile in cutlass.range(n_q_tiles, unroll=1):
                 if tile_bits(gTiles, q_tile) & Uint32(1) != Uint32(0):
                     pipeline_q.producer_acquire(state)
-                    cute.copy(tma_atom_q, tQgQ[None, q_tile], tQsQ[None, state.index],
-                              tma_bar_ptr=pipeline_q.producer_get_barrier(state))
-                    if const_expr(self.stats_tma):
-                        cute.copy(tma_atom_lse, tLgL[None, q_tile], tLsL[None, state.index],
-                                  tma_bar_ptr=pipeline_q.producer_get_barrier(state))
+                    bar_q = pipeline_q.producer_get_barrier(state)
+                    cute.copy(tma_atom_q, tQgQ[None, q_tile], tQsQ[None, state.index], tma_bar_ptr=bar_q)
+                    cute.copy(tma_atom_lse, tLgL[None, q_tile], tLsL[None, state.index], tma_bar_ptr=bar_q)
                     pipeline_do.producer_acquire(state)
-                    cute.copy(tma_atom_do, tdOgdO[None, q_tile], tdOsdO[None, state.index],
-                              tma_bar_ptr=pipeline_do.producer_get_barrier(state))
-                    if const_expr(self.stats_tma):
-                        cute.copy(tma_atom_delta, tDgD[None, q_tile], tDsD[None, state.index],
-                                  tma_bar_ptr=pipeline_do.producer_get_barrier(state))
+                    bar_do = pipeline_do.producer_get_barrier(state)
+                    cute.copy(tma_atom_do, tdOgdO[None, q_tile], tdOsdO[None, state.index], tma_bar_ptr=bar_do)
+                    cute.copy(tma_atom_delta, tDgD[None, q_tile], tDsD[None, state.index], tma_bar_ptr=bar_do)
                     state.advance()
+
+    # ------------------------------------------------------------------ dQ writer
+    @cute.jit
+    def write_dq(self, mdQaccum, sdQ, mBwdTiles, n_q_tiles, k_tile, head_kv, batch, mask_batch, group):
+        """Warp 1: per visited tile (the same walk as the producer's and the consumers'),
+        per dQ warpgroup: wait for its tile in shared memory, add it to the tile's global
+        slot with one bulk reduce-add, wait until the add has read it, free the buffer."""
+        lane = cute.arch.lane_idx()
+        meet = self.threads_per_wg + 32
+        nbytes = self.dq_wg_floats * 4
+        for g in cutlass.range(group, unroll=1):
+            head = head_kv * group + g
+            gTiles = mBwdTiles[mask_batch, self.mask_head(head), k_tile, None]
+            for q_tile in cutlass.range(n_q_tiles, unroll=1):
+                if tile_bits(gTiles, q_tile) & Uint32(1) != Uint32(0):
+                    slot = mdQaccum[batch, head, q_tile, None]
+                    for w in cutlass.range_constexpr(self.dq_wgs):
+                        cute.arch.barrier(barrier_id=int(Bar.DQ_FULL) + w, number_of_threads=meet)
+                        if lane == 0:
+                            bulk_reduce_add_f32((slot.iterator + w * self.dq_wg_floats).llvm_ptr,
+                                                (sdQ.iterator + w * self.dq_wg_floats).llvm_ptr, nbytes)
+                            cute.arch.cp_async_bulk_commit_group()
+                            cute.arch.cp_async_bulk_wait_group(0, read=True)
+                        cute.arch.sync_warp()
+                        cute.arch.barrier_arrive(barrier_id=int(Bar.DQ_EMPTY) + w, number_of_threads=meet)
+        if lane == 0:
+            cute.arch.cp_async_bulk_wait_group(0)
 
     # ------------------------------------------------------------------ consumers
     @cute.jit
-    def consume(self, storage, sQ_layout, sK_layout, sQ, sK, sV, sdO, sdS, mLSE2, mDelta,
-                mBwdIntervals, mBwdTiles, mFwdIntervals, mBwdExact, mdQaccum, mdK, mdV,
+    def consume(self, storage, sQ_layout, sK_layout, sQ, sK, sV, sdO, sdS, sLSE, sDelta, sdQ,
+                mBwdIntervals, mBwdTiles, mFwdIntervals, mBwdExact, mdK, mdV,
                 tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, pipeline_kv, pipeline_q, pipeline_do,
                 n_q_tiles, seqlen_q, seqlen_k, k_tile, head_kv, batch, mask_batch, group, tidx):
         d, bq, bk = self.head_dim, self.block_q, self.block_kv
@@ -361,27 +382,29 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         thr_sdp = tiled_mma_sdp.get_slice(tidx)
 
         # Operand fragments (shared-memory descriptors) of the five products.
-        tSrK = mma_sdp.make_fragment_A(mma_sdp.partition_A(sK))
-        tSrV = mma_sdp.make_fragment_A(mma_sdp.partition_A(sV))
-        tSrQ = mma_sdp.make_fragment_B(mma_sdp.partition_B(sQ))
-        tSrdO = mma_sdp.make_fragment_B(mma_sdp.partition_B(sdO))
+        frags = _Fragments()
+        frags.tSrK = mma_sdp.make_fragment_A(mma_sdp.partition_A(sK))
+        frags.tSrV = mma_sdp.make_fragment_A(mma_sdp.partition_A(sV))
+        frags.tSrQ = mma_sdp.make_fragment_B(mma_sdp.partition_B(sQ))
+        frags.tSrdO = mma_sdp.make_fragment_B(mma_sdp.partition_B(sdO))
         sQt = smem_tensor(storage.sQ, sQ_layout, [1, 0, 2])     # (D, queries, stage)
         sdOt = smem_tensor(storage.sdO, sQ_layout, [1, 0, 2])
         sKt = smem_tensor(storage.sK, sK_layout, [1, 0, 2])     # (D, keys, 1)
-        tKVrQt = mma_dkv.make_fragment_B(mma_dkv.partition_B(sQt))
-        tKVrdOt = mma_dkv.make_fragment_B(mma_dkv.partition_B(sdOt))
-        tQrdS = mma_dq.make_fragment_A(mma_dq.partition_A(sdS))
-        tQrKt = mma_dq.make_fragment_B(mma_dq.partition_B(sKt))
-        tKVrP = mma_dkv.make_fragment_A(mma_dkv.partition_shape_A((bk, bq)))
-        tKVrdS = mma_dkv.make_fragment_A(mma_dkv.partition_shape_A((bk, bq)))
+        frags.tKVrQt = mma_dkv.make_fragment_B(mma_dkv.partition_B(sQt))
+        frags.tKVrdOt = mma_dkv.make_fragment_B(mma_dkv.partition_B(sdOt))
+        frags.tQrdS = mma_dq.make_fragment_A(mma_dq.partition_A(sdS))
+        frags.tQrKt = mma_dq.make_fragment_B(mma_dq.partition_B(sKt))
+        frags.mma_sdp, frags.mma_dkv, frags.mma_dq = mma_sdp, mma_dkv, mma_dq
 
         acc_dK = cute.make_rmem_tensor(mma_dkv.partition_shape_C((bk, d)), Float32)
         acc_dV = cute.make_rmem_tensor(mma_dkv.partition_shape_C((bk, d)), Float32)
         acc_dK.fill(0.0)
         acc_dV.fill(0.0)
+        frags.acc_dK, frags.acc_dV = acc_dK, acc_dV
 
         # (key, query) coordinates of this thread's elements of an S^T tile: 2 keys (rows).
         tScS = _rows_view(thr_sdp.partition_C(cute.make_identity_tensor((bk, bq))))
+        frags.tScS = tScS
         num_rows = cute.size(tScS, mode=[0])
 
         # dS^T as written from registers: the (keys, queries) view of the dQ A operand.
@@ -391,12 +414,16 @@ class FlashBackwardSm90(WarpSpecializedSm90):
             cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype),
             tiled_mma_sdp,
         ).get_slice(tidx)
-        tdSsdS = (ds_copy, ds_copy.partition_D(sdS_t[None, None, 0]))
-        # (query, head dim) coordinates of this thread's dQ elements.
-        dq_thread = tidx % self.threads_per_wg if const_expr(self.dq_single_wg) else tidx
-        tdQcdQ = _rows_view(tiled_mma_dq.get_slice(dq_thread).partition_C(cute.make_identity_tensor((bq, d))))
+        frags.ds_copy = ds_copy
+        frags.tdSsdS = ds_copy.partition_D(sdS_t)
+        # This thread's float4 chunks of its warpgroup's dQ tile in shared memory: chunk g
+        # of thread t at 4 t + 512 g (fragment order: 128-bit stores, no bank conflicts).
+        dq_region = 0 if const_expr(self.dq_single_wg) else wg * self.dq_wg_floats
+        frags.sdQ_thr = cute.make_tensor(
+            sdQ.iterator + dq_region + (tidx % self.threads_per_wg) * 4,
+            cute.make_layout((4, self.dq_chunks), stride=(1, 4 * self.threads_per_wg)))
 
-        # The CTA's keys' column intervals (Kc per key), loaded once.
+        # The CTA's keys' column intervals (Kc per key), loaded once per head.
         kc = self.num_bwd_intervals
         col_starts = cute.make_rmem_tensor((num_rows, max(kc, 1)), Int32)
         col_lengths = cute.make_rmem_tensor((num_rows, max(kc, 1)), Int32)
@@ -426,117 +453,128 @@ class FlashBackwardSm90(WarpSpecializedSm90):
                 if bits & Uint32(1) != Uint32(0):
                     needs_mask = (bits & Uint32(2) != Uint32(0)) | (q_tile == ragged_q) | ragged_k
                     if needs_mask:
-                        self.step(True, state, q_tile, mma_sdp, mma_dkv, mma_dq, tSrK, tSrV, tSrQ,
-                                  tSrdO, tKVrQt, tKVrdOt, tQrdS, tQrKt, tKVrP, tKVrdS, acc_dK, acc_dV,
-                                  tScS, tdSsdS, tdQcdQ, mLSE2, mDelta, col_starts, col_lengths, exact,
-                                  mFwdIntervals, mdQaccum, pipeline_q, pipeline_do, seqlen_q,
-                                  seqlen_k, k_tile, head, mh, batch, mask_batch, tidx)
+                        self.step(True, state, q_tile, frags, sLSE, sDelta, col_starts, col_lengths,
+                                  exact, mFwdIntervals, pipeline_q, pipeline_do, seqlen_q,
+                                  seqlen_k, k_tile, mh, mask_batch, tidx)
                     else:
-                        self.step(False, state, q_tile, mma_sdp, mma_dkv, mma_dq, tSrK, tSrV, tSrQ,
-                                  tSrdO, tKVrQt, tKVrdOt, tQrdS, tQrKt, tKVrP, tKVrdS, acc_dK, acc_dV,
-                                  tScS, tdSsdS, tdQcdQ, mLSE2, mDelta, col_starts, col_lengths, exact,
-                                  mFwdIntervals, mdQaccum, pipeline_q, pipeline_do, seqlen_q,
-                                  seqlen_k, k_tile, head, mh, batch, mask_batch, tidx)
+                        self.step(False, state, q_tile, frags, sLSE, sDelta, col_starts, col_lengths,
+                                  exact, mFwdIntervals, pipeline_q, pipeline_do, seqlen_q,
+                                  seqlen_k, k_tile, mh, mask_batch, tidx)
                     state.advance()
-        if const_expr(self.dq_bulk):
-            if tidx == 0:        # the last bulk reduce-add completes before the CTA exits
-                cute.arch.cp_async_bulk_wait_group(0)
+        # Balance DQ_EMPTY: the dQ warp freed the buffer once per tile, this warpgroup
+        # waited before every tile but the first.
+        if state.count > 0:
+            if const_expr(self.dq_single_wg):
+                if wg == 0:
+                    self.dq_buffer_wait(tidx)
+            else:
+                self.dq_buffer_wait(tidx)
         self.epilogue(acc_dK, acc_dV, mdK, mdV, tiled_mma_dkv, tidx, seqlen_k, k_tile, head_kv, batch)
 
     @cute.jit
-    def step(self, masked: cutlass.Constexpr[bool], state, q_tile, mma_sdp, mma_dkv, mma_dq, tSrK,
-             tSrV, tSrQ, tSrdO, tKVrQt, tKVrdOt, tQrdS, tQrKt, tKVrP, tKVrdS, acc_dK, acc_dV, tScS,
-             tdSsdS, tdQcdQ, mLSE2, mDelta, col_starts, col_lengths, exact, mFwdIntervals, mdQaccum,
-             pipeline_q, pipeline_do, seqlen_q, seqlen_k, k_tile, head, mh, batch, mask_batch, tidx):
+    def step(self, masked: cutlass.Constexpr[bool], state, q_tile, f, sLSE, sDelta, col_starts,
+             col_lengths, exact, mFwdIntervals, pipeline_q, pipeline_do, seqlen_q,
+             seqlen_k, k_tile, mh, mask_batch, tidx):
+        """One visited query tile: scores, statistics, softmax gradient, the three
+        products that accumulate (dV, dK) or leave (dQ), in FA3's order."""
         d, bq, bk = self.head_dim, self.block_q, self.block_kv
-        acc_S = cute.make_rmem_tensor(mma_sdp.partition_shape_C((bk, bq)), Float32)
-        acc_dP = cute.make_rmem_tensor(mma_sdp.partition_shape_C((bk, bq)), Float32)
+        both = self.num_consumer_wgs * self.threads_per_wg
+        # -- scores: S^T = K Q^T, dP^T = V dO^T
+        acc_S = cute.make_rmem_tensor(f.mma_sdp.partition_shape_C((bk, bq)), Float32)
+        acc_dP = cute.make_rmem_tensor(f.mma_sdp.partition_shape_C((bk, bq)), Float32)
         pipeline_q.consumer_wait(state)
-        issue_wgmma(mma_sdp, acc_S, tSrK[None, None, None, 0], tSrQ[None, None, None, state.index], True)
+        issue_wgmma(f.mma_sdp, acc_S, f.tSrK[None, None, None, 0], f.tSrQ[None, None, None, state.index], True)
         pipeline_do.consumer_wait(state)
-        issue_wgmma(mma_sdp, acc_dP, tSrV[None, None, None, 0], tSrdO[None, None, None, state.index], True)
-        warpgroup.wait_group(1)
+        issue_wgmma(f.mma_sdp, acc_dP, f.tSrV[None, None, None, 0], f.tSrdO[None, None, None, state.index], True)
 
-        # P^T = exp2(S^T * scale log2 e - lse log2 e); masked elements 0. The per-query
-        # statistics are read where they are used (L1/L2), not held across the step.
+        # -- statistics: this stage's lse / delta (arrived with Q / dO) for the thread's columns
         S = _rows_view(acc_S)
         n_cols = cute.size(S, mode=[1])
-        cols = cute.make_rmem_tensor(n_cols, Int32)     # global query rows (clamped)
-        if const_expr(not self.stats_tma):
+        lse = cute.make_rmem_tensor(n_cols, Float32)
+        delta = cute.make_rmem_tensor(n_cols, Float32)
+        if const_expr(self.config.stats_early):
             for c in cutlass.range_constexpr(n_cols):
-                i = q_tile * bq + tScS[0, c][1]
-                cols[c] = i if i < seqlen_q else 0
-        stat = cute.make_rmem_tensor(n_cols, Float32)
-        for c in cutlass.range_constexpr(n_cols):
-            if const_expr(self.stats_tma):      # mLSE2 is this stage's shared lse (Q's barrier)
-                stat[c] = mLSE2[tScS[0, c][1], state.index]
-            else:
-                stat[c] = mLSE2[batch, head, cols[c]]
+                lse[c] = sLSE[f.tScS[0, c][1], state.index]
+            for c in cutlass.range_constexpr(n_cols):
+                delta[c] = sDelta[f.tScS[0, c][1], state.index]
+
+        # -- P^T = exp2(S^T * scale log2 e - lse log2 e); masked elements 0
+        warpgroup.wait_group(1)
+        if const_expr(not self.config.stats_early):
+            for c in cutlass.range_constexpr(n_cols):
+                lse[c] = sLSE[f.tScS[0, c][1], state.index]
         scale_log2 = Float32(self.scale_log2)
         for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
             for c in cutlass.range_constexpr(n_cols):
-                S[r, c] = cute.math.exp2(S[r, c] * scale_log2 - stat[c], fastmath=True)
+                S[r, c] = cute.math.exp2(S[r, c] * scale_log2 - lse[c], fastmath=True)
         if const_expr(masked):
-            self.apply_mask(S, tScS, q_tile, col_starts, col_lengths, exact, mFwdIntervals,
+            self.apply_mask(S, f.tScS, q_tile, col_starts, col_lengths, exact, mFwdIntervals,
                             seqlen_q, seqlen_k, k_tile, mh, mask_batch)
-        for c in cutlass.range_constexpr(n_cols):
-            if const_expr(self.stats_tma):      # dO's barrier was waited on above
-                stat[c] = mDelta[tScS[0, c][1], state.index]
-            else:
-                stat[c] = mDelta[batch, head, cols[c]]
+        if const_expr(not self.config.stats_early):
+            for c in cutlass.range_constexpr(n_cols):
+                delta[c] = sDelta[f.tScS[0, c][1], state.index]
+
+        # -- dS^T = P^T (dP^T - delta)
         warpgroup.wait_group(0)
         dP = _rows_view(acc_dP)
         for r in cutlass.range_constexpr(cute.size(dP, mode=[0])):
             for c in cutlass.range_constexpr(n_cols):
-                dP[r, c] = S[r, c] * (dP[r, c] - stat[c])
-        # dV += P^T dO, dK += dS^T Q (register A operands).
-        tKVrP.store(_as_a_operand(acc_S).load().to(self.dtype))
-        tKVrdS.store(_as_a_operand(acc_dP).load().to(self.dtype))
-        issue_wgmma(mma_dkv, acc_dV, tKVrP, tKVrdOt[None, None, None, state.index], False)
-        issue_wgmma(mma_dkv, acc_dK, tKVrdS, tKVrQt[None, None, None, state.index], False)
+                dP[r, c] = S[r, c] * (dP[r, c] - delta[c])
 
-        # dS^T -> shared memory (after both warpgroups finished the previous dQ product).
-        if const_expr(self.dq_bulk):
-            # The previous tile's bulk reduce-add must have read the shared dQ tile before
-            # anyone passes DS_FREE and (further down) rewrites it.
-            if tidx == 0:
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
-        cute.arch.barrier(barrier_id=_BARRIER_DS_FREE, number_of_threads=self.num_consumer_wgs * self.threads_per_wg)
-        ds_copy, tdSsdS_dst = tdSsdS
+        # -- dV += P^T dO (P^T from registers)
+        rP = cute.make_rmem_tensor_like(acc_S, self.dtype)
+        rP.store(acc_S.load().to(self.dtype))
+        issue_wgmma(f.mma_dkv, f.acc_dV, _as_a_operand(rP), f.tKVrdOt[None, None, None, state.index], False)
+
+        # -- dS^T: converted once; to shared memory for dQ, from registers for dK
         rdS = cute.make_rmem_tensor_like(acc_dP, self.dtype)
         rdS.store(acc_dP.load().to(self.dtype))
-        cute.copy(ds_copy, ds_copy.retile(rdS), tdSsdS_dst)
+        ds_stage = 0
+        if const_expr(self.config.ds_stages == 1):
+            cute.arch.barrier(barrier_id=int(Bar.DS_FREE), number_of_threads=both)
+        else:
+            ds_stage = state.count % 2
+        cute.copy(f.ds_copy, f.ds_copy.retile(rdS), f.tdSsdS[None, None, None, ds_stage])
         cute.arch.fence_view_async_shared()
-        cute.arch.barrier(barrier_id=_BARRIER_DS_READY, number_of_threads=self.num_consumer_wgs * self.threads_per_wg)
+        cute.arch.barrier(barrier_id=int(Bar.DS_READY), number_of_threads=both)
 
-        # dQ_tile[:, this warpgroup's D half] = dS K (the whole of D on warpgroup 0 alone
-        # when dq_single_wg).
+        # -- dQ_tile[:, this warpgroup's D part] = dS K; dK += dS^T Q
         if const_expr(self.dq_single_wg):
             if tidx // self.threads_per_wg == 0:
-                acc_dQ = cute.make_rmem_tensor(mma_dq.partition_shape_C((bq, d)), Float32)
-                issue_wgmma(mma_dq, acc_dQ, tQrdS[None, None, None, 0], tQrKt[None, None, None, 0], True)
-                warpgroup.wait_group(0)
-                self.store_dq(acc_dQ, mdQaccum, tdQcdQ, seqlen_q, q_tile, head, batch)
-            warpgroup.wait_group(0)
-            pipeline_q.consumer_release(state)
-            pipeline_do.consumer_release(state)
+                self.dq_and_dk(f, rdS, ds_stage, state, tidx)
+            else:
+                issue_wgmma(f.mma_dkv, f.acc_dK, _as_a_operand(rdS), f.tKVrQt[None, None, None, state.index], False)
         else:
-            acc_dQ = cute.make_rmem_tensor(mma_dq.partition_shape_C((bq, d)), Float32)
-            issue_wgmma(mma_dq, acc_dQ, tQrdS[None, None, None, 0], tQrKt[None, None, None, 0], True)
-            warpgroup.wait_group(0)
-            pipeline_q.consumer_release(state)
-            pipeline_do.consumer_release(state)
-            self.store_dq(acc_dQ, mdQaccum, tdQcdQ, seqlen_q, q_tile, head, batch)
-        if const_expr(self.dq_bulk):
-            # Every consumer thread's part of the tile is in shared memory (fenced for the
-            # async proxy): one thread adds the whole tile to its global slot.
-            cute.arch.barrier(barrier_id=_BARRIER_DQ_READY,
-                              number_of_threads=self.num_consumer_wgs * self.threads_per_wg)
-            if tidx == 0:
-                mdQ, sdQ = mdQaccum
-                bulk_reduce_add_f32(mdQ[batch, head, q_tile, None].iterator.llvm_ptr,
-                                    sdQ.iterator.llvm_ptr, bq * (d + DQ_ROW_PAD) * 4)
-                cute.arch.cp_async_bulk_commit_group()
+            self.dq_and_dk(f, rdS, ds_stage, state, tidx)
+        warpgroup.wait_group(0)
+        pipeline_q.consumer_release(state)
+        pipeline_do.consumer_release(state)
+
+    @cute.jit
+    def dq_and_dk(self, f, rdS, ds_stage, state, tidx):
+        """Issue dQ then dK; once dV and dQ are done, hand the dQ tile to the dQ warp
+        through shared memory (dK still in flight)."""
+        acc_dQ = cute.make_rmem_tensor(f.mma_dq.partition_shape_C((self.block_q, self.head_dim // self.dq_wgs)),
+                                       Float32)
+        issue_wgmma(f.mma_dq, acc_dQ, f.tQrdS[None, None, None, ds_stage], f.tQrKt[None, None, None, 0], True)
+        issue_wgmma(f.mma_dkv, f.acc_dK, _as_a_operand(rdS), f.tKVrQt[None, None, None, state.index], False)
+        warpgroup.wait_group(1)
+        if state.count > 0:
+            self.dq_buffer_wait(tidx)
+        cute.autovec_copy(cute.make_tensor(acc_dQ.iterator, cute.make_layout((4, self.dq_chunks))), f.sdQ_thr)
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier_arrive(barrier_id=int(Bar.DQ_FULL) + self.dq_wg_index(tidx),
+                                 number_of_threads=self.threads_per_wg + 32)
+
+    @cute.jit
+    def dq_wg_index(self, tidx):
+        return 0 if const_expr(self.dq_single_wg) else tidx // self.threads_per_wg
+
+    @cute.jit
+    def dq_buffer_wait(self, tidx):
+        """Wait until the dQ warp's reduce-add has read this warpgroup's dQ buffer."""
+        cute.arch.barrier(barrier_id=int(Bar.DQ_EMPTY) + self.dq_wg_index(tidx),
+                          number_of_threads=self.threads_per_wg + 32)
 
     @cute.jit
     def apply_mask(self, P, tScS, q_tile, col_starts, col_lengths, exact, mFwdIntervals,
@@ -574,32 +612,6 @@ class FlashBackwardSm90(WarpSpecializedSm90):
                     P[r, c] = P[r, c] if keep else Float32(0.0)
 
     @cute.jit
-    def store_dq(self, acc_dQ, mdQaccum, coords, seqlen_q, q_tile, head, batch):
-        """fp32 atomic adds of this thread's dQ elements (rows past Nq dropped); with
-        dq_bulk, its elements into the shared dQ tile (rows past Nq included: their slot
-        of the padded accumulator is dropped by the caller)."""
-        acc = _rows_view(acc_dQ)
-        if const_expr(self.dq_bulk):
-            _, sdQ = mdQaccum
-            for r in cutlass.range_constexpr(cute.size(acc, mode=[0])):
-                row = coords[r, 0][0]
-                for c in cutlass.range_constexpr(cute.size(acc, mode=[1])):
-                    sdQ[dq_tile_offset(row, coords[r, c][1], self.head_dim)] = acc[r, c]
-            cute.arch.fence_view_async_shared()
-        else:
-            pair = cute.make_rmem_tensor(2, Float32)
-            for r in cutlass.range_constexpr(cute.size(acc, mode=[0])):
-                row = q_tile * self.block_q + coords[r, 0][0]
-                if row < seqlen_q:
-                    dst = mdQaccum[0][batch, row, head, None]
-                    # Columns c, c + 1 of a thread are adjacent in memory: one red.v2.f32.
-                    for c in cutlass.range_constexpr(0, cute.size(acc, mode=[1]), 2):
-                        pair[0] = acc[r, c]
-                        pair[1] = acc[r, c + 1]
-                        cute.arch.atomic_add((dst.iterator + coords[r, c][1]).llvm_ptr,
-                                             pair.load().ir_value())
-
-    @cute.jit
     def epilogue(self, acc_dK, acc_dV, mdK, mdV, tiled_mma_dkv, tidx, seqlen_k, k_tile, head_kv, batch):
         """dK (times the softmax scale) and dV to global, rows past Nk dropped."""
         thr = tiled_mma_dkv.get_slice(tidx)
@@ -614,3 +626,8 @@ class FlashBackwardSm90(WarpSpecializedSm90):
                     col = coords[r, c][1]
                     mdK[batch, row, head_kv, col] = (dK[r, c] * scale).to(self.dtype)
                     mdV[batch, row, head_kv, col] = dV[r, c].to(self.dtype)
+
+
+class _Fragments:
+    """The consumer's per-CTA operand fragments and accumulators, handed to each step as
+    one object (a plain namespace: tracing only reads its attributes)."""
