@@ -66,10 +66,12 @@ def _dense_forward(q, k, v, mask, scale, softcap, round_to):
     mask = jnp.asarray(mask, bool)
     s = jnp.where(mask, s, -jnp.inf)
     m = jnp.max(s, axis=-1, keepdims=True)
-    seen = m > -jnp.inf
-    m = jnp.where(seen, m, 0.0)
+    m = jnp.where(jnp.isneginf(m), 0.0, m)
     p = jnp.exp(s - m)
     l = jnp.sum(p, axis=-1, keepdims=True)
+    # Empty iff the sum is exactly 0; not ``m > -inf``: XLA's max reduction may drop a
+    # NaN, and a NaN logit must reach out and lse, as in jax.nn.
+    seen = l != 0
     p = p / jnp.where(seen, l, 1.0)
     pv = p if round_to is None else p.astype(round_to)
     out = jnp.einsum("bhqk,bkhd->bqhd", pv, v, preferred_element_type=acc, precision=_HIGHEST)

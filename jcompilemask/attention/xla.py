@@ -171,7 +171,10 @@ def _fwd_impl(q, k, v, desc, scale, softcap):
             return n + 1, m_new, l, alpha[..., None] * acc + pv
 
         _, m, l, acc = lax.while_loop(lambda c: c[0] < count[ti], body, (0, m0, l0, a0))
-        seen = l > 0
+        # Empty iff the sum is exactly 0 (a visible finite logit adds exp(0) = 1). Not
+        # ``l > 0``: a NaN or +inf logit makes the sum NaN, which must reach out and lse
+        # as in jax.nn; nor ``m > -inf``: XLA's max reduction may drop a NaN.
+        seen = l != 0
         out = jnp.where(seen[..., None], acc / jnp.where(seen, l, 1.0)[..., None], 0.0)
         lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), NEG_INF)
         return out.astype(P.dtype), lse
@@ -190,11 +193,13 @@ def _probs(P, s, t, vis, lse_b):
     return jnp.where(vis & (lse_b != NEG_INF)[..., None], p, 0.0)
 
 
-def _dlogits(P, p, dp, delta_b, t):
+def _dlogits(P, p, dp, delta_b, t, vis):
     ds = p * (dp - delta_b[..., None])
     if t is not None:
         ds = ds * (1.0 - t * t)       # d(cap * tanh(x / cap)) / dx
-    return ds * P.scale
+    # Masked pairs carry no gradient even when the row's delta is NaN (p = 0 times NaN):
+    # jax.nn's masking where() zeroes them too, so dK stays finite where jax's does.
+    return jnp.where(vis, ds * P.scale, 0.0)
 
 
 def softmax_delta(out, do, lse, dlse=None):
@@ -249,7 +254,7 @@ def _dq_pass(P, q, k, v, do, lse, delta):
             dp = jnp.einsum("bkgqd,bkcd->bkgqc",
                             dob.reshape(P.b, P.hkv, P.g, bq, P.dv), vb,
                             preferred_element_type=F32).reshape(s.shape)
-            ds = _dlogits(P, p, dp, db, t)
+            ds = _dlogits(P, p, dp, db, t, vis)
             dq = dq + jnp.einsum("bkgqc,bkcd->bkgqd",
                                  ds.astype(P.dtype).reshape(P.b, P.hkv, P.g, bq, bk), kb,
                                  preferred_element_type=F32).reshape(dq.shape)
@@ -291,7 +296,7 @@ def _dkv_pass(P, q, k, v, do, lse, delta):
             dv = dv + jnp.einsum("bkgqc,bkgqd->bkcd", pg, dog, preferred_element_type=F32)
             dp = jnp.einsum("bkgqd,bkcd->bkgqc", dog, vb,
                             preferred_element_type=F32).reshape(s.shape)
-            ds = _dlogits(P, p, dp, db, t).astype(P.dtype)
+            ds = _dlogits(P, p, dp, db, t, vis).astype(P.dtype)
             dk = dk + jnp.einsum("bkgqc,bkgqd->bkcd",
                                  ds.reshape(P.b, P.hkv, P.g, bq, bk),
                                  qb.reshape(P.b, P.hkv, P.g, bq, P.d),

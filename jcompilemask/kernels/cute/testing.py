@@ -124,7 +124,7 @@ def reference_attention(q, k, v, intervals, scale, softcap=None):
         s = softcap * jnp.tanh(s / softcap)
     s = jnp.where(vis, s, -jnp.inf)
     m = jnp.max(s, axis=-1, keepdims=True)
-    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+    m_safe = jnp.where(jnp.isneginf(m), 0.0, m)     # a NaN / +inf max propagates
     p = jnp.exp(s - m_safe)
     l = jnp.sum(p, axis=-1, keepdims=True)
     o = jnp.einsum("bhqk,bkhd->bqhd", p / jnp.where(l == 0, 1.0, l), vr, precision=hp)
