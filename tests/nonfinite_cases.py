@@ -19,7 +19,7 @@ import numpy as np
 
 import jcompilemask as jcm
 
-B, N, HQ, HKV, D = 2, 40, 2, 1, 8
+B, N, HQ, HKV, D = 2, 40, 2, 1, 8      # the CPU shapes (GQA); the GPU tests pass theirs
 ROW, COL = 13, 1              # where the non-finite value goes (batch 0, head 0)
 CASES = [(where, value) for where in ("query", "key", "value")
          for value in (float("nan"), float("inf"))]
@@ -29,7 +29,7 @@ def case_id(where, value):
     return f"{where}-{'nan' if np.isnan(value) else 'inf'}"
 
 
-def inputs(dtype=jnp.float32, d=D, hq=HQ, hkv=HKV, n=N, seed=0):
+def inputs(dtype=jnp.float32, n=N, hq=HQ, hkv=HKV, d=D, seed=0):
     ks = jax.random.split(jax.random.key(seed), 4)
     q = jax.random.normal(ks[0], (B, n, hq, d), jnp.float32).astype(dtype)
     k = jax.random.normal(ks[1], (B, n, hkv, d), jnp.float32).astype(dtype)
@@ -39,11 +39,12 @@ def inputs(dtype=jnp.float32, d=D, hq=HQ, hkv=HKV, n=N, seed=0):
 
 
 def document_ids(n=N, padding=0):
-    """Two packed-document layouts (batch 0 splits at 9 and 22, batch 1 at 30);
-    ``padding`` trailing tokens with id -1 (their rows see nothing)."""
+    """Two packed-document layouts (batch 0 splits at 9/40 and 22/40 of n, batch 1 at
+    30/40; ROW falls in batch 0's second document); ``padding`` trailing tokens with id
+    -1 (their rows see nothing)."""
     ids = np.zeros((B, n), np.int32)
-    ids[0, 9:], ids[0, 22:] = 1, 2
-    ids[1, 30:] = 1
+    ids[0, 9 * n // 40:], ids[0, 22 * n // 40:] = 1, 2
+    ids[1, 30 * n // 40:] = 1
     if padding:
         ids[:, n - padding:] = -1
     return ids
@@ -67,32 +68,33 @@ def jax_reference(q, k, v, do, dense):
     return (out, *vjp(up(do)))
 
 
-def ours(q, k, v, do, desc, implementation):
-    f = lambda q, k, v: jcm.mask_attention(q, k, v, desc, return_residuals=True,  # noqa: E731
-                                           implementation=implementation)
+def ours(q, k, v, do, mask, implementation, metadata=None):
+    f = jax.jit(lambda q, k, v: jcm.mask_attention(                   # noqa: E731
+        q, k, v, mask, metadata=metadata, return_residuals=True,
+        implementation=implementation))
     (out, lse), vjp = jax.vjp(f, q, k, v)
     return (out, lse, *vjp((do, jnp.zeros_like(lse))))
 
 
-def required(where, dense, jax_out):
+def required(where, dense, jax_out, g):
     """bool masks (out [B, Nq, Hq, D], dq, dk [B, Nk, Hkv, D], dv) of the elements the
     injected value reaches through visible pairs."""
-    vis = np.broadcast_to(np.asarray(dense), (B, HQ, N, N))           # [B, Hq, Nq, Nk]
-    g = HQ // HKV
-    rows = np.zeros((B, HQ, N), bool)                                 # [B, Hq, Nq]
+    b, nq, hq, d = jax_out.shape
+    vis = np.broadcast_to(np.asarray(dense), (b, hq, nq, dense.shape[-1]))
+    rows = np.zeros((b, hq, nq), bool)                                # [B, Hq, Nq]
     if where == "value":
         rows[0, :g] = vis[0, :g, :, ROW]
     else:   # query / key: the forward is exact in jax too: read its non-finite rows
         bad = ~np.isfinite(np.asarray(jax_out)).all(-1)               # [B, Nq, Hq]
         rows = np.swapaxes(bad, 1, 2) & vis.any(-1)
     cols = np.einsum("bhqk,bhq->bhk", vis, rows) > 0                  # keys seen by rows
-    cols_kv = cols.reshape(B, HKV, g, N).any(2)                       # [B, Hkv, Nk]
-    dq = np.repeat(np.swapaxes(rows, 1, 2)[..., None], D, -1)
-    dk = np.repeat(np.swapaxes(cols_kv, 1, 2)[..., None], D, -1)
+    cols_kv = cols.reshape(b, hq // g, g, -1).any(2)                  # [B, Hkv, Nk]
+    dq = np.repeat(np.swapaxes(rows, 1, 2)[..., None], d, -1)
+    dk = np.repeat(np.swapaxes(cols_kv, 1, 2)[..., None], d, -1)
     # v enters only through P @ V: P (and so dV) stays finite when v is the bad input,
     # and only the bad component of out is reached (delta = rowsum(dO * O) then spreads
     # it over dq and dk).
-    out = dq & (np.arange(D) == COL) if where == "value" else dq
+    out = dq & (np.arange(d) == COL) if where == "value" else dq
     dv = np.zeros_like(dk) if where == "value" else dk
     return out, dq, dk, dv
 
@@ -112,16 +114,21 @@ def check(name, got, ref, clean, need, atol=2e-5, rtol=2e-5):
     np.testing.assert_allclose(got[fin], expect[fin], atol=atol, rtol=rtol, err_msg=name)
 
 
-def check_case(where, value, desc, implementation, dtype=jnp.float32, atol=2e-5):
-    """Inject ``value`` into ``where`` and check out / dq / dk / dv against jax."""
-    dense = desc.as_dense()
-    q, k, v, do = inputs(dtype)
+def check_case(where, value, mask, implementation, metadata=None, dtype=jnp.float32,
+               atol=2e-5, n=N, hq=HQ, hkv=HKV, d=D):
+    """Inject ``value`` into ``where`` and check out / lse / dq / dk / dv against jax.
+    ``mask``: an ExecutionDescriptor, or a MaskSpec with its ``metadata``."""
+    if isinstance(mask, jcm.ExecutionDescriptor):
+        dense = mask.as_dense()
+    else:
+        dense = mask.as_dense(metadata, n, n)
+    q, k, v, do = inputs(dtype, n, hq, hkv, d)
     bad = inject((q, k, v), where, value)
     clean = inject((q, k, v), where, 0.0)
     ref = jax_reference(*bad, do, dense)
     ref_clean = jax_reference(*clean, do, dense)
-    out, lse, dq, dk, dv = ours(*bad, do, desc, implementation)
-    need = required(where, dense, ref[0])
+    out, lse, dq, dk, dv = ours(*bad, do, mask, implementation, metadata)
+    need = required(where, dense, ref[0], hq // hkv)
     assert need[0].any(), "the case must reach some row (pick ROW / COL that it does)"
     if where != "value":
         # Forward with q / k non-finite: jax computes it exactly (masked logits are
