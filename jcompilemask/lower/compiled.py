@@ -144,6 +144,7 @@ class CompiledMask:
         backend is an SM90 GPU with the CUDA extras installed, else jnp.
         """
         kv_len = q_len if kv_len is None else kv_len
+        self.check_ranges(q_len, kv_len)
         tiles = resolve_tiles(block_q, block_kv, bwd_block_q, bwd_block_kv)
         impl = preprocess or self.default_preprocess()
         if impl == "tilelang":
@@ -156,6 +157,27 @@ class CompiledMask:
             raise ValueError(f"preprocess must be 'jnp' or 'tilelang', got {impl!r}")
         from .preprocess import build_descriptor
         return build_descriptor(self, metadata, q_len, kv_len, tiles)
+
+    def check_ranges(self, q_len: int, kv_len: int):
+        """The int32 range check of :meth:`MaskSpec.check_ranges`, over the lowered
+        interval expressions too (the preprocess evaluates those, not the rules)."""
+        if not (isinstance(q_len, int) and isinstance(kv_len, int)):
+            return                      # bad lengths get their error from the spec
+        done = self.__dict__.setdefault("_ranges_ok", set())
+        if (q_len, kv_len) in done:
+            return
+        from ..spec.ranges import check_int32
+        self.spec.check_ranges(q_len, kv_len)
+        items = []
+        for g, lr in enumerate(self.regions):
+            for m, iv in enumerate(lr.intervals):
+                what = f"region {g} lowered interval {m}"
+                items += [(what + " lo", iv.lo), (what + " hi", iv.hi), (what, iv.cond),
+                          (what, iv.row_flag)]
+                items += [(what + " row bound", b) for b in (iv.q_lo, iv.q_hi)
+                          if b is not None]
+        check_int32(items, q_len, kv_len, self.spec.mask_heads)
+        done.add((q_len, kv_len))
 
     # -- element-wise fallback ------------------------------------------------------------
     def fallback_visibility(self, desc: ExecutionDescriptor, rows, cols):

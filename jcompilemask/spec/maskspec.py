@@ -39,7 +39,9 @@ class Region:
 
     Args:
       rows: ``(lo, hi)``: integer expressions of constants, ``q_len``, ``kv_len`` and
-        metadata (not of ``q``, ``k`` or ``h``).
+        metadata (not of ``q``, ``k`` or ``h``). Bounds that are provably empty for every
+        value (``(10, 5)``, ``(a, a)``, ``(q_len, q_len + 4)``) raise; bounds empty only
+        for some values are clamped at run time (see the module doc).
       visible: a predicate over ``q``, ``k``, ``h``, lengths and metadata, or True/False.
       name: optional label used when printing.
 
@@ -64,6 +66,26 @@ class Region:
                                  "may depend on constants, lengths and metadata only")
         object.__setattr__(self, "rows", (lo, hi))
         object.__setattr__(self, "visible", as_pred(self.visible, "Region visible"))
+        self._check_provably_empty()
+
+    def _check_provably_empty(self):
+        """A region whose rows are empty for every admissible length and metadata value
+        (after the run-time clamp to [0, q_len]) is a bug in the spec: every row it names
+        would silently see nothing. Bounds that are empty only for some values keep the
+        clamp semantics."""
+        from ..lower.symbolic import provably_le  # sympy lives in lower/
+        from .expr import q_len
+        lo, hi = self.rows
+        zero = as_expr(0)
+        fix = f"write rows as (lo, hi) with lo < hi, e.g. ({hi}, {lo}), or drop the region"
+        outside = "rows are clamped to [0, q_len): the range must reach into it"
+        for ok, why, hint in ((provably_le(hi, lo), "hi <= lo", fix),
+                              (provably_le(hi, zero), "hi <= 0", outside),
+                              (provably_le(q_len, lo), "lo >= q_len", outside)):
+            if ok:
+                raise ValueError(
+                    f"Region rows [{lo}, {hi}) are empty for every q_len and metadata "
+                    f"value ({why}), so the region would silently see nothing: {hint}")
 
     def key(self):
         return ("region", self.rows[0].key(), self.rows[1].key(), self.visible.key())
@@ -207,6 +229,21 @@ class MaskSpec:
                                      f"[{a.rows[0]}, {a.rows[1]}) and [{b.rows[0]}, "
                                      f"{b.rows[1]}); make their row ranges disjoint")
 
+    def check_ranges(self, q_len: int, kv_len: int):
+        """Raise :class:`~jcompilemask.spec.ranges.Int32RangeError` if some expression
+        of the spec can leave int32 for these lengths and the declared metadata ranges
+        (checked once per pair of lengths; see :mod:`jcompilemask.spec.ranges`)."""
+        done = self.__dict__.setdefault("_ranges_ok", set())
+        if (q_len, kv_len) in done:
+            return
+        from .ranges import check_int32
+        items = []
+        for g, r in enumerate(self.regions):
+            items += [(f"region {g} rows lo", r.rows[0]), (f"region {g} rows hi", r.rows[1]),
+                      (f"region {g} rule", r.visible)]
+        check_int32(items, q_len, kv_len, self.mask_heads)
+        done.add((q_len, kv_len))
+
     # -- metadata -------------------------------------------------------------------------
     def normalize_metadata(self, metadata: Mapping | None, q_len: int, kv_len: int,
                            *, validate: bool = True):
@@ -219,6 +256,7 @@ class MaskSpec:
         Traced values outside their declared range are clamped into it.
         """
         q_len, kv_len = _static_len(q_len, "q_len"), _static_len(kv_len, "kv_len")
+        self.check_ranges(q_len, kv_len)
         metadata = {} if metadata is None else dict(metadata)
         if not isinstance(metadata, dict):
             raise MetadataError("metadata must be a dict mapping names to arrays")
@@ -269,7 +307,7 @@ class MaskSpec:
         lens = {"q_len": q_len, "kv_len": kv_len}
         for name, x in arrays.items():
             decl = self.metadata[name]
-            x = jnp.asarray(x).astype(jnp.int32)
+            x = _to_int32(x)
             if decl.kind == "tokens":
                 meta[name] = segment_tables(x)
                 continue
@@ -290,6 +328,17 @@ class MaskSpec:
         lens = {"q_len": q_len, "kv_len": kv_len}
         for name, x in arrays.items():
             decl = self.metadata[name]
+            info = np.iinfo(x.dtype)
+            if info.min < _I32.min or info.max > _I32.max:
+                bad = x > _I32.max
+                if info.min < 0:
+                    bad = bad | (x < _I32.min)
+                out.append((f"metadata {name!r} ({x.dtype}) has values outside int32 "
+                            f"[{_I32.min}, {_I32.max}], the type every mask computation "
+                            "uses (inside jit they saturate): pass values that fit int32"
+                            + ("" if decl.kind == "tokens" or decl.max is not None else
+                               f", and declare the range, e.g. {type(decl).__name__}"
+                               f"({name!r}, max=q_len)"), bad))
             if decl.kind == "tokens":
                 continue
             for bound, cmp, word in ((decl.min, "lt", "below its minimum"),
@@ -320,8 +369,8 @@ class MaskSpec:
         arrays = self._structural(metadata, q_len, kv_len)
         for msg, bad in self._range_errors(arrays, q_len, kv_len, jnp):
             checkify.check(jnp.logical_not(jnp.any(bad)), msg)
-        meta = {n: (segment_tables(a) if self.metadata[n].kind == "tokens" else a)
-                for n, a in arrays.items()}
+        meta = {n: (segment_tables(_to_int32(a)) if self.metadata[n].kind == "tokens"
+                    else _to_int32(a)) for n, a in arrays.items()}
         lo, hi = self._raw_bounds(meta, q_len, kv_len)
         for g in range(len(self.regions)):
             checkify.check(jnp.all((lo[g] >= 0) & (hi[g] <= q_len)),
@@ -336,7 +385,10 @@ class MaskSpec:
 
     def _structural(self, metadata, q_len, kv_len):
         self.normalize_metadata(metadata, q_len, kv_len, validate=False)
-        return {n: jnp.asarray(metadata[n]).astype(jnp.int32) for n in self.metadata}
+        # Raw dtypes (not jnp.asarray, which wraps int64 when x64 is off): the range
+        # checks must see the values the caller passed.
+        return {n: (metadata[n] if hasattr(metadata[n], "dtype") else np.asarray(metadata[n]))
+                for n in self.metadata}
 
     def _raw_bounds(self, meta, q_len, kv_len):
         """Unclamped region bounds, int32 [B] each (B = 1 without metadata)."""
@@ -386,6 +438,19 @@ class MaskSpec:
             vis = evaluate(r.visible, env)
             out = out | ((region == g) & vis)
         return out
+
+
+_I32 = np.iinfo(np.int32)
+
+
+def _to_int32(x):
+    """int32 copy of an integer array that saturates values outside int32 instead of
+    wrapping them (``2**32 + 4`` would otherwise read as 4)."""
+    info = np.iinfo(x.dtype)
+    if info.min < _I32.min or info.max > _I32.max:
+        lo, hi = max(info.min, _I32.min), min(info.max, _I32.max)
+        x = np.clip(x, lo, hi) if isinstance(x, (np.ndarray, np.generic)) else jnp.clip(x, lo, hi)
+    return jnp.asarray(x).astype(jnp.int32)
 
 
 def _batch_of(meta) -> int:

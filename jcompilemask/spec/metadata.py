@@ -22,6 +22,14 @@ expression of ``q_len`` / ``kv_len``), checked eagerly on concrete metadata; ins
 ``jit`` a value outside its range is clamped into it (the lowering's proofs assume the
 declared ranges; the dense oracle and every preprocess clamp alike) and
 :meth:`MaskSpec.check_metadata` reports violations through ``checkify``.
+
+Every value is int32 at run time. A value that does not fit int32 (an int64 array holding
+``2**32 + 4``, say) is an error on concrete metadata; inside ``jit`` it saturates to the
+int32 limit (never wraps) and ``check_metadata`` reports it. With ``jax_enable_x64`` off,
+JAX itself converts an int64 argument of a jitted function to int32, wrapping it, before
+any of this code sees it: validate such metadata outside ``jit`` (any eager call, or
+``check_metadata`` on the host arrays). Expressions are bounded for the lengths in use
+(:mod:`jcompilemask.spec.ranges`): declare ``max`` for metadata used in products.
 """
 from __future__ import annotations
 
