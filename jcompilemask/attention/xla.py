@@ -9,6 +9,10 @@ so it mirrors their structure and math:
   interval check (only the ragged-edge and empty-head masks apply); partial tiles use the
   unsigned interval check, and rows of fallback regions evaluate their predicate.
   Online softmax with running max / sum; output 0 and lse -inf for rows that see nothing.
+  NaN / Inf in q, k or v reach every output, lse and gradient that they reach through a
+  visible pair, as in ``jax.nn.dot_product_attention``; masked pairs carry nothing (jax's
+  dense products also spread 0 * NaN over masked pairs, a flash kernel does so at most
+  within the tiles it visits).
 * backward (``custom_vjp`` with residuals ``(out, lse)``): ``delta = rowsum(o * do)``;
   dQ walks the forward view (query tiles, streaming key tiles), dK/dV walk the backward
   view (key tiles, streaming query tiles, with the column intervals), as FlashAttention's
