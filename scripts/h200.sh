@@ -11,6 +11,7 @@
 #                gradients through the CuTe backward, the default); test_cute_forward.py separately:
 #                `bash scripts/h200.sh kernels`
 #   bwdv1        backward v1: smoke run, a subset of its GPU tests, config variants timed beside FA4
+#   bwdv1b       the rest of v1's backward tests, the non-finite GPU tests, 4 workloads at 32K
 #   kernels      GPU tests of the CuTe forward kernel alone (48 variant cases)
 #   forward      bench_forward (D = 128 causal vs FA4 native, same run) + the step-2 variants
 #   peers        FlexAttention (Triton, FA4) / FA4 native / cuDNN forward at 2K and 8K
@@ -58,6 +59,20 @@ case $stage in
     timeout 230 python3 benchmarks/bench_total.py --ns 32768 --masks causal,hstu --impls jcm,fa4-native \
       --jcm-variants "base=;late=JCOMPILEMASK_CUTE_BWD_CONFIG=stats_early=0;ds1=JCOMPILEMASK_CUTE_BWD_CONFIG=ds_stages=1" \
       --min-repeat-s 0.3 --budget-s 200 --out "$OUT/h200-bwd-v1.json" 2>&1 | grep -v Warning | tee "$OUT/bench-bwdv1.log" | grep '^|' | tail -12
+    ;;
+  bwdv1b)
+    # The rest of backward v1's GPU tests, the non-finite GPU tests, and the four
+    # workloads at 32K beside FA4 native (one short call).
+    export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
+    t=tests/gpu/test_cute_backward.py
+    timeout 85 python3 -m pytest -q -rs -p no:cacheprovider "$t::test_fully_masked_rows" \
+      "$t::test_no_column_view_uses_row_intervals" "$t::test_random_lowered_specs[0]" \
+      "$t::test_random_lowered_specs[1]" 2>&1 | tee "$OUT/pytest-bwdv1b.log" | tail -8
+    timeout 50 python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_nonfinite_gpu.py 2>&1 \
+      | tee "$OUT/pytest-nonfinite.log" | tail -12
+    timeout 100 python3 benchmarks/bench_total.py --ns 32768 --masks causal,hstu,shared_prompt,clear \
+      --impls jcm,fa4-native --min-repeat-s 0.25 --budget-s 90 --out "$OUT/h200-bwd-v1b.json" 2>&1 \
+      | grep -v Warning | tee "$OUT/bench-bwdv1b.log" | grep '^|' | tail -8
     ;;
   kernels)
     timeout 560 python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_cute_forward.py \

@@ -300,13 +300,9 @@ class BackwardConfig:
       per tile suffices (1: a second barrier guards the buffer).
     - ``stats_early``: lse and delta read from shared memory into registers right after
       the S^T and dP^T products are issued (their latency hides under the GEMMs), instead
-      of where they are used.
-    - ``dq_warp``: dQ of a tile leaves through shared memory (float32, in the register
-      fragment order: 128-bit stores, no padding) and one bulk reduce-add per warpgroup,
-      issued by a dedicated warp of the producer warpgroup and synchronised by full /
-      empty named barriers; the caller un-permutes (``dq_fragment_unpermute``). False:
-      the consumer warpgroups issue the bulk reduce-add themselves (one thread, after a
-      barrier of both) — kept to measure the warp against.
+      of where they are used (lse after S^T is waited on, delta before dP^T is). Off by
+      default: measured slower on the H200 (run 2026-12-01T10:48:36Z, causal 32K bwd 42.2 vs
+      41.3 ms, hstu 51.0 vs 48.2; the 32 extra live registers cost more than the latency).
 
     ``preferred_backward_config`` picks the default per head dim; ``JCOMPILEMASK_CUTE_BWD_CONFIG``
     (e.g. ``ds_stages=1,stats_early=0``) overrides fields at trace time for benchmarks.
@@ -316,8 +312,7 @@ class BackwardConfig:
     block_kv: int = 128
     num_stages: int = 2
     ds_stages: int = 2
-    stats_early: bool = True
-    dq_warp: bool = True
+    stats_early: bool = False
 
     def __post_init__(self):
         if (self.block_q, self.block_kv) != BWD_TILES:
@@ -330,13 +325,13 @@ class BackwardConfig:
     @property
     def tag(self) -> str:
         return (f"t{self.block_q}x{self.block_kv}_s{self.num_stages}_ds{self.ds_stages}"
-                f"{'_se' if self.stats_early else ''}{'_dqw' if self.dq_warp else ''}")
+                f"{'_se' if self.stats_early else ''}")
 
 
 def preferred_backward_config(head_dim: int, dtype: str = "bfloat16") -> BackwardConfig:
     """The backward config the registry uses. D 64 and 128 share it: 64 x 128 tiles, a
-    2-stage Q / dO ring, two dS buffers, early statistics and the dQ warp (NOTES.md,
-    "Backward v1": each measured on the H200 against the variant without it)."""
+    2-stage Q / dO ring, two dS buffers, statistics read where used (NOTES.md, "Backward
+    v1": the run that compared ds_stages 1 / 2 and stats_early on / off)."""
     del head_dim, dtype
     return BackwardConfig()
 
