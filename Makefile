@@ -1,8 +1,15 @@
-# make demo : install and run the quickstart (compile a mask, show intervals + tile map,
-#             run mask_attention and check it; CPU when there is no GPU)
-# make test : install and run the test suite (what .ci/run does)
-.PHONY: demo test
+# make demo         : install (again only when pyproject.toml changed) and run the quickstart
+#                     (compile a mask, show intervals + tile map, run mask_attention and
+#                     check it; CPU when there is no GPU)
+# make test         : the test suite (installs the test extra); no GPU needed
+# make test-kernels : compile the CuTe kernels for sm_90a without a GPU (installs the compile
+#                     extra: the CuTe DSL compiler, about 485 MB); run tests skip without a GPU
+# make ci           : test + test-kernels, what .ci/run runs on a fresh clone
+.PHONY: demo test test-kernels ci
 demo:
 	bash -c 'source scripts/env.sh && python examples/quickstart.py'
 test:
-	bash -c 'source scripts/env.sh test,compile && python -m pytest tests jcompilemask -q'
+	bash -c 'source scripts/env.sh test && python -m pytest tests jcompilemask -q --ignore=tests/gpu'
+test-kernels:
+	bash -c 'source scripts/env.sh test,compile && python -m pytest tests/gpu -q -rs'
+ci: test test-kernels

@@ -4,7 +4,7 @@
 
 Causal, 8 heads, batch 131072 / N, bf16 (and fp16 at D = 128): FLOPs = 4 * D * heads *
 (visible pairs), time = median over repeats of `iters` back-to-back calls synchronised
-once (the method of benchmarks/bench_forward.py, DESIGN.md §7). The rows answer the
+once (the method of benchmarks/bench_forward.py, docs/workloads.md). The rows answer the
 questions NOTES.md leaves open: D = 128 unchanged (compare with 582 TF/s at 32K), what
 the soft cap costs with the exact tanh and with tanh.approx, D = 64 at 2 vs 3 stages,
 and D = 256 at 128 x 80. Needs an SM90 GPU and jax-tvm-ffi.

@@ -127,7 +127,7 @@ def bench_jcm(ns, heads=8, dim=128) -> list[dict]:
 
 
 def bench_masks(ns, masks) -> list[dict]:
-    """jcm-cute forward through the public API on the paper workloads (DESIGN.md §8):
+    """jcm-cute forward through the public API on the paper workloads (docs/workloads.md):
     descriptors from the real preprocess (built once, outside the timed region)."""
     import jax
     import jax.numpy as jnp

@@ -10,7 +10,7 @@ Per built-in mask:
   compiles, reported separately as ``first``), median of ``--repeats`` runs, each on
   freshly sampled metadata with ``block_until_ready``. Budget: 2 s.
 
-Metadata follows DESIGN.md section 8 (HSTU, shared prompt, CLEAR); for CLEAR the row
+Metadata follows docs/workloads.md (HSTU, shared prompt, CLEAR); for CLEAR the row
 count is N: a text of U[128, 384] tokens, then an image of N - 384 tokens of width
 2^ceil(log2(sqrt(image))), then padding (``clear@paper`` keeps the paper's layout, an
 image of N tokens in N + 384 rows). The other masks use plausible values (stated in
@@ -93,7 +93,7 @@ WORKLOADS = {
                  "docs ~ U[N/16, N/4] tokens, tail padding"),
     "document_bidir": (lambda n: jcm.masks.document(causal=False), _document_md,
                        lambda n: n, "as document, not causal"),
-    "hstu": (lambda n: jcm.masks.hstu(), _hstu_md, lambda n: n, "DESIGN.md section 8"),
+    "hstu": (lambda n: jcm.masks.hstu(), _hstu_md, lambda n: n, "docs/workloads.md"),
     "shared_prompt": (lambda n: jcm.masks.shared_prompt(6), _shared_prompt_md, lambda n: n,
                       "6 responses ~ U[N/16, N/11] (section 8)"),
     "clear": (lambda n: jcm.masks.clear(_clear_width(n - 384), 2),

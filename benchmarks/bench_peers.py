@@ -1,4 +1,4 @@
-"""Forward TF/s of the peers (DESIGN.md §7) on the paper workloads, on the H200.
+"""Forward TF/s of the peers (docs/workloads.md) on the paper workloads, on the H200.
 
     PYTHONPATH=. python3 benchmarks/bench_peers.py --budget-s 300 --out benchmarks/results/h200-forward-peers.json
 

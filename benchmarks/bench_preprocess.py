@@ -1,5 +1,5 @@
 """Preprocess benchmark (both descriptors): TileLang kernel vs the jnp twin (JAX, GPU) vs
-FlexAttention's create_block_mask (torch.compile'd), DESIGN.md §7-§8.
+FlexAttention's create_block_mask (torch.compile'd), docs/workloads.md.
 
     PYTHONPATH=. python3 benchmarks/bench_preprocess.py [--ns 1024,...,32768]
         [--impls jcm-tilelang,jcm-jnp,flex-create-block-mask] [--out PATH]
@@ -27,14 +27,14 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import workloads as W  # noqa: E402  (DESIGN.md §8 samplers shared by every benchmark)
+import workloads as W  # noqa: E402  (docs/workloads.md samplers shared by every benchmark)
 
 MASKS = W.MASKS
 NS = (1024, 2048, 4096, 8192, 16384, 32768)
 
 
 def workload(mask: str, n: int, rng=None):
-    """(spec, numpy metadata or None, seq_len, batch) per DESIGN.md §8."""
+    """(spec, numpy metadata or None, seq_len, batch) per docs/workloads.md."""
     return W.spec_for(mask, n), W.metadata_for(mask, n), W.seq_len(mask, n), W.batch_for(n)
 
 

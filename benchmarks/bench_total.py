@@ -1,4 +1,4 @@
-"""Training-step benchmark (DESIGN.md §7 "total"): mask preprocess + forward + backward.
+"""Training-step benchmark ("total" in docs/workloads.md): mask preprocess + forward + backward.
 
     PYTHONPATH=. python3 benchmarks/bench_total.py [--ns 32768,8192,2048] [--masks ...]
         [--impls jcm,flex-fa4,flex-triton,fa4-native,jax-cudnn] [--budget-s 400]
@@ -6,7 +6,7 @@
         [--out benchmarks/results/h200-total.json]
     python3 benchmarks/bench_total.py --smoke        # CPU: tiny shapes, jcm only
 
-For each workload of DESIGN.md §8 (bf16, 8 heads, head dim 128, batch 131072 / N):
+For each workload of docs/workloads.md (bf16, 8 heads, head dim 128, batch 131072 / N):
 
 - ``pre_ms``: building the mask for a new batch (jcompilemask: ``instantiate`` with the
   default preprocess — TileLang on an SM90 GPU with tilelang installed, else jnp; the

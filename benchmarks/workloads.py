@@ -1,4 +1,4 @@
-"""The paper's workloads (DESIGN.md §8), shared by every benchmark script.
+"""The paper's workloads (docs/workloads.md), shared by every benchmark script.
 
 N = sequence length; batch = 131072 // N sequences; 8 heads; head dim 128; bf16.
 Metadata is sampled per sequence with a fixed seed, so every implementation in a run (and
@@ -44,7 +44,7 @@ def spec_for(mask: str, n: int):
 
 
 def metadata_for(mask: str, n: int, batch: int | None = None, seed: int = 0):
-    """numpy metadata of DESIGN.md §8 (None for causal)."""
+    """numpy metadata of docs/workloads.md (None for causal)."""
     b = batch_for(n) if batch is None else batch
     rng = np.random.default_rng(seed + n)
     if mask == "causal":
@@ -91,7 +91,7 @@ def visible_pairs(fwd_intervals) -> int:
 
 
 def tflops(pairs: int, ms: float, passes: float = 1.0) -> float:
-    """DESIGN.md §7: forward FLOPs = 4 * head_dim * heads * pairs (backward = 2.5x)."""
+    """docs/workloads.md: forward FLOPs = 4 * head_dim * heads * pairs (backward = 2.5x)."""
     return passes * 4 * HEAD_DIM * HEADS * pairs / (ms * 1e-3) / 1e12
 
 

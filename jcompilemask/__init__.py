@@ -7,12 +7,12 @@ MaskSpec 'causal'  (metadata: none; mask heads: 1)
   region 0: rows [0, q_len)
       visible: k <= q
 """
+__version__ = "0.1.0"   # the one version source (pyproject.toml reads it; CHANGELOG.md)
+
 from . import backends, masks, spec
 from .attention import mask_attention
 from .lower import CompiledMask, ExecutionDescriptor, TileConfig, compile, from_dense
 from .spec import MaskSpec, Region
-
-__version__ = "0.1.0"
 
 
 def __getattr__(name):

@@ -10,20 +10,34 @@ raises with its reason when it cannot run the call.
 backends, best first:
   cute: ...
   xla: available
+preprocess, best first (for masks it can serve; masks with fallback regions take jnp):
+  tilelang: ...
+  jnp: available (the reference; every platform)
+
+The registry also chooses the preprocess that builds descriptors
+(:func:`select_preprocess`, asked by ``CompiledMask.instantiate``): TileLang's generated
+GPU kernels where they run (an SM90 GPU and the ``tilelang`` extra), else jnp; both build
+the same descriptor bit for bit.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
+import os
+import sys
 from typing import Callable, Optional
 
 import jax
 
+from ._install import missing, missing_hint, no_gpu_hint, pip_hint
+from .lower import compiled as _compiled
 from .lower.compiled import DEFAULT_TILES
 from .lower.descriptor import TileConfig
 
 __all__ = ["Backend", "Call", "register", "select", "explain", "preferred_tiles",
-           "BackendUnavailable"]
+           "BackendUnavailable", "Preprocess", "register_preprocess", "select_preprocess",
+           "get_preprocess",
+           "PREPROCESS_ENV"]
 
 
 class BackendUnavailable(RuntimeError):
@@ -133,6 +147,7 @@ def explain(call: Call | None = None) -> str:
         lines.append(f"  {b.name}: {status}")
     if call is not None:
         lines.append(f"chosen: {chosen}")
+    lines += _explain_preprocess()
     return "\n".join(lines)
 
 
@@ -161,7 +176,7 @@ def _sm90_reason() -> Optional[str]:
     try:
         gpus = jax.devices("gpu")
     except RuntimeError:
-        return "no GPU visible to JAX"
+        return no_gpu_hint()
     cc = getattr(gpus[0], "compute_capability", None)
     if cc is None or str(cc) not in ("9.0", "9.0a"):
         return f"needs an SM90 GPU (H100/H200), found compute capability {cc}"
@@ -169,16 +184,12 @@ def _sm90_reason() -> Optional[str]:
 
 
 def _cute_backend() -> Backend:
-    import importlib.util
-
     def available():
         why = _sm90_reason()
         if why:
             return why
-        for mod in ("cutlass", "jax_tvm_ffi"):
-            if importlib.util.find_spec(mod) is None:
-                return f"{mod} is not installed (pip install 'jcompilemask[cuda]')"
-        return None
+        absent = missing("cutlass", "jax_tvm_ffi")
+        return missing_hint(*absent) if absent else None
 
     def supports(call: Call):
         if call.has_fallback:
@@ -226,7 +237,6 @@ CUTE_BACKWARD_ENV = "JCOMPILEMASK_CUTE_BACKWARD"
 
 
 def _cute_backward_enabled() -> bool:
-    import os
     return os.environ.get(CUTE_BACKWARD_ENV, "1") != "0"
 
 
@@ -266,3 +276,134 @@ def _ensure_builtin():
         _BUILTIN_DONE = True
         register(_xla_backend())
         register(_cute_backend())
+        register_preprocess(_jnp_preprocess())
+        register_preprocess(_tilelang_preprocess())
+
+
+# ---------------------------------------------------------------------------------------
+# Preprocess: which builder turns a CompiledMask and its metadata into the descriptor
+# ---------------------------------------------------------------------------------------
+PREPROCESS_ENV = "JCOMPILEMASK_PREPROCESS"
+
+
+@dataclasses.dataclass(frozen=True)
+class Preprocess:
+    """A builder of :class:`ExecutionDescriptor` s; all of them agree bit for bit.
+
+    ``available()`` and ``supports(cm)`` return None when fine, else the reason;
+    ``build(cm, metadata, q_len, kv_len, tiles) -> ExecutionDescriptor``; ``note`` is
+    shown by :func:`explain` when it is available.
+    """
+
+    name: str
+    priority: int
+    available: Callable[[], Optional[str]]
+    supports: Callable[[object], Optional[str]]
+    build: Callable
+    note: str = ""
+
+
+_PREPROCESS: dict[str, Preprocess] = {}
+
+
+def register_preprocess(p: Preprocess):
+    _PREPROCESS[p.name] = p
+
+
+def get_preprocess(name: str) -> Preprocess:
+    _ensure_builtin()
+    try:
+        return _PREPROCESS[name]
+    except KeyError:
+        raise ValueError(f"preprocess must be one of {sorted(_PREPROCESS)} or None "
+                         f"(automatic), got {name!r}") from None
+
+
+def preprocesses() -> list[Preprocess]:
+    _ensure_builtin()
+    return sorted(_PREPROCESS.values(), key=lambda p: -p.priority)
+
+
+def select_preprocess(cm, name: Optional[str] = None) -> Preprocess:
+    """The preprocess that builds ``cm``'s descriptors.
+
+    ``name`` None reads ``$JCOMPILEMASK_PREPROCESS``, else takes the best preprocess that
+    is available here and serves ``cm``. A named one raises ``ValueError`` when it cannot
+    serve ``cm``; whether this machine can run it is checked when it builds, and its
+    errors say what to install.
+
+    >>> import jcompilemask as jcm
+    >>> jcm.backends.select_preprocess(jcm.compile(jcm.masks.causal()), "jnp").name
+    'jnp'
+    """
+    _ensure_builtin()
+    name = name or os.environ.get(PREPROCESS_ENV) or None
+    if name is not None:
+        p = get_preprocess(name)
+        why = p.supports(cm)
+        if why:
+            raise ValueError(f"preprocess={name!r} cannot serve this mask: {why}; use "
+                             "preprocess='jnp'")
+        return p
+    for p in preprocesses():
+        if p.available() is None and p.supports(cm) is None:
+            return p
+    raise RuntimeError("no preprocess can serve this mask")  # jnp serves every mask
+
+
+def _explain_preprocess() -> list[str]:
+    lines = ["preprocess, best first (for masks it can serve; masks with fallback regions "
+             "take jnp):"]
+    for p in preprocesses():
+        why = p.available()
+        status = f"skipped: {why}" if why else "available" + (f" ({p.note})" if p.note else "")
+        lines.append(f"  {p.name}: {status}")
+    forced = os.environ.get(PREPROCESS_ENV)
+    if forced:
+        lines.append(f"  ${PREPROCESS_ENV}={forced} overrides the choice")
+    return lines
+
+
+def _jnp_preprocess() -> Preprocess:
+    def build(cm, metadata, q_len, kv_len, tiles):
+        from .lower.preprocess import build_descriptor
+        return build_descriptor(cm, metadata, q_len, kv_len, tiles)
+
+    return Preprocess(name="jnp", priority=0, available=lambda: None,
+                      supports=lambda cm: None, build=build,
+                      note="the reference; every platform")
+
+
+@functools.lru_cache(maxsize=1)
+def _tilelang_reason() -> Optional[str]:
+    if jax.default_backend() != "gpu":
+        why = _sm90_reason() or f"JAX's default backend is {jax.default_backend()}, not the GPU"
+        if missing("tilelang"):
+            why += f"; on an SM90 GPU it also needs {pip_hint('tilelang')}"
+        return why
+    absent = missing("tilelang", "jax_tvm_ffi")
+    if absent:
+        return missing_hint(*absent) + "; the jnp preprocess builds the same descriptor"
+    cc = str(getattr(jax.devices()[0], "compute_capability", ""))
+    if not cc.startswith("9.0"):
+        return f"needs an SM90 GPU (H100/H200), found compute capability {cc}"
+    return None
+
+
+def _tilelang_preprocess() -> Preprocess:
+    def supports(cm):
+        from .kernels.tilelang.codegen import unsupported_reason
+        return unsupported_reason(cm)
+
+    def build(cm, metadata, q_len, kv_len, tiles):
+        from .kernels.tilelang import tilelang_preprocess
+        return tilelang_preprocess(cm, metadata, q_len, kv_len, tiles, strict=True)
+
+    return Preprocess(name="tilelang", priority=10, available=_tilelang_reason,
+                      supports=supports, build=build,
+                      note="generated GPU kernels, compiled once per mask structure")
+
+
+# CompiledMask.instantiate asks this module (the planner of jcompilemask.lower) which
+# preprocess runs and which tiles to build at.
+_compiled.install_planner(sys.modules[__name__])

@@ -83,7 +83,8 @@ def document(causal: bool = True) -> MaskSpec:
 
 
 def hstu() -> MaskSpec:
-    """HSTU generative recommendation (DESIGN.md §8): context, history, grouped targets.
+    """HSTU generative recommendation: context, history, grouped targets (the benchmark
+    workload of docs/workloads.md).
 
     Metadata (int [B] each): ``context_len`` a, ``history_end`` b, ``group_size`` g >= 1.
     Rows < a see k < a; rows in [a, b) see k <= q; rows >= b see k < b or

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Creates (once) and activates the project's venv. Prefers Python 3.12 (the device's
 # generation: jax 0.11.2 needs >= 3.11 on PyPI wheels, and pip on 3.11 stops at jax 0.10).
-# Usage: source scripts/env.sh [extra]   e.g. `source scripts/env.sh test`
+# Installs the package (editable) with the given extras, again only when pyproject.toml
+# changed. Usage: source scripts/env.sh [extras]   e.g. `source scripts/env.sh test`
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 venv=${JCM_VENV:-$root/.venv}
@@ -27,5 +28,12 @@ else
 fi
 extra=${1:-}
 spec="$root"; [[ -n $extra ]] && spec="$root[$extra]"
-"$venv/bin/python" -m pip install -q -e "$spec" "$jaxpin"
+# The install is editable, so only a change of pyproject.toml (dependencies, extras) needs
+# pip again: a stamp per extra holds the hash of what was installed.
+stamp="$venv/.jcompilemask-installed-${extra:-base}"
+want=$( { cat "$root/pyproject.toml"; echo "$spec $jaxpin"; } | sha256sum | cut -d' ' -f1)
+if [[ ! -f $stamp || $(cat "$stamp") != "$want" ]]; then
+  "$venv/bin/python" -m pip install -q -e "$spec" "$jaxpin"
+  echo "$want" > "$stamp"
+fi
 export PATH=$venv/bin:$PATH

@@ -2,7 +2,7 @@
 
 * hand-written expected matrices per built-in mask on tiny sizes;
 * an independent element-wise numpy definition of every built-in, written from the
-  issue text and DESIGN.md section 8 (not from the spec code), compared with ``as_dense``
+  issue text and docs/workloads.md (not from the spec code), compared with ``as_dense``
   on random metadata;
 * expression evaluation against Python integers with the documented semantics;
 * one error test per bad input; printing; per-head specs; the checkify path; x64.
@@ -176,7 +176,7 @@ def test_batched_metadata_gives_batch_axis():
 
 
 # =======================================================================================
-# Independent element-wise definitions (from the issue text / DESIGN.md section 8)
+# Independent element-wise definitions (from the issue text / docs/workloads.md)
 # =======================================================================================
 def _runs(ids):
     """Run number of each token: a new run starts wherever the id changes."""

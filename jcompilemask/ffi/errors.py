@@ -2,14 +2,12 @@
 SM90 (the kernels use Hopper instructions and are compiled for ``sm_90a``)."""
 from __future__ import annotations
 
-import importlib.util
 from typing import Sequence
+
+from .._install import missing, missing_hint, pip_hint
 
 __all__ = ["GpuExtrasMissing", "UnsupportedGpu", "require_gpu_extras", "require_sm90",
            "gpu_available"]
-
-_PIP = {"tilelang": "tilelang==0.1.15", "tvm_ffi": "apache-tvm-ffi==0.1.12",
-        "jax_tvm_ffi": "jax-tvm-ffi==0.1.3", "cutlass": "nvidia-cutlass-dsl==4.8.1"}
 
 
 class GpuExtrasMissing(ImportError):
@@ -22,13 +20,11 @@ class UnsupportedGpu(RuntimeError):
 
 def require_gpu_extras(modules: Sequence[str] = ("tilelang", "tvm_ffi", "jax_tvm_ffi")):
     """Raise :class:`GpuExtrasMissing` naming what to install when a module is absent."""
-    missing = [m for m in modules if importlib.util.find_spec(m) is None]
-    if missing:
-        pins = " ".join(repr(_PIP.get(m, m)) for m in missing)
+    absent = missing(*modules)
+    if absent:
         raise GpuExtrasMissing(
-            f"the GPU path needs {', '.join(missing)}, which is not installed: "
-            f"pip install {pins} (or pip install 'jcompilemask[gpu]'); without them use "
-            "the jnp preprocess / xla backend (preprocess='jnp')")
+            f"the GPU path needs {', '.join(absent)}: {missing_hint(*absent)}; without "
+            "them use the jnp preprocess (preprocess='jnp') and the xla backend")
 
 
 def _gpu_devices():
@@ -54,11 +50,12 @@ def require_sm90():
         import jax
         raise UnsupportedGpu(
             f"no GPU visible to JAX (default backend: {jax.default_backend()}); the "
-            "TileLang / CuTe kernels need an NVIDIA H100/H200 (SM90) and jax[cuda13]. "
-            "Use preprocess='jnp' / backend='xla' on this machine")
+            f"TileLang / CuTe kernels need an NVIDIA H100/H200 (SM90) and JAX's CUDA plugin "
+            f"({pip_hint('cuda')}). "
+            "Use preprocess='jnp' / implementation='xla' on this machine")
     caps = sorted({str(getattr(d, "compute_capability", "?")) for d in devs})
     if "9.0" not in caps:
         raise UnsupportedGpu(
             f"the kernels are built for SM90 (H100/H200, compute capability 9.0); this "
             f"machine has {devs[0].device_kind} (compute capability {', '.join(caps)}). "
-            "Use preprocess='jnp' / backend='xla' here")
+            "Use preprocess='jnp' / implementation='xla' here")

@@ -4,7 +4,7 @@ Registration goes through jax-tvm-ffi's ``register_ffi_target``: any function ex
 with the TVM FFI ABI (TileLang's ``tvm_ffi`` backend, CuTe DSL's ``--enable-tvm-ffi``)
 becomes an XLA custom call that receives XLA's buffers and CUDA stream without copies.
 We use it rather than ``cutlass.jax`` because it serves both kernel families through one
-path (verified on the H200, DESIGN.md §6).
+path (verified on the H200 with the versions of docs/gpu-stack.md).
 """
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 from __future__ import annotations
 
 import functools
-import os
-from typing import Mapping, Optional
+from typing import Mapping, Optional, Protocol
 
 import jax.numpy as jnp
 
@@ -12,7 +11,8 @@ from ..spec.maskspec import MaskSpec
 from .analyze import LoweredRegion, lower_region
 from .descriptor import ExecutionDescriptor, TileConfig
 
-__all__ = ["CompiledMask", "compile", "resolve_tiles", "DEFAULT_TILES"]
+__all__ = ["CompiledMask", "compile", "resolve_tiles", "DEFAULT_TILES", "Planner",
+           "install_planner", "planner"]
 
 # The xla backend's tiles; GPU backends announce their own (see jcompilemask.backends).
 DEFAULT_TILES = TileConfig(block_q=128, block_kv=128, bwd_block_q=64, bwd_block_kv=128)
@@ -27,11 +27,56 @@ def resolve_tiles(block_q=None, block_kv=None, bwd_block_q=None, bwd_block_kv=No
 
 
 def _preferred_default() -> TileConfig:
-    try:
-        from ..backends import preferred_tiles
-    except ImportError:  # pragma: no cover - during partial installs
+    return planner().preferred_tiles()
+
+
+# Which preprocess builds a descriptor and which tiles it is built at are the backend
+# registry's choices (jcompilemask.backends), as is which attention backend runs; lower/
+# knows only the jnp preprocess. The registry installs itself here when it is imported
+# (``import jcompilemask`` does), so lower/ never imports kernels/, ffi/ or the registry.
+class Planner(Protocol):
+    """What :meth:`CompiledMask.instantiate` asks of the registry."""
+
+    def preferred_tiles(self) -> TileConfig:
+        """Tiles of the best available attention backend."""
+
+    def select_preprocess(self, cm: "CompiledMask", name: str | None = None):
+        """The preprocess for ``cm`` (``name`` None: automatic): an object with ``name``
+        and ``build(cm, metadata, q_len, kv_len, tiles) -> ExecutionDescriptor``."""
+
+
+class _JnpOnly:
+    """The planner of lower/ alone (before the registry is loaded): jnp, default tiles."""
+
+    name = "jnp"
+
+    def preferred_tiles(self, call=None) -> TileConfig:
         return DEFAULT_TILES
-    return preferred_tiles()
+
+    def select_preprocess(self, cm, name=None):
+        if name not in (None, "jnp"):
+            raise ValueError(f"preprocess {name!r} needs jcompilemask.backends loaded "
+                             "(import jcompilemask); lower/ alone has only 'jnp'")
+        return self
+
+    @staticmethod
+    def build(cm, metadata, q_len, kv_len, tiles):
+        from .preprocess import build_descriptor
+        return build_descriptor(cm, metadata, q_len, kv_len, tiles)
+
+
+_PLANNER: Planner = _JnpOnly()
+
+
+def install_planner(p: Planner) -> None:
+    """Route preprocess and tile choices to ``p`` (the backend registry calls this)."""
+    global _PLANNER
+    _PLANNER = p
+
+
+def planner() -> Planner:
+    """The installed planner (the backend registry once ``jcompilemask`` is imported)."""
+    return _PLANNER
 
 
 class CompiledMask:
@@ -124,11 +169,16 @@ class CompiledMask:
 
     # -- instantiation -------------------------------------------------------------------
     def default_preprocess(self) -> str:
-        """The preprocess ``instantiate(preprocess=None)`` runs: ``$JCOMPILEMASK_PREPROCESS``
-        if set, else "tilelang" on an SM90 GPU with the CUDA extras for a mask without
-        fallback regions, else "jnp"."""
-        return os.environ.get("JCOMPILEMASK_PREPROCESS") or (
-            "tilelang" if (not self.fallback_regions and _tilelang_usable()) else "jnp")
+        """The preprocess ``instantiate(preprocess=None)`` runs, as the backend registry
+        chooses it (``jcm.backends.explain()`` lists the candidates and why each is
+        skipped): ``$JCOMPILEMASK_PREPROCESS`` if set, else "tilelang" on an SM90 GPU with
+        the ``tilelang`` extra for a mask without fallback regions, else "jnp".
+
+        >>> import jcompilemask as jcm
+        >>> jcm.compile(jcm.masks.causal()).default_preprocess() in ("jnp", "tilelang")
+        True
+        """
+        return planner().select_preprocess(self).name
 
     def instantiate(self, metadata: Mapping | None, q_len: int, kv_len: int | None = None,
                     *, block_q: Optional[int] = None, block_kv: Optional[int] = None,
@@ -139,24 +189,15 @@ class CompiledMask:
         Tile sizes left as None take the preferred tiles of the backend that will run.
         ``preprocess``: ``"jnp"`` (every platform; the reference) or ``"tilelang"`` (the
         generated GPU kernel, SM90, bit-identical output, for masks without fallback
-        regions; compiled once per mask structure and tile shape, cached on disk).
-        None reads ``$JCOMPILEMASK_PREPROCESS``, else takes TileLang when JAX's default
-        backend is an SM90 GPU with the CUDA extras installed, else jnp.
+        regions, needs the ``tilelang`` extra; compiled once per mask structure and tile
+        shape, cached on disk). None asks the backend registry
+        (:meth:`default_preprocess`).
         """
         kv_len = q_len if kv_len is None else kv_len
         self.check_ranges(q_len, kv_len)
         tiles = resolve_tiles(block_q, block_kv, bwd_block_q, bwd_block_kv)
-        impl = preprocess or self.default_preprocess()
-        if impl == "tilelang":
-            if self.fallback_regions:
-                raise ValueError("preprocess='tilelang' cannot serve masks with fallback "
-                                 f"regions {list(self.fallback_regions)}; use 'jnp'")
-            from ..kernels.tilelang import tilelang_preprocess
-            return tilelang_preprocess(self, metadata, q_len, kv_len, tiles, strict=True)
-        if impl != "jnp":
-            raise ValueError(f"preprocess must be 'jnp' or 'tilelang', got {impl!r}")
-        from .preprocess import build_descriptor
-        return build_descriptor(self, metadata, q_len, kv_len, tiles)
+        impl = planner().select_preprocess(self, preprocess)
+        return impl.build(self, metadata, q_len, kv_len, tiles)
 
     def check_ranges(self, q_len: int, kv_len: int):
         """The int32 range check of :meth:`MaskSpec.check_ranges`, over the lowered
@@ -194,19 +235,6 @@ class CompiledMask:
         for g in self.fallback_regions:
             out = out | ((region == g) & evaluate(self.spec.regions[g].visible, env))
         return out
-
-
-@functools.lru_cache(maxsize=1)
-def _tilelang_usable() -> bool:
-    import importlib.util
-
-    import jax
-    if jax.default_backend() != "gpu":
-        return False
-    if any(importlib.util.find_spec(m) is None for m in ("tilelang", "jax_tvm_ffi")):
-        return False
-    cc = str(getattr(jax.devices()[0], "compute_capability", ""))
-    return cc.startswith("9.0")
 
 
 @functools.lru_cache(maxsize=256)

@@ -247,8 +247,16 @@ def linear_coeff(e: Expr, var: str, spec=None):
 
 
 # ---------------------------------------------------------------------------------------
-# Monotonicity in q (structural rules, DESIGN.md §3)
+# Monotonicity in q, by structural rules over the expression tree
 # ---------------------------------------------------------------------------------------
+# The column view (visible query rows per key) exists when every interval bound L_m(q),
+# U_m(q) is non-decreasing in q over its region: then {q : L_m(q) <= j < U_m(q)} is one
+# contiguous row range per key j, found by binary search. sympy alone rarely proves this
+# for floor division or min/max, so these rules do: a sum of non-decreasing terms, scaling
+# by a non-negative constant or metadata value, floor division by a positive value, and
+# min/max of non-decreasing terms are non-decreasing. ``%`` is not monotone: bounds written
+# with max/min instead (a 2-D window's row start as max(q + dy*w - hw, row_start) rather
+# than row_start + max(x - hw, 0)) keep the column view.
 CONST, INC, DEC = "const", "inc", "dec"
 
 
