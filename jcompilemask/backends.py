@@ -10,7 +10,7 @@ raises with its reason when it cannot run the call.
 backends, best first:
   cute: ...
   xla: available
-preprocess, best first (for masks it can serve; masks with fallback regions take jnp):
+preprocess, best first (instantiate runs the first available; fallback masks take jnp):
   tilelang: ...
   jnp: available (the reference; every platform)
 
@@ -352,7 +352,7 @@ def select_preprocess(cm, name: Optional[str] = None) -> Preprocess:
 
 
 def _explain_preprocess() -> list[str]:
-    lines = ["preprocess, best first (for masks it can serve; masks with fallback regions "
+    lines = ["preprocess, best first (instantiate runs the first available; fallback masks "
              "take jnp):"]
     for p in preprocesses():
         why = p.available()
