@@ -12,7 +12,7 @@ backends, best first:
   xla: available
 preprocess, best first (instantiate runs the first available; fallback masks take jnp):
   tilelang: ...
-  jnp: available (the reference; every platform)
+  jnp: available (the reference; every platform; preprocess='jnp' selects it)
 
 The registry also chooses the preprocess that builds descriptors
 (:func:`select_preprocess`, asked by ``CompiledMask.instantiate``): TileLang's generated
@@ -371,7 +371,7 @@ def _jnp_preprocess() -> Preprocess:
 
     return Preprocess(name="jnp", priority=0, available=lambda: None,
                       supports=lambda cm: None, build=build,
-                      note="the reference; every platform")
+                      note="the reference; every platform; preprocess='jnp' selects it")
 
 
 @functools.lru_cache(maxsize=1)
