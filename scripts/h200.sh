@@ -19,7 +19,8 @@
 #   peers32      FlexAttention at 32K for the masks not yet measured there
 #   total        training step (preprocess + fwd + bwd), jcm with the CuTe backward and peers
 #                (run right after `tilelang` on the same warm machine for the TileLang preprocess)
-#   tilelang     TileLang preprocess bit-exactness tests and the preprocess benchmark
+#   tilelang     TileLang preprocess bit-exactness tests (and the registry choosing it) and the
+#                preprocess benchmark
 #   sanitize     compute-sanitizer memcheck + racecheck over a small CuTe backward run
 #   profile      ncu on one clear forward launch at 32K (why 53 TF/s)
 #   profilebwd   ncu on one CuTe backward launch, causal 32K
@@ -145,7 +146,7 @@ print("causal key:", _target_key(cm, t, cfg, program_for(cm, t, cfg)).as_json())
     # only hits when this machine's sympy lowers to the same generated source).
     timeout 200 python3 -c 'from jcompilemask.kernels.tilelang.testing import warm_all
 for name, sec, err in warm_all(workers=16): print(f"{name}: {sec:.1f}s {err or ""}")' | tail -5
-    timeout 300 python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_tilelang_preprocess.py \
+    timeout 300 python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_tilelang_preprocess.py tests/gpu/test_preprocess_choice.py \
       --junitxml="$OUT/junit-tilelang.xml" 2>&1 | tee "$OUT/pytest-tilelang.log" | tail -8
     ;;
   *) echo "unknown stage $stage"; exit 2 ;;
