@@ -125,6 +125,11 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         # Floats of one dQ warpgroup's tile (block_q x D / dq_wgs) and its float4 chunks.
         self.dq_wg_floats = self.block_q * head_dim // self.dq_wgs
         self.dq_chunks = head_dim // self.dq_wgs // 8
+        # A key's Kc column intervals stay in registers for the whole pass only when few:
+        # at Kc = 7 (clear) the 28 registers they take made the masked tile body spill
+        # (280 B of stack at D = 128); above 2 they are re-read (L1-resident: the same
+        # 2 x Kc pairs every tile) in each masked tile.
+        self.hold_columns = num_bwd_intervals <= 2
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -395,6 +400,7 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         frags.tQrdS = mma_dq.make_fragment_A(mma_dq.partition_A(sdS))
         frags.tQrKt = mma_dq.make_fragment_B(mma_dq.partition_B(sKt))
         frags.mma_sdp, frags.mma_dkv, frags.mma_dq = mma_sdp, mma_dkv, mma_dq
+        frags.mBwdIntervals = mBwdIntervals
 
         acc_dK = cute.make_rmem_tensor(mma_dkv.partition_shape_C((bk, d)), Float32)
         acc_dV = cute.make_rmem_tensor(mma_dkv.partition_shape_C((bk, d)), Float32)
@@ -437,7 +443,7 @@ class FlashBackwardSm90(WarpSpecializedSm90):
             head = head_kv * group + g
             mh = self.mask_head(head)
             gTiles = mBwdTiles[mask_batch, mh, k_tile, None]
-            if const_expr(kc > 0):
+            if const_expr(kc > 0 and self.hold_columns):
                 for r in cutlass.range_constexpr(num_rows):
                     key = k_tile * bk + tScS[r, 0][0]
                     ok = key < seqlen_k
@@ -509,7 +515,7 @@ class FlashBackwardSm90(WarpSpecializedSm90):
                 S[r, c] = cute.math.exp2(S[r, c] * scale_log2 - lse[c], fastmath=True)
         if const_expr(masked):
             self.apply_mask(S, f.tScS, q_tile, col_starts, col_lengths, exact, mFwdIntervals,
-                            seqlen_q, seqlen_k, k_tile, mh, mask_batch)
+                            f.mBwdIntervals, seqlen_q, seqlen_k, k_tile, mh, mask_batch)
         if const_expr(not self.config.stats_early):
             for c in cutlass.range_constexpr(n_cols):
                 delta[c] = sDelta[f.tScS[0, c][1], state.index]
@@ -578,13 +584,19 @@ class FlashBackwardSm90(WarpSpecializedSm90):
 
     @cute.jit
     def apply_mask(self, P, tScS, q_tile, col_starts, col_lengths, exact, mFwdIntervals,
-                   seqlen_q, seqlen_k, k_tile, mh, mask_batch):
+                   mBwdIntervals, seqlen_q, seqlen_k, k_tile, mh, mask_batch):
         """Zero P^T where the (key, query) pair is not visible (or out of range)."""
         bq, bk = self.block_q, self.block_kv
         row0, col0 = k_tile * bk, q_tile * bq
         if exact:
             for r in cutlass.range_constexpr(cute.size(P, mode=[0])):
                 key_ok = row0 + tScS[r, 0][0] < seqlen_k
+                if const_expr(not self.hold_columns):     # this row's Kc intervals, re-read
+                    safe = row0 + tScS[r, 0][0] if key_ok else 0
+                    for m in cutlass.range_constexpr(self.num_bwd_intervals):
+                        col_starts[r, m] = mBwdIntervals[mask_batch, mh, safe, m, 0]
+                        length = mBwdIntervals[mask_batch, mh, safe, m, 1]
+                        col_lengths[r, m] = length if key_ok else 0
                 for c in cutlass.range_constexpr(cute.size(P, mode=[1])):
                     i = col0 + tScS[r, c][1]
                     vis = Boolean(False)
