@@ -303,6 +303,11 @@ class BackwardConfig:
       of where they are used (lse after S^T is waited on, delta before dP^T is). Off by
       default: measured slower on the H200 (run 2026-12-01T10:48:36Z, causal 32K bwd 42.2 vs
       41.3 ms, hstu 51.0 vs 48.2; the 32 extra live registers cost more than the latency).
+    - ``lse_early``: lse alone read right after the S^T issue, delta where used (FA4's
+      SM90 choice); implied by ``stats_early``. Not yet measured.
+    - ``release_do_early``: dO's ring stage freed as soon as dV (its last reader) is done,
+      between the dQ and dK issues, instead of with Q's at the end of the tile. Not yet
+      measured.
 
     ``preferred_backward_config`` picks the default per head dim; ``JCOMPILEMASK_CUTE_BWD_CONFIG``
     (e.g. ``ds_stages=1,stats_early=0``) overrides fields at trace time for benchmarks.
@@ -313,6 +318,8 @@ class BackwardConfig:
     num_stages: int = 2
     ds_stages: int = 2
     stats_early: bool = False
+    lse_early: bool = False
+    release_do_early: bool = False
 
     def __post_init__(self):
         if (self.block_q, self.block_kv) != BWD_TILES:
@@ -325,7 +332,8 @@ class BackwardConfig:
     @property
     def tag(self) -> str:
         return (f"t{self.block_q}x{self.block_kv}_s{self.num_stages}_ds{self.ds_stages}"
-                f"{'_se' if self.stats_early else ''}")
+                f"{'_se' if self.stats_early else ''}{'_le' if self.lse_early else ''}"
+                f"{'_rd' if self.release_do_early else ''}")
 
 
 def preferred_backward_config(head_dim: int, dtype: str = "bfloat16") -> BackwardConfig:

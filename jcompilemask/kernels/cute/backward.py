@@ -498,15 +498,17 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         n_cols = cute.size(S, mode=[1])
         lse = cute.make_rmem_tensor(n_cols, Float32)
         delta = cute.make_rmem_tensor(n_cols, Float32)
-        if const_expr(self.config.stats_early):
+        lse_early = self.config.stats_early or self.config.lse_early
+        if const_expr(lse_early):
             for c in cutlass.range_constexpr(n_cols):
                 lse[c] = sLSE[f.tScS[0, c][1], state.index]
+        if const_expr(self.config.stats_early):
             for c in cutlass.range_constexpr(n_cols):
                 delta[c] = sDelta[f.tScS[0, c][1], state.index]
 
         # -- P^T = exp2(S^T * scale log2 e - lse log2 e); masked elements 0
         warpgroup.wait_group(1)
-        if const_expr(not self.config.stats_early):
+        if const_expr(not lse_early):
             for c in cutlass.range_constexpr(n_cols):
                 lse[c] = sLSE[f.tScS[0, c][1], state.index]
         scale_log2 = Float32(self.scale_log2)
@@ -547,22 +549,31 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         # -- dQ_tile[:, this warpgroup's D part] = dS K; dK += dS^T Q
         if const_expr(self.dq_single_wg):
             if tidx // self.threads_per_wg == 0:
-                self.dq_and_dk(f, rdS, ds_stage, state, tidx)
+                self.dq_and_dk(f, rdS, ds_stage, state, pipeline_do, tidx)
             else:
                 issue_wgmma(f.mma_dkv, f.acc_dK, _as_a_operand(rdS), f.tKVrQt[None, None, None, state.index], False)
+                if const_expr(self.config.release_do_early):
+                    warpgroup.wait_group(1)                 # dV done: dO's stage is free
+                    pipeline_do.consumer_release(state)
         else:
-            self.dq_and_dk(f, rdS, ds_stage, state, tidx)
+            self.dq_and_dk(f, rdS, ds_stage, state, pipeline_do, tidx)
         warpgroup.wait_group(0)
         pipeline_q.consumer_release(state)
-        pipeline_do.consumer_release(state)
+        if const_expr(not self.config.release_do_early):
+            pipeline_do.consumer_release(state)
 
     @cute.jit
-    def dq_and_dk(self, f, rdS, ds_stage, state, tidx):
+    def dq_and_dk(self, f, rdS, ds_stage, state, pipeline_do, tidx):
         """Issue dQ then dK; once dV and dQ are done, hand the dQ tile to the dQ warp
-        through shared memory (dK still in flight)."""
+        through shared memory (dK still in flight). With ``release_do_early``: wait for dV
+        between the two issues and free dO's stage at once (the producer's next dO load
+        starts a GEMM earlier)."""
         acc_dQ = cute.make_rmem_tensor(f.mma_dq.partition_shape_C((self.block_q, self.head_dim // self.dq_wgs)),
                                        Float32)
         issue_wgmma(f.mma_dq, acc_dQ, f.tQrdS[None, None, None, ds_stage], f.tQrKt[None, None, None, 0], True)
+        if const_expr(self.config.release_do_early):
+            warpgroup.wait_group(1)
+            pipeline_do.consumer_release(state)
         issue_wgmma(f.mma_dkv, f.acc_dK, _as_a_operand(rdS), f.tKVrQt[None, None, None, state.index], False)
         warpgroup.wait_group(1)
         if state.count > 0:
