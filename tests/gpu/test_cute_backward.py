@@ -50,7 +50,8 @@ def test_backward_compiles_for_sm90(dtype, d, kk, kc, bb, bh):
 @needs_cutlass
 @pytest.mark.parametrize("d,changes", [(128, dict(ds_stages=1)), (128, dict(stats_early=True)),
                                        (128, dict(lse_early=True, release_do_early=True)),
-                                       (64, dict(ds_stages=1, release_do_early=True))])
+                                       (64, dict(ds_stages=1, release_do_early=True)),
+                                       (128, dict(column_registers=2))])
 def test_backward_config_variants_compile_for_sm90(d, changes):
     """The configs benchmarked against the default (one dS buffer, late statistics)."""
     import dataclasses

@@ -308,6 +308,11 @@ class BackwardConfig:
     - ``release_do_early``: dO's ring stage freed as soon as dV (its last reader) is done,
       between the dQ and dK issues, instead of with Q's at the end of the tile. Not yet
       measured.
+    - ``column_registers``: the largest Kc whose column intervals each thread holds in
+      registers for the whole pass; above it they are re-read in each masked tile
+      (ptxas, D 128, K 6 / Kc 7: 280 B of stack held, 48 B re-read). 16 (always hold) is
+      the behaviour validated on the H200; 2 is the candidate, to validate
+      (``test_builtin_grads[clear]``) and time (``h200.sh bwdv1c``).
 
     ``preferred_backward_config`` picks the default per head dim; ``JCOMPILEMASK_CUTE_BWD_CONFIG``
     (e.g. ``ds_stages=1,stats_early=0``) overrides fields at trace time for benchmarks.
@@ -320,6 +325,7 @@ class BackwardConfig:
     stats_early: bool = False
     lse_early: bool = False
     release_do_early: bool = False
+    column_registers: int = 16
 
     def __post_init__(self):
         if (self.block_q, self.block_kv) != BWD_TILES:
@@ -333,7 +339,7 @@ class BackwardConfig:
     def tag(self) -> str:
         return (f"t{self.block_q}x{self.block_kv}_s{self.num_stages}_ds{self.ds_stages}"
                 f"{'_se' if self.stats_early else ''}{'_le' if self.lse_early else ''}"
-                f"{'_rd' if self.release_do_early else ''}")
+                f"{'_rd' if self.release_do_early else ''}_cr{self.column_registers}")
 
 
 def preferred_backward_config(head_dim: int, dtype: str = "bfloat16") -> BackwardConfig:

@@ -125,11 +125,11 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         # Floats of one dQ warpgroup's tile (block_q x D / dq_wgs) and its float4 chunks.
         self.dq_wg_floats = self.block_q * head_dim // self.dq_wgs
         self.dq_chunks = head_dim // self.dq_wgs // 8
-        # A key's Kc column intervals stay in registers for the whole pass only when few:
-        # at Kc = 7 (clear) the 28 registers they take made the masked tile body spill
-        # (280 B of stack at D = 128); above 2 they are re-read (L1-resident: the same
-        # 2 x Kc pairs every tile) in each masked tile.
-        self.hold_columns = num_bwd_intervals <= 2
+        # A key's Kc column intervals stay in registers for the whole pass only up to
+        # config.column_registers; above it they are re-read (L1-resident: the same 2 x Kc
+        # pairs every tile) in each masked tile. At Kc = 7 (clear) holding them makes the
+        # masked tile body spill (280 B of stack at D = 128; re-read: 48 B).
+        self.hold_columns = num_bwd_intervals <= config.column_registers
 
     # ------------------------------------------------------------------ host side
     @cute.jit
