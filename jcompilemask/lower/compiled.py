@@ -202,7 +202,7 @@ class CompiledMask:
     def check_ranges(self, q_len: int, kv_len: int):
         """The int32 range check of :meth:`MaskSpec.check_ranges`, over the lowered
         interval expressions too (the preprocess evaluates those, not the rules)."""
-        if not (isinstance(q_len, int) and isinstance(kv_len, int)):
+        if self.spec is None or not (isinstance(q_len, int) and isinstance(kv_len, int)):
             return                      # bad lengths get their error from the spec
         done = self.__dict__.setdefault("_ranges_ok", set())
         if (q_len, kv_len) in done:

@@ -2,7 +2,11 @@
 
 Run-time semantics (every backend follows them):
 
-* Region bounds are evaluated per sequence and clamped to ``[0, q_len]``.
+* Region bounds are evaluated per sequence and clamped to ``[0, q_len]``; bounds that are
+  provably empty for every value (``(10, 5)``) are an error at construction.
+* Every value is int32; metadata that does not fit is an error (a ``check_metadata``
+  report inside ``jit``), and so is an expression that can overflow for the lengths in
+  use (:mod:`jcompilemask.spec.ranges`).
 * A query row belongs to the **first listed** region whose ``[lo, hi)`` contains it; rows
   in no region see nothing (their output is 0 and their lse is -inf).
 * A row ``q`` of region ``g`` sees key ``k`` (``0 <= k < kv_len``) iff ``g.visible(q, k)``.
@@ -353,7 +357,8 @@ class MaskSpec:
     def check_metadata(self, metadata: Mapping | None, q_len: int, kv_len: int):
         """Report bad metadata values with ``checkify`` (works inside ``jit``).
 
-        Reports values outside their declared ranges, region bounds that fall outside
+        Reports values that do not fit int32 (they saturate), values outside their
+        declared ranges (clamped), region bounds that fall outside
         ``[0, q_len]`` (clamped at run time), and run-time region overlaps (resolved by
         first match). Use it inside a function wrapped by ``checkify.checkify``:
 
