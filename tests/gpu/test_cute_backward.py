@@ -51,7 +51,8 @@ def test_backward_compiles_for_sm90(dtype, d, kk, kc, bb, bh):
 @pytest.mark.parametrize("d,changes", [(128, dict(ds_stages=1)), (128, dict(stats_early=True)),
                                        (128, dict(lse_early=True, release_do_early=True)),
                                        (64, dict(ds_stages=1, release_do_early=True)),
-                                       (128, dict(column_registers=2))])
+                                       (128, dict(column_registers=2)),
+                                       (128, dict(deterministic=True)), (64, dict(deterministic=True))])
 def test_backward_config_variants_compile_for_sm90(d, changes):
     """The configs benchmarked against the default (one dS buffer, late statistics)."""
     import dataclasses
@@ -95,6 +96,22 @@ def test_dq_fragment_order_round_trip():
         slots = _fragment_order_reference(dq)
         assert not np.isnan(slots).any()
         np.testing.assert_array_equal(np.asarray(dq_fragment_unpermute(jnp.asarray(slots), nq, d)), dq)
+
+
+def test_dq_turns_count_lower_visiting_key_tiles():
+    """Deterministic mode's turn table: per (key tile, query tile), the number of lower
+    key tiles whose compute bit is set for that query tile (pure JAX, any machine)."""
+    from jcompilemask.kernels.cute.api import dq_turns
+    rng = np.random.default_rng(1)
+    bm, hm, tk, tq = 2, 1, 5, 21
+    states = rng.integers(0, 4, size=(bm, hm, tk, tq))
+    words = np.zeros((bm, hm, tk, -(-tq // 16)), np.uint32)
+    for t in range(tq):
+        words[..., t // 16] |= (states[..., t].astype(np.uint32) << np.uint32(2 * (t % 16)))
+    got = np.asarray(dq_turns(jnp.asarray(words), tq))
+    visits = (states & 1).astype(np.int32)
+    want = np.cumsum(visits, axis=2) - visits
+    np.testing.assert_array_equal(got, want)
 
 
 def test_backward_config_env(monkeypatch):

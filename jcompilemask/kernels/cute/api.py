@@ -313,6 +313,10 @@ class BackwardConfig:
       (ptxas, D 128, K 6 / Kc 7: 280 B of stack held, 48 B re-read). 16 (always hold) is
       the behaviour validated on the H200; 2 is the candidate, to validate
       (``test_builtin_grads[clear]``) and time (``h200.sh bwdv1c``).
+    - ``deterministic``: dQ contributions added to each query tile in key-tile order
+      (per-query-tile semaphores; see ``FlashBackwardSm90.write_dq``), so gradients are
+      bit-identical across runs. dK and dV are deterministic either way (one CTA owns a
+      key tile). ``mask_attention(deterministic=True)`` selects it.
 
     ``preferred_backward_config`` picks the default per head dim; ``JCOMPILEMASK_CUTE_BWD_CONFIG``
     (e.g. ``ds_stages=1,stats_early=0``) overrides fields at trace time for benchmarks.
@@ -326,6 +330,7 @@ class BackwardConfig:
     lse_early: bool = False
     release_do_early: bool = False
     column_registers: int = 16
+    deterministic: bool = False
 
     def __post_init__(self):
         if (self.block_q, self.block_kv) != BWD_TILES:
@@ -339,7 +344,8 @@ class BackwardConfig:
     def tag(self) -> str:
         return (f"t{self.block_q}x{self.block_kv}_s{self.num_stages}_ds{self.ds_stages}"
                 f"{'_se' if self.stats_early else ''}{'_le' if self.lse_early else ''}"
-                f"{'_rd' if self.release_do_early else ''}_cr{self.column_registers}")
+                f"{'_rd' if self.release_do_early else ''}_cr{self.column_registers}"
+                f"{'_det' if self.deterministic else ''}")
 
 
 def preferred_backward_config(head_dim: int, dtype: str = "bfloat16") -> BackwardConfig:
@@ -467,11 +473,15 @@ def compile_backward(key: BackwardKey):
             cutlass.Float32, (b, hq, sym(), tile), stride=(sym64(divisibility=tile),
                                                             sym64(divisibility=tile), tile, 1),
             assumed_align=16)
+        rank = cute.runtime.make_fake_tensor(
+            cutlass.Int32, (bm, hm, sym(), sym()), stride=(sym64(), sym64(), sym64(), 1), assumed_align=4)
+        sem = lambda: cute.runtime.make_fake_tensor(  # noqa: E731
+            cutlass.Int32, (sym(), sym(), sym()), stride=(sym64(), sym64(), 1), assumed_align=4)
         fn = cute.compile(
             kernel,
             bshd(dtype, nq, hq), bshd(dtype, nk, hkv), bshd(dtype, nk, hkv), bshd(dtype, nq, hq),
-            rows(), rows(), bwd_iv, tiles, fwd_iv, exact,
-            dq_acc(), dq_acc(),
+            rows(), rows(), bwd_iv, tiles, fwd_iv, exact, rank,
+            dq_acc(), sem(), dq_acc(), sem(),
             bshd(dtype, nk, hkv), bshd(dtype, nk, hkv),
             cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
             options=_options(),
@@ -497,8 +507,20 @@ def dq_fragment_unpermute(acc, nq: int, head_dim: int, block_q: int = BWD_TILES[
     return x.reshape(b, tq * block_q, hq, head_dim)[:, :nq]
 
 
+def dq_turns(bwd_tiles, num_q_tiles: int):
+    """int32 [Bm, Hm, Tk, Tq]: for each (key tile, query tile), how many lower key tiles
+    visit that query tile (compute bit set in the column-major tile states) — the turn of
+    the key tile's dQ add in deterministic mode."""
+    bm, hm, tk, words = bwd_tiles.shape
+    shifts = (2 * jnp.arange(16, dtype=jnp.uint32)).reshape(1, 1, 1, 1, 16)
+    bits = (bwd_tiles.astype(jnp.uint32)[..., None] >> shifts) & jnp.uint32(1)
+    visits = bits.reshape(bm, hm, tk, words * 16)[..., :num_q_tiles].astype(jnp.int32)
+    return jnp.cumsum(visits, axis=2) - visits
+
+
 def cute_backward(q, k, v, out, lse, do, bwd_intervals, bwd_tiles, fwd_intervals, bwd_exact, *,
-                  scale=None, dlse=None, block_q=BWD_TILES[0], block_kv=BWD_TILES[1]):
+                  scale=None, dlse=None, block_q=BWD_TILES[0], block_kv=BWD_TILES[1],
+                  deterministic=False):
     """Masked attention backward on SM90 from an Execution Descriptor's column view.
 
     Args:
@@ -508,6 +530,7 @@ def cute_backward(q, k, v, out, lse, do, bwd_intervals, bwd_tiles, fwd_intervals
         at ``block_q`` x ``block_kv`` backward tiles; fwd_intervals: int32 [Bm, Hm, Nq, K, 2]
         (checked instead of the column view for sequences where ``bwd_exact`` is False).
       dlse: optional cotangent of lse [B, Hq, Nq].
+      deterministic: add dQ contributions in a fixed order (``BackwardConfig.deterministic``).
     Returns (dq, dk, dv) in the input dtype.
     """
     B, Nq, Hq, D = q.shape
@@ -530,7 +553,8 @@ def cute_backward(q, k, v, out, lse, do, bwd_intervals, bwd_tiles, fwd_intervals
                          f"backward tiles of Nq={Nq}, Nk={Nk}")
     dtype_name = jnp.dtype(q.dtype).name
     config = _config_from_env(dataclasses.replace(
-        preferred_backward_config(D, dtype_name), block_q=block_q, block_kv=block_kv))
+        preferred_backward_config(D, dtype_name), block_q=block_q, block_kv=block_kv,
+        deterministic=bool(deterministic)))
     key = BackwardKey(
         dtype=dtype_name, head_dim=D, num_intervals=K, num_bwd_intervals=Kc,
         broadcast_batch=(Bm == 1), broadcast_head=(Hm == 1), scale=float(scale), config=config)
@@ -548,17 +572,22 @@ def cute_backward(q, k, v, out, lse, do, bwd_intervals, bwd_tiles, fwd_intervals
         bwd_intervals = jnp.zeros((Bm, Hm, Nk, 1, 2), jnp.int32)
     exact = jnp.broadcast_to(jnp.asarray(bwd_exact, jnp.int32).reshape(-1), (Bm,))
     acc_shape = (B, Hq, Tq, block_q * D)
+    if config.deterministic:
+        turns, sem_shape = dq_turns(bwd_tiles, Tq), (B, Hq, Tq)
+    else:   # unused by the kernel: minimal placeholders keep one signature
+        turns, sem_shape = jnp.zeros((Bm, Hm, 1, 1), jnp.int32), (1, 1, 1)
     out_types = (
         jax.ShapeDtypeStruct(acc_shape, f32),
+        jax.ShapeDtypeStruct(sem_shape, jnp.int32),
         jax.ShapeDtypeStruct(k.shape, k.dtype),
         jax.ShapeDtypeStruct(v.shape, v.dtype),
     )
-    # The dQ accumulator must start at zero: it is an input aliased to the output.
+    # The dQ accumulator and the semaphores must start at zero: inputs aliased to outputs.
     call = jax.ffi.ffi_call(name, out_types, vmap_method="sequential",
-                            input_output_aliases={10: 0})
-    dq_acc, dk, dv = call(q, k, v, do, lse2, delta, bwd_intervals.astype(jnp.int32),
-                          bwd_tiles.astype(jnp.uint32), fwd_intervals.astype(jnp.int32), exact,
-                          jnp.zeros(acc_shape, f32))
+                            input_output_aliases={11: 0, 12: 1})
+    dq_acc, _, dk, dv = call(q, k, v, do, lse2, delta, bwd_intervals.astype(jnp.int32),
+                             bwd_tiles.astype(jnp.uint32), fwd_intervals.astype(jnp.int32), exact,
+                             turns, jnp.zeros(acc_shape, f32), jnp.zeros(sem_shape, jnp.int32))
     # One fused XLA pass: un-permute, scale, cast.
     dq = dq_fragment_unpermute(dq_acc, Nq, D, block_q)
     return (dq * np.float32(scale)).astype(q.dtype), dk, dv

@@ -59,7 +59,8 @@ from cutlass.tensor_utils import LayoutEnum
 
 from .api import BackwardConfig, dq_warpgroups
 from .common import (WarpSpecializedSm90, _as_a_operand, _rows_view, _unsigned_lt,
-                     bulk_reduce_add_f32, issue_wgmma, smem_tensor, tile_bits, tma_tiles)
+                     bulk_reduce_add_f32, issue_wgmma, ld_acquire_s32, nanosleep,
+                     red_release_add_s32, smem_tensor, tile_bits, tma_tiles)
 
 _LOG2_E = math.log2(math.e)
 
@@ -84,9 +85,14 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         Nq' = ceil(Nq / block_q) * block_q (+inf / 0), TMA'd with each Q / dO tile;
       mBwdIntervals int32 [Bm, Hm, Nk, Kc, 2]; mBwdTiles uint32 [Bm, Hm, Tk, W];
       mFwdIntervals int32 [Bm, Hm, Nq, K, 2]; mBwdExact int32 [Bm];
-    mdQinit: the zeroed dQ accumulator as an input (XLA aliases it to mdQaccum; unused);
+      mDqRank int32 [Bm, Hm, Tk, Tq] (``config.deterministic``; else any shape): per key
+        tile and query tile, how many lower key tiles visit that query tile;
+    mdQinit, mSemInit: the zeroed dQ accumulator and semaphores as inputs (XLA aliases them
+      to mdQaccum / mSem; unused);
     outputs mdQaccum float32 [B, Hq, Tq, block_q * D] (zero on entry; receives dS K,
-      unscaled, in `api.dq_fragment_unpermute` order), mdK, mdV [B, Nk, Hkv, D] (dtype).
+      unscaled, in `api.dq_fragment_unpermute` order), mSem int32 [B, Hq, Tq]
+      (deterministic: per query tile the number of key tiles that added to it),
+      mdK, mdV [B, Nk, Hkv, D] (dtype).
     """
 
     dq_writer_warp = 1          # the warp of warpgroup 0 that issues the dQ reduce-adds
@@ -145,13 +151,16 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         mBwdTiles: cute.Tensor,
         mFwdIntervals: cute.Tensor,
         mBwdExact: cute.Tensor,
+        mDqRank: cute.Tensor,
         mdQinit: cute.Tensor,
+        mSemInit: cute.Tensor,
         mdQaccum: cute.Tensor,
+        mSem: cute.Tensor,
         mdK: cute.Tensor,
         mdV: cute.Tensor,
         stream,
     ):
-        # mdQinit is the zero-filled input XLA aliases to mdQaccum (the same buffer).
+        # mdQinit / mSemInit are the zero-filled inputs XLA aliases to mdQaccum / mSem.
         # (B, N, H, D) -> (N, D, H, B) for the TMA tiles.
         rows_first = lambda t: cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0]))  # noqa: E731
         mQt, mKt, mVt, mdOt = rows_first(mQ), rows_first(mK), rows_first(mV), rows_first(mdO)
@@ -207,7 +216,7 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         num_k_tiles = cute.ceil_div(mK.shape[1], bk)
         self.kernel(
             mQ_tma, mK_tma, mV_tma, mdO_tma, mLSE2, mDelta, mBwdIntervals, mBwdTiles,
-            mFwdIntervals, mBwdExact, mdQaccum, mdK, mdV,
+            mFwdIntervals, mBwdExact, mdQaccum, mdK, mdV, mDqRank, mSem,
             tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_do, tma_atom_lse, tma_atom_delta,
             tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, sQ_layout, sK_layout, sdS_layout,
             mQ.shape[1], mQ.shape[2],
@@ -235,6 +244,8 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         mdQaccum: cute.Tensor,
         mdK: cute.Tensor,
         mdV: cute.Tensor,
+        mDqRank: cute.Tensor,
+        mSem: cute.Tensor,
         tma_atom_q: cute.CopyAtom,
         tma_atom_k: cute.CopyAtom,
         tma_atom_v: cute.CopyAtom,
@@ -287,8 +298,8 @@ class FlashBackwardSm90(WarpSpecializedSm90):
                           pipeline_kv, pipeline_q, pipeline_do, mBwdTiles,
                           n_q_tiles, k_tile, head_kv, batch, mask_batch, group)
             if warp_idx == self.dq_writer_warp:
-                self.write_dq(mdQaccum, sdQ, mBwdTiles, n_q_tiles, k_tile, head_kv, batch,
-                              mask_batch, group)
+                self.write_dq(mdQaccum, sdQ, mBwdTiles, mDqRank, mSem, n_q_tiles, k_tile, head_kv,
+                              batch, mask_batch, group)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self.consume(
@@ -346,19 +357,37 @@ class FlashBackwardSm90(WarpSpecializedSm90):
 
     # ------------------------------------------------------------------ dQ writer
     @cute.jit
-    def write_dq(self, mdQaccum, sdQ, mBwdTiles, n_q_tiles, k_tile, head_kv, batch, mask_batch, group):
+    def write_dq(self, mdQaccum, sdQ, mBwdTiles, mDqRank, mSem, n_q_tiles, k_tile, head_kv, batch,
+                 mask_batch, group):
         """Warp 1: per visited tile (the same walk as the producer's and the consumers'),
         per dQ warpgroup: wait for its tile in shared memory, add it to the tile's global
-        slot with one bulk reduce-add, wait until the add has read it, free the buffer."""
+        slot with one bulk reduce-add, wait until the add has read it, free the buffer.
+
+        ``config.deterministic``: the adds into one query tile's slot happen in key-tile
+        order. Before adding, lane 0 waits until the tile's semaphore (mSem[b, h, q_tile],
+        zero on entry) equals this key tile's rank among the key tiles that visit the query
+        tile (mDqRank, an exclusive count over the column-major tile states); after its
+        adds have completed, it bumps the semaphore with release semantics. Lower key
+        tiles of a (batch, head) have lower block indices, so they are resident or done."""
         lane = cute.arch.lane_idx()
         meet = self.threads_per_wg + 32
         nbytes = self.dq_wg_floats * 4
         for g in cutlass.range(group, unroll=1):
             head = head_kv * group + g
-            gTiles = mBwdTiles[mask_batch, self.mask_head(head), k_tile, None]
+            mh = self.mask_head(head)
+            gTiles = mBwdTiles[mask_batch, mh, k_tile, None]
             for q_tile in cutlass.range(n_q_tiles, unroll=1):
                 if tile_bits(gTiles, q_tile) & Uint32(1) != Uint32(0):
                     slot = mdQaccum[batch, head, q_tile, None]
+                    if const_expr(self.config.deterministic):
+                        if lane == 0:
+                            turn = mDqRank[mask_batch, mh, k_tile, q_tile]
+                            sem = (mSem[batch, head, None].iterator + q_tile).llvm_ptr
+                            seen = ld_acquire_s32(sem)
+                            while seen != turn:
+                                nanosleep(32)
+                                seen = ld_acquire_s32(sem)
+                        cute.arch.sync_warp()
                     for w in cutlass.range_constexpr(self.dq_wgs):
                         cute.arch.barrier(barrier_id=int(Bar.DQ_FULL) + w, number_of_threads=meet)
                         if lane == 0:
@@ -368,6 +397,12 @@ class FlashBackwardSm90(WarpSpecializedSm90):
                             cute.arch.cp_async_bulk_wait_group(0, read=True)
                         cute.arch.sync_warp()
                         cute.arch.barrier_arrive(barrier_id=int(Bar.DQ_EMPTY) + w, number_of_threads=meet)
+                    if const_expr(self.config.deterministic):
+                        if lane == 0:
+                            cute.arch.cp_async_bulk_wait_group(0)    # the adds are complete
+                            sem = (mSem[batch, head, None].iterator + q_tile).llvm_ptr
+                            red_release_add_s32(sem, 1)
+                        cute.arch.sync_warp()
         if lane == 0:
             cute.arch.cp_async_bulk_wait_group(0)
 
@@ -527,7 +562,12 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         dP = _rows_view(acc_dP)
         for r in cutlass.range_constexpr(cute.size(dP, mode=[0])):
             for c in cutlass.range_constexpr(n_cols):
-                dP[r, c] = S[r, c] * (dP[r, c] - delta[c])
+                if const_expr(masked):
+                    # A masked pair carries no gradient even when its query's delta is
+                    # NaN (a NaN input in q or k): 0 * (dP - NaN) would leak into dK.
+                    dP[r, c] = Float32(0.0) if S[r, c] == Float32(0.0) else S[r, c] * (dP[r, c] - delta[c])
+                else:
+                    dP[r, c] = S[r, c] * (dP[r, c] - delta[c])
 
         # -- dV += P^T dO (P^T from registers)
         rP = cute.make_rmem_tensor_like(acc_S, self.dtype)

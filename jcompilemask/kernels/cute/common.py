@@ -55,6 +55,33 @@ def bulk_reduce_add_f32(dst_gmem, src_smem, num_bytes: int, *, loc=None, ip=None
     )
 
 
+@dsl_user_op
+def ld_acquire_s32(gmem_ptr, *, loc=None, ip=None) -> Int32:
+    """``ld.acquire.gpu.global.b32``: a semaphore read that orders later reads after the
+    writes the releasing thread made before its release (`red_release_add_s32`)."""
+    p = llvm.ptrtoint(cutlass.Int64.mlir_type, gmem_ptr, loc=loc, ip=ip)
+    return Int32(llvm.inline_asm(
+        Int32.mlir_type, [p], "ld.acquire.gpu.global.b32 $0, [$1];", "=r,l",
+        has_side_effects=True, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def red_release_add_s32(gmem_ptr, value: int, *, loc=None, ip=None) -> None:
+    """``red.release.gpu.global.add.s32``: bump a semaphore after this thread's earlier
+    writes (and the bulk operations it waited for) are visible GPU-wide."""
+    p = llvm.ptrtoint(cutlass.Int64.mlir_type, gmem_ptr, loc=loc, ip=ip)
+    llvm.inline_asm(None, [p, Int32(value).ir_value(loc=loc, ip=ip)],
+                    "red.release.gpu.global.add.s32 [$0], $1;", "l,r",
+                    has_side_effects=True, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def nanosleep(ns: int, *, loc=None, ip=None) -> None:
+    """``nanosleep.u32``: back off inside a spin wait (frees issue slots for the other warps)."""
+    llvm.inline_asm(None, [Int32(ns).ir_value(loc=loc, ip=ip)], "nanosleep.u32 $0;", "r",
+                    has_side_effects=True, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+
 def _tree(values: list, op):
     """Reduce a Python list of DSL values pairwise (log-depth dependency chain)."""
     while len(values) > 1:
