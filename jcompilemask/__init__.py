@@ -11,7 +11,8 @@ __version__ = "0.1.0"   # the one version source (pyproject.toml reads it; CHANG
 
 from . import backends, masks, spec
 from .attention import mask_attention
-from .lower import CompiledMask, ExecutionDescriptor, TileConfig, compile, from_dense
+from .lower import (CompiledMask, ExecutionDescriptor, MaskFallbackWarning, TileConfig, compile,
+                    from_dense)
 from .spec import MaskSpec, Region
 
 
@@ -22,4 +23,4 @@ def __getattr__(name):
         return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'jcompilemask' has no attribute {name!r}")
 __all__ = ["masks", "spec", "backends", "mask_attention", "MaskSpec", "Region", "compile", "CompiledMask",
-           "ExecutionDescriptor", "TileConfig", "from_dense"]
+           "ExecutionDescriptor", "TileConfig", "from_dense", "MaskFallbackWarning"]

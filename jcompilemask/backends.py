@@ -30,6 +30,7 @@ from typing import Callable, Optional
 import jax
 
 from ._install import missing, missing_hint, no_gpu_hint, pip_hint
+from ._progress import log_once, slow_step
 from .lower import compiled as _compiled
 from .lower.compiled import DEFAULT_TILES
 from .lower.descriptor import TileConfig
@@ -56,6 +57,7 @@ class Call:
     has_fallback: bool
     num_intervals: int = 1
     tiles: Optional[TileConfig] = None     # of a prebuilt descriptor, if one was passed
+    bias: bool = False                     # an additive bias (or a dense mask) on the logits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +79,7 @@ class Backend:
     forward: Callable
     backward: Callable
     backward_note: str | Callable[[], str] = ""   # a callable is asked each time
+    takes_bias: bool = False      # forward/backward accept bias= (added to the logits)
 
 
 _REGISTRY: dict[str, Backend] = {}
@@ -101,6 +104,9 @@ def get(name: str) -> Backend:
 
 def _check(b: Backend, call: Call | None) -> Optional[str]:
     why = b.available()
+    if why is None and call is not None and call.bias and not b.takes_bias:
+        why = ("an additive bias or dense mask array (these kernels take none; the xla "
+               "backend adds it to the logits)")
     if why is None and call is not None:
         why = b.supports(call)
         if why is None and call.tiles is not None:
@@ -121,12 +127,20 @@ def select(implementation: Optional[str], call: Call) -> Backend:
             raise BackendUnavailable(f"implementation={implementation!r} cannot run this "
                                      f"call: {why}")
         return b
-    reasons = []
+    reasons, passed_over = [], []
     for b in backends():
         why = _check(b, call)
         if why is None:
+            for name, reason in passed_over:
+                # A faster backend runs on this machine but not this call: say so once
+                # per reason (a silent drop to the reference path costs 10x or more).
+                log_once(("passed-over", name, reason, b.name),
+                         "jcompilemask: mask_attention runs the %s backend, not %s: %s",
+                         b.name, name, reason)
             return b
         reasons.append(f"{b.name}: {why}")
+        if b.available() is None:
+            passed_over.append((b.name, why))
     raise BackendUnavailable("no implementation can run this call: " + "; ".join(reasons))
 
 
@@ -167,7 +181,7 @@ def _xla_backend() -> Backend:
     return Backend(
         name="xla", priority=0, tiles=lambda call: DEFAULT_TILES,
         available=lambda: None, supports=lambda call: None,
-        forward=xla.forward, backward=xla.backward)
+        forward=xla.forward, backward=xla.backward, takes_bias=True)
 
 
 @functools.lru_cache(maxsize=1)
@@ -212,20 +226,28 @@ def _cute_backend() -> Backend:
 
     def forward(q, k, v, desc, scale, softcap):
         from .kernels.cute import cute_forward
-        return cute_forward(q, k, v, desc.fwd_intervals, desc.fwd_tiles, scale=scale,
-                            softcap=softcap, block_q=desc.tiles.block_q,
-                            block_kv=desc.tiles.block_kv)
+        with slow_step(f"jcompilemask: building the CuTe forward kernel ({q.dtype}, D "
+                       f"{q.shape[-1]}, K {desc.num_intervals}, tiles {desc.tiles.block_q}x"
+                       f"{desc.tiles.block_kv})"):
+            return cute_forward(q, k, v, desc.fwd_intervals, desc.fwd_tiles, scale=scale,
+                                softcap=softcap, block_q=desc.tiles.block_q,
+                                block_kv=desc.tiles.block_kv)
 
     from .attention import xla
 
     def backward(q, k, v, desc, scale, softcap, out, lse, do, dlse=None):
         why = cute_backward_reason(q, v, desc, softcap)
         if why is not None:
+            log_once(("cute-backward", why), "jcompilemask: gradients come from the xla "
+                     "backward, not the CuTe backward kernel: %s", why)
             return xla.backward(q, k, v, desc, scale, softcap, out, lse, do, dlse)
         from .kernels.cute.api import cute_backward
-        return cute_backward(q, k, v, out, lse, do, desc.bwd_intervals, desc.bwd_tiles,
-                             desc.fwd_intervals, desc.bwd_exact, scale=scale, dlse=dlse,
-                             block_q=desc.tiles.bwd_block_q, block_kv=desc.tiles.bwd_block_kv)
+        with slow_step(f"jcompilemask: building the CuTe backward kernel ({q.dtype}, D "
+                       f"{q.shape[-1]}, Kc {desc.num_bwd_intervals})"):
+            return cute_backward(q, k, v, out, lse, do, desc.bwd_intervals, desc.bwd_tiles,
+                                 desc.fwd_intervals, desc.bwd_exact, scale=scale, dlse=dlse,
+                                 block_q=desc.tiles.bwd_block_q,
+                                 block_kv=desc.tiles.bwd_block_kv)
 
     return Backend(name="cute", priority=10, tiles=tiles, available=available,
                    supports=supports, forward=forward, backward=backward,

@@ -1,39 +1,51 @@
-"""``mask_attention``: the public attention function (validation, dispatch, custom_vjp)."""
+"""``mask_attention``: the public attention function (validation, dispatch, custom_vjp);
+the ``jax.nn.dot_product_attention`` arguments are resolved in :mod:`.compat`."""
 from __future__ import annotations
 
 import functools
 import math
+import warnings
 from typing import Mapping, Optional
 
 import jax
 import jax.numpy as jnp
 
 from .. import backends as _backends
-from ..lower.compiled import CompiledMask, compile as _compile
-from ..lower.descriptor import ExecutionDescriptor
-from ..spec.maskspec import MaskSpec
+from ..lower.compiled import compile as _compile
+from . import compat as _compat
 
 __all__ = ["mask_attention"]
 
 _DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _attention(q, k, v, desc, scale, softcap, backend_name):
-    return _backends.get(backend_name).forward(q, k, v, desc, scale, softcap)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _attention(q, k, v, desc, bias, scale, softcap, backend_name, bias_grad):
+    return _forward(q, k, v, desc, bias, scale, softcap, backend_name)
 
 
-def _attention_fwd(q, k, v, desc, scale, softcap, backend_name):
-    out, lse = _backends.get(backend_name).forward(q, k, v, desc, scale, softcap)
-    return (out, lse), (q, k, v, desc, out, lse)
+def _forward(q, k, v, desc, bias, scale, softcap, backend_name):
+    b = _backends.get(backend_name)
+    if bias is None:
+        return b.forward(q, k, v, desc, scale, softcap)
+    return b.forward(q, k, v, desc, scale, softcap, bias=bias)
 
 
-def _attention_bwd(scale, softcap, backend_name, res, cts):
-    q, k, v, desc, out, lse = res
+def _attention_fwd(q, k, v, desc, bias, scale, softcap, backend_name, bias_grad):
+    out, lse = _forward(q, k, v, desc, bias, scale, softcap, backend_name)
+    return (out, lse), (q, k, v, desc, bias, out, lse)
+
+
+def _attention_bwd(scale, softcap, backend_name, bias_grad, res, cts):
+    q, k, v, desc, bias, out, lse = res
     do, dlse = cts
-    dq, dk, dv = _backends.get(backend_name).backward(q, k, v, desc, scale, softcap, out,
-                                                      lse, do, dlse)
-    return dq, dk, dv, None
+    b = _backends.get(backend_name)
+    if bias is None:
+        dq, dk, dv = b.backward(q, k, v, desc, scale, softcap, out, lse, do, dlse)
+        return dq, dk, dv, None, None
+    dq, dk, dv, dbias = b.backward(q, k, v, desc, scale, softcap, out, lse, do, dlse,
+                                   bias=bias, bias_grad=bias_grad)
+    return dq, dk, dv, None, dbias
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -46,8 +58,9 @@ def _shape_error(msg):
 
 def _validate(query, key, value):
     for name, x in (("query", query), ("key", key), ("value", value)):
-        if getattr(x, "ndim", None) != 4:
-            raise _shape_error(f"{name} must be rank 4, got shape {getattr(x, 'shape', None)}")
+        if x.ndim != 4:
+            raise _shape_error(f"{name} must be rank 4 (or 3 without the batch axis, for "
+                               f"all three), got shape {x.shape}")
         if x.dtype not in _DTYPES:
             raise TypeError(f"{name} dtype must be bfloat16, float16 or float32, got "
                             f"{x.dtype}")
@@ -71,30 +84,62 @@ def _validate(query, key, value):
     return b, nq, hq, d, nk, hkv, dv
 
 
-def mask_attention(query, key, value, mask, *, metadata: Optional[Mapping] = None,
-                   scale: Optional[float] = None, logits_soft_cap: Optional[float] = None,
-                   return_residuals: bool = False, implementation: Optional[str] = None):
+def mask_attention(query, key, value, mask=None, *, bias=None,
+                   metadata: Optional[Mapping] = None, scale: Optional[float] = None,
+                   is_causal: bool = False, query_seq_lengths=None,
+                   key_value_seq_lengths=None, local_window_size=None,
+                   logits_soft_cap: Optional[float] = None,
+                   implementation: Optional[str] = None, return_residual: bool = False,
+                   return_residuals: Optional[bool] = None):
     """Attention under a compiled mask, usable inside ``jax.jit``, ``grad`` and ``vmap``.
 
+    Takes what :func:`jax.nn.dot_product_attention` takes (the same names and layouts),
+    plus a structured ``mask``, its ``metadata`` and ``logits_soft_cap``.
+
     Args:
-      query: [batch, q_len, num_heads, head_dim] (bfloat16, float16 or float32).
+      query: [batch, q_len, num_heads, head_dim] (bfloat16, float16 or float32), or
+        [q_len, num_heads, head_dim] (then key and value drop the batch axis too).
       key: [batch, kv_len, num_kv_heads, head_dim]; query head h reads key/value head
         ``h // (num_heads // num_kv_heads)`` (GQA/MQA).
       value: [batch, kv_len, num_kv_heads, head_dim_v].
-      mask: an :class:`ExecutionDescriptor` (built once per step, shared by layers), or a
-        :class:`MaskSpec` / :class:`CompiledMask` together with ``metadata`` (the
-        descriptor is then built here, at the tiles of the backend that runs).
-        Its batch and mask heads broadcast when 1.
-      metadata: the mask's metadata arrays, when ``mask`` is not a descriptor.
-      scale: logits multiplier, default ``1 / sqrt(head_dim)``.
-      logits_soft_cap: if set, logits become ``cap * tanh(logits / cap)``.
-      return_residuals: also return ``lse`` (natural log, float32 [batch, heads, q_len]).
-      implementation: ``"cute"``, ``"xla"`` or None (the best available; see
-        :func:`jcompilemask.backends.explain`).
+      mask: one of
+
+        * an :class:`ExecutionDescriptor` (built once per step, shared by layers);
+        * a :class:`MaskSpec` / :class:`CompiledMask` (with ``metadata`` if it reads any):
+          the descriptor is then built here, at the tiles of the backend that runs;
+        * a boolean array broadcastable to [batch, num_heads, q_len, kv_len] (True =
+          attend), as jax takes it. Concrete and shared by the batch, it is compiled by
+          :func:`jcompilemask.from_dense` (O(q_len * kv_len) host work per distinct mask,
+          then the fast path); otherwise (traced, batched) it is applied as a 0 / -inf
+          bias: O(q_len * kv_len) memory and the xla backend. Prefer a MaskSpec.
+        * None: every key is visible (before ``is_causal`` and the options below).
+
+        A descriptor's batch and mask heads broadcast when 1.
+      bias: optional float array broadcastable to [batch, num_heads, q_len, kv_len], added
+        to the logits (after the soft cap); differentiable. O(q_len * kv_len) memory; the
+        xla backend adds it (the CuTe kernels take none and say so).
+      metadata: the mask's metadata arrays (a dict by name), when ``mask`` is a MaskSpec.
+      scale: logits multiplier, any real number (Python, NumPy or a concrete 0-d array);
+        default ``1 / sqrt(head_dim)``.
+      is_causal: also require ``k <= q`` (AND-ed with ``mask``).
+      query_seq_lengths: int [batch]: rows from this length on are padding (output 0).
+      key_value_seq_lengths: int [batch]: keys from this length on are never visible.
+      local_window_size: ``(left, right)`` or an int for both: also require
+        ``q - left <= k <= q + right``. These four combine with a MaskSpec ``mask`` (they
+        become part of its rules and metadata: no recompiles as lengths vary), not with
+        a prebuilt descriptor (write them into its MaskSpec).
+      logits_soft_cap: if set (a positive number), logits become ``cap * tanh(logits / cap)``.
+      implementation: ``"cute"`` (the CuTe kernels; jax's ``"cudnn"`` maps to it),
+        ``"xla"`` or None (the best available; see :func:`jcompilemask.backends.explain`).
+        A named implementation that cannot run the call raises, saying why.
+      return_residual: also return the logsumexp, in jax's layout [batch, q_len,
+        num_heads] ([q_len, num_heads] unbatched), float32, natural log.
+      return_residuals: deprecated; returns the lse as [batch, num_heads, q_len].
 
     Returns:
-      ``out`` [batch, q_len, num_heads, head_dim_v] in the input dtype, or
-      ``(out, lse)``. A row that sees no key gets out 0, lse -inf and zero gradients.
+      ``out`` shaped like ``query`` with head_dim_v, in the input dtype, or ``(out, lse)``.
+      A row that sees no key gets out 0, lse -inf and zero gradients (jax instead averages
+      the values of such a row).
 
     >>> import jax, jax.numpy as jnp, jcompilemask as jcm
     >>> q = k = v = jax.random.normal(jax.random.key(0), (1, 16, 2, 8))
@@ -102,43 +147,75 @@ def mask_attention(query, key, value, mask, *, metadata: Optional[Mapping] = Non
     >>> ref = jax.nn.dot_product_attention(q, k, v, is_causal=True)
     >>> bool(jnp.allclose(out, ref, atol=1e-5))
     True
+    >>> lens = jnp.array([12])                      # jax.nn's own keywords work too
+    >>> out = jcm.mask_attention(q, k, v, is_causal=True, key_value_seq_lengths=lens)
+    >>> ref = jax.nn.dot_product_attention(q, k, v, is_causal=True, key_value_seq_lengths=lens)
+    >>> bool(jnp.allclose(out, ref, atol=1e-5))
+    True
     """
+    shape_doc = "[batch, len, heads, head_dim]"
+    query, key, value = (_compat.as_array_arg(x, n, shape_doc) for x, n in
+                         ((query, "query"), (key, "key"), (value, "value")))
+    unbatched = query.ndim == 3
+    if unbatched:
+        if key.ndim != 3 or value.ndim != 3:
+            raise _shape_error(f"query is unbatched (rank 3), so key and value must be too; "
+                               f"got {key.shape}, {value.shape}")
+        query, key, value = query[None], key[None], value[None]
     b, nq, hq, d, nk, hkv, dv = _validate(query, key, value)
-    if scale is None:
-        scale = 1.0 / math.sqrt(d)
-    if not isinstance(scale, (int, float)) or isinstance(scale, bool):
-        raise TypeError(f"scale must be a Python float, got {type(scale).__name__}")
+
+    scale = 1.0 / math.sqrt(d) if scale is None else _compat.as_real(
+        scale, "scale", example="scale=0.125")
     if logits_soft_cap is not None:
-        if not isinstance(logits_soft_cap, (int, float)) or logits_soft_cap <= 0:
-            raise ValueError(f"logits_soft_cap must be a positive float, got "
-                             f"{logits_soft_cap!r}")
-        logits_soft_cap = float(logits_soft_cap)
+        logits_soft_cap = _compat.as_real(logits_soft_cap, "logits_soft_cap", positive=True,
+                                          example="logits_soft_cap=50.0")
+    if return_residuals is not None:
+        warnings.warn("mask_attention(return_residuals=...) is deprecated: use "
+                      "return_residual=True (jax's name), which returns the lse as [batch, "
+                      "q_len, heads] like jax.nn.dot_product_attention", DeprecationWarning,
+                      stacklevel=2)
+        if return_residual:
+            raise ValueError("pass return_residual or the deprecated return_residuals, "
+                             "not both")
+    window = _compat.as_window(local_window_size)
+    full = (b, hq, nq, nk)
+    if bias is not None:
+        bias = _compat.as_array_arg(bias, "bias", "[batch, heads, q_len, kv_len]")
+        if not jnp.issubdtype(bias.dtype, jnp.floating):
+            raise TypeError(f"bias must be a float array (added to the logits), got "
+                            f"{bias.dtype}; a boolean mask goes to mask=")
+        bias = _compat.broadcast_4d(bias[None] if unbatched and bias.ndim == 3 else bias,
+                                    "bias", full, "[batch, heads, q_len, kv_len]")
+    if unbatched and hasattr(mask, "dtype") and getattr(mask, "ndim", 0) == 3:
+        mask = mask[None]
 
-    if isinstance(mask, ExecutionDescriptor):
-        if metadata is not None:
-            raise ValueError("metadata is only used when mask is a MaskSpec or "
-                             "CompiledMask; the descriptor already holds it")
-        desc = mask
-        cm = desc.mask
-    elif isinstance(mask, (MaskSpec, CompiledMask)):
-        cm = _compile(mask)
-        if cm.batched and metadata is None:
-            raise ValueError(f"this mask reads metadata {sorted(cm.spec.metadata)}: pass "
-                             "metadata={...} or an ExecutionDescriptor")
-        desc = None
-    else:
-        raise TypeError("mask must be an ExecutionDescriptor, MaskSpec or CompiledMask, "
-                        f"got {type(mask).__name__}")
+    plan = _compat.plan_mask(mask, metadata, is_causal=is_causal, window=window,
+                             query_seq_lengths=query_seq_lengths,
+                             key_value_seq_lengths=key_value_seq_lengths,
+                             batch=b, heads=hq, nq=nq, nk=nk)
+    bias_grad = bias is not None
+    if plan.bias is not None:
+        bias = plan.bias if bias is None else bias + plan.bias.astype(bias.dtype)
 
+    desc = plan.desc
+    cm = desc.mask if desc is not None else _compile(plan.mask)
     call = _backends.Call(
         dtype=jnp.dtype(query.dtype).name, head_dim=d, head_dim_v=dv, num_heads=hq,
         num_kv_heads=hkv, softcap=logits_soft_cap is not None,
         has_fallback=bool(cm.fallback_regions), num_intervals=cm.num_intervals,
-        tiles=None if desc is None else desc.tiles)
-    backend = _backends.select(implementation, call)
+        tiles=None if desc is None else desc.tiles, bias=bias is not None)
+    impl = _compat.implementation_name(implementation)
+    try:
+        backend = _backends.select(impl, call)
+    except _backends.BackendUnavailable as err:
+        if implementation == "cudnn":
+            raise _backends.BackendUnavailable(
+                f"implementation='cudnn' (jax's cuDNN kernel) maps to jcompilemask's GPU "
+                f"kernels, 'cute': {err}; pass implementation=None to fall back") from None
+        raise
     if desc is None:
         t = backend.tiles(call)
-        desc = cm.instantiate(metadata, nq, nk, block_q=t.block_q, block_kv=t.block_kv,
+        desc = cm.instantiate(plan.metadata, nq, nk, block_q=t.block_q, block_kv=t.block_kv,
                               bwd_block_q=t.bwd_block_q, bwd_block_kv=t.bwd_block_kv)
 
     if (desc.q_len, desc.kv_len) != (nq, nk):
@@ -152,6 +229,12 @@ def mask_attention(query, key, value, mask, *, metadata: Optional[Mapping] = Non
         raise ValueError(f"the mask has {desc.mask_heads} heads; the call has {hq} query "
                          "heads (mask heads must be 1 or the query head count)")
 
-    out, lse = _attention(query, key, value, desc, float(scale), logits_soft_cap,
-                          backend.name)
-    return (out, lse) if return_residuals else out
+    out, lse = _attention(query, key, value, desc, bias, float(scale), logits_soft_cap,
+                          backend.name, bias_grad)
+    if unbatched:
+        out, lse = out[0], lse[0]
+    if return_residuals:
+        return out, lse
+    if return_residual:
+        return out, jnp.swapaxes(lse, -1, -2)
+    return out

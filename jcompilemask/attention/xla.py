@@ -95,12 +95,14 @@ def _tile_lists(states):
 class _Problem:
     """Static shapes and the math shared by the three passes."""
 
-    def __init__(self, q, k, v, desc: ExecutionDescriptor, scale, softcap, *more):
+    def __init__(self, q, k, v, desc: ExecutionDescriptor, scale, softcap, *more, bias=None):
         self.b, self.nq, self.hq, self.d = q.shape
         _, self.nk, self.hkv, self.dv = v.shape
         self.g = self.hq // self.hkv
         self.desc, self.scale, self.softcap = desc, scale, softcap
         self.dtype = q.dtype
+        self.bias = None if bias is None else _pad_bias(bias, desc)
+        more = more + (() if bias is None else (bias,))
         # A float32 zero that depends on every operand: loop-carry initial values are
         # made "like" it, so inside shard_map they vary over the same mesh axes as the
         # loop bodies' results (while_loop requires equal carry types).
@@ -113,17 +115,30 @@ class _Problem:
     def full(self, shape, value):
         return jnp.full_like(self._ref, value, shape=shape)
 
-    def logits(self, qb, kb):
+    def logits(self, qb, kb, row0=0, col0=0):
         """qb [B, Hq, bq, D], kb [B, Hkv, bk, D] -> (s, t) float32 [B, Hq, bq, bk]; t is
-        tanh(raw / cap) when soft-capped (for the backward), else None."""
+        tanh(raw / cap) when soft-capped (for the backward), else None. The bias, if any,
+        is added after the soft cap (as FlashAttention adds ALiBi); ``row0`` / ``col0``
+        are the tile's first row and column."""
         b, _, bq, d = qb.shape
         qg = qb.reshape(b, self.hkv, self.g, bq, d)
         s = jnp.einsum("bkgqd,bkcd->bkgqc", qg, kb, preferred_element_type=F32)
         s = s.reshape(b, self.hq, bq, kb.shape[2]) * self.scale
-        if self.softcap is None:
-            return s, None
-        t = jnp.tanh(s / self.softcap)
-        return self.softcap * t, t
+        t = None
+        if self.softcap is not None:
+            t = jnp.tanh(s / self.softcap)
+            s = self.softcap * t
+        if self.bias is not None:
+            s = s + self.bias_tile(row0, col0, bq, kb.shape[2])
+        return s, t
+
+    def bias_tile(self, row0, col0, bq, bk):
+        """float32 [Bb, Hb, bq|1, bk|1]: the bias over the tile (broadcast axes stay 1)."""
+        b = self.bias
+        wide = (b.shape[2] > 1, b.shape[3] > 1)
+        starts = (0, 0, row0 if wide[0] else 0, col0 if wide[1] else 0)
+        sizes = (b.shape[0], b.shape[1], bq if wide[0] else 1, bk if wide[1] else 1)
+        return lax.dynamic_slice(b, starts, sizes).astype(F32)
 
     def mask(self, rows, cols, view, states, check):
         """bool [Bm|1, Hm|1, R, C]: the tile's mask; ``check`` selects the interval path."""
@@ -139,9 +154,22 @@ class _Problem:
         return lax.cond(check, partial_path, full_path)
 
 
-def _fwd_impl(q, k, v, desc, scale, softcap):
+def _pad_bias(bias, desc):
+    """bias [Bb, Hb, Nq|1, Nk|1] zero-padded along its full axes to whole tiles of both
+    views (the padding is never visible: the mask covers it)."""
+    rows = max(-(-desc.q_len // bq) * bq for bq in (desc.tiles.block_q, desc.tiles.bwd_block_q))
+    cols = max(-(-desc.kv_len // bk) * bk for bk in (desc.tiles.block_kv,
+                                                     desc.tiles.bwd_block_kv))
+    if bias.shape[2] > 1:
+        bias = _pad_to(bias, 2, rows)
+    if bias.shape[3] > 1:
+        bias = _pad_to(bias, 3, cols)
+    return bias
+
+
+def _fwd_impl(q, k, v, desc, scale, softcap, bias=None):
     """q [B, Nq, Hq, D] ... -> out [B, Nq, Hq, Dv] (q.dtype), lse [B, Hq, Nq] f32."""
-    P = _Problem(q, k, v, desc, scale, softcap)
+    P = _Problem(q, k, v, desc, scale, softcap, bias=bias)
     bq, bk = desc.tiles.block_q, desc.tiles.block_kv
     tq, tk = desc.num_tiles("fwd")
     qt = _pad_to(jnp.swapaxes(q, 1, 2), 2, tq * bq)                # [B, Hq, Nq', D]
@@ -161,7 +189,7 @@ def _fwd_impl(q, k, v, desc, scale, softcap):
             n, m, l, acc = carry
             tj = order[ti, n]
             cols, kb, vb = _kv_tile(kt, vt, tj, bk)
-            s, _ = P.logits(qb, kb)
+            s, _ = P.logits(qb, kb, ti * bq, tj * bk)
             vis = P.mask(rows, cols, "fwd", states[:, :, ti, tj], check[ti, n])
             s = jnp.where(vis, s, NEG_INF)
             m_new = jnp.maximum(m, jnp.max(s, axis=-1))
@@ -216,12 +244,17 @@ def softmax_delta(out, do, lse, dlse=None):
     return delta
 
 
-def _bwd_impl(q, k, v, desc, scale, softcap, out, lse, do, dlse=None):
-    P = _Problem(q, k, v, desc, scale, softcap, out, lse, do, *([] if dlse is None else [dlse]))
+def _bwd_impl(q, k, v, desc, scale, softcap, out, lse, do, dlse=None, bias=None,
+              bias_grad=False):
+    P = _Problem(q, k, v, desc, scale, softcap, out, lse, do,
+                 *([] if dlse is None else [dlse]), bias=bias)
     delta = softmax_delta(out, do, lse, dlse)
     dq = _dq_pass(P, q, k, v, do, lse, delta)
     dk, dv = _dkv_pass(P, q, k, v, do, lse, delta)
-    return dq, dk, dv
+    if bias is None:
+        return dq, dk, dv
+    dbias = _dbias_pass(P, q, k, v, do, lse, delta, bias.shape) if bias_grad else None
+    return dq, dk, dv, None if dbias is None else dbias.astype(bias.dtype)
 
 
 def _bwd_operands(P, view, q, k, v, do, lse, delta):
@@ -252,7 +285,7 @@ def _dq_pass(P, q, k, v, do, lse, delta):
             n, dq = carry
             tj = order[ti, n]
             cols, kb, vb = _kv_tile(kt, vt, tj, bk)
-            s, t = P.logits(qb, kb)
+            s, t = P.logits(qb, kb, ti * bq, tj * bk)
             vis = P.mask(rows, cols, "fwd", states[:, :, ti, tj], check[ti, n])
             p = _probs(P, s, t, vis, lb)
             dp = jnp.einsum("bkgqd,bkcd->bkgqc",
@@ -292,7 +325,7 @@ def _dkv_pass(P, q, k, v, do, lse, delta):
             dob = lax.dynamic_slice_in_dim(dot, ti * bq, bq, axis=2)
             lb = lax.dynamic_slice_in_dim(lse_p, ti * bq, bq, axis=2)
             db = lax.dynamic_slice_in_dim(delta_p, ti * bq, bq, axis=2)
-            s, t = P.logits(qb, kb)
+            s, t = P.logits(qb, kb, ti * bq, tj * bk)
             vis = P.mask(rows, cols, "bwd", states[:, :, tj, ti], check[tj, n])
             p = _probs(P, s, t, vis, lb)                             # [B, Hq, bq, bk]
             pg = p.astype(P.dtype).reshape(P.b, P.hkv, P.g, bq, bk)
@@ -318,11 +351,67 @@ def _dkv_pass(P, q, k, v, do, lse, delta):
     return jnp.swapaxes(dk, 1, 2).astype(k.dtype), jnp.swapaxes(dv, 1, 2).astype(v.dtype)
 
 
-def forward(q, k, v, desc: ExecutionDescriptor, scale: float, softcap: float | None):
-    """Blockwise forward: (out [B, Nq, Hq, Dv] in q.dtype, lse [B, Hq, Nq] float32)."""
-    return _fwd_impl(q, k, v, desc, scale, softcap)
+def _dbias_pass(P, q, k, v, do, lse, delta, shape):
+    """d(loss)/d(bias) = P * (dP - delta), summed over the axes the bias broadcasts
+    along; walks the forward view (row tiles streaming key tiles), one bias row slab per
+    row tile, so memory stays at the size of the bias."""
+    bq, bk, tq, tk, qt, dot, lse_p, delta_p, kt, vt = _bwd_operands(
+        P, "fwd", q, k, v, do, lse, delta)
+    states = P.desc.tile_states("fwd")
+    order, count, check = _tile_lists(states)
+    bb, hb, tb, sb = shape
+    keep = (bb > 1, hb > 1, tb > 1, sb > 1)
+    slab = (bb, hb, bq if keep[2] else 1, tk * bk if keep[3] else 1)
+
+    def reduce(g):
+        axes = tuple(i for i in range(4) if not keep[i])
+        return jnp.sum(g, axis=axes, keepdims=True) if axes else g
+
+    def row_tile(ti):
+        rows = ti * bq + jnp.arange(bq, dtype=jnp.int32)
+        qb = lax.dynamic_slice_in_dim(qt, ti * bq, bq, axis=2)
+        dob = lax.dynamic_slice_in_dim(dot, ti * bq, bq, axis=2)
+        lb = lax.dynamic_slice_in_dim(lse_p, ti * bq, bq, axis=2)
+        db = lax.dynamic_slice_in_dim(delta_p, ti * bq, bq, axis=2)
+
+        def body(carry):
+            n, acc = carry
+            tj = order[ti, n]
+            cols, kb, vb = _kv_tile(kt, vt, tj, bk)
+            s, t = P.logits(qb, kb, ti * bq, tj * bk)
+            vis = P.mask(rows, cols, "fwd", states[:, :, ti, tj], check[ti, n])
+            p = _probs(P, s, t, vis, lb)
+            dp = jnp.einsum("bkgqd,bkcd->bkgqc",
+                            dob.reshape(P.b, P.hkv, P.g, bq, P.dv), vb,
+                            preferred_element_type=F32).reshape(s.shape)
+            g = reduce(p * (dp - db[..., None]))
+            if keep[3]:       # each key tile is listed once per row tile: write, no sum
+                return n + 1, lax.dynamic_update_slice_in_dim(acc, g, tj * bk, axis=3)
+            return n + 1, acc + g
+
+        _, acc = lax.while_loop(lambda c: c[0] < count[ti], body, (0, P.zeros(slab)))
+        return acc
+
+    out = _map_tiles(row_tile, tq, 4 * 4 * P.b * P.hq * bq * bk)    # [Tq, Bb, Hb, r, c]
+    if keep[2]:
+        out = jnp.moveaxis(out, 0, 2).reshape(bb, hb, tq * bq, slab[3])[:, :, :P.nq]
+    else:
+        out = jnp.sum(out, axis=0)
+    return out[..., :P.nk] if keep[3] else out
 
 
-def backward(q, k, v, desc, scale, softcap, out, lse, do, dlse=None):
-    """Blockwise backward from the residuals (out, lse): (dq, dk, dv)."""
-    return _bwd_impl(q, k, v, desc, scale, softcap, out, lse, do, dlse)
+def forward(q, k, v, desc: ExecutionDescriptor, scale: float, softcap: float | None,
+            bias=None):
+    """Blockwise forward: (out [B, Nq, Hq, Dv] in q.dtype, lse [B, Hq, Nq] float32).
+
+    ``bias``: None, or an array [Bb, Hb, Nq|1, Nk|1] (Bb in {1, B}, Hb in {1, Hq}) added
+    to the logits after the soft cap; -inf entries mask like the mask does.
+    """
+    return _fwd_impl(q, k, v, desc, scale, softcap, bias)
+
+
+def backward(q, k, v, desc, scale, softcap, out, lse, do, dlse=None, bias=None,
+             bias_grad=False):
+    """Blockwise backward from the residuals (out, lse): (dq, dk, dv), and with a bias
+    ``(dq, dk, dv, dbias)`` (dbias None unless ``bias_grad``)."""
+    return _bwd_impl(q, k, v, desc, scale, softcap, out, lse, do, dlse, bias, bias_grad)

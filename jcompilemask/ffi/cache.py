@@ -124,7 +124,10 @@ class CompileCache:
                                   RuntimeWarning, stacklevel=2)
                     obj = None
             if obj is None:
-                built = build()
+                from .._progress import slow_step
+                with slow_step(f"jcompilemask: building the {key.kind} kernel "
+                               f"(mask {key.mask_fingerprint})"):
+                    built = build()
                 obj = built
                 if self.disk and save is not None:
                     try:

@@ -2,5 +2,7 @@
 from .compiled import CompiledMask, compile
 from .descriptor import ExecutionDescriptor, TileConfig
 from .dense import from_dense
+from .hints import MaskFallbackWarning
 
-__all__ = ["CompiledMask", "compile", "ExecutionDescriptor", "TileConfig", "from_dense"]
+__all__ = ["CompiledMask", "compile", "ExecutionDescriptor", "TileConfig", "from_dense",
+           "MaskFallbackWarning"]

@@ -239,12 +239,25 @@ class CompiledMask:
 
 @functools.lru_cache(maxsize=256)
 def _compile_cached(spec: MaskSpec) -> CompiledMask:
-    regions = tuple(lower_region(r, spec) for r in spec.regions)
-    return CompiledMask(spec, regions)
+    from .._progress import slow_step
+    from .hints import warn_fallbacks
+    what = (f"jcompilemask: lowering mask {spec.name or spec.fingerprint()} "
+            f"({len(spec.regions)} region(s), sympy)")
+    with slow_step(what):
+        regions = tuple(lower_region(r, spec) for r in spec.regions)
+    cm = CompiledMask(spec, regions)
+    warn_fallbacks(cm, stacklevel=4)   # once per spec: this function is cached
+    return cm
 
 
 def compile(spec) -> CompiledMask:  # noqa: A001 - the public name of the operation
     """Lower a :class:`MaskSpec` to interval expressions (cached per spec structure).
+
+    A region whose rule cannot be lowered keeps its predicate (evaluated per element:
+    correct, slower, and not run by the GPU kernels); the first compile of such a spec
+    issues a :class:`~jcompilemask.lower.hints.MaskFallbackWarning` naming the region, the
+    atom, and a rewrite that lowers where one is known. A lowering that takes more than
+    a second says so through ``logging`` while it runs.
 
     >>> import jcompilemask as jcm
     >>> print(jcm.compile(jcm.masks.hstu()).explain().splitlines()[0])

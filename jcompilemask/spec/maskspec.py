@@ -261,9 +261,11 @@ class MaskSpec:
         """
         q_len, kv_len = _static_len(q_len, "q_len"), _static_len(kv_len, "kv_len")
         self.check_ranges(q_len, kv_len)
+        if metadata is not None and not isinstance(metadata, Mapping):
+            names = ", ".join(f"{n!r}: ..." for n in self.metadata) or "none"
+            raise MetadataError(f"metadata must be a dict mapping names to arrays "
+                                f"({{{names}}}), got a {type(metadata).__name__}")
         metadata = {} if metadata is None else dict(metadata)
-        if not isinstance(metadata, dict):
-            raise MetadataError("metadata must be a dict mapping names to arrays")
         missing = [n for n in self.metadata if n not in metadata]
         if missing:
             need = "; ".join(self.metadata[n].describe() for n in missing)

@@ -1,0 +1,109 @@
+"""Why a region falls back to its per-element predicate, and a rewrite that lowers.
+
+A fallback region is correct but slow (every element of its partial tiles evaluates the
+predicate) and the GPU kernels do not take it, so :func:`jcompilemask.compile` warns once
+per mask with :func:`fallback_message`. The rewrites cover the common way to end up
+there: ``k`` inside a floor division by a positive constant, as in the block-causal
+``k // 64 <= q // 64``. For an integer ``e`` and ``c > 0``, ``k // c <= e`` holds exactly
+when ``k < (e + 1) * c`` (and likewise for the other comparisons), which is linear in
+``k`` and lowers to one interval bound.
+
+>>> from jcompilemask.spec import q, k
+>>> print(rewrite_atom(k // 64 <= q // 64))
+k < (q // 64 + 1) * 64
+"""
+from __future__ import annotations
+
+import warnings
+
+from ..spec.expr import BinOp, Cmp, Const, Pred, substitute, walk
+
+__all__ = ["MaskFallbackWarning", "rewrite_atom", "fallback_message", "warn_fallbacks"]
+
+
+class MaskFallbackWarning(UserWarning):
+    """A region of a MaskSpec keeps its predicate (the slow path; not on the GPU kernels)."""
+
+
+_FLIP = {"<": ">", "<=": ">=", ">": "<", ">=": "<=", "==": "==", "!=": "!="}
+
+
+def _uses_k(e) -> bool:
+    return any(getattr(n, "name", None) == "k" and type(n).__name__ == "Index"
+               for n in walk(e))
+
+
+def _is_k_over_c(e) -> bool:
+    return (isinstance(e, BinOp) and e.op == "//" and isinstance(e.b, Const)
+            and e.b.value > 0 and not isinstance(e.a, BinOp) and _is_k(e.a))
+
+
+def _is_k(e) -> bool:
+    return type(e).__name__ == "Index" and e.name == "k"
+
+
+def rewrite_atom(atom: Cmp) -> Pred | None:
+    """An equivalent predicate linear in ``k`` for ``k // c OP e`` (``e`` free of ``k``,
+    ``c`` a positive constant, either side), else None."""
+    if not isinstance(atom, Cmp):
+        return None
+    op, a, b = atom.op, atom.a, atom.b
+    if not _is_k_over_c(a):
+        op, a, b = _FLIP[op], b, a
+    if not _is_k_over_c(a) or _uses_k(b):
+        return None
+    k_, c = a.a, a.b
+    lo, hi = b * c, (b + 1) * c           # k // c == b  <=>  b*c <= k < (b+1)*c
+    return {"<=": k_ < hi, "<": k_ < lo, ">=": k_ >= lo, ">": k_ >= hi,
+            "==": (k_ >= lo) & (k_ < hi), "!=": (k_ < lo) | (k_ >= hi)}[op]
+
+
+def _rewrite_pred(p: Pred) -> Pred:
+    def fn(node):
+        if isinstance(node, Cmp):
+            return rewrite_atom(node)
+        return None
+    return substitute(p, fn)
+
+
+def _offending_atom(reason: str, visible: Pred):
+    """The atom the lowering named in ``reason`` (its text sits between backquotes)."""
+    if "`" not in reason:
+        return None
+    text = reason.split("`")[1]
+    for n in walk(visible):
+        if isinstance(n, Cmp):
+            for form in (n, n.negated()):      # the lowering works on the negation normal form
+                if str(form) == text:
+                    return form
+    return None
+
+
+def fallback_message(spec, index: int, reason: str) -> str:
+    """The warning text for region ``index`` of ``spec``, lowering ``reason``."""
+    from .analyze import lower_region
+    r = spec.regions[index]
+    label = f" {r.name!r}" if r.name else ""
+    where = f"mask {spec.name!r}: " if spec.name else ""
+    msg = (f"{where}region {index}{label} (rows [{r.rows[0]}, {r.rows[1]})) falls back to "
+           f"evaluating its predicate per element: {reason}. This is slower, and the GPU "
+           "kernels do not run such masks (the xla backend does).")
+    atom = _offending_atom(reason, r.visible)
+    fixed = rewrite_atom(atom) if atom is not None else None
+    if fixed is not None:
+        rule = _rewrite_pred(r.visible)
+        trial = type(r)(r.rows, rule, r.name)
+        if lower_region(trial, spec).fallback is None:
+            whole = "" if rule.key() == fixed.key() else f" (the whole rule: `{rule}`)"
+            return msg + f" Rewrite `{atom}` as `{fixed}`{whole}: it lowers to intervals."
+        return msg + f" `{atom}` can be written `{fixed}`, but the rule still falls back."
+    return msg + (" Write the rule with k alone on one side of each comparison, against "
+                  "bounds of q and metadata (floor division and % of q are fine).")
+
+
+def warn_fallbacks(cm, stacklevel: int = 3):
+    """Issue one :class:`MaskFallbackWarning` per fallback region of ``cm``."""
+    for i in cm.fallback_regions:
+        warnings.warn(fallback_message(cm.spec, i, cm.regions[i].fallback),
+                      MaskFallbackWarning, stacklevel=stacklevel)
+
