@@ -8,12 +8,19 @@ accepts all of them:
 
 * ``mask``: an :class:`~jcompilemask.ExecutionDescriptor` (build it once per step and pass
   the same one to every layer: ``layer(x, mask=desc)``), or a MaskSpec / CompiledMask that
-  reads no metadata. A dense boolean or float mask is rejected with a hint (build a
-  MaskSpec, or :func:`jcompilemask.from_dense` for a fixed pattern).
+  reads no metadata, or a dense mask array as Flax makes them (``[batch..., heads|1,
+  q_len, kv_len]``, nonzero = attend; O(q_len * kv_len), see
+  :func:`jcompilemask.mask_attention`). With none, ``is_causal=True`` is the mask.
+* ``bias`` is added to the logits and ``is_causal=True`` AND-s ``k <= q`` into the mask,
+  as in :func:`jcompilemask.mask_attention`.
 * ``dropout_rate > 0`` with ``deterministic=False`` raises (attention dropout is not
-  implemented); ``bias`` raises; ``module`` (``sow_weights=True``) raises, since the
-  attention weights are never materialised; ``is_causal=True`` raises (put causality in
-  the MaskSpec); ``input_positions`` raises (apply RoPE to the projections yourself).
+  implemented); ``module`` (``sow_weights=True``) raises, since the attention weights are
+  never materialised; ``input_positions`` raises (apply RoPE to the projections
+  yourself).
+* Flax's own ``MultiHeadAttention(decode=True)`` combines the mask with its cache mask as
+  arrays: it works with ``mask=None`` (its cache mask then runs as a dense mask); for a
+  structured mask while decoding use :class:`jcompilemask.flax.MultiHeadAttention` with
+  ``decode=True``, which evaluates the mask at the cache positions.
 * ``dtype`` casts query / key / value (default: their promoted dtype; float32 math inside
   the kernels either way); ``precision``, ``broadcast_dropout``, ``dropout_rng`` and
   ``promote_dtype`` are accepted and have no effect.
@@ -74,10 +81,6 @@ def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout: boo
         if not _inactive(v):
             raise TypeError(f"jcompilemask attention_fn does not support the keyword "
                             f"{name}={v!r} (only its inactive value None/False/0)")
-    if bias is not None:
-        raise NotImplementedError("attention bias is not supported by jcompilemask: express "
-                                  "masking as a MaskSpec (additive biases are not "
-                                  "implemented)")
     if dropout_rate and not deterministic:
         raise NotImplementedError(
             f"attention dropout (dropout_rate={dropout_rate}, deterministic=False) is not "
@@ -86,23 +89,20 @@ def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout: boo
     if module is not None:
         raise NotImplementedError("sow_weights=True needs the attention weights, which "
                                   "jcompilemask never materialises")
-    if is_causal:
-        raise NotImplementedError("is_causal=True: put causality in the MaskSpec (e.g. "
-                                  "jcm.masks.causal(), or `& (k <= q)` in a rule)")
     if input_positions is not None:
         raise NotImplementedError("input_positions (RoPE inside attention_fn) is not "
                                   "supported: apply RoPE to the query/key projections "
                                   "before attention")
-    if mask is None:
+    if mask is None and not is_causal:
         raise ValueError("jcompilemask attention_fn needs its mask: call the layer with "
                          "mask=<ExecutionDescriptor> (built once per step with "
                          "jcm.compile(spec).instantiate(metadata, q_len, kv_len)), or bind "
-                         "one with jcompilemask.flax.make_attention_fn(desc)")
-    if not isinstance(mask, _MASKS):
+                         "one with jcompilemask.flax.make_attention_fn(desc); for no "
+                         "masking at all pass jcm.masks.full()")
+    dense = mask is not None and not isinstance(mask, _MASKS)
+    if dense and not (hasattr(mask, "dtype") and hasattr(mask, "shape")):
         raise TypeError(f"mask must be a jcompilemask ExecutionDescriptor, MaskSpec or "
-                        f"CompiledMask, got {type(mask).__name__}: a dense mask array is not "
-                        "accepted (write the pattern as a MaskSpec, or use "
-                        "jcompilemask.from_dense for a fixed [Nq, Nk] pattern)")
+                        f"CompiledMask, or a mask array, got {type(mask).__name__}")
 
     if dtype is None:
         dtype = jnp.result_type(query, key, value)
@@ -116,9 +116,30 @@ def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout: boo
                          f"value {value.shape}")
     b = math.prod(batch)
     q4, k4, v4 = (x.reshape((b,) + x.shape[-3:]) for x in (query, key, value))
-    out = mask_attention(q4, k4, v4, mask, scale=scale, logits_soft_cap=logits_soft_cap,
+    if dense:
+        mask = _flat_batch(jnp.asarray(mask) != 0, batch, "mask")
+    if bias is not None:
+        bias = _flat_batch(jnp.asarray(bias), batch, "bias")
+    out = mask_attention(q4, k4, v4, mask, bias=bias, is_causal=bool(is_causal),
+                         scale=scale, logits_soft_cap=logits_soft_cap,
                          implementation=implementation)
     return out.reshape(batch + out.shape[1:])
+
+
+def _flat_batch(x, batch, name):
+    """[batch..., H, T, S] (leading dims may be 1 or missing) -> [prod(batch)|1, H, T, S]."""
+    if x.ndim <= 3:
+        return x
+    lead = x.shape[:-3]
+    if len(lead) > len(batch):
+        raise ValueError(f"{name} has shape {x.shape}: more batch dims than the inputs' "
+                         f"{batch}")
+    lead = (1,) * (len(batch) - len(lead)) + lead
+    x = x.reshape(lead + x.shape[-3:])
+    if all(n == 1 for n in lead):
+        return x.reshape((1,) + x.shape[-3:])
+    x = jnp.broadcast_to(x, tuple(batch) + x.shape[-3:])
+    return x.reshape((math.prod(batch),) + x.shape[-3:])
 
 
 def make_attention_fn(mask=None, *, scale: Optional[float] = None,

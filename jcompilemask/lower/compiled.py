@@ -130,6 +130,11 @@ class CompiledMask:
         return self.spec.batched
 
     @property
+    def ndim(self):
+        from .descriptor import not_an_array
+        raise not_an_array("CompiledMask")
+
+    @property
     def mask_heads(self) -> int:
         return self.spec.mask_heads
 

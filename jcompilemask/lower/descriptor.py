@@ -105,6 +105,17 @@ def unpack_tiles(words, num_tiles: int):
     return s[..., :num_tiles].astype(jnp.uint8)
 
 
+def not_an_array(kind: str) -> AttributeError:
+    """The error for ``mask.ndim`` on a jcompilemask mask: code that takes masks as arrays
+    (Flax's ``decode=True`` cache masking, ``flax.nnx.combine_masks``) reads it first."""
+    return AttributeError(
+        f"a jcompilemask {kind} is not an array (it has no ndim): code that combines masks "
+        "as arrays cannot take it. With Flax's MultiHeadAttention(decode=True), use "
+        "jcompilemask.flax.MultiHeadAttention(..., decode=True), which evaluates the mask at "
+        "the cache positions, or call Flax's layer with mask=None; elsewhere pass "
+        "mask.as_dense() where a dense boolean array is wanted")
+
+
 @jax.tree_util.register_pytree_node_class
 class ExecutionDescriptor:
     """Interval tables + tile-state bitmaps for one batch of one mask (see module doc).
@@ -137,6 +148,10 @@ class ExecutionDescriptor:
         return cls(*children, mask=mask, q_len=q_len, kv_len=kv_len, tiles=tiles)
 
     # -- shape facts ----------------------------------------------------------------------
+    @property
+    def ndim(self):
+        raise not_an_array("ExecutionDescriptor")
+
     @property
     def batch(self) -> int:
         return self.fwd_intervals.shape[0]

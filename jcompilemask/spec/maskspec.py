@@ -205,6 +205,11 @@ class MaskSpec:
         """True when the spec reads per-sequence metadata (its dense view has B > 1)."""
         return bool(self.metadata)
 
+    @property
+    def ndim(self):
+        from ..lower.descriptor import not_an_array
+        raise not_an_array("MaskSpec")
+
     def __str__(self):
         head = f"MaskSpec {self.name!r}" if self.name else "MaskSpec"
         meta = "; ".join(d.describe() for d in self.metadata.values()) or "none"
