@@ -62,19 +62,81 @@ def test_attention_fn_keywords_and_errors():
                           ).dtype == jnp.bfloat16
     bad = [
         (dict(dropout_rate=0.1, deterministic=False), NotImplementedError, "dropout"),
-        (dict(bias=jnp.zeros((N, N))), NotImplementedError, "bias"),
         (dict(module=object()), NotImplementedError, "sow_weights"),
-        (dict(is_causal=True), NotImplementedError, "causality"),
         (dict(input_positions=jnp.arange(N)), NotImplementedError, "RoPE"),
         (dict(some_new_flag=True), TypeError, "some_new_flag"),
     ]
     for kw, err, match in bad:
         with pytest.raises(err, match=match):
             jf.attention_fn(q, k, v, **{"mask": desc, **kw})
-    with pytest.raises(TypeError, match="dense mask array"):
-        jf.attention_fn(q, k, v, mask=jnp.ones((N, N), bool))
+    with pytest.raises(TypeError, match="or a mask array"):
+        jf.attention_fn(q, k, v, mask="causal")
     with pytest.raises(ValueError, match="needs its mask"):
         jf.attention_fn(q, k, v)
+
+
+def test_attention_fn_takes_bias_is_causal_and_dense_masks():
+    """What Flax passes (dense float masks with batch dims, bias, is_causal) as jax does."""
+    q, k, v = (jax.random.normal(kk, (2, 3, N, 2, 8)) for kk in
+               jax.random.split(jax.random.key(4), 3))
+    flat = lambda x: x.reshape((6,) + x.shape[2:])  # noqa: E731
+    bias = jax.random.normal(jax.random.key(5), (2, 3, 2, N, N))
+    dense = jnp.tril(jnp.ones((N, N), jnp.float32))[None, None, None]   # nnx-style float
+    want = jax.nn.dot_product_attention(flat(q), flat(k), flat(v), flat(bias),
+                                        is_causal=True)
+    for kw in (dict(bias=bias, is_causal=True), dict(bias=bias, mask=dense),
+               dict(bias=bias, mask=jcm.masks.causal())):
+        got = jax.jit(lambda q, k, v: jf.attention_fn(q, k, v, deterministic=True, **kw))(
+            q, k, v)
+        _close(got, want.reshape(q.shape))
+
+
+def _decode_all(layer, x, mask, prefill):
+    step = nnx.jit(lambda m, x, d: m(x, d))
+    outs = [step(layer, x[:, :prefill], mask)]
+    outs += [step(layer, x[:, t:t + 1], mask) for t in range(prefill, x.shape[1])]
+    return jnp.concatenate(outs, axis=1)
+
+
+@pytest.mark.parametrize("which", ["causal", "window", "document"])
+def test_nnx_decode_matches_the_full_forward(which):
+    """Decoding (a prefilled chunk, then one token at a time) against the cache gives the
+    rows of the full forward pass: the mask is evaluated at the cache positions."""
+    layer = jf.MultiHeadAttention(4, D_MODEL, num_kv_heads=2, rngs=nnx.Rngs(0))
+    x = _x(3)
+    if which == "document":
+        desc = _desc()
+    else:
+        spec = jcm.masks.causal() if which == "causal" else jcm.masks.sliding_window(3)
+        desc = jcm.compile(spec).instantiate(None, N, N)
+    full = layer(x, desc)
+    layer.decode = True
+    layer.init_cache(x.shape)
+    got = _decode_all(layer, x, None if which == "causal" else desc, prefill=5)
+    _close(got, full)
+    assert int(layer.cache_index[...]) == N
+    if which == "window":        # the mask matters: decoding it as causal differs
+        layer.init_cache(x.shape)
+        assert not np.allclose(_decode_all(layer, x, None, prefill=5), full, atol=1e-3)
+
+
+def test_flax_decode_with_our_attention_fn():
+    """Flax's own decode works with mask=None; a structured mask gets a message saying
+    what to do instead of an AttributeError from deep inside Flax."""
+    ours = nnx.MultiHeadAttention(4, D_MODEL, decode=True, attention_fn=jf.attention_fn,
+                                  rngs=nnx.Rngs(0))
+    theirs = nnx.MultiHeadAttention(4, D_MODEL, decode=True, rngs=nnx.Rngs(0))
+    x = _x(4)
+    ours.init_cache(x.shape)
+    theirs.init_cache(x.shape)
+    for t in range(N):
+        _close(ours(x[:, t:t + 1]), theirs(x[:, t:t + 1]))
+    ours.init_cache(x.shape)
+    with pytest.raises(AttributeError, match=r"jcompilemask\.flax\.MultiHeadAttention\(\.\.\., "
+                       r"decode=True\)"):
+        ours(x[:, :1], mask=_desc())
+    with pytest.raises(ValueError, match="init_cache"):
+        jf.MultiHeadAttention(4, D_MODEL, decode=True, rngs=nnx.Rngs(0))(x[:, :1])
 
 
 def _reference(layer, x, dense):

@@ -85,8 +85,12 @@ class CompiledMask:
     Attributes:
       spec: the source :class:`MaskSpec`.
       regions: one :class:`LoweredRegion` per region (intervals, or a fallback reason).
-      num_intervals: K, forward intervals per row (max over regions, at least 1).
-      num_bwd_intervals: Kc, backward intervals per key column (0: no column view).
+      num_intervals: K, forward intervals per row (max over regions, at least 1): the
+        most ranges of keys one query row sees.
+      num_bwd_intervals: Kc, backward intervals per key column (0: no column view): the
+        most ranges of query rows that see one key. The *column view* is that table, per
+        key instead of per row; the backward pass, which holds a key tile and streams
+        query tiles, reads it.
 
     >>> import jcompilemask as jcm
     >>> cm = jcm.compile(jcm.masks.causal())
@@ -143,7 +147,10 @@ class CompiledMask:
         """Every region's interval expressions (or fallback reason) and column view."""
         s = self.spec
         lines = [f"CompiledMask {s.name or ''}: K = {self.num_intervals} forward interval(s) "
-                 f"per row, Kc = {self.num_bwd_intervals} backward interval(s) per column"]
+                 f"per row, Kc = {self.num_bwd_intervals} backward interval(s) per column",
+                 "  (K: at most this many ranges of keys are visible from one query row. "
+                 "Kc: at most this many ranges of query rows see one key: the column view, "
+                 "which the backward pass walks key by key)"]
         for i, (r, lr) in enumerate(zip(s.regions, self.regions)):
             label = f" {r.name!r}" if r.name else ""
             lines.append(f"  region {i}{label}: rows [{r.rows[0]}, {r.rows[1]})")
@@ -158,10 +165,11 @@ class CompiledMask:
             if lr.bwd_reason:
                 lines.append(f"    no column view: {lr.bwd_reason}")
         if self.has_column_view:
-            lines.append("  column view: derived (bounds non-decreasing in q; rows found by "
-                         "counting)")
+            lines.append("  column view: derived (bounds non-decreasing in q, so the rows "
+                         "that see a key form one range per interval; found by counting)")
         else:
-            lines.append("  column view: none; the backward pass checks row intervals")
+            lines.append("  column view: none (the rows that see a key are not known to form "
+                         "ranges); the backward pass checks row intervals")
         lines.append("  intervals are clamped to [0, kv_len); empty ones are (0, 0)")
         return "\n".join(lines)
 

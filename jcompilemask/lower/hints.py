@@ -73,7 +73,13 @@ def _offending_atom(reason: str, visible: Pred):
     text = reason.split("`")[1]
     for n in walk(visible):
         if isinstance(n, Cmp):
-            for form in (n, n.negated()):      # the lowering works on the negation normal form
+            # The lowering works on the negation normal form, with == and != split.
+            forms = [n, n.negated()]
+            for f in list(forms):
+                if f.op in ("==", "!="):
+                    forms += [Cmp(o, f.a, f.b) for o in
+                              (("<=", ">=") if f.op == "==" else ("<", ">"))]
+            for form in forms:
                 if str(form) == text:
                     return form
     return None
