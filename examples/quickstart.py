@@ -42,8 +42,9 @@ def main():
     else:
         mask, md = desc, None
     attend = jax.jit(lambda q, k, v: jcm.mask_attention(q, k, v, mask, metadata=md,
-                                                        return_residuals=True))
+                                                        return_residual=True))
     out, lse = attend(q, k, v)
+    lse = jnp.swapaxes(lse, 1, 2)          # jax's layout [B, N, H] -> the reference's [B, H, N]
     grads = jax.jit(jax.grad(lambda q: jnp.sum(attend(q, k, v)[0].astype(jnp.float32))))(q)
 
     # 5. Check against dense attention under the MaskSpec's own dense oracle.

@@ -139,9 +139,16 @@ def select(implementation: Optional[str], call: Call) -> Backend:
                          b.name, name, reason)
             return b
         reasons.append(f"{b.name}: {why}")
-        if b.available() is None:
+        if b.available() is None or _on_gpu():
             passed_over.append((b.name, why))
     raise BackendUnavailable("no implementation can run this call: " + "; ".join(reasons))
+
+
+def _on_gpu() -> bool:
+    try:
+        return jax.default_backend() == "gpu"
+    except RuntimeError:   # pragma: no cover - no backend initialised
+        return False
 
 
 def explain(call: Call | None = None) -> str:

@@ -263,8 +263,8 @@ def test_bad_inputs_raise_clearly():
         d3 = jcm.compile(BUILTINS["prefix_lm"]).instantiate({"prefix_len": np.ones(3, int)}, N, N)
         jcm.mask_attention(jnp.concatenate([qx, qx]), jnp.concatenate([kx, kx]),
                            jnp.concatenate([vx, vx]), d3)
-    with pytest.raises(TypeError, match="mask must be"):
-        jcm.mask_attention(qx, kx, vx, np.ones((N, N), bool))
+    with pytest.raises(TypeError, match="mask array must be boolean"):
+        jcm.mask_attention(qx, kx, vx, np.ones((N, N), np.float32))
     with pytest.raises(ValueError, match="unknown implementation"):
         jcm.mask_attention(qx, kx, vx, desc, implementation="nope")
 

@@ -159,8 +159,9 @@ def mask_attention(query, key, value, mask=None, *, bias=None,
     unbatched = query.ndim == 3
     if unbatched:
         if key.ndim != 3 or value.ndim != 3:
-            raise _shape_error(f"query is unbatched (rank 3), so key and value must be too; "
-                               f"got {key.shape}, {value.shape}")
+            raise _shape_error(f"query has rank 3 (unbatched), so key and value must have "
+                               f"rank 3 too (or all three rank 4); got key {key.shape}, "
+                               f"value {value.shape}")
         query, key, value = query[None], key[None], value[None]
     b, nq, hq, d, nk, hkv, dv = _validate(query, key, value)
 

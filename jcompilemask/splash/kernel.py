@@ -223,9 +223,9 @@ class SplashAttentionKernel:
             mask, metadata, bad_rows = self._segments(segment_ids, nq, nk)
         out, lse = mask_attention(q4, k4, v4, mask, metadata=metadata, scale=1.0,
                                   logits_soft_cap=self.attn_logits_soft_cap,
-                                  return_residuals=True, implementation=self.implementation)
+                                  return_residual=True, implementation=self.implementation)
         out = jnp.swapaxes(out[0], 0, 1)                # [H, Nq, Dv]
-        lse = lse[0]                                    # [H, Nq]
+        lse = jnp.swapaxes(lse[0], 0, 1)                # [H, Nq]
         if sinks is not None:
             sinks = jnp.asarray(sinks, jnp.float32)
             if sinks.shape != (hq,):
