@@ -206,3 +206,20 @@ def test_example_decoder_trains():
     losses = _load_example("flax_decoder").main(steps=25, verbose=False)
     assert all(np.isfinite(losses))
     assert np.mean(losses[-5:]) < np.mean(losses[:5]) - 0.5, losses
+
+
+def test_linen_decode_with_our_attention_fn():
+    """Linen's decode cache (mask=None: Flax's occupancy mask runs as a dense mask)."""
+    x = _x(5)[:, :6]
+    ours = nn.MultiHeadDotProductAttention(num_heads=4, decode=True,
+                                           attention_fn=jf.attention_fn)
+    theirs = nn.MultiHeadDotProductAttention(num_heads=4, decode=True)
+    variables = theirs.init(jax.random.key(1), x, x)
+    params, c_ours, c_theirs = variables["params"], variables["cache"], variables["cache"]
+    for t in range(x.shape[1]):
+        tok = x[:, t:t + 1]
+        a, m_ours = ours.apply({"params": params, "cache": c_ours}, tok, tok, mutable=["cache"])
+        b, m_theirs = theirs.apply({"params": params, "cache": c_theirs}, tok, tok,
+                                   mutable=["cache"])
+        c_ours, c_theirs = m_ours["cache"], m_theirs["cache"]
+        _close(a, b)
