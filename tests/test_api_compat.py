@@ -127,6 +127,17 @@ def test_dense_boolean_masks_concrete_and_traced():
            jax.nn.dot_product_attention(q_, k_, v_, mask=batched, key_value_seq_lengths=LENS))
 
 
+def test_traced_batched_mask_with_bias_gradients_match_jax():
+    q_, k_, v_ = _qkv(15)
+    m = (jax.random.bernoulli(jax.random.key(16), 0.6, (B, 1, N, N))
+         | jnp.eye(N, dtype=bool))
+    bias = jax.random.normal(jax.random.key(17), (1, H, N, N))
+    f = lambda q_, bias, m: jnp.sum(jnp.sin(jcm.mask_attention(q_, k_, v_, m, bias=bias)))  # noqa: E731
+    g = lambda q_, bias, m: jnp.sum(jnp.sin(jax.nn.dot_product_attention(q_, k_, v_, bias, m)))  # noqa: E731
+    for a, b in zip(jax.jit(jax.grad(f, (0, 1)))(q_, bias, m), jax.grad(g, (0, 1))(q_, bias, m)):
+        _close(a, b, atol=5e-5)
+
+
 def test_scale_takes_any_real_scalar():
     q_, k_, v_ = _qkv(8)
     ref = jax.nn.dot_product_attention(q_, k_, v_, is_causal=True, scale=0.25)

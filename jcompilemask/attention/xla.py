@@ -18,7 +18,9 @@ so it mirrors their structure and math:
   view (key tiles, streaming query tiles, with the column intervals), as FlashAttention's
   backward kernels do.
 
-Memory is O(N * block): no N x N tensor is formed.
+Memory is O(N * block): no N x N tensor is formed. An additive bias (optional, [B|1, Hq|1,
+Nq|1, Nk|1]: the size the caller chose) is sliced per tile and added to the logits; its
+gradient, when asked for, is one more pass over the forward view.
 
 The outer loop over tiles is a ``lax.map``. On the CPU it runs one tile at a time; on a
 GPU it runs ``tile_batch`` outer tiles side by side (``lax.map(..., batch_size=...)``:
