@@ -251,6 +251,11 @@ def test_compile_warns_once_on_fallback_with_a_rewrite():
     modulo = MaskSpec([Region((0, q_len), (k % 4 == 0) & (k <= q))], name="mod_test")
     with pytest.warns(jcm.MaskFallbackWarning, match="`k % 4 <= 0`.*k alone on one side"):
         jcm.compile(modulo)
+    quiet = MaskSpec([Region((0, q_len), k // 16 <= q // 16)], name="quiet_test")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert jcm.compile(quiet, warn=False).fallback_regions    # the caller handles it
+        jcm.compile(quiet)
     chunks = MaskSpec([Region((0, q_len), k // 8 == q // 8)], name="eq_test")
     with pytest.warns(jcm.MaskFallbackWarning, match=r"the whole rule: `\(k >= q // 8 \* 8\) "
                       r"& \(k < \(q // 8 \+ 1\) \* 8\)`"):

@@ -253,24 +253,26 @@ class CompiledMask:
 @functools.lru_cache(maxsize=256)
 def _compile_cached(spec: MaskSpec) -> CompiledMask:
     from .._progress import slow_step
-    from .hints import warn_fallbacks
     what = (f"jcompilemask: lowering mask {spec.name or spec.fingerprint()} "
             f"({len(spec.regions)} region(s), sympy)")
     with slow_step(what):
         regions = tuple(lower_region(r, spec) for r in spec.regions)
-    cm = CompiledMask(spec, regions)
-    warn_fallbacks(cm, stacklevel=4)   # once per spec: this function is cached
-    return cm
+    return CompiledMask(spec, regions)
 
 
-def compile(spec) -> CompiledMask:  # noqa: A001 - the public name of the operation
+_warned: set = set()      # spec keys whose fallback regions were reported
+_quiet: set = set()       # spec keys a caller compiled with warn=False
+
+
+def compile(spec, *, warn: bool = True) -> CompiledMask:  # noqa: A001 - the public name
     """Lower a :class:`MaskSpec` to interval expressions (cached per spec structure).
 
     A region whose rule cannot be lowered keeps its predicate (evaluated per element:
     correct, slower, and not run by the GPU kernels); the first compile of such a spec
     issues a :class:`~jcompilemask.lower.hints.MaskFallbackWarning` naming the region, the
-    atom, and a rewrite that lowers where one is known. A lowering that takes more than
-    a second says so through ``logging`` while it runs.
+    atom, and a rewrite that lowers where one is known. ``warn=False`` is for code that
+    checks ``fallback_regions`` itself: no warning for that spec, now or later. A lowering
+    that takes more than a second says so through ``logging`` while it runs.
 
     >>> import jcompilemask as jcm
     >>> print(jcm.compile(jcm.masks.hstu()).explain().splitlines()[0])
@@ -280,4 +282,12 @@ def compile(spec) -> CompiledMask:  # noqa: A001 - the public name of the operat
         return spec
     if not isinstance(spec, MaskSpec):
         raise TypeError(f"compile() takes a MaskSpec, got {type(spec).__name__}")
-    return _compile_cached(spec)
+    cm = _compile_cached(spec)
+    key = spec.key()
+    if not warn:
+        _quiet.add(key)
+    elif cm.fallback_regions and key not in _quiet and key not in _warned:
+        _warned.add(key)
+        from .hints import warn_fallbacks
+        warn_fallbacks(cm, stacklevel=3)
+    return cm

@@ -242,7 +242,7 @@ def to_jcm(mask, name: str = "splash"):
     """
     groups, n_heads, shape = head_groups(mask)
     spec = spec_from_groups(groups, n_heads, name=name)
-    if spec is not None and not _compile(spec).fallback_regions:
+    if spec is not None and not _compile(spec, warn=False).fallback_regions:
         return spec
     return from_dense(_dense_all(groups, n_heads, shape), name=name)
 

@@ -158,8 +158,8 @@ class _Masks:
                                      dense_rule=dense_rules.get)
         self.exact = spec_from_groups(self.groups, self.n_heads, _EXACT_RULE,
                                       "splash+segments(exact)", dense_rule=dense_rules.get)
-        _compile(self.fast)
-        _compile(self.exact)
+        _compile(self.fast, warn=False)
+        _compile(self.exact, warn=False)
 
     @property
     def mask_heads(self):
