@@ -227,6 +227,9 @@ def test_messages_name_the_argument_and_the_fix():
     for kw, match in cases:
         with pytest.raises((TypeError, ValueError), match=match):
             jcm.mask_attention(q_, k_, v_, **kw)
+    from jcompilemask.splash import CausalMask
+    with pytest.raises(TypeError, match=r"splash\.to_jcm\(mask\)"):
+        jcm.mask_attention(q_, k_, v_, CausalMask((N, N)))
     with pytest.raises(TypeError, match=r"query is a Python list.*jnp\.asarray\(query\)"):
         jcm.mask_attention(np.asarray(q_).tolist(), k_, v_, jcm.masks.causal())
     with pytest.raises(jcm.spec.MetadataError, match="metadata must be a dict"):

@@ -186,8 +186,11 @@ def _check_mask_object(mask):
         raise TypeError(f"mask is the function {mod + '.' if mod else ''}{fn}, not a mask: "
                         f"call it, e.g. mask={short}({'...' if required else ''})")
     if not hasattr(mask, "dtype") or not hasattr(mask, "shape"):
+        mod = type(mask).__module__ or ""
+        hint = (": convert a splash mask with jcompilemask.splash.to_jcm(mask)"
+                if "splash" in mod else "")
         raise TypeError("mask must be an ExecutionDescriptor, a MaskSpec / CompiledMask, a "
-                        f"boolean array or None, got {type(mask).__name__}")
+                        f"boolean array or None, got {type(mask).__name__}{hint}")
     if mask.dtype != bool:
         raise TypeError(f"mask is a {mask.dtype} array; a mask array must be boolean (True "
                         "= attend), as in jax.nn.dot_product_attention: an additive mask "
