@@ -115,6 +115,9 @@ def test_nnx_decode_matches_the_full_forward(which):
     got = _decode_all(layer, x, None if which == "causal" else desc, prefill=5)
     _close(got, full)
     assert int(layer.cache_index[...]) == N
+    with pytest.raises(ValueError, match="cache is full"):
+        layer(x[:, :1], None)                                   # eager: the index is known
+    assert np.isnan(np.asarray(nnx.jit(lambda m, x: m(x, None))(layer, x[:, :1]))).all()
     if which == "window":        # the mask matters: decoding it as causal differs
         layer.init_cache(x.shape)
         assert not np.allclose(_decode_all(layer, x, None, prefill=5), full, atol=1e-3)

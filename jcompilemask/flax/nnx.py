@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax import lax
@@ -102,7 +103,8 @@ class MultiHeadAttention(nnx.Module):
 
     def init_cache(self, input_shape, dtype=None):
         """Allocate the decoding cache for inputs of ``input_shape`` = (batch, max_length,
-        features); resets the cache index to 0."""
+        features); resets the cache index to 0. Decoding past ``max_length`` raises
+        eagerly; inside ``jit`` (where the index is traced) its output is NaN."""
         if len(input_shape) != 3:
             raise ValueError(f"init_cache takes (batch, max_length, features), got "
                              f"{tuple(input_shape)}")
@@ -148,6 +150,9 @@ class MultiHeadAttention(nnx.Module):
         k = self.key(inputs_q).reshape(b, c, self.num_kv_heads, self.head_dim)
         v = self.value(inputs_q).reshape(b, c, self.num_kv_heads, self.head_dim)
         i = self.cache_index[...]
+        if not isinstance(i, jax.core.Tracer) and int(i) + c > n:
+            raise ValueError(f"the cache is full: index {int(i)} + {c} new tokens > "
+                             f"max_length {n} (init_cache with a longer max_length)")
         zero = jnp.zeros((), i.dtype)
         kc = lax.dynamic_update_slice(kc, k.astype(kc.dtype), (zero, i, zero, zero))
         vc = lax.dynamic_update_slice(vc, v.astype(vc.dtype), (zero, i, zero, zero))
@@ -160,6 +165,9 @@ class MultiHeadAttention(nnx.Module):
         x = mask_attention(q.astype(dtype), kc.astype(dtype), vc.astype(dtype), vis,
                            scale=self.scale, logits_soft_cap=self.logits_soft_cap,
                            implementation=self.implementation)
+        # Past max_length (seen only inside jit) the cache update would clamp and
+        # overwrite earlier keys: the output is NaN instead of silently wrong.
+        x = jnp.where(i + c <= n, x, jnp.nan)
         return self.out(x.reshape(b, c, self.num_heads * self.head_dim))
 
 
