@@ -242,7 +242,7 @@ def _cute_backend() -> Backend:
 
     from .attention import xla
 
-    def backward(q, k, v, desc, scale, softcap, out, lse, do, dlse=None):
+    def backward(q, k, v, desc, scale, softcap, out, lse, do, dlse=None, deterministic=False):
         why = cute_backward_reason(q, v, desc, softcap)
         if why is not None:
             log_once(("cute-backward", why), "jcompilemask: gradients come from the xla "
@@ -254,7 +254,7 @@ def _cute_backend() -> Backend:
             return cute_backward(q, k, v, out, lse, do, desc.bwd_intervals, desc.bwd_tiles,
                                  desc.fwd_intervals, desc.bwd_exact, scale=scale, dlse=dlse,
                                  block_q=desc.tiles.bwd_block_q,
-                                 block_kv=desc.tiles.bwd_block_kv)
+                                 block_kv=desc.tiles.bwd_block_kv, deterministic=deterministic)
 
     return Backend(name="cute", priority=10, tiles=tiles, available=available,
                    supports=supports, forward=forward, backward=backward,

@@ -332,3 +332,32 @@ def test_explain_says_what_k_kc_and_the_column_view_are():
     text = jcm.compile(jcm.masks.hstu()).explain()
     assert "K: at most this many ranges of keys are visible from one query row" in text
     assert "Kc: at most this many ranges of query rows see one key: the column view" in text
+
+
+def test_deterministic_gradients_on_the_xla_backend():
+    """mask_attention(deterministic=True) (and the Flax modules' deterministic_grads)
+    give the same gradients as the default and the same bits on a rerun; a non-bool is
+    refused. (The CuTe backward's ordered dQ adds are checked on the H200:
+    tests/gpu/test_cute_backward.py::test_repeated_gradients_are_identical.)"""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import pytest
+    import jcompilemask as jcm
+    ks = jax.random.split(jax.random.key(3), 3)
+    q, k, v = (jax.random.normal(kk, (1, 40, 2, 8)) for kk in ks)
+
+    def grads(det):
+        f = lambda a, b, c: jnp.sum(jcm.mask_attention(  # noqa: E731
+            a, b, c, jcm.masks.causal(), implementation="xla", deterministic=det) ** 2)
+        return jax.jit(jax.grad(f, argnums=(0, 1, 2)))(q, k, v)
+    a, b, c = grads(True), grads(True), grads(False)
+    for x, y, z in zip(a, b, c):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+        np.testing.assert_allclose(np.asarray(x), np.asarray(z), rtol=1e-6, atol=1e-6)
+    with pytest.raises(TypeError, match="deterministic must be True or False"):
+        jcm.mask_attention(q, k, v, jcm.masks.causal(), deterministic="yes")
+    from flax import nnx
+    m = jcm.flax.MultiHeadAttention(2, 16, deterministic_grads=True, rngs=nnx.Rngs(0))
+    x = jax.random.normal(ks[0], (1, 40, 16))
+    assert m(x, jcm.masks.causal()).shape == (1, 40, 16)

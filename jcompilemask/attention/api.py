@@ -9,6 +9,7 @@ from typing import Mapping, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .. import backends as _backends
 from ..lower.compiled import compile as _compile
@@ -19,8 +20,8 @@ __all__ = ["mask_attention"]
 _DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
-def _attention(q, k, v, desc, bias, scale, softcap, backend_name, bias_grad):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
+def _attention(q, k, v, desc, bias, scale, softcap, backend_name, bias_grad, deterministic):
     return _forward(q, k, v, desc, bias, scale, softcap, backend_name)
 
 
@@ -31,17 +32,21 @@ def _forward(q, k, v, desc, bias, scale, softcap, backend_name):
     return b.forward(q, k, v, desc, scale, softcap, bias=bias)
 
 
-def _attention_fwd(q, k, v, desc, bias, scale, softcap, backend_name, bias_grad):
+def _attention_fwd(q, k, v, desc, bias, scale, softcap, backend_name, bias_grad, deterministic):
     out, lse = _forward(q, k, v, desc, bias, scale, softcap, backend_name)
     return (out, lse), (q, k, v, desc, bias, out, lse)
 
 
-def _attention_bwd(scale, softcap, backend_name, bias_grad, res, cts):
+def _attention_bwd(scale, softcap, backend_name, bias_grad, deterministic, res, cts):
     q, k, v, desc, bias, out, lse = res
     do, dlse = cts
     b = _backends.get(backend_name)
     if bias is None:
-        dq, dk, dv = b.backward(q, k, v, desc, scale, softcap, out, lse, do, dlse)
+        if deterministic:
+            dq, dk, dv = b.backward(q, k, v, desc, scale, softcap, out, lse, do, dlse,
+                                    deterministic=True)
+        else:
+            dq, dk, dv = b.backward(q, k, v, desc, scale, softcap, out, lse, do, dlse)
         return dq, dk, dv, None, None
     dq, dk, dv, dbias = b.backward(q, k, v, desc, scale, softcap, out, lse, do, dlse,
                                    bias=bias, bias_grad=bias_grad)
@@ -90,7 +95,7 @@ def mask_attention(query, key, value, mask=None, *, bias=None,
                    key_value_seq_lengths=None, local_window_size=None,
                    logits_soft_cap: Optional[float] = None,
                    implementation: Optional[str] = None, return_residual: bool = False,
-                   return_residuals: Optional[bool] = None):
+                   return_residuals: Optional[bool] = None, deterministic: bool = False):
     """Attention under a compiled mask, usable inside ``jax.jit``, ``grad`` and ``vmap``.
 
     Takes what :func:`jax.nn.dot_product_attention` takes (the same names and layouts),
@@ -135,6 +140,9 @@ def mask_attention(query, key, value, mask=None, *, bias=None,
       return_residual: also return the logsumexp, in jax's layout [batch, q_len,
         num_heads] ([q_len, num_heads] unbatched), float32, natural log.
       return_residuals: deprecated; returns the lse as [batch, num_heads, q_len].
+      deterministic: gradients bit-identical across runs. The CuTe backward then adds each
+        query tile's dQ contributions in key-tile order (per-tile semaphores; some speed
+        is lost waiting for turns); the xla backward is deterministic either way.
 
     Returns:
       ``out`` shaped like ``query`` with head_dim_v, in the input dtype, or ``(out, lse)``.
@@ -230,8 +238,10 @@ def mask_attention(query, key, value, mask=None, *, bias=None,
         raise ValueError(f"the mask has {desc.mask_heads} heads; the call has {hq} query "
                          "heads (mask heads must be 1 or the query head count)")
 
+    if not isinstance(deterministic, (bool, np.bool_)):
+        raise TypeError(f"deterministic must be True or False, got {deterministic!r}")
     out, lse = _attention(query, key, value, desc, bias, float(scale), logits_soft_cap,
-                          backend.name, bias_grad)
+                          backend.name, bias_grad, bool(deterministic))
     if unbatched:
         out, lse = out[0], lse[0]
     if return_residuals:

@@ -413,7 +413,9 @@ def forward(q, k, v, desc: ExecutionDescriptor, scale: float, softcap: float | N
 
 
 def backward(q, k, v, desc, scale, softcap, out, lse, do, dlse=None, bias=None,
-             bias_grad=False):
+             bias_grad=False, deterministic=False):
     """Blockwise backward from the residuals (out, lse): (dq, dk, dv), and with a bias
-    ``(dq, dk, dv, dbias)`` (dbias None unless ``bias_grad``)."""
+    ``(dq, dk, dv, dbias)`` (dbias None unless ``bias_grad``). Deterministic whatever
+    ``deterministic`` says (every sum runs in a fixed order)."""
+    del deterministic
     return _bwd_impl(q, k, v, desc, scale, softcap, out, lse, do, dlse, bias, bias_grad)

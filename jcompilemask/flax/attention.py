@@ -64,7 +64,8 @@ def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout: boo
                  dtype=None, precision=None, module=None, promote_dtype=None,
                  is_causal: bool = False, input_positions=None, *,
                  scale: Optional[float] = None, logits_soft_cap: Optional[float] = None,
-                 implementation: Optional[str] = None, **flax_kwargs):
+                 implementation: Optional[str] = None, deterministic_grads: bool = False,
+                 **flax_kwargs):
     """Drop-in ``attention_fn`` (see the module docstring for every keyword).
 
     Args:
@@ -72,6 +73,8 @@ def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout: boo
       key, value: [batch..., kv_len, kv_heads, head_dim(_v)].
       mask: the ExecutionDescriptor (or a metadata-free MaskSpec / CompiledMask).
       scale, logits_soft_cap, implementation: as :func:`jcompilemask.mask_attention`.
+      deterministic_grads: :func:`jcompilemask.mask_attention`'s ``deterministic``
+        (bit-identical gradients); Flax's own ``deterministic`` is the dropout switch.
 
     Returns:
       [batch..., q_len, heads, head_dim_v].
@@ -122,7 +125,7 @@ def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout: boo
         bias = _flat_batch(jnp.asarray(bias), batch, "bias")
     out = mask_attention(q4, k4, v4, mask, bias=bias, is_causal=bool(is_causal),
                          scale=scale, logits_soft_cap=logits_soft_cap,
-                         implementation=implementation)
+                         implementation=implementation, deterministic=deterministic_grads)
     return out.reshape(batch + out.shape[1:])
 
 
@@ -144,7 +147,7 @@ def _flat_batch(x, batch, name):
 
 def make_attention_fn(mask=None, *, scale: Optional[float] = None,
                       logits_soft_cap: Optional[float] = None,
-                      implementation: Optional[str] = None):
+                      implementation: Optional[str] = None, deterministic_grads: bool = False):
     """An ``attention_fn`` with its mask (and options) bound.
 
     Bind a descriptor when a module is built inside the step (linen ``apply``, or an nnx
@@ -166,7 +169,8 @@ def make_attention_fn(mask=None, *, scale: Optional[float] = None,
                             broadcast_dropout, dropout_rng, dropout_rate, deterministic,
                             dtype, precision, module, promote_dtype, is_causal,
                             input_positions, scale=scale, logits_soft_cap=logits_soft_cap,
-                            implementation=implementation, **flax_kwargs)
+                            implementation=implementation,
+                            deterministic_grads=deterministic_grads, **flax_kwargs)
 
     fn.__doc__ = attention_fn.__doc__
     return fn

@@ -43,6 +43,7 @@ class MultiHeadAttention(nn.Module):
     scale: Optional[float] = None
     logits_soft_cap: Optional[float] = None
     implementation: Optional[str] = None
+    deterministic_grads: bool = False    # mask_attention(deterministic=...); not dropout
 
     @nn.compact
     def __call__(self, inputs_q, mask, inputs_kv=None):
@@ -63,7 +64,8 @@ class MultiHeadAttention(nn.Module):
         v = proj("value", hkv, inputs_kv)
         x = attention_fn(q, k, v, mask=mask, deterministic=True, dtype=self.dtype,
                          scale=self.scale, logits_soft_cap=self.logits_soft_cap,
-                         implementation=self.implementation)
+                         implementation=self.implementation,
+                         deterministic_grads=self.deterministic_grads)
         return nn.DenseGeneral(self.out_features or inputs_q.shape[-1], axis=(-2, -1),
                                use_bias=self.use_bias, dtype=self.dtype,
                                param_dtype=self.param_dtype, name="out")(x)

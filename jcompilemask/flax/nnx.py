@@ -60,6 +60,7 @@ class MultiHeadAttention(nnx.Module):
       use_bias: biases in the four projections.
       dtype, param_dtype: computation and parameter dtypes.
       scale, logits_soft_cap, implementation: as :func:`jcompilemask.mask_attention`.
+      deterministic_grads: ``mask_attention(deterministic=...)``: bit-identical gradients.
       decode: keep a key/value cache for autoregressive decoding (see the module doc;
         call :meth:`init_cache` first). ``layer(..., decode=...)`` overrides it per call.
       rngs: :class:`flax.nnx.Rngs` for the projections' initialisation.
@@ -74,7 +75,7 @@ class MultiHeadAttention(nnx.Module):
                  use_bias: bool = False, dtype=None, param_dtype=jnp.float32,
                  scale: Optional[float] = None, logits_soft_cap: Optional[float] = None,
                  implementation: Optional[str] = None, decode: bool = False,
-                 rngs: nnx.Rngs):
+                 deterministic_grads: bool = False, rngs: nnx.Rngs):
         qkv_features = qkv_features or in_features
         out_features = out_features or in_features
         num_kv_heads = num_kv_heads or num_heads
@@ -88,6 +89,7 @@ class MultiHeadAttention(nnx.Module):
         self.head_dim = qkv_features // num_heads
         self.scale, self.logits_soft_cap = scale, logits_soft_cap
         self.implementation = implementation
+        self.deterministic_grads = deterministic_grads
         self.dtype = dtype
         self.decode = decode
         self.cached_key = self.cached_value = self.cache_index = nnx.data(None)
@@ -128,7 +130,8 @@ class MultiHeadAttention(nnx.Module):
         v = self.value(inputs_kv).reshape(lead_kv + (self.num_kv_heads, self.head_dim))
         x = attention_fn(q, k, v, mask=mask, deterministic=True, dtype=self.dtype,
                          scale=self.scale, logits_soft_cap=self.logits_soft_cap,
-                         implementation=self.implementation)
+                         implementation=self.implementation,
+                         deterministic_grads=self.deterministic_grads)
         return self.out(x.reshape(lead_q + (self.num_heads * self.head_dim,)))
 
     def _decode_step(self, inputs_q, mask, inputs_kv):
@@ -164,7 +167,8 @@ class MultiHeadAttention(nnx.Module):
         dtype = self.dtype or jnp.result_type(q, kc)
         x = mask_attention(q.astype(dtype), kc.astype(dtype), vc.astype(dtype), vis,
                            scale=self.scale, logits_soft_cap=self.logits_soft_cap,
-                           implementation=self.implementation)
+                           implementation=self.implementation,
+                           deterministic=self.deterministic_grads)
         # Past max_length (seen only inside jit) the cache update would clamp and
         # overwrite earlier keys: the output is NaN instead of silently wrong.
         x = jnp.where(i + c <= n, x, jnp.nan)
