@@ -52,7 +52,8 @@ def test_backward_compiles_for_sm90(dtype, d, kk, kc, bb, bh):
                                        (128, dict(lse_early=True, release_do_early=True)),
                                        (64, dict(ds_stages=1, release_do_early=True)),
                                        (128, dict(column_registers=2)),
-                                       (128, dict(deterministic=True)), (64, dict(deterministic=True))])
+                                       (128, dict(deterministic=True)), (64, dict(deterministic=True)),
+                                       (128, dict(dkv_tma_store=True))])
 def test_backward_config_variants_compile_for_sm90(d, changes):
     """The configs benchmarked against the default (one dS buffer, late statistics)."""
     import dataclasses

@@ -317,6 +317,10 @@ class BackwardConfig:
       (per-query-tile semaphores; see ``FlashBackwardSm90.write_dq``), so gradients are
       bit-identical across runs. dK and dV are deterministic either way (one CTA owns a
       key tile). ``mask_attention(deterministic=True)`` selects it.
+    - ``dkv_tma_store``: dK / dV written through K's and V's shared buffers (stmatrix)
+      and one TMA store each, as the forward writes O, instead of 2-byte element stores
+      from registers (128 per thread per CTA; the epilogue weighs most at short
+      sequences, where a CTA visits few tiles). Not yet run on the H200.
 
     ``preferred_backward_config`` picks the default per head dim; ``JCOMPILEMASK_CUTE_BWD_CONFIG``
     (e.g. ``ds_stages=1,stats_early=0``) overrides fields at trace time for benchmarks.
@@ -331,6 +335,7 @@ class BackwardConfig:
     release_do_early: bool = False
     column_registers: int = 16
     deterministic: bool = False
+    dkv_tma_store: bool = False
 
     def __post_init__(self):
         if (self.block_q, self.block_kv) != BWD_TILES:
@@ -345,7 +350,7 @@ class BackwardConfig:
         return (f"t{self.block_q}x{self.block_kv}_s{self.num_stages}_ds{self.ds_stages}"
                 f"{'_se' if self.stats_early else ''}{'_le' if self.lse_early else ''}"
                 f"{'_rd' if self.release_do_early else ''}_cr{self.column_registers}"
-                f"{'_det' if self.deterministic else ''}")
+                f"{'_det' if self.deterministic else ''}{'_dkvt' if self.dkv_tma_store else ''}")
 
 
 def preferred_backward_config(head_dim: int, dtype: str = "bfloat16") -> BackwardConfig:

@@ -73,6 +73,8 @@ class Bar(enum.IntEnum):
     DS_FREE = 2     # ds_stages == 1: both finished the previous tile's dQ product
     DQ_FULL = 3     # 3, 4: warpgroup w's dQ tile is in shared memory (consumers arrive)
     DQ_EMPTY = 5    # 5, 6: the dQ warp's bulk reduce-add has read it (the dQ warp arrives)
+    EPILOGUE = 7    # dkv_tma_store: both consumer warpgroups are done with K / V, then
+                    # have written dK / dV into their buffers
 
 
 class FlashBackwardSm90(WarpSpecializedSm90):
@@ -189,6 +191,13 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         tma_atom_do, mdO_tma = self.tma_load_atom(mdOt, sQ_layout, (bq, d))
         tma_atom_k, mK_tma = self.tma_load_atom(mKt, sK_layout, (bk, d))
         tma_atom_v, mV_tma = self.tma_load_atom(mVt, sK_layout, (bk, d))
+        # dK / dV leave through K's and V's buffers and one TMA store each (rows past Nk
+        # clipped), like the forward's O; else element stores from registers.
+        tma_atom_dk, tma_atom_dv = tma_atom_k, tma_atom_v      # placeholders when unused
+        if const_expr(self.config.dkv_tma_store):
+            s2g = cpasync.CopyBulkTensorTileS2GOp()
+            tma_atom_dk, mdK = cpasync.make_tiled_tma_atom(s2g, rows_first(mdK), cute.slice_(sK_layout, (None, None, 0)), (bk, d))
+            tma_atom_dv, mdV = cpasync.make_tiled_tma_atom(s2g, rows_first(mdV), cute.slice_(sK_layout, (None, None, 0)), (bk, d))
         self.bytes_q = self.stage_bytes(sQ_layout)
         self.bytes_k = self.stage_bytes(sK_layout)
         # lse / delta: (B, H, Nq') -> (Nq', H, B); one TMA box of block_q floats per tile.
@@ -218,7 +227,7 @@ class FlashBackwardSm90(WarpSpecializedSm90):
             mQ_tma, mK_tma, mV_tma, mdO_tma, mLSE2, mDelta, mBwdIntervals, mBwdTiles,
             mFwdIntervals, mBwdExact, mdQaccum, mdK, mdV, mDqRank, mSem,
             tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_do, tma_atom_lse, tma_atom_delta,
-            tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, sQ_layout, sK_layout, sdS_layout,
+            tma_atom_dk, tma_atom_dv, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, sQ_layout, sK_layout, sdS_layout,
             mQ.shape[1], mQ.shape[2],
         ).launch(
             grid=[num_k_tiles, mK.shape[2], mK.shape[0]],
@@ -252,6 +261,8 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         tma_atom_do: cute.CopyAtom,
         tma_atom_lse: cute.CopyAtom,
         tma_atom_delta: cute.CopyAtom,
+        tma_atom_dk: cute.CopyAtom,
+        tma_atom_dv: cute.CopyAtom,
         tiled_mma_sdp: cute.TiledMma,
         tiled_mma_dkv: cute.TiledMma,
         tiled_mma_dq: cute.TiledMma,
@@ -307,7 +318,7 @@ class FlashBackwardSm90(WarpSpecializedSm90):
                 mBwdIntervals, mBwdTiles, mFwdIntervals, mBwdExact, mdK, mdV, tiled_mma_sdp,
                 tiled_mma_dkv, tiled_mma_dq, pipeline_kv, pipeline_q, pipeline_do, n_q_tiles,
                 seqlen_q, mK.shape[0], k_tile, head_kv, batch, mask_batch, group,
-                tidx - self.threads_per_wg)
+                tidx - self.threads_per_wg, (tma_atom_dk, tma_atom_dv))
 
     @cute.jit
     def mask_head(self, head):
@@ -411,7 +422,8 @@ class FlashBackwardSm90(WarpSpecializedSm90):
     def consume(self, storage, sQ_layout, sK_layout, sQ, sK, sV, sdO, sdS, sLSE, sDelta, sdQ,
                 mBwdIntervals, mBwdTiles, mFwdIntervals, mBwdExact, mdK, mdV,
                 tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, pipeline_kv, pipeline_q, pipeline_do,
-                n_q_tiles, seqlen_q, seqlen_k, k_tile, head_kv, batch, mask_batch, group, tidx):
+                n_q_tiles, seqlen_q, seqlen_k, k_tile, head_kv, batch, mask_batch, group, tidx,
+                tma_store_atoms):
         d, bq, bk = self.head_dim, self.block_q, self.block_kv
         wg = tidx // self.threads_per_wg
         wg_slice = cute.make_layout(self.num_consumer_wgs, stride=self.threads_per_wg)
@@ -510,7 +522,11 @@ class FlashBackwardSm90(WarpSpecializedSm90):
                     self.dq_buffer_wait(tidx)
             else:
                 self.dq_buffer_wait(tidx)
-        self.epilogue(acc_dK, acc_dV, mdK, mdV, tiled_mma_dkv, tidx, seqlen_k, k_tile, head_kv, batch)
+        if const_expr(self.config.dkv_tma_store):
+            self.epilogue_tma(acc_dK, acc_dV, mdK, mdV, sK, sV, tma_store_atoms, tiled_mma_dkv, tidx,
+                              k_tile, head_kv, batch)
+        else:
+            self.epilogue(acc_dK, acc_dV, mdK, mdV, tiled_mma_dkv, tidx, seqlen_k, k_tile, head_kv, batch)
 
     @cute.jit
     def step(self, masked: cutlass.Constexpr[bool], state, q_tile, f, sLSE, sDelta, col_starts,
@@ -689,6 +705,40 @@ class FlashBackwardSm90(WarpSpecializedSm90):
                     col = coords[r, c][1]
                     mdK[batch, row, head_kv, col] = (dK[r, c] * scale).to(self.dtype)
                     mdV[batch, row, head_kv, col] = dV[r, c].to(self.dtype)
+
+    @cute.jit
+    def epilogue_tma(self, acc_dK, acc_dV, mdK, mdV, sK, sV, atoms, tiled_mma_dkv, tidx, k_tile,
+                     head_kv, batch):
+        """dK (times the softmax scale) and dV: registers -> K's and V's buffers (stmatrix)
+        -> one TMA store each; the TMA clips rows past Nk."""
+        tma_atom_dk, tma_atom_dv = atoms
+        both = self.num_consumer_wgs * self.threads_per_wg
+        # The other warpgroup's last dQ product reads all of K: wait for it.
+        cute.arch.barrier(barrier_id=int(Bar.EPILOGUE), number_of_threads=both)
+        smem_store = cute.make_tiled_copy_C(
+            cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype),
+            tiled_mma_dkv,
+        ).get_slice(tidx)
+        rdK = cute.make_rmem_tensor_like(acc_dK, self.dtype)
+        rdK.store((acc_dK.load() * Float32(self.scale)).to(self.dtype))
+        cute.copy(smem_store, smem_store.retile(rdK), smem_store.partition_D(sK[None, None, 0]))
+        rdV = cute.make_rmem_tensor_like(acc_dV, self.dtype)
+        rdV.store(acc_dV.load().to(self.dtype))
+        cute.copy(smem_store, smem_store.retile(rdV), smem_store.partition_D(sV[None, None, 0]))
+        # Generic-proxy smem writes are fenced before the TMA (async proxy) reads them.
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=int(Bar.EPILOGUE), number_of_threads=both)
+        if tidx // 32 == 0:
+            d, bk = self.head_dim, self.block_kv
+            gdK = cute.local_tile(mdK[None, None, head_kv, batch], (bk, d), (k_tile, 0))
+            gdV = cute.local_tile(mdV[None, None, head_kv, batch], (bk, d), (k_tile, 0))
+            tKsK, tKgK = tma_tiles(tma_atom_dk, sK, gdK)
+            tVsV, tVgV = tma_tiles(tma_atom_dv, sV, gdV)
+            cute.copy(tma_atom_dk, tKsK[None, 0], tKgK)
+            cute.copy(tma_atom_dv, tVsV[None, 0], tVgV)
+            cute.arch.cp_async_bulk_commit_group()
+            # The CTA's shared memory must outlive the stores' reads of it.
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
 
 
 class _Fragments:
