@@ -81,7 +81,9 @@ case $stage in
     # store's clipping), the determinism stress test, then all of them timed at 32K.
     export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
     t=tests/gpu/test_cute_backward.py
-    for cfg in column_registers=2 dkv_tma_store=1 lse_early=1,release_do_early=1; do
+    # (work_list with list_chunk=16 makes every test sequence span many list chunks.)
+    for cfg in column_registers=2 dkv_tma_store=1 lse_early=1,release_do_early=1 work_list=1 \
+        work_list=1,list_chunk=16,deterministic=1; do
       JCOMPILEMASK_CUTE_BWD_CONFIG=$cfg timeout 100 python3 -m pytest -q -rs -p no:cacheprovider \
         "$t::test_builtin_grads[clear]" "$t::test_builtin_grads[causal]" "$t::test_head_dim_64_fp16_mqa" \
         2>&1 | tail -2 | sed "s/^/[$cfg] /" | tee -a "$OUT/pytest-bwdv1c.log"
@@ -89,7 +91,7 @@ case $stage in
     timeout 150 python3 -m pytest -q -rs -p no:cacheprovider "$t::test_repeated_gradients_are_identical" \
       tests/gpu/test_nonfinite_gpu.py 2>&1 | tail -4 | tee -a "$OUT/pytest-bwdv1c.log"
     timeout 420 python3 benchmarks/bench_total.py --ns 32768 --masks causal,clear --impls jcm,fa4-native \
-      --jcm-variants "base=;le=JCOMPILEMASK_CUTE_BWD_CONFIG=lse_early=1;rd=JCOMPILEMASK_CUTE_BWD_CONFIG=release_do_early=1;cr2=JCOMPILEMASK_CUTE_BWD_CONFIG=column_registers=2;dkvt=JCOMPILEMASK_CUTE_BWD_CONFIG=dkv_tma_store=1;det=JCOMPILEMASK_CUTE_BWD_CONFIG=deterministic=1" \
+      --jcm-variants "base=;le=JCOMPILEMASK_CUTE_BWD_CONFIG=lse_early=1;rd=JCOMPILEMASK_CUTE_BWD_CONFIG=release_do_early=1;cr2=JCOMPILEMASK_CUTE_BWD_CONFIG=column_registers=2;dkvt=JCOMPILEMASK_CUTE_BWD_CONFIG=dkv_tma_store=1;det=JCOMPILEMASK_CUTE_BWD_CONFIG=deterministic=1;wl=JCOMPILEMASK_CUTE_BWD_CONFIG=work_list=1" \
       --min-repeat-s 0.3 --budget-s 400 --out "$OUT/h200-bwd-v1c.json" 2>&1 | grep -v Warning \
       | tee "$OUT/bench-bwdv1c.log" | grep '^|' | tail -16
     ;;

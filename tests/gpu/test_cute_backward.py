@@ -53,7 +53,8 @@ def test_backward_compiles_for_sm90(dtype, d, kk, kc, bb, bh):
                                        (64, dict(ds_stages=1, release_do_early=True)),
                                        (128, dict(column_registers=2)),
                                        (128, dict(deterministic=True)), (64, dict(deterministic=True)),
-                                       (128, dict(dkv_tma_store=True))])
+                                       (128, dict(dkv_tma_store=True)), (128, dict(work_list=True)),
+                                       (64, dict(work_list=True, list_chunk=16, deterministic=True))])
 def test_backward_config_variants_compile_for_sm90(d, changes):
     """The configs benchmarked against the default (one dS buffer, late statistics)."""
     import dataclasses
@@ -140,6 +141,8 @@ def test_backward_key_rejects_unsupported():
         BackwardKey("float32", 128, 1, 1, True, True, 0.1)
     with pytest.raises(ValueError, match="ds_stages"):
         BackwardConfig(ds_stages=3)
+    with pytest.raises(ValueError, match="list_chunk"):
+        BackwardConfig(list_chunk=40)
 
 
 def test_backward_selection_reasons(monkeypatch):

@@ -321,6 +321,12 @@ class BackwardConfig:
       and one TMA store each, as the forward writes O, instead of 2-byte element stores
       from registers (128 per thread per CTA; the epilogue weighs most at short
       sequences, where a CTA visits few tiles). Not yet run on the H200.
+    - ``work_list``: the producer warp turns a key column's tile words into a list of the
+      query tiles it visits (tile index + masked bit; one warp prefix sum per 32 words) in
+      shared memory, once per head and chunk of ``list_chunk`` query tiles, double
+      buffered; producer, dQ warp and consumers iterate that one list instead of each
+      walking every tile's bits (so their tile counts cannot diverge). Not yet run on the
+      H200.
 
     ``preferred_backward_config`` picks the default per head dim; ``JCOMPILEMASK_CUTE_BWD_CONFIG``
     (e.g. ``ds_stages=1,stats_early=0``) overrides fields at trace time for benchmarks.
@@ -336,11 +342,16 @@ class BackwardConfig:
     column_registers: int = 16
     deterministic: bool = False
     dkv_tma_store: bool = False
+    work_list: bool = False
+    list_chunk: int = 1024
 
     def __post_init__(self):
         if (self.block_q, self.block_kv) != BWD_TILES:
             raise ValueError(f"cute backward runs {BWD_TILES[0]}x{BWD_TILES[1]} backward tiles; the "
                              f"descriptor was built for {self.block_q}x{self.block_kv}")
+        if self.list_chunk < 16 or self.list_chunk % 16:
+            raise ValueError(f"list_chunk={self.list_chunk} must be a positive multiple of 16 "
+                             "(whole tile-state words)")
         if self.num_stages < 1 or self.ds_stages not in (1, 2):
             raise ValueError(f"num_stages={self.num_stages} must be >= 1 and ds_stages="
                              f"{self.ds_stages} 1 or 2")
@@ -350,7 +361,8 @@ class BackwardConfig:
         return (f"t{self.block_q}x{self.block_kv}_s{self.num_stages}_ds{self.ds_stages}"
                 f"{'_se' if self.stats_early else ''}{'_le' if self.lse_early else ''}"
                 f"{'_rd' if self.release_do_early else ''}_cr{self.column_registers}"
-                f"{'_det' if self.deterministic else ''}{'_dkvt' if self.dkv_tma_store else ''}")
+                f"{'_det' if self.deterministic else ''}{'_dkvt' if self.dkv_tma_store else ''}"
+                f"{f'_wl{self.list_chunk}' if self.work_list else ''}")
 
 
 def preferred_backward_config(head_dim: int, dtype: str = "bfloat16") -> BackwardConfig:
@@ -386,7 +398,8 @@ def backward_smem_bytes(head_dim: int, config: BackwardConfig, elem_bytes: int =
     bq, bk = config.block_q, config.block_kv
     return (1024 + elem_bytes * (2 * bk * head_dim + 2 * config.num_stages * bq * head_dim
                                  + config.ds_stages * bq * bk)
-            + 2 * 4 * bq * config.num_stages + 4 * bq * head_dim)
+            + 2 * 4 * bq * config.num_stages + 4 * bq * head_dim
+            + (2 * 4 * config.list_chunk if config.work_list else 16) + 8)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -37,7 +37,9 @@ dK and frees the Q / dO stage. Two dS buffers make one barrier per tile enough: 
 warpgroup writing tile t + 1's dS has passed tile t's DS_READY, which the other reached
 only after its dQ product of tile t - 1 (the same buffer) completed.
 
-The static shape (tiles, stages, dS buffers, early statistics) is `api.BackwardConfig`.
+The static shape (tiles, stages, dS buffers, early statistics) and the options still to
+be measured on the H200 (deterministic dQ order, a shared work list instead of three
+walks of the tile words, dK / dV by TMA store, ...) are `api.BackwardConfig`.
 Validated on the H200 (tests/gpu/test_cute_backward.py); the cute backend uses it by
 default for D 64/128 without soft cap (`backends.cute_backward_reason` says why not
 otherwise; JCOMPILEMASK_CUTE_BACKWARD=0 turns it off).
@@ -75,6 +77,8 @@ class Bar(enum.IntEnum):
     DQ_EMPTY = 5    # 5, 6: the dQ warp's bulk reduce-add has read it (the dQ warp arrives)
     EPILOGUE = 7    # dkv_tma_store: both consumer warpgroups are done with K / V, then
                     # have written dK / dV into their buffers
+    LIST_READY = 8  # 8, 9 (per list buffer): the producer warp built the work list
+    LIST_FREE = 10  # 10, 11: every reader (consumers, dQ warp) is done with it
 
 
 class FlashBackwardSm90(WarpSpecializedSm90):
@@ -138,6 +142,10 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         # pairs every tile) in each masked tile. At Kc = 7 (clear) holding them makes the
         # masked tile body spill (280 B of stack at D = 128; re-read: 48 B).
         self.hold_columns = num_bwd_intervals <= config.column_registers
+        # work_list: the query tiles a key column visits, built once per (head, chunk of
+        # list_chunk query tiles) by the producer warp into one of two shared buffers.
+        self.list_chunk = config.list_chunk
+        self.list_meet = self.num_consumer_wgs * self.threads_per_wg + 64
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -220,6 +228,8 @@ class FlashBackwardSm90(WarpSpecializedSm90):
             sLSE: cute.struct.Align[cute.struct.MemRange[Float32, bq * self.num_stages], 128]
             sDelta: cute.struct.Align[cute.struct.MemRange[Float32, bq * self.num_stages], 128]
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, bq * d], 128]
+            sList: cute.struct.Align[cute.struct.MemRange[Int32, 2 * self.list_chunk if self.config.work_list else 4], 16]
+            sCount: cute.struct.MemRange[Int32, 2]
 
         self.shared_storage = SharedStorage
         num_k_tiles = cute.ceil_div(mK.shape[1], bk)
@@ -293,6 +303,9 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         sLSE = storage.sLSE.get_tensor(cute.make_layout((self.block_q, self.num_stages)))
         sDelta = storage.sDelta.get_tensor(cute.make_layout((self.block_q, self.num_stages)))
         sdQ = storage.sdQ.get_tensor(cute.make_layout(self.block_q * self.head_dim))
+        sList = storage.sList.get_tensor(cute.make_layout(2 * self.list_chunk if self.config.work_list else 4))
+        sCount = storage.sCount.get_tensor(cute.make_layout(2))
+        work = (sList, sCount)
 
         k_tile, head_kv, batch = cute.arch.block_idx()
         group = num_heads // mK.shape[2]
@@ -307,10 +320,10 @@ class FlashBackwardSm90(WarpSpecializedSm90):
                 self.load(mQ, mK, mV, mdO, mLSE2, mDelta, sQ, sK, sV, sdO, sLSE, sDelta,
                           (tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_do, tma_atom_lse, tma_atom_delta),
                           pipeline_kv, pipeline_q, pipeline_do, mBwdTiles,
-                          n_q_tiles, k_tile, head_kv, batch, mask_batch, group)
+                          n_q_tiles, k_tile, head_kv, batch, mask_batch, group, work)
             if warp_idx == self.dq_writer_warp:
                 self.write_dq(mdQaccum, sdQ, mBwdTiles, mDqRank, mSem, n_q_tiles, k_tile, head_kv,
-                              batch, mask_batch, group)
+                              batch, mask_batch, group, work)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self.consume(
@@ -318,7 +331,7 @@ class FlashBackwardSm90(WarpSpecializedSm90):
                 mBwdIntervals, mBwdTiles, mFwdIntervals, mBwdExact, mdK, mdV, tiled_mma_sdp,
                 tiled_mma_dkv, tiled_mma_dq, pipeline_kv, pipeline_q, pipeline_do, n_q_tiles,
                 seqlen_q, mK.shape[0], k_tile, head_kv, batch, mask_batch, group,
-                tidx - self.threads_per_wg, (tma_atom_dk, tma_atom_dv))
+                tidx - self.threads_per_wg, (tma_atom_dk, tma_atom_dv), work)
 
     @cute.jit
     def mask_head(self, head):
@@ -328,8 +341,9 @@ class FlashBackwardSm90(WarpSpecializedSm90):
     @cute.jit
     def load(self, mQ, mK, mV, mdO, mLSE2, mDelta, sQ, sK, sV, sdO, sLSE, sDelta, atoms,
              pipeline_kv, pipeline_q, pipeline_do, mBwdTiles, n_q_tiles, k_tile, head_kv, batch,
-             mask_batch, group):
-        """Warp 0: K and V once; per visited tile Q + lse and dO + delta into the ring."""
+             mask_batch, group, work):
+        """Warp 0: K and V once; per visited tile Q + lse and dO + delta into the ring
+        (with ``work_list``, it also builds each (head, chunk)'s list first)."""
         tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_do, tma_atom_lse, tma_atom_delta = atoms
         d, bq, bk = self.head_dim, self.block_q, self.block_kv
         gK = cute.local_tile(mK[None, None, head_kv, batch], (bk, d), (k_tile, 0))
@@ -354,8 +368,18 @@ class FlashBackwardSm90(WarpSpecializedSm90):
             tdOsdO, tdOgdO = tma_tiles(tma_atom_do, sdO, gdO)
             tLsL, tLgL = tma_tiles(tma_atom_lse, sLSE, gL, tile_rank=1)
             tDsD, tDgD = tma_tiles(tma_atom_delta, sDelta, gD, tile_rank=1)
-            for q_tile in cutlass.range(n_q_tiles, unroll=1):
-                if tile_bits(gTiles, q_tile) & Uint32(1) != Uint32(0):
+            for ch in cutlass.range(self.num_chunks(n_q_tiles), unroll=1):
+              seq = g * self.num_chunks(n_q_tiles) + ch
+              n_iter = n_q_tiles
+              if const_expr(self.config.work_list):
+                if seq >= 2:   # the readers are done with this buffer's list of seq - 2
+                    cute.arch.barrier(barrier_id=int(Bar.LIST_FREE) + seq % 2, number_of_threads=self.list_meet)
+                self.build_list(gTiles, n_q_tiles, ch * self.list_chunk, work, seq % 2)
+                cute.arch.barrier_arrive(barrier_id=int(Bar.LIST_READY) + seq % 2, number_of_threads=self.list_meet)
+                n_iter = work[1][seq % 2]
+              for it in cutlass.range(n_iter, unroll=1):
+                q_tile, bits = self.visit(it, gTiles, work, seq)
+                if bits & Uint32(1) != Uint32(0):
                     pipeline_q.producer_acquire(state)
                     bar_q = pipeline_q.producer_get_barrier(state)
                     cute.copy(tma_atom_q, tQgQ[None, q_tile], tQsQ[None, state.index], tma_bar_ptr=bar_q)
@@ -365,11 +389,93 @@ class FlashBackwardSm90(WarpSpecializedSm90):
                     cute.copy(tma_atom_do, tdOgdO[None, q_tile], tdOsdO[None, state.index], tma_bar_ptr=bar_do)
                     cute.copy(tma_atom_delta, tDgD[None, q_tile], tDsD[None, state.index], tma_bar_ptr=bar_do)
                     state.advance()
+        if const_expr(self.config.work_list):
+            # Balance LIST_FREE: the readers freed every list; the builder waited for all
+            # but the last two.
+            total = group * self.num_chunks(n_q_tiles)
+            if total >= 2:
+                cute.arch.barrier(barrier_id=int(Bar.LIST_FREE) + (total - 2) % 2, number_of_threads=self.list_meet)
+            if total >= 1:
+                cute.arch.barrier(barrier_id=int(Bar.LIST_FREE) + (total - 1) % 2, number_of_threads=self.list_meet)
+
+    # ------------------------------------------------------------------ work list
+    @cute.jit
+    def num_chunks(self, n_q_tiles):
+        """List chunks per head: 1 when walking the tile states."""
+        n = 1
+        if const_expr(self.config.work_list):
+            n = cute.ceil_div(n_q_tiles, self.list_chunk)
+        return n
+
+    @cute.jit
+    def visit(self, it, gTiles, work, seq):
+        """(query tile, 2 state bits) of iteration `it`: the list's entry it (compute bit
+        set by construction), or query tile it's bits from the tile states."""
+        q_tile = it
+        bits = Uint32(0)
+        if const_expr(self.config.work_list):
+            entry = work[0][(seq % 2) * self.list_chunk + it]
+            q_tile = entry & Int32(0xFFFF)
+            bits = Uint32(1) | (Uint32(entry >> Int32(16)) << Uint32(1))
+        else:
+            bits = tile_bits(gTiles, it)
+        return q_tile, bits
+
+    @cute.jit
+    def list_wait(self, n_q_tiles, work, seq):
+        """A reader's iteration count for list `seq`: wait until it is built (work_list),
+        else every query tile of the walk."""
+        n = n_q_tiles
+        if const_expr(self.config.work_list):
+            cute.arch.barrier(barrier_id=int(Bar.LIST_READY) + seq % 2, number_of_threads=self.list_meet)
+            n = work[1][seq % 2]
+        return n
+
+    @cute.jit
+    def list_done(self, seq):
+        """A reader is done with list `seq`: its buffer may be rebuilt."""
+        if const_expr(self.config.work_list):
+            cute.arch.barrier_arrive(barrier_id=int(Bar.LIST_FREE) + seq % 2, number_of_threads=self.list_meet)
+
+    @cute.jit
+    def build_list(self, gTiles, n_q_tiles, first_tile, work, buf):
+        """The producer warp: the visited query tiles of [first_tile, first_tile +
+        list_chunk) in order, as tile | masked << 16, and their count. Each lane takes one
+        16-tile word; a warp prefix sum of the words' compute-bit counts places them."""
+        sList, sCount = work
+        lane = cute.arch.lane_idx()
+        end = cutlass.min(first_tile + self.list_chunk, n_q_tiles)
+        w_end = cute.ceil_div(end, 16)
+        base = Int32(0)
+        for w0 in cutlass.range(first_tile // 16, w_end, 32, unroll=1):
+            w = w0 + lane
+            word = Uint32(0)
+            if w < w_end:
+                word = gTiles[w]
+                if (w + 1) * 16 > end:      # the last word: no tile at or past `end`
+                    word = word & ((Uint32(1) << Uint32(2 * (end - w * 16))) - Uint32(1))
+            compute = word & Uint32(0x55555555)
+            cnt = Int32(cute.arch.popc(compute))
+            incl = cnt
+            for off in cutlass.range_constexpr(5):
+                other = cute.arch.shuffle_sync_up(incl, 1 << off)
+                if lane >= (1 << off):
+                    incl = incl + other
+            pos = (buf * self.list_chunk) + base + incl - cnt
+            for t in cutlass.range_constexpr(16):
+                if (word >> Uint32(2 * t)) & Uint32(1) != Uint32(0):
+                    masked = Int32((word >> Uint32(2 * t + 1)) & Uint32(1))
+                    sList[pos] = (w * 16 + t) | (masked << Int32(16))
+                    pos = pos + 1
+            base = base + cute.arch.shuffle_sync(incl, 31)
+        if lane == 0:
+            sCount[buf] = base
+        cute.arch.sync_warp()
 
     # ------------------------------------------------------------------ dQ writer
     @cute.jit
     def write_dq(self, mdQaccum, sdQ, mBwdTiles, mDqRank, mSem, n_q_tiles, k_tile, head_kv, batch,
-                 mask_batch, group):
+                 mask_batch, group, work):
         """Warp 1: per visited tile (the same walk as the producer's and the consumers'),
         per dQ warpgroup: wait for its tile in shared memory, add it to the tile's global
         slot with one bulk reduce-add, wait until the add has read it, free the buffer.
@@ -387,8 +493,12 @@ class FlashBackwardSm90(WarpSpecializedSm90):
             head = head_kv * group + g
             mh = self.mask_head(head)
             gTiles = mBwdTiles[mask_batch, mh, k_tile, None]
-            for q_tile in cutlass.range(n_q_tiles, unroll=1):
-                if tile_bits(gTiles, q_tile) & Uint32(1) != Uint32(0):
+            for ch in cutlass.range(self.num_chunks(n_q_tiles), unroll=1):
+              seq = g * self.num_chunks(n_q_tiles) + ch
+              n_iter = self.list_wait(n_q_tiles, work, seq)
+              for it in cutlass.range(n_iter, unroll=1):
+                q_tile, bits = self.visit(it, gTiles, work, seq)
+                if bits & Uint32(1) != Uint32(0):
                     slot = mdQaccum[batch, head, q_tile, None]
                     if const_expr(self.config.deterministic):
                         if lane == 0:
@@ -414,6 +524,7 @@ class FlashBackwardSm90(WarpSpecializedSm90):
                             sem = (mSem[batch, head, None].iterator + q_tile).llvm_ptr
                             red_release_add_s32(sem, 1)
                         cute.arch.sync_warp()
+              self.list_done(seq)
         if lane == 0:
             cute.arch.cp_async_bulk_wait_group(0)
 
@@ -423,7 +534,7 @@ class FlashBackwardSm90(WarpSpecializedSm90):
                 mBwdIntervals, mBwdTiles, mFwdIntervals, mBwdExact, mdK, mdV,
                 tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, pipeline_kv, pipeline_q, pipeline_do,
                 n_q_tiles, seqlen_q, seqlen_k, k_tile, head_kv, batch, mask_batch, group, tidx,
-                tma_store_atoms):
+                tma_store_atoms, work):
         d, bq, bk = self.head_dim, self.block_q, self.block_kv
         wg = tidx // self.threads_per_wg
         wg_slice = cute.make_layout(self.num_consumer_wgs, stride=self.threads_per_wg)
@@ -501,8 +612,11 @@ class FlashBackwardSm90(WarpSpecializedSm90):
                         col_lengths[r, m] = length if ok else 0
             ragged_q = n_q_tiles if seqlen_q % bq == 0 else n_q_tiles - 1
             ragged_k = (seqlen_k % bk != 0) & (k_tile == cute.ceil_div(seqlen_k, bk) - 1)
-            for q_tile in cutlass.range(n_q_tiles, unroll=1):
-                bits = tile_bits(gTiles, q_tile)
+            for ch in cutlass.range(self.num_chunks(n_q_tiles), unroll=1):
+              seq = g * self.num_chunks(n_q_tiles) + ch
+              n_iter = self.list_wait(n_q_tiles, work, seq)
+              for it in cutlass.range(n_iter, unroll=1):
+                q_tile, bits = self.visit(it, gTiles, work, seq)
                 if bits & Uint32(1) != Uint32(0):
                     needs_mask = (bits & Uint32(2) != Uint32(0)) | (q_tile == ragged_q) | ragged_k
                     if needs_mask:
@@ -514,6 +628,7 @@ class FlashBackwardSm90(WarpSpecializedSm90):
                                   exact, mFwdIntervals, pipeline_q, pipeline_do, seqlen_q,
                                   seqlen_k, k_tile, mh, mask_batch, tidx)
                     state.advance()
+              self.list_done(seq)
         # Balance DQ_EMPTY: the dQ warp freed the buffer once per tile, this warpgroup
         # waited before every tile but the first.
         if state.count > 0:
