@@ -81,6 +81,7 @@ from jcompilemask.spec import MaskSpec, Region, SegmentIds, k, q  # noqa: E402
 from jcompilemask.spec.expr import q_len  # noqa: E402
 
 WORKLOADS = ("document", "hstu", "shared_prompt", "causal")
+HSTU_MEDIAN = 512        # tokens per user (median of the log-normal length trace)
 IMPLS = ("jcm", "cudnn-causal", "xla-dense")
 
 
@@ -303,13 +304,14 @@ def make_batch(workload: str, n: int, batch: int, vocab: int, seed: int = 0) -> 
         md = {name: np.full((batch, n), -1, np.int32)
               for name in ("user_ids", "context_ids", "target_ids", "tail_ids")}
         seg[:] = -1
-        # KuaiRand user-day traces are heavy-tailed: log-normal lengths, median ~ N/16.
+        # KuaiRand user-day traces are heavy-tailed: log-normal lengths (median
+        # HSTU_MEDIAN tokens, sigma 1), the same distribution at every N.
+        median = min(HSTU_MEDIAN, n // 4)
         for b in range(batch):
-            i, u = 0, 0
-            while True:
-                ln = _lognormal(rng, max(12, n // 16), 1.0, 12, n)
-                if i + ln > n:
-                    break
+            i, u, grp = 0, 0, 0
+            while n - i >= 12:               # a shorter tail stays padding
+                # A user longer than the room left is cut to it (the sequence stays full).
+                ln = min(_lognormal(rng, max(12, median), 1.0, 12, n), n - i)
                 g = int(rng.integers(3, 9))
                 groups = min(int(rng.integers(3, 9)), max(1, (ln // 2) // g))
                 a = int(rng.integers(ln // 4, ln // 2 + 1))
@@ -318,8 +320,9 @@ def make_batch(workload: str, n: int, batch: int, vocab: int, seed: int = 0) -> 
                 md["user_ids"][b, s:s + ln] = u
                 md["context_ids"][b, s:s + a] = u
                 md["tail_ids"][b, s + hb:s + ln] = u
-                for t, j in enumerate(range(s + hb, s + ln, g)):
-                    md["target_ids"][b, j:min(j + g, s + ln)] = t
+                for j in range(s + hb, s + ln, g):
+                    md["target_ids"][b, j:min(j + g, s + ln)] = grp
+                    grp += 1
                 seg[b, s:s + ln], pos[b, s:s + ln] = u, np.arange(ln)
                 i, u = i + ln, u + 1
     elif workload == "shared_prompt":
@@ -587,7 +590,7 @@ def plot(records: list[dict], path: str) -> Optional[str]:
     return None
 
 
-def write_outputs(records: list[dict], out: str, meta: dict) -> list[str]:
+def write_outputs(records: list[dict], out: str, meta: dict, with_plot: bool = True) -> list[str]:
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:
         json.dump({**meta, "records": records}, f, indent=1)
@@ -595,6 +598,8 @@ def write_outputs(records: list[dict], out: str, meta: dict) -> list[str]:
     with open(stem + ".md", "w") as f:
         f.write(table(records))
     written = [out, stem + ".md"]
+    if not with_plot:
+        return written
     msg = plot(records, stem + ".png")
     if msg:
         print(msg)
@@ -637,6 +642,8 @@ def main(argv=None) -> list[dict]:
         if i not in IMPLS:
             ap.error(f"--impls: unknown {i!r}, choose from {IMPLS}")
     clocks.start()
+    meta = {"run": clocks.run_id(), "jax": jax.__version__, "backend": jax.default_backend(),
+            "tokens_per_step": a.tokens, "steps": a.steps, "warmup": a.warmup}
     t_start = time.perf_counter()
     records, cache = [], {}
     # jcm and cuDNN first at every N, the dense baseline last: under a budget the
@@ -659,8 +666,8 @@ def main(argv=None) -> list[dict]:
                     records.append(rec)
                     print(json.dumps({k_: v for k_, v in rec.items() if k_ != "step_ms_all"}),
                           flush=True)
-    meta = {"run": clocks.run_id(), "jax": jax.__version__, "backend": jax.default_backend(),
-            "tokens_per_step": a.tokens, "steps": a.steps, "warmup": a.warmup}
+                    # After every record: a call cut short by its time limit keeps them.
+                    write_outputs(records, a.out, meta, with_plot=False)
     written = write_outputs(records, a.out, meta)
     print(table(records))
     print("wrote", ", ".join(written))
