@@ -41,7 +41,7 @@ compiled step's arguments + outputs + temporaries - aliased, from XLA's memory a
 ``peak_gib_allocator`` is the allocator's process-wide peak so far, where it reports one),
 ``run`` / ``sm_clock_mhz`` / ``power_w`` (``benchmarks/clocks.py``), ``loss_first`` /
 ``loss_last``. Output: ``--out`` JSON, the markdown table beside it (``.md``) and a PNG
-plot (``.png``, when matplotlib imports).
+plot (``.png`` when matplotlib imports, else the same bars as ``.svg``).
 
 On the H200 (one device call, ``bash scripts/h200.sh train``)::
 
@@ -59,7 +59,6 @@ import dataclasses
 import json
 import math
 import os
-import statistics
 import sys
 import time
 from typing import Callable, Optional
@@ -407,17 +406,20 @@ def attend_for(impl: str, on_gpu: bool) -> Callable:
     raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
 
 
-def jcm_backend(cfg: ModelConfig, workload: str) -> str:
+def jcm_backend(cfg: ModelConfig, workload: str) -> dict:
+    """The registry's choice for this model's attention calls, and where its gradients
+    come from (a backward that falls back to ``xla`` explains a slow step)."""
     try:
         from jcompilemask import backends
         cm = jcm.compile(spec_for(workload))
         call = backends.Call(dtype="bfloat16", head_dim=cfg.head_dim, head_dim_v=cfg.head_dim,
                              num_heads=cfg.heads, num_kv_heads=cfg.kv_heads, softcap=False,
-                             has_fallback=False, num_intervals=cm.num_intervals
-                             if hasattr(cm, "num_intervals") else 1)
-        return backends.select(None, call).name
+                             has_fallback=False, num_intervals=cm.num_intervals)
+        b = backends.select(None, call)
+        note = b.backward_note() if callable(b.backward_note) else b.backward_note
+        return {"backend": b.name, "backward_note": note}
     except Exception as e:  # noqa: BLE001 - only a label for the record
-        return f"unknown ({type(e).__name__})"
+        return {"backend": f"unknown ({type(e).__name__}: {e})"}
 
 
 def _is_oom(e: BaseException) -> bool:
@@ -451,7 +453,7 @@ def run_config(model_name: str, cfg: ModelConfig, workload: str, n: int, batch: 
            "mask_exact": impl != "cudnn-causal" or workload == "causal",
            "device": str(jax.devices()[0].device_kind)}
     if impl == "jcm":
-        rec["backend"] = jcm_backend(cfg, workload)
+        rec.update(jcm_backend(cfg, workload))
     data = make_batch(workload, n, batch, cfg.vocab, seed)
     rec["real_tokens"] = data["real"]
     model = Qwen3(cfg, rngs=nnx.Rngs(seed))
@@ -590,6 +592,63 @@ def plot(records: list[dict], path: str) -> Optional[str]:
     return None
 
 
+_COLORS = ("#d62728", "#1f77b4", "#7f7f7f", "#2ca02c", "#9467bd")
+
+
+def svg_bars(records: list[dict]) -> str:
+    """The plot of :func:`plot` as SVG, for machines without matplotlib: a panel per
+    (model, N), a group of bars per workload, a bar per implementation (kTok/s)."""
+    panels = sorted({(r["model"], r["n"]) for r in records})
+    impls = [i for i in IMPLS if any(r["impl"] == i for r in records)]
+    ok = [r for r in records if r.get("status") == "ok"]
+    top = max([r["tokens_per_s"] / 1e3 for r in ok] + [1e-9]) * 1.15
+    pw, ph, ml, mt, mb = 360, 220, 60, 40, 50
+    width, height = ml + len(panels) * (pw + 30) + 130, mt + ph + mb
+
+    def esc(x):
+        return str(x).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+           f'font-family="sans-serif" font-size="11">',
+           f'<rect width="{width}" height="{height}" fill="white"/>',
+           f'<text x="14" y="{mt + ph / 2}" transform="rotate(-90 14 {mt + ph / 2})" '
+           f'text-anchor="middle">kTok/s</text>']
+    for p, (model, n) in enumerate(panels):
+        x0 = ml + p * (pw + 30)
+        out += [f'<rect x="{x0}" y="{mt}" width="{pw}" height="{ph}" fill="none" stroke="#888"/>',
+                f'<text x="{x0 + pw / 2}" y="{mt - 8}" text-anchor="middle">'
+                f'{esc(model)}, N = {n}</text>']
+        for j in range(5):
+            v = top * j / 4
+            y = mt + ph - v / top * ph
+            out.append(f'<text x="{x0 - 4}" y="{y + 4:.1f}" text-anchor="end">{v:.3g}</text>')
+        ws = [w for w in WORKLOADS if any((r["model"], r["n"], r["workload"]) == (model, n, w)
+                                          for r in records)]
+        gw = pw / max(1, len(ws))
+        bw = 0.8 * gw / max(1, len(impls))
+        for g, w in enumerate(ws):
+            out.append(f'<text x="{x0 + (g + 0.5) * gw:.1f}" y="{mt + ph + 14}" '
+                       f'text-anchor="middle">{esc(w)}</text>')
+            for j, i in enumerate(impls):
+                r = next((r for r in ok if (r["model"], r["n"], r["workload"], r["impl"])
+                          == (model, n, w, i)), None)
+                if r is None:
+                    continue
+                v = r["tokens_per_s"] / 1e3
+                x = x0 + g * gw + 0.1 * gw + j * bw
+                y = mt + ph - v / top * ph
+                out.append(f'<rect x="{x:.1f}" y="{y:.1f}" width="{bw:.1f}" '
+                           f'height="{mt + ph - y:.1f}" fill="{_COLORS[j % len(_COLORS)]}">'
+                           f'<title>{esc(i)} {esc(w)}: {v:.4g} kTok/s</title></rect>')
+    lx = ml + len(panels) * (pw + 30)
+    for j, i in enumerate(impls):
+        y = mt + 10 + 16 * j
+        out += [f'<rect x="{lx}" y="{y - 8}" width="12" height="10" '
+                f'fill="{_COLORS[j % len(_COLORS)]}"/>',
+                f'<text x="{lx + 18}" y="{y + 1}">{esc(i)}</text>']
+    return "\n".join(out + ["</svg>"]) + "\n"
+
+
 def write_outputs(records: list[dict], out: str, meta: dict, with_plot: bool = True) -> list[str]:
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:
@@ -602,7 +661,10 @@ def write_outputs(records: list[dict], out: str, meta: dict, with_plot: bool = T
         return written
     msg = plot(records, stem + ".png")
     if msg:
-        print(msg)
+        with open(stem + ".svg", "w") as f:
+            f.write(svg_bars(records))
+        print(msg + f"; the same bars as SVG: {stem}.svg")
+        written.append(stem + ".svg")
     else:
         written.append(stem + ".png")
     return written
@@ -643,7 +705,8 @@ def main(argv=None) -> list[dict]:
             ap.error(f"--impls: unknown {i!r}, choose from {IMPLS}")
     clocks.start()
     meta = {"run": clocks.run_id(), "jax": jax.__version__, "backend": jax.default_backend(),
-            "tokens_per_step": a.tokens, "steps": a.steps, "warmup": a.warmup}
+            "tokens_per_step": a.tokens, "steps": a.steps, "warmup": a.warmup,
+            "smoke": a.smoke}   # report.py skips smoke files
     t_start = time.perf_counter()
     records, cache = [], {}
     # jcm and cuDNN first at every N, the dense baseline last: under a budget the

@@ -231,3 +231,8 @@ def test_smoke_writes_records_and_table(e2e, tmp_path):
     assert {r["impl"] for r in records} == {"jcm", "cudnn-causal"}
     md = (tmp_path / "train.md").read_text()
     assert "| hstu |" in md and "jcm" in md and "[wrong mask]" in md
+    # The plot: PNG through matplotlib, else the same bars as well-formed SVG.
+    if not (tmp_path / "train.png").exists():
+        import xml.etree.ElementTree as ET
+        root = ET.fromstring((tmp_path / "train.svg").read_text())
+        assert sum(1 for el in root.iter() if el.tag.endswith("rect")) >= 2 + 2
