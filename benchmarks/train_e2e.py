@@ -32,7 +32,10 @@ Implementations (``--impls``):
   implementation="xla")``, the dense mask built once per step from the MaskSpec's oracle.
   When the compiled step needs more memory than the device has, the record says
   ``status: "oom"`` (read from XLA's memory analysis before running, or from the
-  allocator's RESOURCE_EXHAUSTED error).
+  allocator's RESOURCE_EXHAUSTED error);
+* ``no-attention``: attention replaced by a copy of V, measured once per (model, N): the
+  rest of the step. Every other record gets ``rest_ms`` and ``attention_ms`` = step_ms -
+  rest_ms from it (the step split into attention / rest without a profiler).
 
 One record per (model, workload, n, impl): ``tokens_per_s`` (all B*N positions per second,
 ``real_tokens_per_s`` without padding), ``step_ms`` (median over the measured steps after
@@ -81,7 +84,8 @@ from jcompilemask.spec.expr import q_len  # noqa: E402
 
 WORKLOADS = ("document", "hstu", "shared_prompt", "causal")
 HSTU_MEDIAN = 512        # tokens per user (median of the log-normal length trace)
-IMPLS = ("jcm", "cudnn-causal", "xla-dense")
+IMPLS = ("jcm", "cudnn-causal", "no-attention", "xla-dense")
+COMPARED = ("jcm", "cudnn-causal", "xla-dense")    # the table's columns
 
 
 # ---------------------------------------------------------------------------- model ----
@@ -244,6 +248,12 @@ def cudnn_causal_attend(implementation: Optional[str] = "cudnn") -> Callable:
     return attend
 
 
+def no_attend(qh, kh, vh, _mask):
+    """Attention replaced by a copy of V (per query head): the rest of the step, whose
+    time subtracted from a step's gives that step's attention time."""
+    return jnp.repeat(vh, qh.shape[2] // vh.shape[2], axis=2)
+
+
 def dense_attend(qh, kh, vh, dense):
     return jax.nn.dot_product_attention(qh, kh, vh, mask=dense, implementation="xla")
 
@@ -386,7 +396,7 @@ def make_train_step(graphdef, tx, build_mask: Callable, attend: Callable, *, jit
 
 def mask_builder(workload: str, impl: str) -> Callable:
     """``build_mask(metadata, n)`` of an implementation (None where it reads no mask)."""
-    if impl == "cudnn-causal":
+    if impl in ("cudnn-causal", "no-attention"):
         return lambda md, n: None
     spec = spec_for(workload)
     if impl == "xla-dense":
@@ -403,6 +413,8 @@ def attend_for(impl: str, on_gpu: bool) -> Callable:
         return cudnn_causal_attend("cudnn" if on_gpu else None)
     if impl == "xla-dense":
         return dense_attend
+    if impl == "no-attention":
+        return no_attend
     raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
 
 
@@ -450,7 +462,8 @@ def run_config(model_name: str, cfg: ModelConfig, workload: str, n: int, batch: 
     """Train ``warmup + steps`` steps of one configuration and return its record."""
     on_gpu = jax.default_backend() == "gpu"
     rec = {"model": model_name, "workload": workload, "n": n, "batch": batch, "impl": impl,
-           "mask_exact": impl != "cudnn-causal" or workload == "causal",
+           "mask_exact": impl in ("jcm", "xla-dense") or (impl == "cudnn-causal"
+                                                           and workload == "causal"),
            "device": str(jax.devices()[0].device_kind)}
     if impl == "jcm":
         rec.update(jcm_backend(cfg, workload))
@@ -461,9 +474,10 @@ def run_config(model_name: str, cfg: ModelConfig, workload: str, n: int, batch: 
     tx = make_optimizer(lr)
     graphdef, params, opt_state = init_state(model, tx)
     del model
-    # cuDNN reads no metadata: one compiled step serves every workload at this shape.
-    key = (model_name, n, batch, impl) if impl == "cudnn-causal" else None
-    md = None if impl == "cudnn-causal" else data["metadata"]
+    # cuDNN (and no attention) read no metadata: one compiled step serves every workload.
+    maskless = impl in ("cudnn-causal", "no-attention")
+    key = (model_name, n, batch, impl) if maskless else None
+    md = None if maskless else data["metadata"]
     args = (jnp.asarray(data["tokens"]), jnp.asarray(data["positions"]),
             jnp.asarray(data["weights"]), jax.tree.map(jnp.asarray, md))
     state = {"params": params, "opt": opt_state}
@@ -521,10 +535,22 @@ def _memory_gib(compiled) -> Optional[float]:
 
 
 # ------------------------------------------------------------------------- report ----
+def attach_split(records: list[dict]) -> None:
+    """``rest_ms`` (the step with attention replaced by a copy of V, same model, N and
+    run) and ``attention_ms`` = step_ms - rest_ms on every measured record."""
+    rest = {(r["model"], r["n"], r.get("run")): r["step_ms"] for r in records
+            if r["impl"] == "no-attention" and r.get("status") == "ok"}
+    for r in records:
+        key = (r["model"], r["n"], r.get("run"))
+        if r["impl"] != "no-attention" and r.get("status") == "ok" and key in rest:
+            r["rest_ms"] = rest[key]
+            r["attention_ms"] = round(r["step_ms"] - rest[key], 3)
+
+
 def table(records: list[dict]) -> str:
     """Markdown: per (model, n) a row per workload, a column per implementation with
-    tokens/s and jcm's ratio to it (same run)."""
-    impls = [i for i in IMPLS if any(r["impl"] == i for r in records)]
+    tokens/s, step time (its attention part where measured) and jcm's ratio to it."""
+    impls = [i for i in COMPARED if any(r["impl"] == i for r in records)]
     lines = []
     for model, n in sorted({(r["model"], r["n"]) for r in records}, key=lambda t: (t[0], t[1])):
         lines += [f"### {model}, N = {n}", "",
@@ -545,13 +571,21 @@ def table(records: list[dict]) -> str:
                 elif r.get("status") != "ok":
                     cells.append(r.get("status", "?"))
                 else:
-                    c = f"{r['tokens_per_s']:,.0f} tok/s ({r['step_ms']:.0f} ms, {r['peak_gib']} GiB)"
+                    attn = (f", attention {r['attention_ms']:.0f} ms" if "attention_ms" in r
+                            else "")
+                    c = (f"{r['tokens_per_s']:,.0f} tok/s (step {r['step_ms']:.0f} ms{attn}, "
+                         f"{r['peak_gib']} GiB)")
                     if not r.get("mask_exact", True):
                         c += " [wrong mask]"
                     if i != "jcm" and ours:
                         c += f"; jcm {ours / r['tokens_per_s']:.2f}x"
                     cells.append(c)
             lines.append(f"| {w} | " + " | ".join(cells) + " |")
+        rest = [r for r in records if (r["model"], r["n"], r["impl"]) == (model, n,
+                                                                         "no-attention")]
+        if rest and rest[0].get("status") == "ok":
+            lines += ["", f"Rest of the step (attention replaced by a copy of V): "
+                          f"{rest[0]['step_ms']:.0f} ms; attention = step - rest."]
         lines.append("")
     run = sorted({r.get("run") for r in records if r.get("run")})
     lines.append(f"run: {', '.join(run)}; tokens/s = B*N / median step time; "
@@ -569,7 +603,7 @@ def plot(records: list[dict], path: str) -> Optional[str]:
     except ImportError:
         return "matplotlib is not importable: no plot written"
     panels = sorted({(r["model"], r["n"]) for r in records})
-    impls = [i for i in IMPLS if any(r["impl"] == i for r in records)]
+    impls = [i for i in COMPARED if any(r["impl"] == i for r in records)]
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
     for ax, (model, n) in zip(axes[0], panels):
         ws = [w for w in WORKLOADS if any(r["workload"] == w and r["n"] == n
@@ -599,7 +633,7 @@ def svg_bars(records: list[dict]) -> str:
     """The plot of :func:`plot` as SVG, for machines without matplotlib: a panel per
     (model, N), a group of bars per workload, a bar per implementation (kTok/s)."""
     panels = sorted({(r["model"], r["n"]) for r in records})
-    impls = [i for i in IMPLS if any(r["impl"] == i for r in records)]
+    impls = [i for i in COMPARED if any(r["impl"] == i for r in records)]
     ok = [r for r in records if r.get("status") == "ok"]
     top = max([r["tokens_per_s"] / 1e3 for r in ok] + [1e-9]) * 1.15
     pw, ph, ml, mt, mb = 360, 220, 60, 40, 50
@@ -709,28 +743,33 @@ def main(argv=None) -> list[dict]:
             "smoke": a.smoke}   # report.py skips smoke files
     t_start = time.perf_counter()
     records, cache = [], {}
-    # jcm and cuDNN first at every N, the dense baseline last: under a budget the
-    # comparisons that matter most are measured before it runs out.
-    order = [i for i in IMPLS if i in impls]
-    for model in models:
-        for n in ns:
-            batch = max(1, a.tokens // n)
-            for impl in order:
-                for w in wls:
-                    if a.budget_s is not None and time.perf_counter() - t_start > a.budget_s:
-                        rec = {"model": model, "workload": w, "n": n, "batch": batch,
-                               "impl": impl, "status": "skipped",
-                               "error": f"time budget {a.budget_s} s spent",
-                               "run": clocks.run_id()}
-                    else:
-                        rec = run_config(model, CONFIGS[model], w, n, batch, impl,
-                                         steps=a.steps, warmup=a.warmup, lr=a.lr,
-                                         step_cache=cache)
-                    records.append(rec)
-                    print(json.dumps({k_: v for k_, v in rec.items() if k_ != "step_ms_all"}),
-                          flush=True)
-                    # After every record: a call cut short by its time limit keeps them.
-                    write_outputs(records, a.out, meta, with_plot=False)
+    # jcm, cuDNN and the rest-of-step at every N first, the dense baseline (slow to
+    # compile, out of memory at long N) last: under a budget the comparisons that matter
+    # most are measured before it runs out.
+    phases = [[i for i in IMPLS if i in impls and i != "xla-dense"],
+              [i for i in IMPLS if i in impls and i == "xla-dense"]]
+    plan = [(model, n, impl) for model in models for phase in phases for n in ns
+            for impl in phase]
+    for model, n, impl in plan:
+        batch = max(1, a.tokens // n)
+        for w in wls:
+            if impl == "no-attention" and w != wls[0]:
+                continue                  # mask-independent: measured once per N
+            if a.budget_s is not None and time.perf_counter() - t_start > a.budget_s:
+                rec = {"model": model, "workload": w, "n": n, "batch": batch,
+                       "impl": impl, "status": "skipped",
+                       "error": f"time budget {a.budget_s} s spent",
+                       "run": clocks.run_id()}
+            else:
+                rec = run_config(model, CONFIGS[model], w, n, batch, impl,
+                                 steps=a.steps, warmup=a.warmup, lr=a.lr,
+                                 step_cache=cache)
+            records.append(rec)
+            attach_split(records)
+            print(json.dumps({k_: v for k_, v in rec.items() if k_ != "step_ms_all"}),
+                  flush=True)
+            # After every record: a call cut short by its time limit keeps them.
+            write_outputs(records, a.out, meta, with_plot=False)
     written = write_outputs(records, a.out, meta)
     print(table(records))
     print("wrote", ", ".join(written))

@@ -218,17 +218,19 @@ def test_hstu_packed_mask_matches_oracle(e2e):
 
 def test_smoke_writes_records_and_table(e2e, tmp_path):
     out = tmp_path / "train.json"
-    records = e2e.main(["--smoke", "--workloads", "hstu", "--impls", "jcm,cudnn-causal",
+    records = e2e.main(["--smoke", "--workloads", "hstu", "--impls", "jcm,cudnn-causal,no-attention",
                         "--out", str(out)])
     doc = json.loads(out.read_text())
-    assert len(doc["records"]) == len(records) == 2
+    assert len(doc["records"]) == len(records) == 3
     for r in doc["records"]:
         assert r["status"] == "ok", r
         for key in ("model", "workload", "n", "impl", "tokens_per_s", "peak_gib", "run",
                     "step_ms", "sm_clock_mhz"):
             assert key in r, key
         assert r["loss_last"] < r["loss_first"]
-    assert {r["impl"] for r in records} == {"jcm", "cudnn-causal"}
+    assert {r["impl"] for r in records} == {"jcm", "cudnn-causal", "no-attention"}
+    jcm_rec = next(r for r in doc["records"] if r["impl"] == "jcm")
+    assert jcm_rec["attention_ms"] == pytest.approx(jcm_rec["step_ms"] - jcm_rec["rest_ms"])
     md = (tmp_path / "train.md").read_text()
     assert "| hstu |" in md and "jcm" in md and "[wrong mask]" in md
     # The plot: PNG through matplotlib, else the same bars as well-formed SVG.
