@@ -464,7 +464,7 @@ def run_config(model_name: str, cfg: ModelConfig, workload: str, n: int, batch: 
     rec = {"model": model_name, "workload": workload, "n": n, "batch": batch, "impl": impl,
            "mask_exact": impl in ("jcm", "xla-dense") or (impl == "cudnn-causal"
                                                            and workload == "causal"),
-           "device": str(jax.devices()[0].device_kind)}
+           "device": str(jax.devices()[0].device_kind), "run": clocks.run_id()}
     if impl == "jcm":
         rec.update(jcm_backend(cfg, workload))
     data = make_batch(workload, n, batch, cfg.vocab, seed)
@@ -520,7 +520,6 @@ def run_config(model_name: str, cfg: ModelConfig, workload: str, n: int, batch: 
     except Exception as e:  # noqa: BLE001 - recorded, the other configurations go on
         rec.update(status="oom" if _is_oom(e) else "error",
                    error=f"{type(e).__name__}: {str(e)[:400]}")
-    rec.setdefault("run", clocks.run_id())
     return rec
 
 
