@@ -25,6 +25,7 @@
 #   sanitize     compute-sanitizer memcheck + racecheck over a small CuTe backward run
 #   profile      ncu on one clear forward launch at 32K (why 53 TF/s)
 #   profilebwd   ncu on one CuTe backward launch, causal 32K
+#   train        end-to-end Qwen3-0.6B training tokens/s (benchmarks/train_e2e.py), jcm vs cuDNN vs dense XLA at 8K and 32K (build .device-stage/train with scripts/train_bundle.sh; carry it too)
 set -uo pipefail
 stage=${1:?stage: correctness | bwdv1 | kernels | forward | peers | peers2k | peers32 | total | tilelang | sanitize | profile | profilebwd}
 OUT=${OUT:-/tmp/out}
@@ -168,6 +169,17 @@ print("causal key:", _target_key(cm, t, cfg, program_for(cm, t, cfg)).as_json())
 for name, sec, err in warm_all(workers=16): print(f"{name}: {sec:.1f}s {err or ""}")' | tail -5
     timeout 300 python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_tilelang_preprocess.py tests/gpu/test_preprocess_choice.py \
       --junitxml="$OUT/junit-tilelang.xml" 2>&1 | tee "$OUT/pytest-tilelang.log" | tail -8
+    ;;
+  train)
+    # End-to-end training step of a Qwen3-style NNX model; flax/optax come from the train
+    # bundle. JCM_TRAIN_MODELS / JCM_TRAIN_NS pick other configurations (e.g. qwen3-1.7b,
+    # or 32768 alone when 8K and 32K do not both fit the call); records are written after
+    # each configuration, so a cut-short call keeps what it measured.
+    python3 .device-stage/train/install.py >/dev/null || { echo "install of train bundle failed"; exit 2; }
+    export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
+    timeout 540 python3 benchmarks/train_e2e.py --models "${JCM_TRAIN_MODELS:-qwen3-0.6b}" \
+      --ns "${JCM_TRAIN_NS:-8192,32768}" --steps 3 --warmup 1 --budget-s 440 \
+      --out "$OUT/h200-train-e2e.json" 2>&1 | grep -v Warning | tee "$OUT/train-e2e.log" | tail -40
     ;;
   *) echo "unknown stage $stage"; exit 2 ;;
 esac
