@@ -16,3 +16,12 @@ _COMMON = dict(deadline=None, print_blob=True,
 settings.register_profile("ci", derandomize=True, max_examples=25, **_COMMON)
 settings.register_profile("dev", max_examples=200, **_COMMON)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def pytest_collection_finish(session):
+    """Print the fuzz stage's seed (tests/test_fuzz.py) before the first test runs."""
+    import sys
+    fuzz = sys.modules.get("test_fuzz")
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if fuzz is not None and reporter is not None:
+        reporter.write_line(fuzz.SEED_LINE)

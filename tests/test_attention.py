@@ -1,6 +1,7 @@
 """mask_attention with the xla backend against the dense reference (tolerance policy)."""
 from __future__ import annotations
 
+import functools
 import math
 import zlib
 
@@ -58,35 +59,50 @@ def _inputs(key, b, nq, nk, hq, hkv, d, dv, dtype):
     return qx, kx, vx, do
 
 
+@functools.lru_cache(maxsize=None)
+def _reference_fn(scale, softcap):
+    """Jitted dense references, forward and gradients, at both precisions of the policy.
+
+    Compiled once per (shapes, dtype, scale, softcap) and shared by every test: the mask
+    is an argument, so tests with the same shapes but different masks reuse it."""
+    def f(mask, qx, kx, vx, do):
+        res = {}
+        for prec in ("high", "input"):
+            # "high" differentiates at float32 copies of the inputs (testing.py)
+            up = (lambda x: x.astype(jnp.float32)) if prec == "high" else (lambda x: x)
+            (out, lse), vjp = jax.vjp(
+                lambda a, b_, c: reference_attention(a, b_, c, mask, scale=scale,
+                                                     softcap=softcap, precision=prec),
+                up(qx), up(kx), up(vx))
+            res[prec] = out, lse, vjp((do.astype(out.dtype), jnp.zeros_like(lse)))
+        return res
+    return jax.jit(f)
+
+
 def check_against_reference(spec_or_dense, desc, qx, kx, vx, do, *, softcap=None,
                             scale=None, grads=True):
+    """Forward (out, lse) and, with ``grads``, dq, dk, dv of ``sum(out * do)`` under the
+    tolerance policy. Ours runs as one jitted forward + vjp (one compilation per test);
+    the cotangent of out is ``do`` and that of lse zero, as for ``jax.grad`` of the loss."""
     dense = desc.as_dense() if not isinstance(spec_or_dense, jax.Array) else spec_or_dense
 
     def ours(a, b_, c):
         return jcm.mask_attention(a, b_, c, desc, scale=scale, logits_soft_cap=softcap,
                                   return_residuals=True)
 
-    def ref(prec):
-        return lambda a, b_, c: reference_attention(a, b_, c, dense, scale=scale,
-                                                    softcap=softcap, precision=prec)
+    @jax.jit
+    def ours_and_grads(a, b_, c):
+        (out, lse), vjp = jax.vjp(ours, a, b_, c)
+        return out, lse, (vjp((do, jnp.zeros_like(lse))) if grads else None)
 
-    out, lse = jax.jit(ours)(qx, kx, vx)
-    hi_out, hi_lse = ref("high")(qx, kx, vx)
-    lo_out, lo_lse = ref("input")(qx, kx, vx)
+    out, lse, g = ours_and_grads(qx, kx, vx)
+    ref = _reference_fn(scale, softcap)(jnp.asarray(dense), qx, kx, vx, do)
+    (hi_out, hi_lse, g_hi), (lo_out, lo_lse, g_lo) = ref["high"], ref["input"]
     assert out.dtype == qx.dtype and lse.dtype == jnp.float32
     assert_within_policy(out, hi_out, lo_out, "out")
     assert_within_policy(lse, hi_lse, lo_lse, "lse")
     if not grads:
         return
-
-    def loss(f):
-        return lambda a, b_, c: jnp.sum(f(a, b_, c)[0].astype(jnp.float32)
-                                        * do.astype(jnp.float32))
-
-    g = jax.jit(jax.grad(loss(ours), argnums=(0, 1, 2)))(qx, kx, vx)
-    f32 = lambda x: x.astype(jnp.float32)   # unrounded "high" gradients (testing.py)
-    g_hi = jax.grad(loss(ref("high")), argnums=(0, 1, 2))(f32(qx), f32(kx), f32(vx))
-    g_lo = jax.grad(loss(ref("input")), argnums=(0, 1, 2))(qx, kx, vx)
     for name, a, h, lo in zip(("dq", "dk", "dv"), g, g_hi, g_lo):
         assert a.dtype == qx.dtype
         assert_within_policy(a, h, lo, name)
@@ -299,12 +315,14 @@ def test_batched_tile_loop_matches(name, monkeypatch):
     desc = jcm.compile(BUILTINS[name]).instantiate(metadata_for(name, 2, N, rng), N, N, **TILES)
     qx, kx, vx, do = _inputs(jax.random.key(12), 2, N, N, 4, 2, 16, 16, jnp.float32)
 
-    def run():
+    def run():   # forward and gradients of sum(out * do) in one compilation
         f = lambda a, b_, c: jcm.mask_attention(a, b_, c, desc, return_residuals=True)  # noqa: E731
-        out, lse = jax.jit(f)(qx, kx, vx)
-        grads = jax.jit(jax.grad(lambda a, b_, c: jnp.sum(f(a, b_, c)[0] * do),
-                                 argnums=(0, 1, 2)))(qx, kx, vx)
-        return out, lse, grads
+
+        @jax.jit
+        def fwd_bwd(a, b_, c):
+            (out, lse), vjp = jax.vjp(f, a, b_, c)
+            return out, lse, vjp((do, jnp.zeros_like(lse)))
+        return fwd_bwd(qx, kx, vx)
 
     monkeypatch.setenv("JCOMPILEMASK_XLA_TILE_BATCH", "1")
     seq = run()
