@@ -356,10 +356,11 @@ def test_strict_promotion_paths():
     with jax.numpy_rank_promotion("raise"), jax.numpy_dtype_promotion("strict"):
         masks, q, k, v = _kernel_case(False, seed=2, n=32)
         seg = _segments(32, [9, 20])
-        for m in (masks, sm.MultiHeadMask([sm.CausalMask((32, 32))] * 4)):
-            kernel = sk.make_splash_mha_single_device(m, save_residuals=True)
-            jax.grad(lambda q: kernel(q, k, v, seg, jnp.ones(4))[0].sum())(q)
-            jax.jit(kernel)(q.astype(jnp.bfloat16), k.astype(jnp.bfloat16),
-                            v.astype(jnp.bfloat16), seg)
+        dense = sk.make_splash_mha_single_device(masks, save_residuals=True)
+        jax.grad(lambda q: dense(q, k, v, seg, jnp.ones(4))[0].sum())(q)
+        causal = sk.make_splash_mha_single_device(sm.MultiHeadMask([sm.CausalMask((32, 32))]
+                                                                   * 4))
+        jax.jit(causal)(q.astype(jnp.bfloat16), k.astype(jnp.bfloat16),
+                        v.astype(jnp.bfloat16), seg)
         ref = sk.make_masked_mha_reference(masks, backward_impl="custom")
         jax.grad(lambda q: ref(q, k, v, seg).sum())(q)
