@@ -17,6 +17,13 @@ settings.register_profile("ci", derandomize=True, max_examples=25, **_COMMON)
 settings.register_profile("dev", max_examples=200, **_COMMON)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
+# JAX's own test configuration: implicit rank promotion is an error, so a broadcast
+# that relies on it fails here rather than in a user's strict program. Override with
+# JAX_NUMPY_RANK_PROMOTION=allow (or warn) in the environment.
+import jax  # noqa: E402
+
+jax.config.update("jax_numpy_rank_promotion",
+                  os.environ.get("JAX_NUMPY_RANK_PROMOTION", "raise"))
 
 def pytest_collection_finish(session):
     """Print the fuzz stage's seed (tests/test_fuzz.py) before the first test runs."""

@@ -150,7 +150,7 @@ class _Problem:
         def full_path():
             live = ((states & COMPUTE) != 0)[:, :, None, None]
             inside = (rows < self.desc.q_len)[:, None] & (cols < self.desc.kv_len)[None, :]
-            return jnp.broadcast_to(live & inside, partial_shape)
+            return jnp.broadcast_to(live & inside[None, None], partial_shape)
 
         partial_shape = jax.eval_shape(partial_path).shape
         return lax.cond(check, partial_path, full_path)

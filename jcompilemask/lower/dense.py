@@ -7,9 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from .compiled import CompiledMask, resolve_tiles
-from .descriptor import ExecutionDescriptor, pack_tiles
+from .descriptor import COMPUTE, MASKED, ExecutionDescriptor, pack_tiles
 
-__all__ = ["from_dense", "DenseMask"]
+__all__ = ["from_dense", "DenseMask", "SegmentedDenseMask"]
 
 
 def _runs(mask: np.ndarray):
@@ -32,27 +32,95 @@ def _runs(mask: np.ndarray):
     return starts.reshape(m.shape[:-1] + (r,)), lens.reshape(m.shape[:-1] + (r,))
 
 
-class DenseMask(CompiledMask):
-    """A static mask compiled from a boolean array [Hm, Nq, Nk]; K = the most runs in a
-    row, Kc = the most runs in a column. Descriptors are constants (no metadata)."""
+# The CuTe kernels unroll up to 8 row intervals; past that the interval tables cost more
+# than a bitmap everywhere (every partial tile checks K intervals per element).
+MAX_TABLE_INTERVALS = 8
+BITMAP_KEY = "dense_bitmap"
+_WORD = 32
 
-    def __init__(self, mask: np.ndarray, name: str | None = None):
+
+def _max_runs(mask: np.ndarray) -> int:
+    """The most runs of True along the last axis (0 for an all-False mask)."""
+    if mask.shape[-1] == 0:
+        return 0
+    starts = mask[..., :1].sum(-1) + (mask[..., 1:] & ~mask[..., :-1]).sum(-1)
+    return int(starts.max(initial=0))
+
+
+def _pack_bits(mask: np.ndarray) -> np.ndarray:
+    """bool [..., N] -> uint32 [..., ceil(N / 32)]; bit ``j % 32`` of word ``j // 32``."""
+    n = mask.shape[-1]
+    w = -(-n // _WORD)
+    pad = np.zeros(mask.shape[:-1] + (w * _WORD,), np.bool_)
+    pad[..., :n] = mask
+    by = np.packbits(pad, axis=-1, bitorder="little")                   # [..., 4w] uint8
+    return np.ascontiguousarray(by).view("<u4").astype(np.uint32)
+
+
+def _bitmap_tile_states(mask: np.ndarray, bq: int, bk: int) -> np.ndarray:
+    """uint8 [1, Hm, Tq, Tk] tile states of a bool [Hm, Nq, Nk] mask (exact)."""
+    hm, nq, nk = mask.shape
+    tq, tk = -(-nq // bq), -(-nk // bk)
+    out = np.zeros((1, hm, tq, tk), np.uint8)
+    inside = np.zeros((tq * bq, tk * bk), np.bool_)
+    inside[:nq, :nk] = True
+    inside = inside.reshape(tq, bq, tk, bk)
+    for h in range(hm):                       # one head at a time bounds the memory
+        pad = np.zeros((tq * bq, tk * bk), np.bool_)
+        pad[:nq, :nk] = mask[h]
+        pad = pad.reshape(tq, bq, tk, bk)
+        vis = pad.any(axis=(1, 3))
+        masked = (inside & ~pad).any(axis=(1, 3))
+        out[0, h] = vis * COMPUTE + masked * MASKED
+    return out
+
+
+class DenseMask(CompiledMask):
+    """A static mask compiled from a boolean array [Hm, Nq, Nk].
+
+    Two layouts, chosen by the most runs of visible keys in a row (K):
+
+    * ``"intervals"`` (K <= 8): the interval tables hold the runs -- K per row, Kc (the
+      most runs in a column) per key column -- and every backend serves the mask.
+    * ``"bitmap"`` (K > 8, e.g. a random pattern): the mask is kept as a packed bitmap
+      (Nk / 8 bytes per row and head) that the ``xla`` backend reads per tile; its cost
+      does not grow with the number of runs. The interval tables are empty and the mask
+      counts as one fallback region (every row), so the CuTe kernels leave it to ``xla``.
+
+    Descriptors are constants (no metadata); tile states are exact in both layouts.
+    """
+
+    def __init__(self, mask: np.ndarray, name: str | None = None, layout: str = "auto"):
+        if layout not in ("auto", "intervals", "bitmap"):
+            raise ValueError(f"layout must be 'auto', 'intervals' or 'bitmap', got {layout!r}")
         self.array = mask
         self.name = name
         self.spec = None
         self.regions = ()
-        self.fallback_regions = ()
         self.q_len, self.kv_len = mask.shape[-2:]
-        self._fs, self._fl = _runs(mask)
-        self._bs, self._bl = _runs(np.swapaxes(mask, -1, -2))
-        self.num_intervals = self._fs.shape[-1]
-        self.num_bwd_intervals = self._bs.shape[-1]
-        self.has_column_view = True
+        self.runs_per_row = max(_max_runs(mask), 1)
+        if layout == "auto":
+            layout = "intervals" if self.runs_per_row <= MAX_TABLE_INTERVALS else "bitmap"
+        self.layout = layout
+        if layout == "intervals":
+            self.fallback_regions = ()
+            self._fs, self._fl = _runs(mask)
+            self._bs, self._bl = _runs(np.swapaxes(mask, -1, -2))
+            self.num_intervals = self._fs.shape[-1]
+            self.num_bwd_intervals = self._bs.shape[-1]
+            self.has_column_view = True
+        else:
+            self.fallback_regions = (0,)
+            self._words = _pack_bits(mask)
+            self._states = {}
+            self.num_intervals = 1
+            self.num_bwd_intervals = 0
+            self.has_column_view = False
         self._digest = hashlib.sha256(np.packbits(mask).tobytes()
                                       + repr(mask.shape).encode()).hexdigest()[:16]
 
     def key(self):
-        return ("dense", self._digest, self.array.shape)
+        return ("dense", self.layout, self._digest, self.array.shape)
 
     def fingerprint(self):
         return self._digest
@@ -70,25 +138,55 @@ class DenseMask(CompiledMask):
         return jnp.asarray(self.array)[None]
 
     def explain(self):
+        if self.layout == "bitmap":
+            return (f"DenseMask {self.name or ''} {self.array.shape}: bitmap layout (up to "
+                    f"{self.runs_per_row} runs per row, over {MAX_TABLE_INTERVALS}); served "
+                    "by the xla backend")
         return (f"DenseMask {self.name or ''} {self.array.shape}: K = {self.num_intervals} "
                 f"runs per row at most, Kc = {self.num_bwd_intervals} per column")
 
     def __repr__(self):
+        if self.layout == "bitmap":
+            return f"<DenseMask {self.array.shape} bitmap, {self.runs_per_row} runs/row>"
         return f"<DenseMask {self.array.shape} K={self.num_intervals} " \
                f"Kc={self.num_bwd_intervals}>"
 
-    def instantiate(self, metadata=None, q_len=None, kv_len=None, *, block_q=None,
-                    block_kv=None, bwd_block_q=None, bwd_block_kv=None, preprocess=None):
-        if metadata:
-            raise ValueError("a mask from from_dense takes no metadata")
+    def _lengths(self, q_len, kv_len):
         q_len = self.q_len if q_len is None else q_len
         kv_len = (q_len if q_len != self.q_len or self.q_len == self.kv_len
                   else self.kv_len) if kv_len is None else kv_len
         if (q_len, kv_len) != (self.q_len, self.kv_len):
             raise ValueError(f"this mask was built for q_len={self.q_len}, kv_len="
                              f"{self.kv_len}; got q_len={q_len}, kv_len={kv_len}")
-        from .preprocess import tile_states_from_intervals
+        return q_len, kv_len
+
+    def _bitmap_states(self, bq, bk):
+        if (bq, bk) not in self._states:
+            self._states[bq, bk] = _bitmap_tile_states(self.array, bq, bk)
+        return self._states[bq, bk]
+
+    def _empty_tables(self, b, q_len, kv_len):
+        hm = self.mask_heads
+        return (jnp.zeros((b, hm, q_len, 1, 2), jnp.int32),
+                jnp.zeros((b, hm, kv_len, 0, 2), jnp.int32))
+
+    def instantiate(self, metadata=None, q_len=None, kv_len=None, *, block_q=None,
+                    block_kv=None, bwd_block_q=None, bwd_block_kv=None, preprocess=None):
+        if metadata:
+            raise ValueError("a mask from from_dense takes no metadata")
+        q_len, kv_len = self._lengths(q_len, kv_len)
         tiles = resolve_tiles(block_q, block_kv, bwd_block_q, bwd_block_kv)
+        if self.layout == "bitmap":
+            fwd, bwd = self._empty_tables(1, q_len, kv_len)
+            f_st = self._bitmap_states(tiles.block_q, tiles.block_kv)
+            b_st = self._bitmap_states(tiles.bwd_block_q, tiles.bwd_block_kv)
+            return ExecutionDescriptor(
+                fwd, bwd, pack_tiles(jnp.asarray(f_st)),
+                pack_tiles(jnp.asarray(np.swapaxes(b_st, -1, -2))),
+                jnp.zeros((1, q_len), jnp.int32), jnp.zeros((1,), bool),
+                {BITMAP_KEY: jnp.asarray(self._words)[None]},
+                mask=self, q_len=q_len, kv_len=kv_len, tiles=tiles)
+        from .preprocess import tile_states_from_intervals
         fs = jnp.asarray(self._fs)[None]
         fl = jnp.asarray(self._fl)[None]
         fwd = jnp.stack([fs, fl], -1)
@@ -101,9 +199,111 @@ class DenseMask(CompiledMask):
             jnp.zeros((1, q_len), jnp.int32), jnp.ones((1,), bool), {},
             mask=self, q_len=q_len, kv_len=kv_len, tiles=tiles)
 
+    def fallback_visibility(self, desc: ExecutionDescriptor, rows, cols):
+        """bool [1, Hm, R, C]: the bitmap's bits (bitmap layout; False otherwise)."""
+        if self.layout != "bitmap":
+            return jnp.zeros((), bool)
+        words = desc.metadata[BITMAP_KEY]                                # [1, Hm, Nq, W]
+        r = jnp.clip(rows, 0, desc.q_len - 1)
+        c = jnp.clip(cols, 0, desc.kv_len - 1)
+        w = jnp.take(words[:, :, r], c // _WORD, axis=-1)                # [1, Hm, R, C]
+        shift = (c % _WORD).astype(jnp.uint32)[None, None, None, :]
+        return ((w >> shift) & jnp.uint32(1)).astype(bool)
 
-def from_dense(mask, name: str | None = None) -> DenseMask:
-    """Compile a fixed boolean mask, [Nq, Nk] or [H, Nq, Nk], into interval tables.
+
+class SegmentedDenseMask(DenseMask):
+    """A fixed mask AND segment-id equality, for packed sequences: in sequence ``b``,
+    row i sees key j iff ``mask[h, i, j]`` and ``q_segment_ids[b, i] ==
+    kv_segment_ids[b, j]`` (any id layout; ids need not be contiguous).
+
+    The mask is kept as a bitmap (see :class:`DenseMask`) computed once; the segment ids
+    are metadata (int [B, Nq] / [B, Nk], or 1-D for one sequence), intersected per tile at
+    run time. The tile states cost O(B * Hm * Nq * Nk) bit tests per call, whatever the
+    number of runs. Served by the ``xla`` backend.
+
+    >>> import numpy as np, jax.numpy as jnp
+    >>> m = SegmentedDenseMask(np.tril(np.ones((1, 4, 4), bool)))
+    >>> ids = jnp.array([0, 0, 1, 1])
+    >>> d = m.instantiate({"q_segment_ids": ids, "kv_segment_ids": ids}, 4, 4, block_q=2,
+    ...                   block_kv=2, bwd_block_q=2, bwd_block_kv=2)
+    >>> np.asarray(d.as_dense()[0, 0]).astype(int).tolist()
+    [[1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 1, 1]]
+    """
+
+    METADATA = ("q_segment_ids", "kv_segment_ids")
+
+    def __init__(self, mask: np.ndarray, name: str | None = None):
+        super().__init__(mask, name, layout="bitmap")
+
+    def key(self):
+        return ("dense+segments",) + super().key()[1:]
+
+    @property
+    def batched(self):
+        return True
+
+    def explain(self):
+        return super().explain() + "; AND q_segment_ids == kv_segment_ids (metadata)"
+
+    def _segments(self, metadata, q_len, kv_len):
+        if not isinstance(metadata, dict) or set(metadata) != set(self.METADATA):
+            got = sorted(metadata) if isinstance(metadata, dict) else type(metadata).__name__
+            raise ValueError(f"this mask takes metadata {{'q_segment_ids': int [B, Nq], "
+                             f"'kv_segment_ids': int [B, Nk]}}, got {got}")
+        out = []
+        for name, n in zip(self.METADATA, (q_len, kv_len)):
+            x = jnp.asarray(metadata[name])
+            if not jnp.issubdtype(x.dtype, jnp.integer):
+                raise TypeError(f"metadata {name!r} must be integer, got {x.dtype}")
+            x = x[None] if x.ndim == 1 else x
+            if x.ndim != 2 or x.shape[1] != n:
+                raise ValueError(f"metadata {name!r} must be [B, {n}] (or [{n}]), got shape "
+                                 f"{tuple(jnp.shape(metadata[name]))}")
+            out.append(x)
+        sq, skv = out
+        if sq.shape[0] != skv.shape[0]:
+            b = max(sq.shape[0], skv.shape[0])
+            if min(sq.shape[0], skv.shape[0]) != 1:
+                raise ValueError(f"q_segment_ids has batch {sq.shape[0]}, kv_segment_ids "
+                                 f"{skv.shape[0]}: they must match (or one be 1)")
+            sq = jnp.broadcast_to(sq, (b, q_len))
+            skv = jnp.broadcast_to(skv, (b, kv_len))
+        return sq, skv
+
+    def instantiate(self, metadata=None, q_len=None, kv_len=None, *, block_q=None,
+                    block_kv=None, bwd_block_q=None, bwd_block_kv=None, preprocess=None):
+        from .preprocess import tile_states_dense
+        q_len, kv_len = self._lengths(q_len, kv_len)
+        tiles = resolve_tiles(block_q, block_kv, bwd_block_q, bwd_block_kv)
+        sq, skv = self._segments(metadata, q_len, kv_len)
+        b = sq.shape[0]
+        fwd, bwd = self._empty_tables(b, q_len, kv_len)
+        meta = {BITMAP_KEY: jnp.asarray(self._words)[None], self.METADATA[0]: sq,
+                self.METADATA[1]: skv}
+        desc = ExecutionDescriptor(fwd, bwd, None, None, jnp.zeros((b, q_len), jnp.int32),
+                                   jnp.zeros((b,), bool), meta, mask=self, q_len=q_len,
+                                   kv_len=kv_len, tiles=tiles)
+        f_st = tile_states_dense(desc, tiles.block_q, tiles.block_kv)
+        b_st = tile_states_dense(desc, tiles.bwd_block_q, tiles.bwd_block_kv)
+        desc.fwd_tiles = pack_tiles(f_st)
+        desc.bwd_tiles = pack_tiles(jnp.swapaxes(b_st, -1, -2))
+        return desc
+
+    def fallback_visibility(self, desc: ExecutionDescriptor, rows, cols):
+        """bool [B, Hm, R, C]: bitmap bits AND equal segment ids."""
+        bits = super().fallback_visibility(desc, rows, cols)
+        sq = desc.metadata[self.METADATA[0]]
+        skv = desc.metadata[self.METADATA[1]]
+        r = jnp.clip(rows, 0, desc.q_len - 1)
+        c = jnp.clip(cols, 0, desc.kv_len - 1)
+        same = sq[:, r][:, None, :, None] == skv[:, c][:, None, None, :]
+        return bits & same
+
+
+def from_dense(mask, name: str | None = None, *, layout: str = "auto") -> DenseMask:
+    """Compile a fixed boolean mask, [Nq, Nk] or [H, Nq, Nk], into interval tables (or,
+    past 8 runs in a row, a bitmap: ``layout`` "auto", "intervals" or "bitmap"; see
+    :class:`DenseMask`).
 
     >>> import numpy as np, jcompilemask as jcm
     >>> m = jcm.from_dense(np.tril(np.ones((4, 4), bool)))
@@ -117,4 +317,4 @@ def from_dense(mask, name: str | None = None) -> DenseMask:
         arr = arr[None]
     if arr.ndim != 3 or min(arr.shape) < 1:
         raise ValueError(f"from_dense takes [Nq, Nk] or [H, Nq, Nk], got shape {arr.shape}")
-    return DenseMask(np.ascontiguousarray(arr), name)
+    return DenseMask(np.ascontiguousarray(arr), name, layout)

@@ -94,12 +94,14 @@ def pack_tiles(states):
     s = jnp.pad(states.astype(jnp.uint32), [(0, 0)] * (states.ndim - 1) + [(0, pad)])
     s = s.reshape(s.shape[:-1] + (w, TILES_PER_WORD))
     shifts = (2 * jnp.arange(TILES_PER_WORD, dtype=jnp.uint32))
+    shifts = jnp.expand_dims(shifts, tuple(range(s.ndim - 1)))
     return jnp.sum(s << shifts, axis=-1, dtype=jnp.uint32)   # fields never overlap
 
 
 def unpack_tiles(words, num_tiles: int):
     """uint32 [..., W] words -> uint8 [..., num_tiles] 2-bit states (the decoder)."""
     shifts = 2 * jnp.arange(TILES_PER_WORD, dtype=jnp.uint32)
+    shifts = jnp.expand_dims(shifts, tuple(range(words.ndim)))
     s = (words[..., None] >> shifts) & jnp.uint32(3)
     s = s.reshape(words.shape[:-1] + (words.shape[-1] * TILES_PER_WORD,))
     return s[..., :num_tiles].astype(jnp.uint8)
@@ -207,7 +209,7 @@ class ExecutionDescriptor:
         vis = vis | self.mask.fallback_visibility(self, rows, cols)
         inside = (rows >= 0) & (rows < self.q_len)
         inside = inside[:, None] & ((cols >= 0) & (cols < self.kv_len))[None, :]
-        return vis & inside
+        return vis & inside[None, None]
 
     def as_dense(self, view: str = "fwd"):
         """bool [B, Hm, q_len, kv_len] as seen by ``view``'s interval tables."""

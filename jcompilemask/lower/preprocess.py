@@ -96,7 +96,7 @@ def tile_states_from_intervals(starts, lens, q_len, kv_len, bq, bk):
     touched = diff(t_lo, t_hi, one)
     covered = diff(f_lo, f_hi, fone)
     rows = jnp.minimum(bq, q_len - jnp.arange(tq, dtype=I32) * bq)[:, None]
-    full = covered == rows
+    full = covered == rows[None, None]
     return ((touched > 0).astype(jnp.uint8) * COMPUTE
             + (~full).astype(jnp.uint8) * MASKED)
 
@@ -115,7 +115,7 @@ def tile_states_dense(desc: ExecutionDescriptor, bq, bk):
         vis = vis.reshape(vis.shape[:2] + (bq, tk, bk))
         inside = inside.reshape(bq, tk, bk)
         any_vis = jnp.any(vis, axis=(2, 4))
-        any_mask = jnp.any(inside & ~vis, axis=(2, 4))
+        any_mask = jnp.any(inside[None, None] & ~vis, axis=(2, 4))
         return any_vis.astype(jnp.uint8) * COMPUTE + any_mask.astype(jnp.uint8) * MASKED
 
     st = lax.map(one, jnp.arange(tq, dtype=I32))               # [Tq, B, Hm, Tk]

@@ -15,12 +15,13 @@ or a :func:`jcompilemask.from_dense` mask.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
 __all__ = ["Mask", "FullMask", "CausalMask", "LocalMask", "ChunkedCausalMask", "NumpyMask",
-           "MultiHeadMask", "LogicalAnd", "LogicalOr"]
+           "MultiHeadMask", "LogicalAnd", "LogicalOr", "make_causal_mask",
+           "make_local_attention_mask", "make_chunk_attention_mask", "make_random_mask"]
 
 
 def _shape2(shape, what):
@@ -59,31 +60,42 @@ class Mask:
         return LogicalOr(self, other)
 
 
-class _Computable(Mask):
-    """A 2-D mask given by a function of (q index, kv index)."""
+class _ComputableMask(Mask):
+    """A 2-D mask given by ``mask_function(q_ids, kv_ids) -> bool array``, evaluated on
+    numpy index grids (``q_ids`` [R, 1] taken from ``q_sequence``, ``kv_ids`` [1, C]).
 
-    def __init__(self, shape, shard_count: int = 1):
+    Subclass it for a custom lazy mask (define ``__eq__`` and ``__hash__``, as splash
+    asks); the built-in subclasses also define ``_key``. A subclass that jcompilemask does
+    not know converts through its dense view (:func:`jcompilemask.from_dense`).
+
+    >>> m = _ComputableMask((3, 3), lambda q, k: q == k)
+    >>> m[:, :].astype(int).tolist()
+    [[1, 0, 0], [0, 1, 0], [0, 0, 1]]
+    """
+
+    def __init__(self, shape: tuple[int, int], mask_function: Callable[..., Any],
+                 shard_count: int = 1):
         self._shape = _shape2(shape, type(self).__name__)
-        if not isinstance(shard_count, int) or shard_count < 1 or \
+        if not isinstance(shard_count, (int, np.integer)) or shard_count < 1 or \
                 self._shape[0] % (shard_count * shard_count):
             raise ValueError(f"shard count squared ({shard_count}**2) must divide q_seq_len "
                              f"({self._shape[0]})")
-        self.shard_count = shard_count
+        self.shard_count = int(shard_count)
+        self.mask_function = mask_function
+        self.q_sequence = np.arange(self._shape[0], dtype=np.int32)
 
     @property
     def shape(self):
         return self._shape
 
-    def _fn(self, rows, cols) -> np.ndarray:
-        raise NotImplementedError
-
     def __getitem__(self, idx):
         if not isinstance(idx, tuple) or len(idx) != 2:
             raise NotImplementedError(f"unsupported slice {idx!r}: use mask[q_slice, kv_slice]")
         (r0, r1), (c0, c1) = _fill(idx[0], self._shape[0]), _fill(idx[1], self._shape[1])
-        rows = np.arange(r0, r1, dtype=np.int64)[:, None]
+        rows = self.q_sequence[r0:r1].astype(np.int64)[:, None]
         cols = np.arange(c0, c1, dtype=np.int64)[None, :]
-        return np.broadcast_to(self._fn(rows, cols), (r1 - r0, c1 - c0)).astype(np.bool_)
+        out = np.asarray(self.mask_function(rows, cols))
+        return np.broadcast_to(out, (r1 - r0, c1 - c0)).astype(np.bool_)
 
     def _key(self):
         raise NotImplementedError
@@ -98,46 +110,40 @@ class _Computable(Mask):
         return f"{type(self).__name__}{self._key()}"
 
 
-class FullMask(_Computable):
+class FullMask(_ComputableMask):
     """Every query sees every key."""
 
     def __init__(self, _shape: tuple[int, int]):
-        super().__init__(_shape)
-
-    def _fn(self, rows, cols):
-        return np.ones((1, 1), np.bool_)
+        super().__init__(_shape, lambda rows, cols: np.ones((1, 1), np.bool_))
 
     def _key(self):
         return (self._shape,)
 
 
-class CausalMask(_Computable):
+class CausalMask(_ComputableMask):
     """Query i sees key j iff ``i + offset >= j``."""
 
     def __init__(self, shape: tuple[int, int], offset: int = 0, shard_count: int = 1):
-        super().__init__(shape, shard_count)
         self.offset = int(offset)
-
-    def _fn(self, rows, cols):
-        return rows + self.offset >= cols
+        super().__init__(shape, lambda rows, cols: rows + self.offset >= cols, shard_count)
 
     def _key(self):
         return (self._shape, self.offset)
 
 
-class LocalMask(_Computable):
+class LocalMask(_ComputableMask):
     """Query i sees key j iff ``i + offset - left <= j <= i + offset + right``; a side of
     ``window_size = (left, right)`` that is None is unbounded."""
 
     def __init__(self, shape: tuple[int, int], window_size: tuple[int | None, int | None],
                  offset: int, shard_count: int = 1):
-        super().__init__(shape, shard_count)
         if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
             raise ValueError(f"window_size must be a (left, right) pair, got {window_size!r}")
         self.window_size = tuple(None if w is None else int(w) for w in window_size)
         self.offset = int(offset)
+        super().__init__(shape, self._visible, shard_count)
 
-    def _fn(self, rows, cols):
+    def _visible(self, rows, cols):
         left, right = self.window_size
         out = np.ones((1, 1), np.bool_)
         if left is not None:
@@ -150,20 +156,81 @@ class LocalMask(_Computable):
         return (self._shape, self.window_size, self.offset)
 
 
-class ChunkedCausalMask(_Computable):
+class ChunkedCausalMask(_ComputableMask):
     """Causal within consecutive chunks of ``chunk_size`` tokens (Llama 4)."""
 
     def __init__(self, shape: tuple[int, int], chunk_size: int, shard_count: int = 1):
-        if not isinstance(chunk_size, (int, np.integer)) or chunk_size <= 0:
-            raise ValueError("chunk_size must be positive")
-        super().__init__(shape, shard_count)
-        self.chunk_size = int(chunk_size)
-
-    def _fn(self, rows, cols):
-        return (rows // self.chunk_size == cols // self.chunk_size) & (rows >= cols)
+        self.chunk_size = _chunk(chunk_size)
+        super().__init__(shape, lambda rows, cols: (rows // self.chunk_size
+                                                    == cols // self.chunk_size)
+                         & (rows >= cols), shard_count)
 
     def _key(self):
         return (self._shape, self.chunk_size)
+
+
+def _chunk(chunk_size):
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, (int, np.integer)) \
+            or chunk_size <= 0:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    return int(chunk_size)
+
+
+def _grid(shape):
+    q_len, kv_len = _shape2(tuple(shape), "mask")
+    return np.arange(q_len)[:, None], np.arange(kv_len)[None, :]
+
+
+def make_causal_mask(shape: tuple[int, int], offset: int = 0) -> np.ndarray:
+    """Dense bool [q_seq_len, kv_seq_len]: query i sees key j iff ``i + offset >= j``.
+
+    >>> make_causal_mask((2, 3), offset=1).astype(int).tolist()
+    [[1, 1, 0], [1, 1, 1]]
+    """
+    rows, cols = _grid(shape)
+    return rows + int(offset) >= cols
+
+
+def make_local_attention_mask(shape: tuple[int, int],
+                              window_size: tuple[int | None, int | None], *,
+                              offset: int = 0) -> np.ndarray:
+    """Dense view of :class:`LocalMask` (a None side of the window is unbounded).
+
+    >>> make_local_attention_mask((3, 3), (1, 0)).astype(int).tolist()
+    [[1, 0, 0], [1, 1, 0], [0, 1, 1]]
+    """
+    rows, cols = _grid(shape)
+    left, right = window_size
+    out = np.ones((rows.shape[0], cols.shape[1]), np.bool_)
+    if left is not None:
+        out &= rows + int(offset) - int(left) <= cols
+    if right is not None:
+        out &= rows + int(offset) + int(right) >= cols
+    return out
+
+
+def make_chunk_attention_mask(shape: tuple[int, int], chunk_size: int) -> np.ndarray:
+    """Dense view of :class:`ChunkedCausalMask`.
+
+    >>> make_chunk_attention_mask((3, 3), 2).astype(int).tolist()
+    [[1, 0, 0], [1, 1, 0], [0, 0, 1]]
+    """
+    c = _chunk(chunk_size)
+    rows, cols = _grid(shape)
+    return (rows // c == cols // c) & (rows >= cols)
+
+
+def make_random_mask(shape: tuple[int, int], sparsity: float, seed: int) -> np.ndarray:
+    """Dense bool mask whose entries are visible with probability ``1 - sparsity``.
+
+    Draws from numpy's global generator seeded with ``seed`` (as splash's helper does), so
+    a seed gives the same mask as there.
+
+    >>> make_random_mask((2, 2), 0.0, seed=0).tolist()
+    [[True, True], [True, True]]
+    """
+    np.random.seed(seed)
+    return np.random.binomial(n=1, p=1.0 - sparsity, size=tuple(shape)).astype(np.bool_)
 
 
 class NumpyMask(Mask):
