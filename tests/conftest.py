@@ -25,6 +25,7 @@ import jax  # noqa: E402
 jax.config.update("jax_numpy_rank_promotion",
                   os.environ.get("JAX_NUMPY_RANK_PROMOTION", "raise"))
 
+
 def pytest_collection_finish(session):
     """Print the fuzz stage's seed (tests/test_fuzz.py) before the first test runs."""
     import sys
