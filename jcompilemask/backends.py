@@ -58,6 +58,7 @@ class Call:
     num_intervals: int = 1
     tiles: Optional[TileConfig] = None     # of a prebuilt descriptor, if one was passed
     bias: bool = False                     # an additive bias (or a dense mask) on the logits
+    dense_bitmap: bool = False             # a from_dense mask kept as a bitmap (> 8 runs/row)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,6 +213,9 @@ def _cute_backend() -> Backend:
         return missing_hint(*absent) if absent else None
 
     def supports(call: Call):
+        if call.dense_bitmap:
+            return ("a dense mask with more than 8 runs per row, kept as a bitmap (the CuTe "
+                    "kernels read interval tables); the xla backend checks the bitmap")
         if call.has_fallback:
             return ("the mask has fallback regions (predicates the interval tables cannot "
                     "hold); the xla backend evaluates them")

@@ -364,3 +364,13 @@ def test_strict_promotion_paths():
                         v.astype(jnp.bfloat16), seg)
         ref = sk.make_masked_mha_reference(masks, backward_impl="custom")
         jax.grad(lambda q: ref(q, k, v, seg).sum())(q)
+
+
+def test_cute_refuses_a_bitmap_dense_mask_saying_why():
+    """A dense mask of many runs per row is kept as a bitmap; the registry names that, not
+    'fallback regions', when it passes over the CuTe kernels."""
+    from jcompilemask import backends
+    call = backends.Call(dtype="bfloat16", head_dim=128, head_dim_v=128, num_heads=2,
+                         num_kv_heads=2, softcap=False, has_fallback=True, dense_bitmap=True)
+    why = backends.get("cute").supports(call)
+    assert "bitmap" in why and "fallback regions" not in why

@@ -212,6 +212,7 @@ def mask_attention(query, key, value, mask=None, *, bias=None,
         dtype=jnp.dtype(query.dtype).name, head_dim=d, head_dim_v=dv, num_heads=hq,
         num_kv_heads=hkv, softcap=logits_soft_cap is not None,
         has_fallback=bool(cm.fallback_regions), num_intervals=cm.num_intervals,
+        dense_bitmap=getattr(cm, "layout", None) == "bitmap",
         tiles=None if desc is None else desc.tiles, bias=bias is not None)
     impl = _compat.implementation_name(implementation)
     try:
