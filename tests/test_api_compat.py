@@ -130,7 +130,7 @@ def test_dense_boolean_masks_concrete_and_traced():
 def test_traced_batched_mask_with_bias_gradients_match_jax():
     q_, k_, v_ = _qkv(15)
     m = (jax.random.bernoulli(jax.random.key(16), 0.6, (B, 1, N, N))
-         | jnp.eye(N, dtype=bool))
+         | jnp.eye(N, dtype=bool)[None, None])
     bias = jax.random.normal(jax.random.key(17), (1, H, N, N))
     f = lambda q_, bias, m: jnp.sum(jnp.sin(jcm.mask_attention(q_, k_, v_, m, bias=bias)))  # noqa: E731
     g = lambda q_, bias, m: jnp.sum(jnp.sin(jax.nn.dot_product_attention(q_, k_, v_, bias, m)))  # noqa: E731
