@@ -14,6 +14,7 @@ import numpy as np
 from .. import backends as _backends
 from ..lower.compiled import compile as _compile
 from . import compat as _compat
+from . import partition as _partition
 
 __all__ = ["mask_attention"]
 
@@ -26,10 +27,7 @@ def _attention(q, k, v, desc, bias, scale, softcap, backend_name, bias_grad, det
 
 
 def _forward(q, k, v, desc, bias, scale, softcap, backend_name):
-    b = _backends.get(backend_name)
-    if bias is None:
-        return b.forward(q, k, v, desc, scale, softcap)
-    return b.forward(q, k, v, desc, scale, softcap, bias=bias)
+    return _partition.forward(backend_name, q, k, v, desc, scale, softcap, bias)
 
 
 def _attention_fwd(q, k, v, desc, bias, scale, softcap, backend_name, bias_grad, deterministic):
@@ -40,16 +38,12 @@ def _attention_fwd(q, k, v, desc, bias, scale, softcap, backend_name, bias_grad,
 def _attention_bwd(scale, softcap, backend_name, bias_grad, deterministic, res, cts):
     q, k, v, desc, bias, out, lse = res
     do, dlse = cts
-    b = _backends.get(backend_name)
     if bias is None:
-        if deterministic:
-            dq, dk, dv = b.backward(q, k, v, desc, scale, softcap, out, lse, do, dlse,
-                                    deterministic=True)
-        else:
-            dq, dk, dv = b.backward(q, k, v, desc, scale, softcap, out, lse, do, dlse)
+        dq, dk, dv = _partition.backward(backend_name, q, k, v, desc, scale, softcap, out,
+                                         lse, do, dlse, deterministic=deterministic)
         return dq, dk, dv, None, None
-    dq, dk, dv, dbias = b.backward(q, k, v, desc, scale, softcap, out, lse, do, dlse,
-                                   bias=bias, bias_grad=bias_grad)
+    dq, dk, dv, dbias = _partition.backward(backend_name, q, k, v, desc, scale, softcap, out,
+                                            lse, do, dlse, bias=bias, bias_grad=bias_grad)
     return dq, dk, dv, None, dbias
 
 

@@ -254,10 +254,16 @@ def tilelang_preprocess(cm, metadata, q_len: int, kv_len: int | None = None,
     prog = program_for(cm, tiles, cfg)
     meta, b = _normalize(cm, metadata, q_len, kv_len)
     name = _ffi_target(cm, tiles, cfg, prog)
-    shapes, _ = _out_shapes(prog, b, q_len, kv_len, tiles)
-    out_types = tuple(jax.ShapeDtypeStruct(shapes[n][0], shapes[n][1]) for n in prog.outputs)
     operands = [jnp.asarray(a, I32) for _, a in _operands(prog, meta)]
-    res = jax.ffi.ffi_call(name, out_types, vmap_method="sequential")(
-        *operands, q_len=np.int32(q_len), kv_len=np.int32(kv_len))
+
+    def call_for(batch):
+        # Each sequence is built on its own: under jit with batch-sharded metadata every
+        # device runs the kernel on its sequences (attention.partition.batch_sharded).
+        shapes, _ = _out_shapes(prog, batch, q_len, kv_len, tiles)
+        out_types = tuple(jax.ShapeDtypeStruct(*shapes[n]) for n in prog.outputs)
+        return functools.partial(jax.ffi.ffi_call(name, out_types, vmap_method="sequential"),
+                                 q_len=np.int32(q_len), kv_len=np.int32(kv_len))
+    from ...attention.partition import batch_sharded
+    res = batch_sharded(call_for, b, *operands)
     outs = dict(zip(prog.outputs, res))
     return _assemble(cm, outs, b, q_len, kv_len, tiles, prog)

@@ -1,0 +1,135 @@
+"""Run in a subprocess by tests/test_sharding.py (8 host devices must be set before JAX
+starts): ``mask_attention`` under a plain ``jax.jit`` whose q, k, v are sharded over a
+2 x 4 mesh along the batch, the heads, or both, for every built-in mask, random lowered
+specs, a per-head mask and a mask with fallback regions. Forward (out, lse) and
+gradients are within the tolerance policy of the dense reference and agree with the
+single-device call; the compiled HLO of every sharded layout has no collective at all
+(so in particular no all-gather or all-to-all of q, k, v). Prints ``OK <cases>``."""
+import os
+import re
+import sys
+
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "gpu"))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402
+
+import jcompilemask as jcm  # noqa: E402
+import gpu_cases  # noqa: E402
+from jcompilemask.attention.partition import batch_sharded  # noqa: E402
+from jcompilemask.spec import MaskSpec, Region, Scalar, h, k, q, q_len  # noqa: E402
+from jcompilemask.testing import assert_within_policy, reference_attention  # noqa: E402
+
+B, N, HQ, HKV, D = 4, 64, 8, 4, 8          # GQA: 2 query heads per key/value head
+TILES = dict(block_q=16, block_kv=16, bwd_block_q=16, bwd_block_kv=16)
+COLLECTIVE = re.compile(r"\b(all-gather|all-to-all|all-reduce|reduce-scatter|"
+                        r"collective-permute|collective-broadcast)\b")
+mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+BUILTIN = ("causal", "full", "sliding_window", "chunked_causal", "prefix_lm", "document",
+           "document_bidir", "hstu", "shared_prompt", "clear")
+LAYOUTS = {"batch": P("data"), "heads": P(None, None, "model"),
+           "batch_x_heads": P("data", None, "model")}
+
+
+def cases(rng):
+    specs = {"causal": jcm.masks.causal(), "full": jcm.masks.full(),   # BUILTIN's order
+             "sliding_window": jcm.masks.sliding_window(9, 3, sinks=2),
+             "chunked_causal": jcm.masks.chunked_causal(20), "prefix_lm": jcm.masks.prefix_lm(),
+             "document": jcm.masks.document(), "document_bidir": jcm.masks.document(False),
+             "hstu": jcm.masks.hstu(), "shared_prompt": jcm.masks.shared_prompt(3),
+             "clear": jcm.masks.clear(8, 2)}
+    for name, spec in specs.items():
+        if name == "clear":
+            md = {"text_len": rng.integers(4, 20, B), "image_len": rng.integers(16, 40, B)}
+        else:
+            md = gpu_cases.metadata(name, B, N, rng)
+        yield name, spec, md
+    for i in range(3):
+        spec, md = gpu_cases.random_spec_case(rng, n=N, b=B)
+        yield f"random{i}", spec, md
+    yield "per_head", MaskSpec([Region((0, q_len), k <= q + h * 3)], num_heads=HQ), None
+    s = Scalar("s", max=q_len)
+    yield ("fallback", MaskSpec([Region((0, s), k % 4 != 1), Region((s, q_len), k <= q)]),
+           {"s": rng.integers(0, N, B)})
+
+
+def attend_and_grad(q, k, v, desc, do):
+    """(out, lse, dq, dk, dv): one program, so one compile per layout."""
+    (out, lse), vjp = jax.vjp(
+        lambda a, b, c: jcm.mask_attention(a, b, c, desc, return_residuals=True), q, k, v)
+    return (out, lse, *vjp((do, jnp.zeros_like(lse))))
+
+
+def references(q, k, v, dense, do):
+    def ref(prec):
+        return lambda a, b, c: reference_attention(a, b, c, dense, precision=prec)
+
+    def grads(prec):
+        def loss(a, b, c):
+            return jnp.sum(ref(prec)(a, b, c)[0].astype(jnp.float32) * do)
+        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    return [(*ref(p)(q, k, v), *grads(p)) for p in ("high", "input")]
+
+
+def main():
+    rng = np.random.default_rng(0)
+    keys = jax.random.split(jax.random.key(0), 4)
+    qx = jax.random.normal(keys[0], (B, N, HQ, D), jnp.float32)
+    kx = jax.random.normal(keys[1], (B, N, HKV, D), jnp.float32)
+    vx = jax.random.normal(keys[2], (B, N, HKV, D), jnp.float32)
+    do = jax.random.normal(keys[3], (B, N, HQ, D), jnp.float32)
+    names = ("out", "lse", "dq", "dk", "dv")
+    n = 0
+    for name, spec, md in cases(rng):
+        desc = jcm.compile(spec).instantiate(md, N, N, **TILES)
+        hi, lo = jax.jit(references)(qx, kx, vx, desc.as_dense(), do)
+        single = jax.jit(attend_and_grad)(qx, kx, vx, desc, do)
+        # Each built-in under every layout; the other masks under batch x heads only.
+        layouts = LAYOUTS if name in BUILTIN else {"batch_x_heads": LAYOUTS["batch_x_heads"]}
+        for layout, spec_ in layouts.items():
+            put = lambda x: jax.device_put(x, NamedSharding(mesh, spec_))  # noqa: E731
+            # The descriptor shards with the batch where it has one per sequence.
+            dspec = P("data") if "batch" in layout and desc.batch == B else P()
+            dsh = jax.device_put(desc, NamedSharding(mesh, dspec))
+            args = (put(qx), put(kx), put(vx), dsh, put(do))
+            compiled = jax.jit(attend_and_grad).lower(*args).compile()
+            found = sorted(set(COLLECTIVE.findall(compiled.as_text())))
+            assert not found, f"{name}/{layout}: collectives in the compiled HLO: {found}"
+            got = compiled(*args)
+            for nm, a, s1, h_, l_ in zip(names, got, single, hi, lo):
+                where = f"{name}/{layout}/{nm}"
+                assert_within_policy(a, h_, l_, where)
+                np.testing.assert_allclose(np.asarray(a), np.asarray(s1), rtol=1e-5,
+                                           atol=2e-5, err_msg=where)
+            if layout == "batch_x_heads":
+                assert got[0].sharding.spec[:3] == ("data", None, "model"), got[0].sharding
+        n += 1
+
+    # Query heads over an axis that does not divide the key/value heads: the heads are
+    # replicated (whole GQA groups), the batch still shards; results unchanged.
+    mq = lambda x: jax.device_put(x, NamedSharding(mesh, P("data", None, "model")))  # noqa: E731
+    desc = jcm.compile(jcm.masks.causal()).instantiate(None, N, N, **TILES)
+    k2, v2 = kx[:, :, :2], vx[:, :, :2]
+    mb = lambda x: jax.device_put(x, NamedSharding(mesh, P("data")))  # noqa: E731
+    got = jax.jit(attend_and_grad)(mq(qx), mb(k2), mb(v2), desc, mq(do))
+    want = jax.jit(attend_and_grad)(qx, k2, v2, desc, do)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=2e-5)
+
+    # The batch-only rule of the preprocess custom call, on a jnp stand-in.
+    x = jnp.arange(B * 6, dtype=jnp.int32).reshape(B, 6)
+    f = jax.jit(lambda x: batch_sharded(lambda b: lambda a: (a * 2, a.sum(1) + b), B, x))
+    xs = jax.device_put(x, NamedSharding(mesh, P("data")))
+    compiled = f.lower(xs).compile()
+    assert not COLLECTIVE.findall(compiled.as_text()), compiled.as_text()
+    y2, ys = compiled(xs)
+    np.testing.assert_array_equal(y2, x * 2)
+    np.testing.assert_array_equal(ys, x.sum(1) + B // 2)     # each device sees B / 2 rows
+    print("OK", n)
+
+
+if __name__ == "__main__":
+    main()
