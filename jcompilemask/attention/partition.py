@@ -1,7 +1,8 @@
 """Partitioning rules: ``mask_attention`` under ``jax.jit`` with batch / head sharded inputs.
 
-Every backend call (the ``xla`` backend's tile loops, the CuTe forward and backward
-custom calls, the TileLang preprocess custom call) is wrapped in
+Every backend call that ``mask_attention`` dispatches (the ``xla`` backend's tile loops;
+the CuTe forward and backward, custom calls with their jnp set-up around them) and the
+TileLang preprocess custom call are wrapped in
 :func:`jax.experimental.custom_partitioning`, so when ``jax.jit`` partitions a program
 whose query, key and value are sharded (``NamedSharding`` over a mesh) along the batch
 and/or the head axis, each device runs the backend on its own shard and no q, k or v

@@ -108,6 +108,24 @@ def main():
                 assert got[0].sharding.spec[:3] == ("data", None, "model"), got[0].sharding
         n += 1
 
+    # An additive bias per sequence, shared by the heads: it shards with the batch, its
+    # gradient is summed over the head devices (an all-reduce of the bias, nothing else).
+    desc = jcm.compile(jcm.masks.causal()).instantiate(None, N, N, **TILES)
+    bias = jax.random.normal(keys[3], (B, 1, N, N), jnp.float32)
+
+    def with_bias(q, k, v, bias, do):
+        out, vjp = jax.vjp(lambda a, b, c, e: jcm.mask_attention(a, b, c, desc, bias=e),
+                           q, k, v, bias)
+        return (out, *vjp(do))
+    put = lambda x: jax.device_put(x, NamedSharding(mesh, LAYOUTS["batch_x_heads"]))  # noqa: E731
+    args = (put(qx), put(kx), put(vx), jax.device_put(bias, NamedSharding(mesh, P("data"))),
+            put(do))
+    compiled = jax.jit(with_bias).lower(*args).compile()
+    found = set(COLLECTIVE.findall(compiled.as_text())) - {"all-reduce"}
+    assert not found, f"bias: collectives in the compiled HLO: {sorted(found)}"
+    for a, b in zip(compiled(*args), jax.jit(with_bias)(qx, kx, vx, bias, do)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=2e-5)
+
     # Query heads over an axis that does not divide the key/value heads: the heads are
     # replicated (whole GQA groups), the batch still shards; results unchanged.
     mq = lambda x: jax.device_put(x, NamedSharding(mesh, P("data", None, "model")))  # noqa: E731
