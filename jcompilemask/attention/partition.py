@@ -34,6 +34,10 @@ It needs no mesh from the user and leaves single-device programs untouched (JAX 
 the function when there is one device, and when every mesh axis is manual, as inside
 a user's ``shard_map``).
 
+On a mesh with ``Explicit`` axes (``jax.make_mesh``'s default) the shardings are part
+of the types while tracing, so there the same layout runs in a ``jax.shard_map``
+instead, with the inputs resharded to it first.
+
 ``custom_partitioning`` has no batching rule, so each wrapped call is also a
 :class:`jax.custom_batching.custom_vmap` whose rule runs the unpartitioned function
 under ``vmap``: ``jax.vmap`` over ``mask_attention`` behaves as before (and is not
@@ -313,7 +317,34 @@ _attention_cp.def_partition(partition=_partition, infer_sharding_from_operands=_
                             sharding_rule=_rule, decode_shardings=False)
 
 
+def _explicit_mesh(x):
+    """The mesh of ``x``'s sharding type when it has Explicit axes (None otherwise)."""
+    try:
+        sharding = jax.typeof(x).sharding
+    except (AttributeError, TypeError):
+        return None
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is None or mesh.empty or not any(
+            t == jax.sharding.AxisType.Explicit for t in mesh.axis_types):
+        return None
+    return mesh
+
+
+def _run_explicit(st: _Static, mesh, arrays):
+    # Explicit axes: the shardings are part of the types while tracing, so the layout is
+    # known here and a shard_map runs the backend on each device's shard.
+    bax, hax = _layout(st, mesh, NamedSharding(mesh, jax.typeof(arrays[0]).sharding.spec))
+    args, results = _shardings(st, mesh, bax, hax)
+    arrays = tuple(jax.sharding.reshard(a, s) for a, s in zip(arrays, args))
+    return jax.shard_map(_local(st, bax, hax), mesh=mesh,
+                         in_specs=tuple(s.spec for s in args),
+                         out_specs=tuple(s.spec for s in results))(*arrays)
+
+
 def _run(st: _Static, arrays):
+    mesh = _explicit_mesh(arrays[0])
+    if mesh is not None:
+        return _run_explicit(st, mesh, arrays)
     cv = jax.custom_batching.custom_vmap(lambda *a: _attention_cp(st, *a))
 
     @cv.def_vmap

@@ -59,8 +59,9 @@ def cases(rng):
 def attend_and_grad(q, k, v, desc, do):
     """(out, lse, dq, dk, dv): one program, so one compile per layout."""
     (out, lse), vjp = jax.vjp(
-        lambda a, b, c: jcm.mask_attention(a, b, c, desc, return_residuals=True), q, k, v)
-    return (out, lse, *vjp((do, jnp.zeros_like(lse))))
+        lambda a, b, c: jcm.mask_attention(a, b, c, desc, return_residual=True), q, k, v)
+    # lse comes as [B, Nq, Hq] (jax's layout); the references give [B, Hq, Nq].
+    return (out, jnp.swapaxes(lse, 1, 2), *vjp((do, jnp.zeros_like(lse))))
 
 
 def references(q, k, v, dense, do):
@@ -135,6 +136,21 @@ def main():
     got = jax.jit(attend_and_grad)(mq(qx), mb(k2), mb(v2), desc, mq(do))
     want = jax.jit(attend_and_grad)(qx, k2, v2, desc, do)
     for a, b in zip(got, want):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=2e-5)
+
+    # A mesh with Explicit axes (jax.make_mesh's default): the shardings are in the types
+    # and the calls run in a shard_map, with no collective either.
+    emesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+    rng = np.random.default_rng(5)
+    desc = jcm.compile(jcm.masks.document()).instantiate(
+        gpu_cases.metadata("document", B, N, rng), N, N, **TILES)
+    eput = lambda x: jax.device_put(x, NamedSharding(emesh, LAYOUTS["batch_x_heads"]))  # noqa: E731
+    args = (eput(qx), eput(kx), eput(vx), jax.device_put(desc, NamedSharding(emesh, P("data"))),
+            eput(do))
+    compiled = jax.jit(attend_and_grad).lower(*args).compile()
+    found = sorted(set(COLLECTIVE.findall(compiled.as_text())))
+    assert not found, f"explicit mesh: collectives in the compiled HLO: {found}"
+    for a, b in zip(compiled(*args), jax.jit(attend_and_grad)(qx, kx, vx, desc, do)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=2e-5)
 
     # The batch-only rule of the preprocess custom call, on a jnp stand-in.
