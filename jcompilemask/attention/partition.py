@@ -341,7 +341,15 @@ def _run_explicit(st: _Static, mesh, arrays):
                          out_specs=tuple(s.spec for s in results))(*arrays)
 
 
+def _single_device() -> bool:
+    """A process with one device has nothing to partition: the calls then run as they
+    are, exactly the code validated on one GPU (no custom_partitioning around the kernels)."""
+    return jax.device_count() == 1
+
+
 def _run(st: _Static, arrays):
+    if _single_device():
+        return _call(st, *arrays)
     mesh = _explicit_mesh(arrays[0])
     if mesh is not None:
         return _run_explicit(st, mesh, arrays)
@@ -446,8 +454,8 @@ def batch_sharded(build: Callable, batch: int, *operands):
     >>> batch_sharded(lambda b: lambda x: (x * 2,), 3, jnp.ones((3, 4)))[0].shape
     (3, 4)
     """
-    if not operands:             # nothing per sequence: the one result is replicated
-        return tuple(build(batch)())
+    if not operands or _single_device():   # nothing to shard
+        return tuple(build(batch)(*operands))
     if any(getattr(x, "ndim", 0) < 1 or x.shape[0] != batch for x in operands):
         raise ValueError("batch_sharded: every operand must lead with the batch axis "
                          f"({batch}); got shapes {[getattr(x, 'shape', None) for x in operands]}")
