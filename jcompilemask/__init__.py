@@ -17,8 +17,8 @@ from .spec import MaskSpec, Region
 
 
 def __getattr__(name):
-    # jcm.flax and jcm.splash load on first use (flax is heavier to import than the rest).
-    if name in ("flax", "splash"):
+    # jcm.flax, jcm.splash and jcm.parallel load on first use (flax is heavier to import).
+    if name in ("flax", "splash", "parallel"):
         import importlib
         return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'jcompilemask' has no attribute {name!r}")

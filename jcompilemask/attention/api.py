@@ -89,7 +89,8 @@ def mask_attention(query, key, value, mask=None, *, bias=None,
                    key_value_seq_lengths=None, local_window_size=None,
                    logits_soft_cap: Optional[float] = None,
                    implementation: Optional[str] = None, return_residual: bool = False,
-                   return_residuals: Optional[bool] = None, deterministic: bool = False):
+                   return_residuals: Optional[bool] = None, deterministic: bool = False,
+                   context_axis: Optional[str] = None, context_layout=None):
     """Attention under a compiled mask, usable inside ``jax.jit``, ``grad`` and ``vmap``.
 
     Takes what :func:`jax.nn.dot_product_attention` takes (the same names and layouts),
@@ -137,6 +138,12 @@ def mask_attention(query, key, value, mask=None, *, bias=None,
       deterministic: gradients bit-identical across runs. The CuTe backward then adds each
         query tile's dQ contributions in key-tile order (per-tile semaphores; some speed
         is lost waiting for turns); the xla backward is deterministic either way.
+      context_axis: a mesh axis name: context (sequence) parallelism inside
+        ``jax.shard_map``, with query/key/value sharded along the sequence over that
+        axis and ``mask`` a descriptor (or spec + metadata) of the whole sequence; runs
+        :func:`jcompilemask.parallel.ring_attention` (the xla backend per ring step).
+      context_layout: with ``context_axis``, the chunk layout or ring plan (see
+        :func:`jcompilemask.parallel.ring_attention`).
 
     Returns:
       ``out`` shaped like ``query`` with head_dim_v, in the input dtype, or ``(out, lse)``.
@@ -180,6 +187,23 @@ def mask_attention(query, key, value, mask=None, *, bias=None,
         if return_residual:
             raise ValueError("pass return_residual or the deprecated return_residuals, "
                              "not both")
+    if context_axis is not None:
+        if (bias, query_seq_lengths, key_value_seq_lengths, local_window_size) != (None,) * 4 \
+                or is_causal or unbatched or implementation not in (None, "xla"):
+            raise ValueError("context_axis takes a compiled mask (descriptor, or spec and "
+                             "metadata) and batched inputs; bias, is_causal, sequence "
+                             "lengths, windows and implementation other than 'xla' are "
+                             "not supported with it")
+        from ..parallel import ring_attention
+        res = ring_attention(query, key, value, mask, axis_name=context_axis,
+                             layout=context_layout, metadata=metadata, scale=scale,
+                             logits_soft_cap=logits_soft_cap,
+                             return_residuals=bool(return_residual or return_residuals))
+        if return_residual:
+            return res[0], jnp.swapaxes(res[1], 1, 2)
+        return res
+    if context_layout is not None:
+        raise ValueError("context_layout is only used together with context_axis")
     window = _compat.as_window(local_window_size)
     full = (b, hq, nq, nk)
     if bias is not None:

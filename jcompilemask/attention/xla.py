@@ -169,7 +169,7 @@ def _pad_bias(bias, desc):
     return bias
 
 
-def _fwd_impl(q, k, v, desc, scale, softcap, bias=None):
+def _fwd_impl(q, k, v, desc, scale, softcap, bias=None, out_dtype=None):
     """q [B, Nq, Hq, D] ... -> out [B, Nq, Hq, Dv] (q.dtype), lse [B, Hq, Nq] f32."""
     P = _Problem(q, k, v, desc, scale, softcap, bias=bias)
     bq, bk = desc.tiles.block_q, desc.tiles.block_kv
@@ -211,7 +211,7 @@ def _fwd_impl(q, k, v, desc, scale, softcap, bias=None):
         seen = l != 0
         out = jnp.where(seen[..., None], acc / jnp.where(seen, l, 1.0)[..., None], 0.0)
         lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), NEG_INF)
-        return out.astype(P.dtype), lse
+        return out.astype(out_dtype or P.dtype), lse
 
     # [Tq, B, Hq, bq, ...]; per step: s and p, float32
     out, lse = _map_tiles(row_tile, tq, 2 * 4 * P.b * P.hq * bq * bk)
@@ -247,12 +247,12 @@ def softmax_delta(out, do, lse, dlse=None):
 
 
 def _bwd_impl(q, k, v, desc, scale, softcap, out, lse, do, dlse=None, bias=None,
-              bias_grad=False):
+              bias_grad=False, out_dtype=None):
     P = _Problem(q, k, v, desc, scale, softcap, out, lse, do,
                  *([] if dlse is None else [dlse]), bias=bias)
     delta = softmax_delta(out, do, lse, dlse)
-    dq = _dq_pass(P, q, k, v, do, lse, delta)
-    dk, dv = _dkv_pass(P, q, k, v, do, lse, delta)
+    dq = _dq_pass(P, q, k, v, do, lse, delta, out_dtype)
+    dk, dv = _dkv_pass(P, q, k, v, do, lse, delta, out_dtype)
     if bias is None:
         return dq, dk, dv
     dbias = _dbias_pass(P, q, k, v, do, lse, delta, bias.shape) if bias_grad else None
@@ -270,7 +270,7 @@ def _bwd_operands(P, view, q, k, v, do, lse, delta):
             rows(lse), rows(delta), cols(k), cols(v))
 
 
-def _dq_pass(P, q, k, v, do, lse, delta):
+def _dq_pass(P, q, k, v, do, lse, delta, out_dtype=None):
     bq, bk, tq, tk, qt, dot, lse_p, delta_p, kt, vt = _bwd_operands(
         P, "fwd", q, k, v, do, lse, delta)
     states = P.desc.tile_states("fwd")
@@ -305,10 +305,10 @@ def _dq_pass(P, q, k, v, do, lse, delta):
 
     dq = _map_tiles(row_tile, tq, 4 * 4 * P.b * P.hq * bq * bk)        # s, p, dp, ds
     dq = jnp.moveaxis(dq, 0, 2).reshape(P.b, P.hq, tq * bq, P.d)[:, :, :P.nq]
-    return jnp.swapaxes(dq, 1, 2).astype(q.dtype)
+    return jnp.swapaxes(dq, 1, 2).astype(out_dtype or q.dtype)
 
 
-def _dkv_pass(P, q, k, v, do, lse, delta):
+def _dkv_pass(P, q, k, v, do, lse, delta, out_dtype=None):
     bq, bk, tq, tk, qt, dot, lse_p, delta_p, kt, vt = _bwd_operands(
         P, "bwd", q, k, v, do, lse, delta)
     states = jnp.swapaxes(P.desc.tile_states("bwd"), -1, -2)        # [Bm, Hm, Tk, Tq]
@@ -350,7 +350,8 @@ def _dkv_pass(P, q, k, v, do, lse, delta):
     dk, dv = _map_tiles(col_tile, tk, 4 * 4 * P.b * P.hq * bq * bk)
     dk = jnp.moveaxis(dk, 0, 2).reshape(P.b, P.hkv, tk * bk, P.d)[:, :, :P.nk]
     dv = jnp.moveaxis(dv, 0, 2).reshape(P.b, P.hkv, tk * bk, P.dv)[:, :, :P.nk]
-    return jnp.swapaxes(dk, 1, 2).astype(k.dtype), jnp.swapaxes(dv, 1, 2).astype(v.dtype)
+    return (jnp.swapaxes(dk, 1, 2).astype(out_dtype or k.dtype),
+            jnp.swapaxes(dv, 1, 2).astype(out_dtype or v.dtype))
 
 
 def _dbias_pass(P, q, k, v, do, lse, delta, shape):
@@ -403,19 +404,24 @@ def _dbias_pass(P, q, k, v, do, lse, delta, shape):
 
 
 def forward(q, k, v, desc: ExecutionDescriptor, scale: float, softcap: float | None,
-            bias=None):
+            bias=None, out_dtype=None):
     """Blockwise forward: (out [B, Nq, Hq, Dv] in q.dtype, lse [B, Hq, Nq] float32).
 
     ``bias``: None, or an array [Bb, Hb, Nq|1, Nk|1] (Bb in {1, B}, Hb in {1, Hq}) added
     to the logits after the soft cap; -inf entries mask like the mask does.
+    ``out_dtype`` (default q.dtype): the dtype ``out`` is rounded to; callers that merge
+    partial results (context parallelism) ask for float32 so only the merged result is
+    rounded, once.
     """
-    return _fwd_impl(q, k, v, desc, scale, softcap, bias)
+    return _fwd_impl(q, k, v, desc, scale, softcap, bias, out_dtype)
 
 
 def backward(q, k, v, desc, scale, softcap, out, lse, do, dlse=None, bias=None,
-             bias_grad=False, deterministic=False):
+             bias_grad=False, deterministic=False, out_dtype=None):
     """Blockwise backward from the residuals (out, lse): (dq, dk, dv), and with a bias
     ``(dq, dk, dv, dbias)`` (dbias None unless ``bias_grad``). Deterministic whatever
-    ``deterministic`` says (every sum runs in a fixed order)."""
+    ``deterministic`` says (every sum runs in a fixed order). dq, dk, dv come in the
+    dtypes of q, k, v, or all in ``out_dtype`` (float32 for callers that sum partials)."""
     del deterministic
-    return _bwd_impl(q, k, v, desc, scale, softcap, out, lse, do, dlse, bias, bias_grad)
+    return _bwd_impl(q, k, v, desc, scale, softcap, out, lse, do, dlse, bias, bias_grad,
+                     out_dtype)

@@ -1,0 +1,168 @@
+"""Run in a subprocess by tests/test_context_parallel.py (8 host devices must be set before
+JAX starts): mask_attention(..., context_axis="cp") inside jax.shard_map, with q, k, v
+sharded along the sequence, equals the single-device call, forward and gradients, under
+the tolerance policy, for every built-in mask and random lowered specs.
+
+Usage: context_parallel_check.py [case-name-substring ...]; prints "OK <n cases>".
+"""
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh, PartitionSpec as P  # noqa: E402
+
+import jcompilemask as jcm  # noqa: E402
+from jcompilemask import parallel as par  # noqa: E402
+from jcompilemask.spec import MaskSpec, Region, Scalar, SegmentIds, k, q, q_len  # noqa: E402
+from jcompilemask.testing import assert_within_policy, reference_attention  # noqa: E402
+
+B, HQ, HKV, D = 2, 4, 2, 16
+
+
+def metadata_for(name, n, rng):
+    if name == "prefix_lm":
+        return {"prefix_len": rng.integers(0, n + 1, B)}
+    if name.startswith("document"):
+        ids = np.sort(rng.integers(0, 7, (B, n)), axis=1)
+        ids[:, n - rng.integers(0, 9):] = -1
+        return {"segment_ids": ids}
+    if name == "hstu":
+        a = rng.integers(n // 4, n // 2, B)
+        g = rng.integers(3, 9, B)
+        return {"context_len": a, "history_end": n - g * rng.integers(3, 9, B),
+                "group_size": g}
+    if name == "shared_prompt":
+        lens = rng.integers(n // 16, n // 11 + 1, (B, 3))
+        p = n - lens.sum(1)
+        starts = p[:, None] + np.concatenate([np.zeros((B, 1), int), np.cumsum(lens, 1)[:, :-1]], 1)
+        return {"prompt_len": p, "response_starts": starts}
+    if name == "clear":
+        return {"text_len": rng.integers(4, 12, B), "image_len": rng.integers(n // 2, n - 12, B)}
+    if name.startswith("random"):
+        return {"s": rng.integers(0, n + 1, B), "seg": np.sort(rng.integers(-1, 4, (B, n)), axis=1)}
+    return None
+
+
+def random_lowered(seed):
+    """A random two-region spec of atoms that lower to intervals (no fallback)."""
+    rng = np.random.default_rng(seed)
+    s, seg = Scalar("s", max=q_len), SegmentIds("seg")
+    atoms = [k <= q, k >= q - 9, k < s, k >= seg.start(q), k < seg.end(q), k >= q // 5 * 5,
+             k <= q + 3]
+
+    def rule():
+        idx = rng.choice(len(atoms), size=rng.integers(1, 4), replace=False)
+        r = atoms[idx[0]]
+        for i in idx[1:]:
+            r = (r & atoms[i]) if rng.random() < 0.5 else (r | atoms[i])
+        return r
+    spec = MaskSpec([Region((0, s), rule()), Region((s, q_len), rule())])
+    assert not jcm.compile(spec).fallback_regions
+    return spec
+
+
+BUILTINS = {
+    "causal": jcm.masks.causal(), "full": jcm.masks.full(),
+    "sliding_window": jcm.masks.sliding_window(20, 3, sinks=2),
+    "chunked_causal": jcm.masks.chunked_causal(24), "prefix_lm": jcm.masks.prefix_lm(),
+    "document": jcm.masks.document(), "document_bidir": jcm.masks.document(causal=False),
+    "hstu": jcm.masks.hstu(), "shared_prompt": jcm.masks.shared_prompt(3),
+    "clear": jcm.masks.clear(8, 2), "random0": random_lowered(0), "random1": random_lowered(1),
+}
+
+# (name, mask, devices, N, tile, layout kind, dtype, descriptor passed traced)
+CASES = [(f"{m}-p2", m, 2, 128, 16, "balance", jnp.float32, False) for m in BUILTINS]
+CASES += [
+    ("causal-p8-zigzag", "causal", 8, 256, 16, "zigzag", jnp.float32, False),
+    ("hstu-p4-balance", "hstu", 4, 128, 16, "balance", jnp.float32, False),
+    ("shared_prompt-p4-balance", "shared_prompt", 4, 128, 16, "balance", jnp.float32, False),
+    ("hstu-p4-traced", "hstu", 4, 128, 16, "balance", jnp.float32, True),
+    ("document-p4-inorder-bf16", "document", 4, 128, 16, "none", jnp.bfloat16, False),
+]
+
+
+def run_case(name, mask, p, n, tile, kind, dtype, traced):
+    rng = np.random.default_rng(abs(hash(name)) % 2**32 if False else sum(map(ord, name)))
+    spec = BUILTINS[mask]
+    md = metadata_for(mask, n, rng)
+    if md is not None:
+        md = {key: np.asarray(val, np.int32) for key, val in md.items()}
+    cm = jcm.compile(spec)
+    tiles = dict(block_q=tile, block_kv=tile, bwd_block_q=tile, bwd_block_kv=tile)
+    desc = cm.instantiate(md, n, n, **tiles)
+    if kind == "balance":
+        layout = par.balance_permutation(desc, p, 2)
+    elif kind == "zigzag":
+        layout = par.zigzag_permutation(p)
+    else:
+        layout = None
+    chunks = tuple(range(p)) if layout is None else layout
+    ks = jax.random.split(jax.random.key(sum(map(ord, name))), 4)
+    qx = jax.random.normal(ks[0], (B, n, HQ, D), jnp.float32).astype(dtype)
+    kx = jax.random.normal(ks[1], (B, n, HKV, D), jnp.float32).astype(dtype)
+    vx = jax.random.normal(ks[2], (B, n, HKV, D), jnp.float32).astype(dtype)
+    do = jax.random.normal(ks[3], (B, n, HQ, D), jnp.float32).astype(dtype)
+    mesh = Mesh(np.array(jax.devices()[:p]), ("cp",))
+    seq = P(None, "cp")
+    if traced:      # descriptor built inside shard_map from replicated metadata
+        def body(a, b_, c, meta):
+            d_ = cm.instantiate(meta, n, n, **tiles)
+            return jcm.mask_attention(a, b_, c, d_, context_axis="cp", context_layout=layout,
+                                      return_residuals=True)
+        sm = jax.shard_map(body, mesh=mesh, in_specs=(seq, seq, seq, P()),
+                           out_specs=(seq, P(None, None, "cp")))
+        attend = lambda a, b_, c: sm(a, b_, c, md)   # noqa: E731
+    else:
+        attend = jax.shard_map(
+            lambda a, b_, c: jcm.mask_attention(a, b_, c, desc, context_axis="cp",
+                                                context_layout=layout, return_residuals=True),
+            mesh=mesh, in_specs=(seq, seq, seq), out_specs=(seq, P(None, None, "cp")))
+
+    def cp(a, b_, c):
+        perm = lambda x: par.permute_sequence(x, chunks)   # noqa: E731
+        out, lse = attend(perm(a), perm(b_), perm(c))
+        return par.unpermute_sequence(out, chunks), par.unpermute_sequence(lse, chunks, 2)
+
+    def with_grads(f):
+        def g(a, b_, c):
+            (out, lse), pull = jax.vjp(f, a, b_, c)
+            return out, lse, pull((do, jnp.zeros_like(lse)))
+        return jax.jit(g)
+
+    out, lse, grads = with_grads(cp)(qx, kx, vx)
+    single = lambda a, b_, c: jcm.mask_attention(a, b_, c, desc, return_residuals=True)  # noqa: E731
+    s_out, s_lse, s_grads = with_grads(single)(qx, kx, vx)
+    dense = desc.as_dense()
+    ref = lambda prec: (lambda a, b_, c: reference_attention(a, b_, c, dense, precision=prec))  # noqa: E731
+    f32 = lambda x: x.astype(jnp.float32)   # noqa: E731
+    hi = with_grads(ref("high"))(f32(qx), f32(kx), f32(vx))
+    lo = with_grads(ref("input"))(qx, kx, vx)
+    assert out.dtype == dtype and grads[0].dtype == dtype
+    for what, a, h, l_, s in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads),
+                                 (hi[0], hi[1], *hi[2]), (lo[0], lo[1], *lo[2]),
+                                 (s_out, s_lse, *s_grads)):
+        assert_within_policy(a, h, l_, f"{name} {what}")
+        if dtype == jnp.float32:        # and the single-device call, closely
+            fa, fs = np.asarray(a, np.float64), np.asarray(s, np.float64)
+            assert np.array_equal(np.isneginf(fa), np.isneginf(fs)), (name, what)
+            fin = ~np.isneginf(fs)
+            np.testing.assert_allclose(fa[fin], fs[fin], rtol=2e-5, atol=2e-5,
+                                       err_msg=f"{name} {what}")
+    return par.ring_plan(desc, p, chunks)
+
+
+if __name__ == "__main__":
+    want = sys.argv[1:]
+    done = 0
+    for case in CASES:
+        if want and not any(w in case[0] for w in want):
+            continue
+        plan = run_case(*case)
+        print(case[0], "steps", plan.num_steps, "sends", plan.forward_sends(), "/",
+              plan.full_ring_forward_sends(), flush=True)
+        done += 1
+    print("OK", done, len(jax.devices()))
