@@ -20,7 +20,7 @@ transfers a ring makes -- so it runs once, outside ``jit``.
 (0, 3, 1, 2)
 >>> plan = ring_plan(desc, 2, (0, 3, 1, 2))
 >>> plan.num_steps, plan.forward_sends(), plan.full_ring_forward_sends()
-(2, 2, 4)
+(2, 3, 4)
 """
 from __future__ import annotations
 

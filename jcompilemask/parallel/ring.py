@@ -177,6 +177,31 @@ def _merge(out, lse, o, l):
     return out, jnp.where(seen, m_safe + jnp.log(norm), NEG_INF)
 
 
+def _uniform(plan: RingPlan) -> bool:
+    """Every chunk goes round the whole ring: the steps are alike, so they run as one
+    ``fori_loop`` body (compile time independent of the device count)."""
+    p = plan.num_devices
+    return p > 1 and all(x == p - 1 for row in plan.last_step for x in row)
+
+
+def _steps(plan, body, carry):
+    """Run ``body(s, carry, send)`` for the plan's steps; ``send(s)`` says whether chunks
+    move after step s. Unrolled for a static plan (each step its own transfer pattern),
+    a loop over the P - 1 alike steps of the full ring plus the last one."""
+    if _uniform(plan):
+        p = plan.num_devices
+        carry = lax.fori_loop(0, p - 1, lambda s, c: body(s, c, True), carry)
+        return body(p - 1, carry, False)
+    for s in range(plan.num_steps):
+        carry = body(s, carry, s + 1 < plan.num_steps)
+    return carry
+
+
+def _sends(plan, s, j):
+    # In the loop of a uniform plan s is traced; its pattern is the full ring.
+    return plan.sends(0 if _uniform(plan) else s, j)
+
+
 def _forward(q, k, v, desc, scale, softcap, axis_name, plan):
     p, cpd = plan.num_devices, plan.chunks_per_device
     d = lax.axis_index(axis_name)
@@ -187,23 +212,25 @@ def _forward(q, k, v, desc, scale, softcap, axis_name, plan):
     out = jnp.zeros_like(zero, shape=(b, n, hq, dv))
     lse = jnp.full_like(zero, NEG_INF, shape=(b, hq, n))
     held = list(zip(_slots(k, cpd), _slots(v, cpd)))
-    for s in range(plan.num_steps):
-        if s + 1 < plan.num_steps:    # issued first: it does not wait for this step
-            nxt = [_shift(held[j], plan.sends(s, j), axis_name) for j in range(cpd)]
+
+    def compute(q, kc, vc, sub):
+        return _xla.forward(q, kc, vc, sub, scale, softcap, out_dtype=F32)
+
+    def skip(q, kc, vc, sub):
+        return jnp.zeros_like(out), jnp.full_like(lse, NEG_INF)
+
+    def step(s, carry, send):
+        held, out, lse = carry
+        if send:                      # issued first: it does not wait for this step
+            nxt = [_shift(held[j], _sends(plan, s, j), axis_name) for j in range(cpd)]
         sub, live = cut.step((d - s) % p)
         kc = jnp.concatenate([h[0] for h in held], axis=1)
         vc = jnp.concatenate([h[1] for h in held], axis=1)
-
-        def compute(q, kc, vc, sub):
-            return _xla.forward(q, kc, vc, sub, scale, softcap, out_dtype=F32)
-
-        def skip(q, kc, vc, sub):
-            return jnp.zeros_like(out), jnp.full_like(lse, NEG_INF)
-
         o, l = lax.cond(live, compute, skip, q, kc, vc, sub)
         out, lse = _merge(out, lse, o, l)
-        if s + 1 < plan.num_steps:
-            held = nxt
+        return (nxt if send else held), out, lse
+
+    _, out, lse = _steps(plan, step, (held, out, lse))
     return out.astype(q.dtype), lse
 
 
@@ -218,39 +245,44 @@ def _backward(q, k, v, desc, scale, softcap, axis_name, plan, out, lse, do, dlse
     home = [(jnp.zeros_like(zero, shape=h[0].shape), jnp.zeros_like(zero, shape=h[1].shape))
             for h in held]
     dq = jnp.zeros_like(zero, shape=q.shape)
-    for s in range(plan.num_steps):
-        if s + 1 < plan.num_steps:    # the K/V of the next step, issued before compute
-            nxt_kv = [_shift(held[j][:2], plan.sends(s, j), axis_name) for j in range(cpd)]
-        src = (d - s) % p
-        sub, live = cut.step(src)
+
+    def compute(q, kc, vc, sub):
+        return _xla.backward(q, kc, vc, sub, scale, softcap, out, lse, do, dlse,
+                             out_dtype=F32)
+
+    def skip(q, kc, vc, sub):
+        return (jnp.zeros_like(dq), jnp.zeros_like(zero, shape=kc.shape),
+                jnp.zeros_like(zero, shape=vc.shape))
+
+    def step(s, carry, send):
+        held, home, dq = carry
+        home = list(home)
+        if send:                      # the K/V of the next step, issued before compute
+            nxt_kv = [_shift(held[j][:2], _sends(plan, s, j), axis_name) for j in range(cpd)]
+        sub, live = cut.step((d - s) % p)
         kc = jnp.concatenate([h[0] for h in held], axis=1)
         vc = jnp.concatenate([h[1] for h in held], axis=1)
-
-        def compute(q, kc, vc, sub):
-            return _xla.backward(q, kc, vc, sub, scale, softcap, out, lse, do, dlse,
-                                 out_dtype=F32)
-
-        def skip(q, kc, vc, sub):
-            return (jnp.zeros_like(dq), jnp.zeros_like(zero, shape=kc.shape),
-                    jnp.zeros_like(zero, shape=vc.shape))
-
         dq_s, dk_s, dv_s = lax.cond(live, compute, skip, q, kc, vc, sub)
         dq = dq + dq_s
         acc = [(h[2] + a, h[3] + b_) for h, a, b_ in
                zip(held, _slots(dk_s, cpd), _slots(dv_s, cpd))]
         for j in range(cpd):
-            # The accumulator whose route ends here (last_step == s) goes home.
-            if s == 0:
+            # The accumulator whose route ends here (last_step == s) goes home. In the
+            # loop of a uniform plan routes end only after it (send False).
+            if isinstance(s, int) and s == 0:
                 mine = last[d, j] == 0
                 home[j] = tuple(hm + jnp.where(mine, a, 0.0) for hm, a in zip(home[j], acc[j]))
-            else:
+            elif isinstance(s, int):
                 pairs = plan.returns(s, j)
                 if pairs:
                     got = lax.ppermute(acc[j], axis_name, perm=pairs)
                     home[j] = tuple(hm + g for hm, g in zip(home[j], got))
-        if s + 1 < plan.num_steps:
-            nxt_acc = [_shift(acc[j], plan.sends(s, j), axis_name) for j in range(cpd)]
+        if send:
+            nxt_acc = [_shift(acc[j], _sends(plan, s, j), axis_name) for j in range(cpd)]
             held = [kv + a for kv, a in zip(nxt_kv, nxt_acc)]
+        return held, home, dq
+
+    _, home, dq = _steps(plan, step, (held, home, dq))
     dk = jnp.concatenate([h[0] for h in home], axis=1).astype(k.dtype)
     dvv = jnp.concatenate([h[1] for h in home], axis=1).astype(v.dtype)
     return dq.astype(q.dtype), dk, dvv
