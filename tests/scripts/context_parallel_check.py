@@ -130,7 +130,7 @@ def run_case(name, mask, p, n, tile, kind, dtype, traced):
     def with_grads(f):
         def g(a, b_, c):
             (out, lse), pull = jax.vjp(f, a, b_, c)
-            return out, lse, pull((do, jnp.zeros_like(lse)))
+            return out, lse, pull((do.astype(out.dtype), jnp.zeros_like(lse)))
         return jax.jit(g)
 
     out, lse, grads = with_grads(cp)(qx, kx, vx)
