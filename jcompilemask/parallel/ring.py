@@ -382,6 +382,9 @@ def ring_attention(query, key, value, mask, *, axis_name: str,
     elif metadata is not None:
         raise ValueError("metadata is only used when mask is a MaskSpec or CompiledMask")
     desc = mask
+    if getattr(desc.mask, "layout", None) == "bitmap":
+        raise ValueError("context parallelism needs interval tables; this dense mask is kept "
+                         "as a bitmap (too many runs per row): run it without context_axis")
     if desc.mask.fallback_regions:
         raise ValueError(f"context parallelism needs a fully lowered mask; regions "
                          f"{list(desc.mask.fallback_regions)} fall back to an element "

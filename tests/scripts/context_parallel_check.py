@@ -112,20 +112,20 @@ def run_case(name, mask, p, n, tile, kind, dtype, traced):
         def body(a, b_, c, meta):
             d_ = cm.instantiate(meta, n, n, **tiles)
             return jcm.mask_attention(a, b_, c, d_, context_axis="cp", context_layout=layout,
-                                      return_residuals=True)
+                                      return_residual=True)
         sm = jax.shard_map(body, mesh=mesh, in_specs=(seq, seq, seq, P()),
-                           out_specs=(seq, P(None, None, "cp")))
+                           out_specs=(seq, seq))
         attend = lambda a, b_, c: sm(a, b_, c, md)   # noqa: E731
     else:
         attend = jax.shard_map(
             lambda a, b_, c: jcm.mask_attention(a, b_, c, desc, context_axis="cp",
-                                                context_layout=layout, return_residuals=True),
-            mesh=mesh, in_specs=(seq, seq, seq), out_specs=(seq, P(None, None, "cp")))
+                                                context_layout=layout, return_residual=True),
+            mesh=mesh, in_specs=(seq, seq, seq), out_specs=(seq, seq))
 
     def cp(a, b_, c):
         perm = lambda x: par.permute_sequence(x, chunks)   # noqa: E731
         out, lse = attend(perm(a), perm(b_), perm(c))
-        return par.unpermute_sequence(out, chunks), par.unpermute_sequence(lse, chunks, 2)
+        return par.unpermute_sequence(out, chunks), par.unpermute_sequence(lse, chunks)
 
     def with_grads(f):
         def g(a, b_, c):
@@ -134,10 +134,14 @@ def run_case(name, mask, p, n, tile, kind, dtype, traced):
         return jax.jit(g)
 
     out, lse, grads = with_grads(cp)(qx, kx, vx)
-    single = lambda a, b_, c: jcm.mask_attention(a, b_, c, desc, return_residuals=True)  # noqa: E731
+    single = lambda a, b_, c: jcm.mask_attention(a, b_, c, desc, return_residual=True)  # noqa: E731
     s_out, s_lse, s_grads = with_grads(single)(qx, kx, vx)
     dense = desc.as_dense()
-    ref = lambda prec: (lambda a, b_, c: reference_attention(a, b_, c, dense, precision=prec))  # noqa: E731
+    def ref(prec):          # lse in jax's layout [B, N, H], as return_residual gives it
+        def f(a, b_, c):
+            out, lse = reference_attention(a, b_, c, dense, precision=prec)
+            return out, jnp.swapaxes(lse, 1, 2)
+        return f
     f32 = lambda x: x.astype(jnp.float32)   # noqa: E731
     hi = with_grads(ref("high"))(f32(qx), f32(kx), f32(vx))
     lo = with_grads(ref("input"))(qx, kx, vx)
