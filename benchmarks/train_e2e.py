@@ -121,7 +121,8 @@ class RMSNorm(nnx.Module):
         # Statistics in float32: bf16 sums of squares lose the small components.
         x32 = x.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True) + self.eps)
-        return (x32 * self.weight[...].astype(jnp.float32)).astype(x.dtype)
+        w = self.weight[...].astype(jnp.float32).reshape((1,) * (x.ndim - 1) + (-1,))
+        return (x32 * w).astype(x.dtype)
 
 
 def rope(x, positions, theta: float):
@@ -129,7 +130,7 @@ def rope(x, positions, theta: float):
     convention, as Qwen3's reference implementation)."""
     half = x.shape[-1] // 2
     freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    ang = positions.astype(jnp.float32)[..., None, None] * freq          # [B, N, 1, half]
+    ang = positions.astype(jnp.float32)[..., None, None] * freq.reshape(1, 1, 1, half)  # [B, N, 1, half]
     cos, sin = jnp.cos(ang), jnp.sin(ang)
     x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x.dtype)

@@ -18,6 +18,14 @@ dP = dO V^T, dS = P (dP - delta), dQ = dS K, dK = dS^T Q with input-dtype operan
 output — rather than autodiff through the rounded forward (whose dS stays float32, an
 accuracy no kernel with input-dtype tensor-core products can match: the 2x bound then
 failed for bfloat16 dQ on about one mask draw in 40).
+
+The bound never falls below one unit in the last place (of the result's dtype) of the
+largest reference magnitude: a result stored in bfloat16 / float16 carries up to half
+an ulp from its final rounding alone, and on small tensors the maximum of two rounding
+realisations is a noisy statistic (the fuzz stage found bfloat16 dK at 1.06x and float16
+dQ at 1.02x of "2 x dense error" on 13-key problems, where that error was under one ulp).
+A wrong mask element or a wrong product gives errors of the order of the values
+themselves, far above this floor.
 """
 from __future__ import annotations
 
@@ -141,7 +149,18 @@ def policy_error(actual, high, low):
     err = float(np.max(np.abs(np.where(fin, a, 0.0) - h0), initial=0.0))
     lo0 = np.where(fin & ~np.isneginf(lo), lo, h0)
     base = float(np.max(np.abs(lo0 - h0), initial=0.0))
-    return err, 2.0 * base + 1e-5
+    return err, max(2.0 * base, _ulp_of_max(actual, h0)) + 1e-5
+
+
+def _ulp_of_max(actual, ref) -> float:
+    """One ulp, in ``actual``'s dtype, of the largest |ref| (0 for float32 and wider)."""
+    dtype = jnp.dtype(getattr(actual, "dtype", jnp.float32))
+    if dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return 0.0
+    m = float(np.max(np.abs(ref), initial=0.0))
+    if not m > 0 or not math.isfinite(m):
+        return 0.0
+    return float(jnp.finfo(dtype).eps) * 2.0 ** math.floor(math.log2(m))
 
 
 def assert_within_policy(actual, high, low, name="result"):
@@ -149,4 +168,5 @@ def assert_within_policy(actual, high, low, name="result"):
     err, allowed = policy_error(actual, high, low)
     if not err <= allowed:
         raise AssertionError(f"{name}: max abs error {err:.3g} exceeds the policy bound "
-                             f"{allowed:.3g} (2 x input-dtype dense error + 1e-5)")
+                             f"{allowed:.3g} (2 x input-dtype dense error, at least one ulp of the largest "
+                             "reference value, + 1e-5)")

@@ -198,10 +198,10 @@ def random_spec(rng, *, nonlinear=None, heads=None):
     nonlinear = rng.integers(4) == 0 if nonlinear is None else nonlinear
     heads = rng.integers(5) == 0 if heads is None else heads
     while True:
-        regions = [Region((_pick(rng, BOUNDS), _pick(rng, BOUNDS)),
-                          _rule(rng, nonlinear, heads), name=f"r{i}")
-                   for i in range(int(rng.integers(1, 4)))]
-        try:
+        try:       # a provably empty region (or overlap) is refused at construction: redraw
+            regions = [Region((_pick(rng, BOUNDS), _pick(rng, BOUNDS)),
+                              _rule(rng, nonlinear, heads), name=f"r{i}")
+                       for i in range(int(rng.integers(1, 4)))]
             spec = MaskSpec(regions, num_heads=2 if heads else None)
         except ValueError as e:
             assert "provably overlap" in str(e) or "are empty for every" in str(e), e
@@ -289,11 +289,11 @@ def test_fuzz_descriptors():
 _ATT_PER_GROUP = 8
 
 
-# bfloat16 gradients exceed the policy's 2x bound by a few percent (about two bf16 ulps,
-# 0.0154 against 0.0145 for dk) on some draws, e.g. JCM_FUZZ_SEED=4276690935 groups 3 and 8
-# with JCM_FUZZ_BF16=1: a question for the policy in jcompilemask/testing.py, not a wrong
-# result. Until it is settled, bfloat16 is fuzzed only when asked for.
-_SECOND_DTYPE = "bfloat16" if os.environ.get("JCM_FUZZ_BF16") == "1" else "float32"
+# bfloat16 gradients once exceeded the policy's 2x bound by a few percent on tiny
+# problems (JCM_FUZZ_SEED=4276690935 groups 3 and 8; float16 dq: 3829743873 group 11),
+# errors under one ulp of the largest value; the policy now has that ulp as its floor
+# (jcompilemask/testing.py). JCM_FUZZ_BF16=0 fuzzes float32 in its place.
+_SECOND_DTYPE = "float32" if os.environ.get("JCM_FUZZ_BF16") == "0" else "bfloat16"
 
 
 def _signatures():
