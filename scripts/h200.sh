@@ -12,7 +12,8 @@
 #                `bash scripts/h200.sh kernels`
 #   bwdv1        backward v1: smoke run, a subset of its GPU tests, config variants timed beside FA4
 #   bwdv1b       the rest of v1's backward tests, the non-finite GPU tests, 4 workloads at 32K
-#   bwdv1c       the backward configs not yet run: their tests, the determinism stress, timings
+#   bwdv1c       the backward configs not yet run: their tests, the determinism stress, non-finite
+#   bwdv1d       those configs timed at 32K beside the default and FA4 native
 #   kernels      GPU tests of the CuTe forward kernel alone (48 variant cases)
 #   forward      bench_forward (D = 128 causal vs FA4 native, same run) + the step-2 variants
 #   peers        FlexAttention (Triton, FA4) / FA4 native / cuDNN forward at 2K and 8K
@@ -79,21 +80,26 @@ case $stage in
     ;;
   bwdv1c)
     # The configs not yet run on the H200: correctness of each (ragged lengths: the TMA
-    # store's clipping), the determinism stress test, then all of them timed at 32K.
+    # store's clipping), the determinism stress test and the non-finite GPU tests
+    # (~9 min); `bwdv1d` times them.
     export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
     t=tests/gpu/test_cute_backward.py
     # (work_list with list_chunk=16 makes every test sequence span many list chunks.)
     for cfg in column_registers=2 dkv_tma_store=1 lse_early=1,release_do_early=1 work_list=1 \
         work_list=1,list_chunk=16,deterministic=1; do
-      JCOMPILEMASK_CUTE_BWD_CONFIG=$cfg timeout 100 python3 -m pytest -q -rs -p no:cacheprovider \
+      JCOMPILEMASK_CUTE_BWD_CONFIG=$cfg timeout 75 python3 -m pytest -q -rs -p no:cacheprovider \
         "$t::test_builtin_grads[clear]" "$t::test_builtin_grads[causal]" "$t::test_head_dim_64_fp16_mqa" \
         2>&1 | tail -2 | sed "s/^/[$cfg] /" | tee -a "$OUT/pytest-bwdv1c.log"
     done
-    timeout 150 python3 -m pytest -q -rs -p no:cacheprovider "$t::test_repeated_gradients_are_identical" \
+    timeout 120 python3 -m pytest -q -rs -p no:cacheprovider "$t::test_repeated_gradients_are_identical" \
       tests/gpu/test_nonfinite_gpu.py 2>&1 | tail -4 | tee -a "$OUT/pytest-bwdv1c.log"
-    timeout 420 python3 benchmarks/bench_total.py --ns 32768 --masks causal,clear --impls jcm,fa4-native \
+    ;;
+  bwdv1d)
+    # The configs of bwdv1c timed beside the default and FA4 native (one run id).
+    export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
+    timeout 540 python3 benchmarks/bench_total.py --ns 32768 --masks causal,clear --impls jcm,fa4-native \
       --jcm-variants "base=;le=JCOMPILEMASK_CUTE_BWD_CONFIG=lse_early=1;rd=JCOMPILEMASK_CUTE_BWD_CONFIG=release_do_early=1;cr2=JCOMPILEMASK_CUTE_BWD_CONFIG=column_registers=2;dkvt=JCOMPILEMASK_CUTE_BWD_CONFIG=dkv_tma_store=1;det=JCOMPILEMASK_CUTE_BWD_CONFIG=deterministic=1;wl=JCOMPILEMASK_CUTE_BWD_CONFIG=work_list=1" \
-      --min-repeat-s 0.3 --budget-s 400 --out "$OUT/h200-bwd-v1c.json" 2>&1 | grep -v Warning \
+      --min-repeat-s 0.3 --budget-s 500 --out "$OUT/h200-bwd-v1c.json" 2>&1 | grep -v Warning \
       | tee "$OUT/bench-bwdv1c.log" | grep '^|' | tail -16
     ;;
   kernels)
