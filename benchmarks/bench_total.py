@@ -193,7 +193,7 @@ def check_jcm(mask, smoke=False, implementation=None):
         import jax.numpy as jnp
 
         import jcompilemask as jcm
-        from jcompilemask.testing import assert_within_policy, reference_attention
+        from jcompilemask.testing import assert_within_policy, reference_gradients
 
         n = SMOKE["ns"][0] if smoke else CHECK["n"]
         L, _, _, d = _shape(mask, n, smoke)
@@ -210,13 +210,7 @@ def check_jcm(mask, smoke=False, implementation=None):
             return jnp.sum(f32(o) * f32(do))
 
         g = jax.jit(jax.grad(loss_ours, argnums=(0, 1, 2)))(q, k, v)
-        dense = spec.as_dense(md, L, L)
-
-        def loss_ref(prec):
-            return lambda a, b_, c: jnp.sum(
-                f32(reference_attention(a, b_, c, dense, precision=prec)[0]) * f32(do))
-        g_hi = jax.jit(jax.grad(loss_ref("high"), argnums=(0, 1, 2)))(f32(q), f32(k), f32(v))
-        g_lo = jax.jit(jax.grad(loss_ref("input"), argnums=(0, 1, 2)))(q, k, v)
+        g_hi, g_lo = reference_gradients(q, k, v, do, spec.as_dense(md, L, L))
         problems = []
         for name, a, hi, lo in zip(("dq", "dk", "dv"), g, g_hi, g_lo):
             try:

@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["reference_attention", "assert_within_policy", "policy_error"]
+__all__ = ["reference_attention", "reference_gradients", "assert_within_policy", "policy_error"]
 
 
 def reference_attention(q, k, v, mask, *, scale=None, softcap=None, precision="high"):
@@ -131,6 +131,21 @@ def _input_precision_bwd(res, cts):
 
 
 _input_precision.defvjp(_input_precision_fwd, _input_precision_bwd)
+
+
+def reference_gradients(q, k, v, do, mask, *, scale=None, softcap=None):
+    """The policy's two reference gradients of ``sum(out * do)`` with respect to (q, k, v):
+    ``(high, input)``, each a (dq, dk, dv) tuple — "high" at float32 copies of the inputs,
+    "input" the dense tensor-core backward of the module doc. ``mask`` as for
+    :func:`reference_attention`."""
+    f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+
+    def loss(precision):
+        return lambda a, b, c: jnp.sum(f32(reference_attention(
+            a, b, c, mask, scale=scale, softcap=softcap, precision=precision)[0]) * f32(do))
+    high = jax.jit(jax.grad(loss("high"), argnums=(0, 1, 2)))(f32(q), f32(k), f32(v))
+    low = jax.jit(jax.grad(loss("input"), argnums=(0, 1, 2)))(q, k, v)
+    return high, low
 
 
 def policy_error(actual, high, low):

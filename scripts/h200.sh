@@ -61,7 +61,7 @@ case $stage in
       "$t::test_random_lowered_specs[0]" "$t::test_random_lowered_specs[1]" \
       --junitxml="$OUT/junit-bwdv1.xml" 2>&1 | tee "$OUT/pytest-bwdv1.log" | tail -12
     timeout 230 python3 benchmarks/bench_total.py --ns 32768 --masks causal,hstu --impls jcm,fa4-native \
-      --jcm-variants "base=;late=JCOMPILEMASK_CUTE_BWD_CONFIG=stats_early=0;ds1=JCOMPILEMASK_CUTE_BWD_CONFIG=ds_stages=1" \
+      --jcm-variants "base=;early=JCOMPILEMASK_CUTE_BWD_CONFIG=stats_early=1;ds1=JCOMPILEMASK_CUTE_BWD_CONFIG=ds_stages=1" \
       --min-repeat-s 0.3 --budget-s 200 --out "$OUT/h200-bwd-v1.json" 2>&1 | grep -v Warning | tee "$OUT/bench-bwdv1.log" | grep '^|' | tail -12
     ;;
   bwdv1b)

@@ -353,12 +353,17 @@ def _run(st: _Static, arrays):
     mesh = _explicit_mesh(arrays[0])
     if mesh is not None:
         return _run_explicit(st, mesh, arrays)
-    cv = jax.custom_batching.custom_vmap(lambda *a: _attention_cp(st, *a))
+    return _with_vmap(lambda *a: _attention_cp(st, *a), lambda *x: _call(st, *x), arrays)
+
+
+def _with_vmap(partitioned: Callable, plain: Callable, arrays):
+    """``partitioned(*arrays)`` with a batching rule: custom_partitioning has none, so
+    under ``vmap`` the plain (unpartitioned) function is vmapped instead."""
+    cv = jax.custom_batching.custom_vmap(partitioned)
 
     @cv.def_vmap
     def _vmapped(axis_size, in_batched, *a):
-        out = jax.vmap(lambda *x: _call(st, *x),
-                       in_axes=tuple(0 if bt else None for bt in in_batched),
+        out = jax.vmap(plain, in_axes=tuple(0 if bt else None for bt in in_batched),
                        axis_size=axis_size)(*a)
         return out, tuple(True for _ in out)
 
@@ -461,13 +466,4 @@ def batch_sharded(build: Callable, batch: int, *operands):
                          f"({batch}); got shapes {[getattr(x, 'shape', None) for x in operands]}")
     out_ndims = tuple(o.ndim for o in jax.eval_shape(build(batch), *operands))
     bc = _BatchCall(build, batch, tuple(x.ndim for x in operands), out_ndims)
-    cv = jax.custom_batching.custom_vmap(lambda *a: _batch_cp(bc, *a))
-
-    @cv.def_vmap
-    def _vmapped(axis_size, in_batched, *a):
-        out = jax.vmap(lambda *x: _batch_fn(bc, *x),
-                       in_axes=tuple(0 if bt else None for bt in in_batched),
-                       axis_size=axis_size)(*a)
-        return out, tuple(True for _ in out)
-
-    return cv(*operands)
+    return _with_vmap(lambda *a: _batch_cp(bc, *a), lambda *x: _batch_fn(bc, *x), operands)

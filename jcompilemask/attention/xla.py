@@ -270,6 +270,26 @@ def _bwd_operands(P, view, q, k, v, do, lse, delta):
             rows(lse), rows(delta), cols(k), cols(v))
 
 
+def _row_tile_slices(ti, bq, qt, dot, lse_p, delta_p):
+    """Row tile ti's query rows and its q, dO, lse and delta slices (forward view)."""
+    rows = ti * bq + jnp.arange(bq, dtype=jnp.int32)
+    sl = lambda x: lax.dynamic_slice_in_dim(x, ti * bq, bq, axis=2)  # noqa: E731
+    return rows, sl(qt), sl(dot), sl(lse_p), sl(delta_p)
+
+
+def _row_step_probs(P, states, order, check, kt, vt, ti, n, rows, qb, dob, lb, bq, bk):
+    """The n-th listed key tile of row tile ti: (tj, kb, t, vis, p, dp) — the softmax
+    probabilities and dP = dO V^T that the dQ and dbias passes both start from."""
+    tj = order[ti, n]
+    cols, kb, vb = _kv_tile(kt, vt, tj, bk)
+    s, t = P.logits(qb, kb, ti * bq, tj * bk)
+    vis = P.mask(rows, cols, "fwd", states[:, :, ti, tj], check[ti, n])
+    p = _probs(P, s, t, vis, lb)
+    dp = jnp.einsum("bkgqd,bkcd->bkgqc", dob.reshape(P.b, P.hkv, P.g, bq, P.dv), vb,
+                    preferred_element_type=F32).reshape(s.shape)
+    return tj, kb, t, vis, p, dp
+
+
 def _dq_pass(P, q, k, v, do, lse, delta, out_dtype=None):
     bq, bk, tq, tk, qt, dot, lse_p, delta_p, kt, vt = _bwd_operands(
         P, "fwd", q, k, v, do, lse, delta)
@@ -277,22 +297,12 @@ def _dq_pass(P, q, k, v, do, lse, delta, out_dtype=None):
     order, count, check = _tile_lists(states)
 
     def row_tile(ti):
-        rows = ti * bq + jnp.arange(bq, dtype=jnp.int32)
-        qb = lax.dynamic_slice_in_dim(qt, ti * bq, bq, axis=2)
-        dob = lax.dynamic_slice_in_dim(dot, ti * bq, bq, axis=2)
-        lb = lax.dynamic_slice_in_dim(lse_p, ti * bq, bq, axis=2)
-        db = lax.dynamic_slice_in_dim(delta_p, ti * bq, bq, axis=2)
+        rows, qb, dob, lb, db = _row_tile_slices(ti, bq, qt, dot, lse_p, delta_p)
 
         def body(carry):
             n, dq = carry
-            tj = order[ti, n]
-            cols, kb, vb = _kv_tile(kt, vt, tj, bk)
-            s, t = P.logits(qb, kb, ti * bq, tj * bk)
-            vis = P.mask(rows, cols, "fwd", states[:, :, ti, tj], check[ti, n])
-            p = _probs(P, s, t, vis, lb)
-            dp = jnp.einsum("bkgqd,bkcd->bkgqc",
-                            dob.reshape(P.b, P.hkv, P.g, bq, P.dv), vb,
-                            preferred_element_type=F32).reshape(s.shape)
+            _, kb, t, vis, p, dp = _row_step_probs(P, states, order, check, kt, vt, ti, n,
+                                                   rows, qb, dob, lb, bq, bk)
             ds = _dlogits(P, p, dp, db, t, vis)
             dq = dq + jnp.einsum("bkgqc,bkcd->bkgqd",
                                  ds.astype(P.dtype).reshape(P.b, P.hkv, P.g, bq, bk), kb,
@@ -371,22 +381,12 @@ def _dbias_pass(P, q, k, v, do, lse, delta, shape):
         return jnp.sum(g, axis=axes, keepdims=True) if axes else g
 
     def row_tile(ti):
-        rows = ti * bq + jnp.arange(bq, dtype=jnp.int32)
-        qb = lax.dynamic_slice_in_dim(qt, ti * bq, bq, axis=2)
-        dob = lax.dynamic_slice_in_dim(dot, ti * bq, bq, axis=2)
-        lb = lax.dynamic_slice_in_dim(lse_p, ti * bq, bq, axis=2)
-        db = lax.dynamic_slice_in_dim(delta_p, ti * bq, bq, axis=2)
+        rows, qb, dob, lb, db = _row_tile_slices(ti, bq, qt, dot, lse_p, delta_p)
 
         def body(carry):
             n, acc = carry
-            tj = order[ti, n]
-            cols, kb, vb = _kv_tile(kt, vt, tj, bk)
-            s, t = P.logits(qb, kb, ti * bq, tj * bk)
-            vis = P.mask(rows, cols, "fwd", states[:, :, ti, tj], check[ti, n])
-            p = _probs(P, s, t, vis, lb)
-            dp = jnp.einsum("bkgqd,bkcd->bkgqc",
-                            dob.reshape(P.b, P.hkv, P.g, bq, P.dv), vb,
-                            preferred_element_type=F32).reshape(s.shape)
+            tj, _, _, _, p, dp = _row_step_probs(P, states, order, check, kt, vt, ti, n,
+                                                 rows, qb, dob, lb, bq, bk)
             g = reduce(p * (dp - db[..., None]))
             if keep[3]:       # each key tile is listed once per row tile: write, no sum
                 return n + 1, lax.dynamic_update_slice_in_dim(acc, g, tj * bk, axis=3)

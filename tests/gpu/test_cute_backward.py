@@ -23,7 +23,7 @@ import jax.numpy as jnp  # noqa: E402
 import jcompilemask as jcm  # noqa: E402
 from jcompilemask import backends  # noqa: E402
 from jcompilemask.spec import MaskSpec, Region, Scalar, k, q, q_len  # noqa: E402
-from jcompilemask.testing import assert_within_policy, reference_attention  # noqa: E402
+from jcompilemask.testing import assert_within_policy, reference_gradients  # noqa: E402
 from gpu_cases import SPECS, metadata, random_spec_case  # noqa: E402  (tests/gpu is on sys.path under pytest)
 
 HAS_CUTLASS = importlib.util.find_spec("cutlass") is not None
@@ -182,13 +182,7 @@ def _grads(spec, md, b, n, hq, hkv, d=128, dtype=jnp.bfloat16, seed=0):
         return jnp.sum(f32(o) * f32(do))
 
     g = jax.jit(jax.grad(loss_ours, argnums=(0, 1, 2)))(qx, kx, vx)
-    dense = spec.as_dense(md, n, n)
-
-    def loss_ref(prec):
-        return lambda a, b_, c: jnp.sum(
-            f32(reference_attention(a, b_, c, dense, precision=prec)[0]) * f32(do))
-    g_hi = jax.grad(loss_ref("high"), argnums=(0, 1, 2))(f32(qx), f32(kx), f32(vx))
-    g_lo = jax.grad(loss_ref("input"), argnums=(0, 1, 2))(qx, kx, vx)
+    g_hi, g_lo = reference_gradients(qx, kx, vx, do, spec.as_dense(md, n, n))
     # All three are checked before failing, with where the worst error sits (batch,
     # position, head, dim), so one device run says which product is wrong and where.
     problems = []

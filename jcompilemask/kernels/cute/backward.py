@@ -604,12 +604,8 @@ class FlashBackwardSm90(WarpSpecializedSm90):
             if const_expr(kc > 0 and self.hold_columns):
                 for r in cutlass.range_constexpr(num_rows):
                     key = k_tile * bk + tScS[r, 0][0]
-                    ok = key < seqlen_k
-                    safe = key if ok else 0
-                    for m in cutlass.range_constexpr(kc):
-                        col_starts[r, m] = mBwdIntervals[mask_batch, mh, safe, m, 0]
-                        length = mBwdIntervals[mask_batch, mh, safe, m, 1]
-                        col_lengths[r, m] = length if ok else 0
+                    self.load_columns(col_starts, col_lengths, r, key, key < seqlen_k,
+                                      mBwdIntervals, mask_batch, mh)
             ragged_q = n_q_tiles if seqlen_q % bq == 0 else n_q_tiles - 1
             ragged_k = (seqlen_k % bk != 0) & (k_tile == cute.ceil_div(seqlen_k, bk) - 1)
             for ch in cutlass.range(self.num_chunks(n_q_tiles), unroll=1):
@@ -765,6 +761,15 @@ class FlashBackwardSm90(WarpSpecializedSm90):
                           number_of_threads=self.threads_per_wg + 32)
 
     @cute.jit
+    def load_columns(self, col_starts, col_lengths, r, key, ok, mBwdIntervals, mask_batch, mh):
+        """Key `key`'s Kc column intervals into row r of the registers (empty past Nk)."""
+        safe = key if ok else 0
+        for m in cutlass.range_constexpr(self.num_bwd_intervals):
+            col_starts[r, m] = mBwdIntervals[mask_batch, mh, safe, m, 0]
+            length = mBwdIntervals[mask_batch, mh, safe, m, 1]
+            col_lengths[r, m] = length if ok else 0
+
+    @cute.jit
     def apply_mask(self, P, tScS, q_tile, col_starts, col_lengths, exact, mFwdIntervals,
                    mBwdIntervals, seqlen_q, seqlen_k, k_tile, mh, mask_batch):
         """Zero P^T where the (key, query) pair is not visible (or out of range)."""
@@ -774,11 +779,8 @@ class FlashBackwardSm90(WarpSpecializedSm90):
             for r in cutlass.range_constexpr(cute.size(P, mode=[0])):
                 key_ok = row0 + tScS[r, 0][0] < seqlen_k
                 if const_expr(not self.hold_columns):     # this row's Kc intervals, re-read
-                    safe = row0 + tScS[r, 0][0] if key_ok else 0
-                    for m in cutlass.range_constexpr(self.num_bwd_intervals):
-                        col_starts[r, m] = mBwdIntervals[mask_batch, mh, safe, m, 0]
-                        length = mBwdIntervals[mask_batch, mh, safe, m, 1]
-                        col_lengths[r, m] = length if key_ok else 0
+                    self.load_columns(col_starts, col_lengths, r, row0 + tScS[r, 0][0], key_ok,
+                                      mBwdIntervals, mask_batch, mh)
                 for c in cutlass.range_constexpr(cute.size(P, mode=[1])):
                     i = col0 + tScS[r, c][1]
                     vis = Boolean(False)
