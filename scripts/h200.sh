@@ -14,6 +14,7 @@
 #   bwdv1b       the rest of v1's backward tests, the non-finite GPU tests, 4 workloads at 32K
 #   bwdv1c       the backward configs not yet run: their tests, the determinism stress, non-finite
 #   bwdv1d       those configs timed at 32K beside the default and FA4 native
+#   v1prof       ncu (per-instruction stalls) on one v1 backward launch + config timings at causal 32K
 #   kernels      GPU tests of the CuTe forward kernel alone (48 variant cases)
 #   forward      bench_forward (D = 128 causal vs FA4 native, same run) + the step-2 variants
 #   peers        FlexAttention (Triton, FA4) / FA4 native / cuDNN forward at 2K and 8K
@@ -101,6 +102,23 @@ case $stage in
       --jcm-variants "base=;le=JCOMPILEMASK_CUTE_BWD_CONFIG=lse_early=1;rd=JCOMPILEMASK_CUTE_BWD_CONFIG=release_do_early=1;cr2=JCOMPILEMASK_CUTE_BWD_CONFIG=column_registers=2;dkvt=JCOMPILEMASK_CUTE_BWD_CONFIG=dkv_tma_store=1;det=JCOMPILEMASK_CUTE_BWD_CONFIG=deterministic=1;wl=JCOMPILEMASK_CUTE_BWD_CONFIG=work_list=1" \
       --min-repeat-s 0.3 --budget-s 500 --out "$OUT/h200-bwd-v1c.json" 2>&1 | grep -v Warning \
       | tee "$OUT/bench-bwdv1c.log" | grep '^|' | tail -16
+    ;;
+  v1prof)
+    # Backward v1 profiled (ncu: stall reasons per SASS instruction, one causal 32K launch)
+    # and the configs of bwdv1c timed beside the default and FA4 native at causal 32K.
+    export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
+    timeout 200 ncu --clock-control none --kernel-name regex:FlashBackward --launch-skip 2 --launch-count 1 \
+      --section SpeedOfLight --section WarpStateStats --section LaunchStats --section Occupancy \
+      --section SourceCounters --section InstructionStats -o "$OUT/bwd" python3 benchmarks/bench_total.py \
+      --impls jcm --masks causal --ns 32768 --budget-s 20 --out /tmp/ncu-total.json 2>&1 | grep -v Warning | tail -3
+    ncu -i "$OUT/bwd.ncu-rep" --page details 2>&1 | tee "$OUT/ncu-bwd.log" | grep -E "Busy|Stall|Throughput|Registers|Issued|Eligible|Duration" | head -40
+    ncu -i "$OUT/bwd.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu-bwd-sass.csv" 2>&1
+    ncu -i "$OUT/bwd.ncu-rep" --page raw --csv > "$OUT/ncu-bwd-raw.csv" 2>&1
+    ls -la "$OUT"
+    timeout 330 python3 benchmarks/bench_total.py --ns 32768 --masks causal --impls jcm,fa4-native \
+      --jcm-variants "base=;le=JCOMPILEMASK_CUTE_BWD_CONFIG=lse_early=1;rd=JCOMPILEMASK_CUTE_BWD_CONFIG=release_do_early=1;dkvt=JCOMPILEMASK_CUTE_BWD_CONFIG=dkv_tma_store=1;det=JCOMPILEMASK_CUTE_BWD_CONFIG=deterministic=1;wl=JCOMPILEMASK_CUTE_BWD_CONFIG=work_list=1" \
+      --min-repeat-s 0.3 --budget-s 300 --out "$OUT/h200-bwd-v1prof.json" 2>&1 | grep -v Warning \
+      | tee "$OUT/bench-v1prof.log" | grep '^|' | tail -12
     ;;
   kernels)
     timeout 560 python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_cute_forward.py \
