@@ -106,19 +106,24 @@ case $stage in
   v1prof)
     # Backward v1 profiled (ncu: stall reasons per SASS instruction, one causal 32K launch)
     # and the configs of bwdv1c timed beside the default and FA4 native at causal 32K.
+    # ncu's output goes to a file (a pipe would outlive a timed-out ncu: its python child
+    # keeps it open), and stragglers are killed.
     export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
-    timeout 200 ncu --clock-control none --kernel-name regex:FlashBackward --launch-skip 2 --launch-count 1 \
+    timeout -k 5 130 ncu --clock-control none --kernel-name regex:FlashBackward --launch-skip 1 --launch-count 1 \
       --section SpeedOfLight --section WarpStateStats --section LaunchStats --section Occupancy \
-      --section SourceCounters --section InstructionStats -o "$OUT/bwd" python3 benchmarks/bench_total.py \
-      --impls jcm --masks causal --ns 32768 --budget-s 20 --out /tmp/ncu-total.json 2>&1 | grep -v Warning | tail -3
-    ncu -i "$OUT/bwd.ncu-rep" --page details 2>&1 | tee "$OUT/ncu-bwd.log" | grep -E "Busy|Stall|Throughput|Registers|Issued|Eligible|Duration" | head -40
-    ncu -i "$OUT/bwd.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu-bwd-sass.csv" 2>&1
-    ncu -i "$OUT/bwd.ncu-rep" --page raw --csv > "$OUT/ncu-bwd-raw.csv" 2>&1
-    ls -la "$OUT"
-    timeout 330 python3 benchmarks/bench_total.py --ns 32768 --masks causal --impls jcm,fa4-native \
-      --jcm-variants "base=;le=JCOMPILEMASK_CUTE_BWD_CONFIG=lse_early=1;rd=JCOMPILEMASK_CUTE_BWD_CONFIG=release_do_early=1;dkvt=JCOMPILEMASK_CUTE_BWD_CONFIG=dkv_tma_store=1;det=JCOMPILEMASK_CUTE_BWD_CONFIG=deterministic=1;wl=JCOMPILEMASK_CUTE_BWD_CONFIG=work_list=1" \
-      --min-repeat-s 0.3 --budget-s 300 --out "$OUT/h200-bwd-v1prof.json" 2>&1 | grep -v Warning \
-      | tee "$OUT/bench-v1prof.log" | grep '^|' | tail -12
+      --section SourceCounters -o "$OUT/bwd" python3 tests/scripts/gpu_backward_profile.py \
+      > "$OUT/ncu-run.log" 2>&1; echo "ncu rc $?"; pkill -9 -f gpu_backward_profile; tail -3 "$OUT/ncu-run.log"
+    if [[ -f $OUT/bwd.ncu-rep ]]; then
+      timeout 30 ncu -i "$OUT/bwd.ncu-rep" --page details > "$OUT/ncu-bwd.log" 2>&1
+      grep -E "Busy|Stall|Registers|Issued|Eligible|Duration|Spill|Local" "$OUT/ncu-bwd.log" | head -30
+      timeout 40 ncu -i "$OUT/bwd.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu-bwd-sass.csv" 2>&1
+      timeout 30 ncu -i "$OUT/bwd.ncu-rep" --page raw --csv > "$OUT/ncu-bwd-raw.csv" 2>&1
+      ls -la "$OUT"
+    fi
+    timeout -k 5 230 python3 benchmarks/bench_total.py --ns 32768 --masks causal --impls jcm,fa4-native \
+      --jcm-variants "base=;le=JCOMPILEMASK_CUTE_BWD_CONFIG=lse_early=1;rd=JCOMPILEMASK_CUTE_BWD_CONFIG=release_do_early=1;dkvt=JCOMPILEMASK_CUTE_BWD_CONFIG=dkv_tma_store=1;wl=JCOMPILEMASK_CUTE_BWD_CONFIG=work_list=1;det=JCOMPILEMASK_CUTE_BWD_CONFIG=deterministic=1" \
+      --min-repeat-s 0.25 --budget-s 200 --out "$OUT/h200-bwd-v1prof.json" > "$OUT/bench-v1prof.log" 2>&1
+    echo "bench rc $?"; pkill -9 -f bench_total; grep '^|' "$OUT/bench-v1prof.log" | tail -12
     ;;
   kernels)
     timeout 560 python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_cute_forward.py \
