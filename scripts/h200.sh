@@ -15,6 +15,8 @@
 #   bwdv1c       the backward configs not yet run: their tests, the determinism stress, non-finite
 #   bwdv1d       those configs timed at 32K beside the default and FA4 native
 #   v1prof       ncu (per-instruction stalls) on one v1 backward launch + config timings at causal 32K
+#   v5tests      the default backward config through every GPU backward test (+ non-finite, list chunks)
+#   v5bench      bench_total 32K + 8K: default vs FA4 native and Flex+FA4 (JCM_BENCH_S seconds)
 #   kernels      GPU tests of the CuTe forward kernel alone (48 variant cases)
 #   forward      bench_forward (D = 128 causal vs FA4 native, same run) + the step-2 variants
 #   peers        FlexAttention (Triton, FA4) / FA4 native / cuDNN forward at 2K and 8K
@@ -124,6 +126,33 @@ case $stage in
       --jcm-variants "base=;le=JCOMPILEMASK_CUTE_BWD_CONFIG=lse_early=1;rd=JCOMPILEMASK_CUTE_BWD_CONFIG=release_do_early=1;dkvt=JCOMPILEMASK_CUTE_BWD_CONFIG=dkv_tma_store=1;wl=JCOMPILEMASK_CUTE_BWD_CONFIG=work_list=1;det=JCOMPILEMASK_CUTE_BWD_CONFIG=deterministic=1" \
       --min-repeat-s 0.25 --budget-s 200 --out "$OUT/h200-bwd-v1prof.json" > "$OUT/bench-v1prof.log" 2>&1
     echo "bench rc $?"; pkill -9 -f bench_total; grep '^|' "$OUT/bench-v1prof.log" | tail -12
+    ;;
+  v5tests)
+    # The default backward config (work list + dK / dV by TMA store) through the GPU
+    # tests: smoke vs xla, every GPU case of test_cute_backward.py, the gradient cases of
+    # test_cute_attention.py, the non-finite GPU tests, then list chunks of 16 query
+    # tiles (every test sequence spans several chunks).
+    t=tests/gpu/test_cute_backward.py
+    timeout -k 5 90 python3 tests/scripts/gpu_backward_small.py > "$OUT/smoke.log" 2>&1 \
+      || { echo "SMOKE FAILED OR HUNG"; tail -5 "$OUT/smoke.log"; pkill -9 -f gpu_backward_small; exit 3; }
+    grep -v Warning "$OUT/smoke.log" | tail -4
+    timeout -k 5 300 python3 -m pytest -q -rs -p no:cacheprovider "$t::test_builtin_grads" \
+      "$t::test_head_dim_64_fp16_mqa" "$t::test_fully_masked_rows" "$t::test_no_column_view_uses_row_intervals" \
+      "$t::test_random_lowered_specs" "$t::test_repeated_gradients_are_identical" \
+      "tests/gpu/test_cute_attention.py::test_builtin[hstu]" "tests/gpu/test_cute_attention.py::test_builtin[document]" \
+      tests/gpu/test_nonfinite_gpu.py --junitxml="$OUT/junit-v5.xml" > "$OUT/pytest-v5.log" 2>&1
+    echo "pytest rc $?"; pkill -9 -f pytest; tail -12 "$OUT/pytest-v5.log"
+    JCOMPILEMASK_CUTE_BWD_CONFIG=list_chunk=16 timeout -k 5 70 python3 -m pytest -q -rs -p no:cacheprovider \
+      "$t::test_builtin_grads[causal]" "$t::test_builtin_grads[clear]" "$t::test_builtin_grads[hstu]" \
+      > "$OUT/pytest-v5-chunk16.log" 2>&1; echo "chunk16 rc $?"; tail -3 "$OUT/pytest-v5-chunk16.log"
+    ;;
+  v5bench)
+    # bench_total at 32K then 8K: the default beside FA4 native (causal) and Flex+FA4.
+    export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
+    timeout -k 5 ${JCM_BENCH_S:-300} python3 benchmarks/bench_total.py --ns 32768,8192 \
+      --masks causal,hstu,shared_prompt,clear --impls jcm,fa4-native,flex-fa4 --min-repeat-s 0.25 \
+      --budget-s $(( ${JCM_BENCH_S:-300} - 50 )) --out "$OUT/h200-total-v5.json" > "$OUT/bench-v5.log" 2>&1
+    echo "bench rc $?"; pkill -9 -f bench_total; grep -E '^\||FAILED|budget' "$OUT/bench-v5.log" | tail -22
     ;;
   kernels)
     timeout 560 python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_cute_forward.py \

@@ -41,8 +41,9 @@ needs_gpu = pytest.mark.skipif(_why is not None, reason=f"cute backend unavailab
     ("bfloat16", 128, 1, 0, False, True),      # no column view: forward row intervals
 ])
 def test_backward_compiles_for_sm90(dtype, d, kk, kc, bb, bh):
-    from jcompilemask.kernels.cute.api import BackwardKey, compile_backward
-    key = BackwardKey(dtype, d, kk, kc, bb, bh, d ** -0.5)
+    from jcompilemask.kernels.cute.api import BackwardKey, compile_backward, preferred_backward_config
+    # The config the registry runs (work list, dK / dV by TMA store).
+    key = BackwardKey(dtype, d, kk, kc, bb, bh, d ** -0.5, preferred_backward_config(d, dtype))
     assert compile_backward(key) is not None
     assert key.target_name.startswith("jcompilemask_cute_bwd_")
 
@@ -54,7 +55,8 @@ def test_backward_compiles_for_sm90(dtype, d, kk, kc, bb, bh):
                                        (128, dict(column_registers=2)),
                                        (128, dict(deterministic=True)), (64, dict(deterministic=True)),
                                        (128, dict(dkv_tma_store=True)), (128, dict(work_list=True)),
-                                       (64, dict(work_list=True, list_chunk=16, deterministic=True))])
+                                       (64, dict(work_list=True, list_chunk=16, deterministic=True)),
+                                       (128, dict(work_list=True, dkv_tma_store=True, deterministic=True))])
 def test_backward_config_variants_compile_for_sm90(d, changes):
     """The configs benchmarked against the default (one dS buffer, late statistics)."""
     import dataclasses

@@ -370,7 +370,9 @@ def preferred_backward_config(head_dim: int, dtype: str = "bfloat16") -> Backwar
     2-stage Q / dO ring, two dS buffers, statistics read where used (NOTES.md, "Backward
     v1": the run that compared ds_stages 1 / 2 and stats_early on / off)."""
     del head_dim, dtype
-    return BackwardConfig()
+    # work_list and dkv_tma_store: causal 32K bwd 38.85 / 40.44 ms vs 40.66 without
+    # (run 2026-12-01T13:50:48Z, h200.sh v1prof; NOTES.md "Backward v1, session 5").
+    return BackwardConfig(work_list=True, dkv_tma_store=True)
 
 
 def _config_from_env(config: BackwardConfig) -> BackwardConfig:
