@@ -17,6 +17,7 @@
 #   v1prof       ncu (per-instruction stalls) on one v1 backward launch + config timings at causal 32K
 #   v5tests      the default backward config through every GPU backward test (+ non-finite, list chunks)
 #   v5bench      bench_total 32K + 8K: default vs FA4 native and Flex+FA4 (JCM_BENCH_S seconds)
+#   multigpu     issue 19 on a multi-GPU kind: sharded training step + context parallelism (benchmarks/multi_gpu.py)
 #   kernels      GPU tests of the CuTe forward kernel alone (48 variant cases)
 #   forward      bench_forward (D = 128 causal vs FA4 native, same run) + the step-2 variants
 #   peers        FlexAttention (Triton, FA4) / FA4 native / cuDNN forward at 2K and 8K
@@ -153,6 +154,17 @@ case $stage in
       --masks causal,hstu,shared_prompt,clear --impls jcm,fa4-native,flex-fa4 --min-repeat-s 0.25 \
       --budget-s $(( ${JCM_BENCH_S:-300} - 50 )) --out "$OUT/h200-total-v5.json" > "$OUT/bench-v5.log" 2>&1
     echo "bench rc $?"; pkill -9 -f bench_total; grep -E '^\||FAILED|budget' "$OUT/bench-v5.log" | tail -22
+    ;;
+  multigpu)
+    # Issue 19, on a multi-GPU kind (nvidia-h200-x2 / -x4 / -x8; ask status first): the
+    # batch-sharded training step (weak scaling vs one GPU) and context parallelism
+    # (HSTU, shared prompt, causal at 64K and 128K) in one call; records after each
+    # configuration. NVLink multicast stays off (NCCL_NVLS_ENABLE=0).
+    export NCCL_NVLS_ENABLE=0 JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
+    nvidia-smi -L
+    timeout -k 5 540 python3 benchmarks/multi_gpu.py --budget-s 480 --min-repeat-s 0.25 \
+      --out "$OUT/h200-multi-gpu.json" > "$OUT/multi-gpu.log" 2>&1
+    echo "multi_gpu rc $?"; pkill -9 -f multi_gpu.py; grep -E '^\||FAILED|budget' "$OUT/multi-gpu.log" | tail -40
     ;;
   kernels)
     timeout 560 python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_cute_forward.py \
