@@ -342,8 +342,9 @@ def _ours(cm, sig):
     def f(md, q, k, v, do):
         desc = cm.instantiate(md, nq, nk, **_tile_kwargs(tiles))
         (out, lse), vjp = jax.vjp(lambda a, b_, c: jcm.mask_attention(
-            a, b_, c, desc, logits_soft_cap=softcap, return_residuals=True), q, k, v)
-        return out, lse, vjp((do, jnp.zeros_like(lse))), desc.as_dense()
+            a, b_, c, desc, logits_soft_cap=softcap, return_residual=True), q, k, v)
+        # lse comes as [B, Nq, Hq] (jax's layout); the references give [B, Hq, Nq].
+        return out, jnp.swapaxes(lse, 1, 2), vjp((do, jnp.zeros_like(lse))), desc.as_dense()
     return jax.jit(f)
 
 
