@@ -163,6 +163,19 @@ def _solve(atom: Cmp, var: str, spec):
     return "lo", lin_normalize(bound)
 
 
+def _row_bounds(atom, spec):
+    """A row condition linear in ``q`` as row bounds [("lo", L) / ("hi", U)], or None.
+
+    ``q == e`` (a row equal to a metadata value: a special token's row) is the range
+    ``[e, e + 1)``: both of its ordered halves, so the column view keeps it."""
+    if not isinstance(atom, Cmp):
+        return None
+    halves = ([Cmp("<=", atom.a, atom.b), Cmp(">=", atom.a, atom.b)] if atom.op == "=="
+              else [atom])
+    out = [_solve(c, "q", spec) for c in halves]
+    return None if any(s is None for s in out) else out
+
+
 def BinOpSub(a: Expr, b: Expr) -> Expr:
     return lin_normalize(a - b)
 
@@ -196,13 +209,15 @@ def _conjunct_interval(conj: list[Pred], spec, region):
         if not _uses(atom, "q"):
             flags.append(atom)
             continue
-        s = _solve(atom, "q", spec) if isinstance(atom, Cmp) else None
-        if s is None:
+        bounds = _row_bounds(atom, spec)
+        if bounds is None:
             bwd_ok = False
-        elif s[0] == "lo":
-            q_lo = s[1] if q_lo is None else maximum(q_lo, s[1])
-        else:
-            q_hi = s[1] if q_hi is None else minimum(q_hi, s[1])
+            continue
+        for side, b in bounds:
+            if side == "lo":
+                q_lo = b if q_lo is None else maximum(q_lo, b)
+            else:
+                q_hi = b if q_hi is None else minimum(q_hi, b)
     if not (monotone(lo) in (CONST, INC) and monotone(hi) in (CONST, INC)):
         bwd_ok = False
     return Interval(lo, hi, cond, q_lo, q_hi, And.of(*flags), bwd_ok)
