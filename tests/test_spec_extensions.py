@@ -117,3 +117,174 @@ def test_row_equal_to_metadata_gradients_on_xla():
     assert desc.num_bwd_intervals > 0 and bool(np.asarray(desc.bwd_exact).all())
     qx, kx, vx, do = _inputs(jax.random.key(0), 2, n, n, 2, 2, 16)
     check_xla_against_reference(desc, spec.as_dense(md, n, n), qx, kx, vx, do)
+
+
+# =======================================================================================
+# SegmentIds.id(k) and vectors indexed by per-token ids
+# =======================================================================================
+D = SegmentIds("doc", contiguous=True)
+DN = SegmentIds("doc")                      # no declared layout
+P = Vector("doc_prefix", 4, max=q_len)      # per-document prefix length
+
+
+def doc_by_id(causal=True):
+    rule = D.id(k) == D.id(q)
+    return MaskSpec([Region((0, q_len), rule & (k <= q) if causal else rule)])
+
+
+def doc_by_runs(causal=True):
+    """The hand-written interval spelling of doc_by_id (padding runs included)."""
+    rule = (k >= D.run_start(q)) & (k < D.run_end(q))
+    return MaskSpec([Region((0, q_len), rule & (k <= q) if causal else rule)])
+
+
+def doc_other():
+    """Keys of the other documents, and the diagonal."""
+    return MaskSpec([Region((0, q_len), (D.id(q) != D.id(k)) | (k == q))])
+
+
+def doc_prefix_lm():
+    """Packed prefix-LM: inside its document, row q sees the document's first
+    P[id(q)] keys bidirectionally and the rest causally."""
+    inside = (k >= D.start(q)) & (k < D.end(q))
+    return MaskSpec([Region((0, q_len), inside & ((k <= q) | (k < D.start(q) + P[D.id(q)])))])
+
+
+def doc_prefix_lm_by_hand():
+    inside = (k >= D.start(q)) & (k < D.end(q))
+    per_doc = [(D.id(q) == i) & (k < D.start(q) + P[i]) for i in range(4)]
+    # a padding id (-1) reads entry 0; padding rows see nothing either way (empty run)
+    per_doc[0] = (D.id(q) <= 0) & (k < D.start(q) + P[0])
+    from jcompilemask.spec.expr import Or
+    return MaskSpec([Region((0, q_len), inside & ((k <= q) | Or.of(*per_doc)))])
+
+
+@st.composite
+def contiguous_ids(draw, b, n, max_id=3):
+    """Each id one run: up to 6 runs with distinct ids (any order), padding runs too."""
+    rows = []
+    for _ in range(b):
+        cuts = sorted(draw(st.sets(st.integers(1, n - 1), max_size=min(5, n - 1))))
+        values = draw(st.permutations(list(range(max_id + 1)) + [-1, -2]))
+        bounds = [0] + cuts + [n]
+        row = []
+        for r in range(len(bounds) - 1):
+            row += [values[r]] * (bounds[r + 1] - bounds[r])
+        rows.append(row)
+    return np.array(rows, np.int32)
+
+
+def test_key_id_equality_lowers_for_contiguous_ids():
+    for spec in (doc_by_id(), doc_by_id(False), doc_other()):
+        cm = jcm.compile(spec)
+        assert not cm.fallback_regions, cm.explain()
+        assert cm.has_column_view, cm.explain()
+    assert jcm.compile(doc_by_id()).num_intervals == 1
+    assert jcm.compile(doc_other()).num_intervals <= 3
+    md = {"doc": np.array([[2, 2, 0, 0, 0, -1, -1, 1], [0, 0, 0, 0, 1, 1, 3, 3]], np.int32)}
+    _same_dense(doc_by_id(), doc_by_runs(), md, 8, 8)
+    _same_dense(doc_by_id(False), doc_by_runs(False), md, 8, 8)
+    # with the padding rows excluded it is the built-in document mask
+    no_pad = MaskSpec([Region((0, q_len), (D.id(k) == D.id(q)) & (D.id(q) >= 0) & (k <= q))])
+    want = jcm.masks.document().as_dense({"segment_ids": md["doc"]}, 8, 8)
+    np.testing.assert_array_equal(np.asarray(no_pad.as_dense(md, 8, 8)), np.asarray(want))
+    # the oracle reads raw ids: padding rows see the keys of their padding run
+    dense = np.asarray(doc_by_id(False).as_dense(md, 8, 8))[0, 0]
+    assert dense[5].tolist() == [0, 0, 0, 0, 0, 1, 1, 0]
+
+
+@settings(max_examples=20)
+@given(data=st.data())
+def test_segment_id_specs_descriptor_vs_oracle(data):
+    spec = data.draw(st.sampled_from([doc_by_id(), doc_by_id(False), doc_other(),
+                                      doc_prefix_lm()]))
+    tiles = data.draw(st.sampled_from(TILE_CONFIGS))
+    nq, nk = data.draw(st.sampled_from([(13, 13), (7, 11), (12, 5)]))
+    b = data.draw(st.integers(1, 3))
+    md = {"doc": data.draw(contiguous_ids(b, max(nq, nk)))}
+    if "doc_prefix" in spec.metadata:
+        md["doc_prefix"] = np.array(data.draw(st.lists(
+            st.lists(st.integers(0, nq), min_size=4, max_size=4), min_size=b, max_size=b)),
+            np.int32)
+    cm = jcm.compile(spec)
+    desc = cm.instantiate(md, nq, nk, **_tile_kwargs(tiles))
+    check_descriptor(desc, spec.as_dense(md, nq, nk), nq, nk,
+                     expect_column_view=cm.has_column_view or None)
+
+
+def test_vector_indexed_by_segment_id():
+    assert str(P[D.id(q)]) == "doc_prefix[doc.id(q)]"
+    assert type(P[jcm.spec.expr.Const(2)]).__name__ == "VectorElem"
+    with pytest.raises(TypeError, match="integer expression"):
+        P[1.5]
+    cm = jcm.compile(doc_prefix_lm())
+    assert not cm.fallback_regions and cm.num_intervals <= 2
+    md = {"doc": np.array([[0, 0, 0, 1, 1, 1, 1, 3, 3, 2, -1, -1]], np.int32),
+          "doc_prefix": np.array([[2, 3, 1, 0]], np.int32)}
+    _same_dense(doc_prefix_lm(), doc_prefix_lm_by_hand(), md, 12, 12)
+    row = np.asarray(doc_prefix_lm().as_dense(md, 12, 12))[0, 0, 3]   # doc 1, first row
+    assert row.tolist() == [0, 0, 0, 1, 1, 1, 0, 0, 0, 0, 0, 0]
+    # an index past the vector's end reads its last entry (clamped)
+    big = MaskSpec([Region((0, q_len), k < P[q])])
+    dense = np.asarray(big.as_dense({"doc_prefix": np.array([[1, 2, 3, 4]])}, 6, 6))[0, 0]
+    assert dense.sum(1).tolist() == [1, 2, 3, 4, 4, 4]
+
+
+def test_non_contiguous_ids_fall_back_with_a_hint():
+    spec = MaskSpec([Region((0, q_len), (DN.id(k) == DN.id(q)) & (k <= q))])
+    with pytest.warns(jcm.MaskFallbackWarning, match=r"SegmentIds\('doc', contiguous=True\)"):
+        cm = jcm.compile(spec)
+    assert cm.fallback_regions == (0,)
+    # the fallback path still serves the raw semantics: an id in two runs joins them
+    md = {"doc": np.array([[0, 0, 1, 0, -1, 1, 2, -1]], np.int32)}
+    desc = cm.instantiate(md, 8, 8, block_q=4, block_kv=4, bwd_block_q=2, bwd_block_kv=4)
+    want = spec.as_dense(md, 8, 8)
+    check_descriptor(desc, want, 8, 8)
+    assert np.asarray(want)[0, 0, 3].tolist() == [1, 1, 0, 1, 0, 0, 0, 0]
+
+
+def test_contiguity_is_checked():
+    ids = np.array([[0, 0, 1, 0]], np.int32)
+    with pytest.raises(jcm.spec.MetadataError, match="contiguous"):
+        doc_by_id().as_dense({"doc": ids}, 4, 4)
+    with pytest.raises(jcm.spec.MetadataError, match="contiguous"):
+        doc_by_id().as_dense({"doc": np.array([[-1, 0, 0, -1]], np.int32)}, 4, 4)
+    from jax.experimental import checkify
+    f = checkify.checkify(lambda m: doc_by_id().check_metadata(m, 4, 4))
+    err, _ = jax.jit(f)({"doc": jnp.asarray(ids)})
+    assert err.get() is not None and "contiguous" in err.get()
+    err, _ = jax.jit(f)({"doc": jnp.asarray([[3, 3, 1, -1]], jnp.int32)})
+    assert err.get() is None
+    # two declarations of one name must agree on the property
+    with pytest.raises(ValueError, match="declared twice"):
+        MaskSpec([Region((0, q_len), (k >= DN.start(q)) & (D.id(k) == D.id(q)))])
+
+
+def test_segment_id_specs_on_the_tilelang_program():
+    from jcompilemask.kernels.tilelang import mock_preprocess
+    from jcompilemask.kernels.tilelang.testing import descriptors_equal, sample_metadata
+    from jcompilemask.lower.descriptor import TileConfig
+    from jcompilemask.lower.preprocess import build_descriptor
+    tiles = TileConfig(8, 16, 4, 8)
+    rng = np.random.default_rng(0)
+    for spec in (doc_by_id(), doc_other(), doc_prefix_lm()):
+        cm = jcm.compile(spec)
+        meta = sample_metadata(spec, 2, 30, 30, rng)
+        ref = build_descriptor(cm, meta, 30, 30, tiles)
+        got = mock_preprocess(cm, meta, 30, 30, tiles)
+        assert not descriptors_equal(ref, got)
+        np.testing.assert_array_equal(np.asarray(got.as_dense()),
+                                      np.asarray(spec.as_dense(meta, 30, 30)))
+
+
+@pytest.mark.parametrize("which", ["doc_by_id", "doc_prefix_lm"])
+def test_segment_id_specs_gradients_on_xla(which):
+    spec = {"doc_by_id": doc_by_id, "doc_prefix_lm": doc_prefix_lm}[which]()
+    n = 32
+    md = {"doc": np.array([[0] * 9 + [2] * 12 + [1] * 8 + [-1] * 3,
+                           [3] * 20 + [0] * 12], np.int32)}
+    if which == "doc_prefix_lm":
+        md["doc_prefix"] = np.array([[4, 0, 3, 1], [5, 2, 0, 7]], np.int32)
+    desc = jcm.compile(spec).instantiate(md, n, n, **TILES)
+    qx, kx, vx, do = _inputs(jax.random.key(1), 2, n, n, 4, 2, 16)
+    check_xla_against_reference(desc, spec.as_dense(md, n, n), qx, kx, vx, do)

@@ -20,6 +20,7 @@ import sympy as sp
 
 from ..spec.expr import (TRUE, And, BoolConst, Cmp, Const, Expr, Index, Not, Or, Pred,
                          kv_len, maximum, minimum, walk)
+from .segments import rewrite_id_atoms
 from .symbolic import CONST, INC, linear_coeff, lin_normalize, monotone, provably_le
 
 __all__ = ["Interval", "LoweredRegion", "lower_region", "MAX_CONJUNCTS"]
@@ -242,7 +243,7 @@ def _try_merge(a: Interval, b: Interval, spec, region) -> Interval | None:
 
 def lower_region(region, spec) -> LoweredRegion:
     """Lower ``region.visible`` to intervals (or record why it falls back)."""
-    nnf = _nnf(region.visible)
+    nnf = _nnf(rewrite_id_atoms(region.visible))   # seg.id(k) == seg.id(q): one run
     conjuncts = _dnf(nnf)
     if conjuncts is None:
         return LoweredRegion((), fallback=f"DNF has more than {MAX_CONJUNCTS} conjuncts")
