@@ -288,3 +288,97 @@ def test_segment_id_specs_gradients_on_xla(which):
     desc = jcm.compile(spec).instantiate(md, n, n, **TILES)
     qx, kx, vx, do = _inputs(jax.random.key(1), 2, n, n, 4, 2, 16)
     check_xla_against_reference(desc, spec.as_dense(md, n, n), qx, kx, vx, do)
+
+
+# =======================================================================================
+# Per-head specs: K is the maximum over heads, not the sum
+# =======================================================================================
+HEAD_RULES = [
+    k <= q,                                               # causal: 1 interval
+    (k >= q - 2) & (k <= q),                              # window: 1
+    (k < 3) | ((k >= q - 1) & (k <= q)),                  # sinks + window: 2
+    (k < q // 4 * 4) | (k == q + 1),                      # chunks before + next key: 2
+    (k < Scalar("pre", max=q_len)) | (k <= q),            # prefix-LM: 1 or 2
+]
+
+
+def _per_head_spec(rules):
+    from jcompilemask.splash.convert import head_condition
+    from jcompilemask.spec.expr import Or
+    groups: dict = {}
+    for x, r in enumerate(rules):
+        groups.setdefault(r.key(), (r, []))[1].append(x)
+    rule = Or.of(*[head_condition(tuple(hs)) & r for r, hs in groups.values()])
+    return MaskSpec([Region((0, q_len), rule)], num_heads=len(rules))
+
+
+def test_per_head_k_is_the_max_over_heads():
+    from jcompilemask.splash import CausalMask, LocalMask, MultiHeadMask
+    from jcompilemask.splash.convert import to_jcm
+    n = 16
+    heads = [CausalMask((n, n)), LocalMask((n, n), (2, 0), 0), CausalMask((n, n)),
+             LocalMask((n, n), (3, 1), 0)]
+    spec = to_jcm(MultiHeadMask(heads))
+    cm = jcm.compile(spec)
+    assert cm.mask_heads == 4 and not cm.fallback_regions
+    assert cm.num_intervals == 1, cm.explain()          # one per head (was: 3 groups)
+    assert cm.num_bwd_intervals == 1
+    want = np.stack([np.asarray(m[:, :]) for m in heads])[None]
+    np.testing.assert_array_equal(np.asarray(spec.as_dense(None, n, n)), want)
+    desc = cm.instantiate(None, n, n, block_q=4, block_kv=4, bwd_block_q=8, bwd_block_kv=4)
+    check_descriptor(desc, want, n, n, expect_column_view=True)
+    # the hand-written per-head rules, one spec per head, agree head by head
+    for x, m in enumerate(heads):
+        one = to_jcm(m)
+        np.testing.assert_array_equal(np.asarray(one.as_dense(None, n, n))[0, 0], want[0, x])
+
+
+@settings(max_examples=20)
+@given(data=st.data())
+def test_random_per_head_specs(data):
+    hm = data.draw(st.integers(2, 4))
+    rules = [data.draw(st.sampled_from(HEAD_RULES)) for _ in range(hm)]
+    spec = _per_head_spec(rules)
+    cm = jcm.compile(spec)
+    per_head = [jcm.compile(MaskSpec([Region((0, q_len), r)])) for r in rules]
+    assert cm.num_intervals == max(c.num_intervals for c in per_head), cm.explain()
+    if cm.has_column_view:
+        assert cm.num_bwd_intervals == max(c.num_bwd_intervals for c in per_head)
+    nq, nk = data.draw(st.sampled_from([(13, 13), (7, 11), (12, 5)]))
+    tiles = data.draw(st.sampled_from(TILE_CONFIGS))
+    b = data.draw(st.integers(1, 2))
+    md = ({"pre": np.array(data.draw(st.lists(st.integers(0, nq), min_size=b, max_size=b)),
+                           np.int32)} if "pre" in spec.metadata else None)
+    want = np.asarray(spec.as_dense(md, nq, nk))
+    for x, r in enumerate(rules):     # the natural spelling is the per-head rules
+        one = MaskSpec([Region((0, q_len), r)])
+        m1 = ({"pre": md["pre"]} if "pre" in one.metadata else None)
+        got = np.asarray(one.as_dense(m1, nq, nk))[:, 0]
+        np.testing.assert_array_equal(want[:, x], np.broadcast_to(got, want[:, x].shape))
+    desc = cm.instantiate(md, nq, nk, **_tile_kwargs(tiles))
+    check_descriptor(desc, np.broadcast_to(want, desc.as_dense().shape), nq, nk,
+                     expect_column_view=cm.has_column_view or None)
+
+
+def test_per_head_spec_on_the_tilelang_program():
+    from jcompilemask.kernels.tilelang import mock_preprocess
+    from jcompilemask.kernels.tilelang.testing import descriptors_equal
+    from jcompilemask.lower.descriptor import TileConfig
+    from jcompilemask.lower.preprocess import build_descriptor
+    tiles = TileConfig(8, 16, 4, 8)
+    for rules in (HEAD_RULES[:4], [HEAD_RULES[2], HEAD_RULES[0], HEAD_RULES[2]]):
+        spec = _per_head_spec(rules)
+        cm = jcm.compile(spec)
+        assert cm.num_intervals == 2
+        ref = build_descriptor(cm, None, 30, 30, tiles)
+        got = mock_preprocess(cm, None, 30, 30, tiles)
+        assert not descriptors_equal(ref, got)
+
+
+def test_per_head_spec_gradients_on_xla():
+    spec = _per_head_spec(HEAD_RULES[:4])
+    n = 32
+    desc = jcm.compile(spec).instantiate(None, n, n, **TILES)
+    assert desc.num_intervals == 2 and desc.mask_heads == 4
+    qx, kx, vx, do = _inputs(jax.random.key(2), 2, n, n, 4, 2, 16)
+    check_xla_against_reference(desc, spec.as_dense(None, n, n), qx, kx, vx, do)
