@@ -382,3 +382,75 @@ def test_per_head_spec_gradients_on_xla():
     assert desc.num_intervals == 2 and desc.mask_heads == 4
     qx, kx, vx, do = _inputs(jax.random.key(2), 2, n, n, 4, 2, 16)
     check_xla_against_reference(desc, spec.as_dense(None, n, n), qx, kx, vx, do)
+
+
+# =======================================================================================
+# from_dense with a batch axis
+# =======================================================================================
+@st.composite
+def batched_bool_arrays(draw):
+    b = draw(st.integers(1, 3))
+    heads = draw(st.sampled_from([None, 1, 2]))
+    nq, nk = draw(st.sampled_from([(5, 7), (9, 4), (8, 8)]))
+    shape = (b, nq, nk) if heads is None else (b, heads, nq, nk)
+    p = draw(st.sampled_from([0.1, 0.5, 0.9]))
+    seed = draw(st.integers(0, 2 ** 16))
+    return np.random.default_rng(seed).random(shape) < p
+
+
+@settings(max_examples=15)
+@given(arr=batched_bool_arrays(), tiles=st.sampled_from(TILE_CONFIGS),
+       layout=st.sampled_from(["auto", "bitmap"]))
+def test_from_dense_batched(arr, tiles, layout):
+    dm = jcm.from_dense(arr, batched=True, layout=layout)
+    want = arr if arr.ndim == 4 else arr[:, None]
+    nq, nk = want.shape[2:]
+    assert dm.mask_heads == want.shape[1] and dm.batched == (want.shape[0] > 1)
+    np.testing.assert_array_equal(np.asarray(dm.as_dense()), want)
+    desc = dm.instantiate(None, **_tile_kwargs(tiles))
+    assert desc.batch == want.shape[0]
+    check_descriptor(desc, want, nq, nk,
+                     expect_column_view=(dm.layout == "intervals") or None)
+
+
+def test_from_dense_batched_is_the_per_sequence_spec():
+    spec = jcm.masks.prefix_lm()
+    md = {"prefix_len": np.array([0, 3, 9], np.int32)}
+    dense = np.asarray(spec.as_dense(md, 9, 9))             # [3, 1, 9, 9]
+    dm = jcm.from_dense(dense[:, 0], batched=True)
+    np.testing.assert_array_equal(np.asarray(dm.as_dense()), dense)
+    assert dm.num_intervals == jcm.compile(spec).num_intervals
+
+
+def test_from_dense_batch_errors_name_the_argument():
+    with pytest.raises(ValueError, match=r"from_dense\(mask, batched=True\).*\[B, Nq, Nk\]"):
+        jcm.from_dense(np.ones((4, 4), bool), batched=True)
+    with pytest.raises(ValueError, match="batched=True"):
+        jcm.from_dense(np.ones((2, 1, 4, 4), bool))
+    with pytest.raises(ValueError, match=r"from_dense\(mask"):
+        jcm.from_dense(np.ones((2, 2, 2, 4, 4), bool), batched=True)
+    with pytest.raises(TypeError, match=r"from_dense\(mask\): mask must be a boolean"):
+        jcm.from_dense(np.ones((2, 4, 4), np.int32), batched=True)
+    with pytest.raises(TypeError, match="batched"):
+        jcm.from_dense(np.ones((2, 4, 4), bool), batched="yes")
+    with pytest.raises(TypeError, match="traced"):
+        jax.jit(lambda m: jcm.from_dense(m, batched=True))(jnp.ones((2, 4, 4), bool))
+    # without batched=True a 3-D array is still [H, Nq, Nk]
+    assert jcm.from_dense(np.ones((2, 4, 4), bool)).mask_heads == 2
+
+
+def test_from_dense_batched_gradients_on_xla():
+    n = 24
+    rng = np.random.default_rng(7)
+    arr = np.stack([np.tril(np.ones((n, n), bool)), rng.random((n, n)) < 0.3])
+    arr[1, 5] = False                                          # a row that sees nothing
+    dm = jcm.from_dense(arr, batched=True)
+    desc = dm.instantiate(None, n, n, **TILES)
+    qx, kx, vx, do = _inputs(jax.random.key(3), 2, n, n, 2, 1, 16)
+    check_xla_against_reference(desc, arr[:, None], qx, kx, vx, do)
+    # passed straight to mask_attention, with is_causal added on top
+    out = jcm.mask_attention(qx, kx, vx, dm, is_causal=True, implementation="xla")
+    from jcompilemask.testing import reference_attention
+    causal = np.tril(np.ones((n, n), bool))
+    ref = reference_attention(qx, kx, vx, jnp.asarray(arr[:, None] & causal))[0]
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5)
