@@ -196,7 +196,11 @@ class VectorRead(Expr):
         return (self.index,)
 
     def rebuild(self, children):
-        return self.decl[children[0]]
+        from .expr import Const
+        i = children[0]
+        if isinstance(i, Const):          # keep the clamp of a run-time index
+            return VectorElem(self.decl, min(max(i.value, 0), self.decl.size - 1))
+        return VectorRead(self.decl, i)
 
     def key(self):
         return ("vread", self.decl.name, self.index.key())
