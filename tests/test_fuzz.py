@@ -103,6 +103,19 @@ def _segment_ids(rng, b, n):
     return np.array(rows, np.int32)
 
 
+def _contiguous_ids(rng, b, n):
+    """Each id (padding ids too) one run, ids in any order."""
+    rows = []
+    for _ in range(b):
+        cuts = np.sort(rng.choice(np.arange(1, n), size=int(rng.integers(0, min(5, n - 1) + 1)),
+                                  replace=False)) if n > 1 else np.array([], int)
+        values = rng.permutation([0, 1, 2, 3, -1, -2])
+        bounds = [0] + [int(c) for c in cuts] + [n]
+        rows.append([int(values[i]) for i in range(len(bounds) - 1)
+                     for _ in range(bounds[i + 1] - bounds[i])])
+    return np.array(rows, np.int32)
+
+
 _BUILTINS = ["causal", "full", "sliding_window", "chunked_causal", "prefix_lm", "document",
              "document_bidir", "hstu", "shared_prompt", "clear"]
 
@@ -178,7 +191,8 @@ def _rule(rng, nonlinear, heads, depth=2):
 
 
 def _random_metadata(r, spec, b, nq, nk):
-    """Values over the whole declared ranges of test_lower's metadata a, b, c, v, seg."""
+    """Values over the whole declared ranges of test_lower's metadata a, b, c, v, seg,
+    cseg."""
     md = {}
     for name in spec.metadata:
         if name in ("a", "b"):
@@ -189,6 +203,8 @@ def _random_metadata(r, spec, b, nq, nk):
             md[name] = _ints(r, 0, nq, (b, 2))
         elif name == "seg":
             md[name] = _segment_ids(r, b, max(nq, nk))
+        elif name == "cseg":             # declared contiguous: each id one run
+            md[name] = _contiguous_ids(r, b, max(nq, nk))
         else:  # pragma: no cover
             raise AssertionError(name)
     return md

@@ -20,6 +20,7 @@ import sympy as sp
 
 from ..spec.expr import (TRUE, And, BoolConst, Cmp, Const, Expr, Index, Not, Or, Pred,
                          kv_len, maximum, minimum, walk)
+from .segments import rewrite_id_atoms
 from .symbolic import CONST, INC, linear_coeff, lin_normalize, monotone, provably_le
 
 __all__ = ["Interval", "LoweredRegion", "lower_region", "MAX_CONJUNCTS"]
@@ -163,6 +164,19 @@ def _solve(atom: Cmp, var: str, spec):
     return "lo", lin_normalize(bound)
 
 
+def _row_bounds(atom, spec):
+    """A row condition linear in ``q`` as row bounds [("lo", L) / ("hi", U)], or None.
+
+    ``q == e`` (a row equal to a metadata value: a special token's row) is the range
+    ``[e, e + 1)``: both of its ordered halves, so the column view keeps it."""
+    if not isinstance(atom, Cmp):
+        return None
+    halves = ([Cmp("<=", atom.a, atom.b), Cmp(">=", atom.a, atom.b)] if atom.op == "=="
+              else [atom])
+    out = [_solve(c, "q", spec) for c in halves]
+    return None if any(s is None for s in out) else out
+
+
 def BinOpSub(a: Expr, b: Expr) -> Expr:
     return lin_normalize(a - b)
 
@@ -196,13 +210,15 @@ def _conjunct_interval(conj: list[Pred], spec, region):
         if not _uses(atom, "q"):
             flags.append(atom)
             continue
-        s = _solve(atom, "q", spec) if isinstance(atom, Cmp) else None
-        if s is None:
+        bounds = _row_bounds(atom, spec)
+        if bounds is None:
             bwd_ok = False
-        elif s[0] == "lo":
-            q_lo = s[1] if q_lo is None else maximum(q_lo, s[1])
-        else:
-            q_hi = s[1] if q_hi is None else minimum(q_hi, s[1])
+            continue
+        for side, b in bounds:
+            if side == "lo":
+                q_lo = b if q_lo is None else maximum(q_lo, b)
+            else:
+                q_hi = b if q_hi is None else minimum(q_hi, b)
     if not (monotone(lo) in (CONST, INC) and monotone(hi) in (CONST, INC)):
         bwd_ok = False
     return Interval(lo, hi, cond, q_lo, q_hi, And.of(*flags), bwd_ok)
@@ -227,7 +243,7 @@ def _try_merge(a: Interval, b: Interval, spec, region) -> Interval | None:
 
 def lower_region(region, spec) -> LoweredRegion:
     """Lower ``region.visible`` to intervals (or record why it falls back)."""
-    nnf = _nnf(region.visible)
+    nnf = _nnf(rewrite_id_atoms(region.visible))   # seg.id(k) == seg.id(q): one run
     conjuncts = _dnf(nnf)
     if conjuncts is None:
         return LoweredRegion((), fallback=f"DNF has more than {MAX_CONJUNCTS} conjuncts")

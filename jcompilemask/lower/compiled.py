@@ -10,6 +10,7 @@ from ..spec.evaluate import Env, evaluate
 from ..spec.maskspec import MaskSpec
 from .analyze import LoweredRegion, lower_region
 from .descriptor import ExecutionDescriptor, TileConfig
+from .slots import assign_slots, head_support
 
 __all__ = ["CompiledMask", "compile", "resolve_tiles", "DEFAULT_TILES", "Planner",
            "install_planner", "planner"]
@@ -85,10 +86,12 @@ class CompiledMask:
     Attributes:
       spec: the source :class:`MaskSpec`.
       regions: one :class:`LoweredRegion` per region (intervals, or a fallback reason).
-      num_intervals: K, forward intervals per row (max over regions, at least 1): the
-        most ranges of keys one query row sees.
+      num_intervals: K, forward intervals per row (max over regions and mask heads, at
+        least 1): the most ranges of keys one query row sees.
       num_bwd_intervals: Kc, backward intervals per key column (0: no column view): the
-        most ranges of query rows that see one key. The *column view* is that table, per
+        most ranges of query rows that see one key (max over mask heads).
+      fwd_slots, bwd_slots: ``{(region, interval): ((slot, heads or None), ...)}``, the
+        table slot each lowered interval writes, per head (:mod:`.slots`). The *column view* is that table, per
         key instead of per row; the backward pass, which holds a key tile and streams
         query tiles, reads it.
 
@@ -108,11 +111,23 @@ class CompiledMask:
         self.spec = spec
         self.regions = regions
         lowered = [r for r in regions if r.fallback is None]
-        self.num_intervals = max([len(r.intervals) for r in lowered] + [1])
         self.fallback_regions = tuple(i for i, r in enumerate(regions) if r.fallback)
         self.has_column_view = bool(lowered) and all(r.bwd_ok for r in lowered)
-        self.num_bwd_intervals = (sum(len(r.intervals) for r in lowered)
-                                  if self.has_column_view else 0)
+        # Slots per head (lower/slots.py): K and Kc are maxima over heads, not sums.
+        hm = spec.mask_heads
+        support = {(g, m): head_support(iv.cond, hm) for g, r in enumerate(regions)
+                   if r.fallback is None for m, iv in enumerate(r.intervals)}
+        self.fwd_slots, k_max = {}, 1
+        for g, r in enumerate(regions):
+            if r.fallback is None:
+                n, slots = assign_slots([support[g, m] for m in range(len(r.intervals))], hm)
+                k_max = max(k_max, n)
+                self.fwd_slots.update({(g, m): sl for m, sl in enumerate(slots)})
+        self.num_intervals = k_max
+        keys = sorted(support)
+        n, slots = assign_slots([support[x] for x in keys], hm)
+        self.bwd_slots = dict(zip(keys, slots))
+        self.num_bwd_intervals = n if self.has_column_view else 0
         if self.has_column_view and self.num_bwd_intervals == 0:
             self.has_column_view = False
 

@@ -151,8 +151,10 @@ def build_descriptor(cm, metadata, q_len: int, kv_len: int, tiles: TileConfig):
             endpoints[g, m] = (lo, hi)
             ok = mine & _bcast(evaluate(iv.cond, env), shape).astype(bool)
             ln = jnp.where(ok, jnp.maximum(hi - lo, 0), 0)
-            starts[m] = jnp.where(mine, jnp.where(ln > 0, lo, 0), starts[m])
-            lens[m] = jnp.where(mine, ln, lens[m])
+            for s, heads in cm.fwd_slots[g, m]:
+                sel = mine & _heads_mask(heads, hm)
+                starts[s] = jnp.where(sel, jnp.where(ln > 0, lo, 0), starts[s])
+                lens[s] = jnp.where(sel, ln, lens[s])
     st = jnp.stack(starts, -1)
     ln = jnp.stack(lens, -1)
     fwd_intervals = jnp.stack([st, ln], -1)                           # [B, Hm, Nq, K, 2]
@@ -183,6 +185,13 @@ def build_descriptor(cm, metadata, q_len: int, kv_len: int, tiles: TileConfig):
     return desc
 
 
+def _heads_mask(heads, hm):
+    """bool [1, Hm, 1]: the mask heads of a slot assignment (None: every head)."""
+    if heads is None:
+        return jnp.ones((1, hm, 1), bool)
+    return jnp.isin(jnp.arange(hm, dtype=I32), jnp.asarray(heads, I32)).reshape(1, hm, 1)
+
+
 def _column_intervals(cm, env, meta, endpoints, q_len, kv_len, b, hm):
     """Per key column, the rows that see it, one (start, len) per (region, interval).
 
@@ -197,7 +206,7 @@ def _column_intervals(cm, env, meta, endpoints, q_len, kv_len, b, hm):
     qs = jnp.arange(q_len, dtype=I32)[None, None, :]
     big = kv_len + 1
     shape3 = (b, hm, 1)
-    out = []
+    out = [jnp.zeros((b, hm, kv_len, 2), I32)] * cm.num_bwd_intervals
     for g, lr in enumerate(cm.regions):
         if lr.fallback is not None:
             continue
@@ -222,5 +231,7 @@ def _column_intervals(cm, env, meta, endpoints, q_len, kv_len, b, hm):
 
             q0, q1 = count_le(hi_x), count_le(lo_x)
             ln = jnp.where(flag, jnp.maximum(q1 - q0, 0), 0)
-            out.append(jnp.stack([jnp.where(ln > 0, q0, 0), ln], -1))
+            val = jnp.stack([jnp.where(ln > 0, q0, 0), ln], -1)
+            for c, heads in cm.bwd_slots[g, m]:
+                out[c] = jnp.where(_heads_mask(heads, hm)[..., None], val, out[c])
     return jnp.stack(out, 3), nested
