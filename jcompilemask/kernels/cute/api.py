@@ -417,10 +417,15 @@ class BackwardKey:
     broadcast_head: bool
     scale: float
     config: BackwardConfig = BackwardConfig()
+    # logits = cap * tanh(scale * q.k / cap); P recomputed from them and dS times (1 - t^2).
+    # Static per model, like the forward's. Awaiting validation on the H200 (backends.py).
+    softcap: float | None = None
 
     def __post_init__(self):
         if self.dtype not in _DTYPES:
             raise ValueError(f"cute backward supports {_DTYPES}, got dtype {self.dtype!r}")
+        if self.softcap is not None and not (math.isfinite(self.softcap) and self.softcap > 0):
+            raise ValueError(f"softcap must be None or a positive finite float, got {self.softcap!r}")
         if self.head_dim not in BWD_HEAD_DIMS:
             raise ValueError(f"cute backward is built for head dims {BWD_HEAD_DIMS} (Dv == D), "
                              f"got {self.head_dim}; the xla backward serves the others")
@@ -437,7 +442,8 @@ class BackwardKey:
         scale_bits = np.float64(self.scale).view(np.uint64)
         return (f"jcompilemask_cute_bwd_{self.dtype}_d{self.head_dim}_k{self.num_intervals}"
                 f"c{self.num_bwd_intervals}_b{int(self.broadcast_batch)}h{int(self.broadcast_head)}"
-                f"_{self.config.tag}_{scale_bits:016x}")
+                f"_{self.config.tag}_{scale_bits:016x}"
+                + ("" if self.softcap is None else f"_c{np.float64(self.softcap).view(np.uint64):016x}"))
 
 
 def dq_warpgroups(head_dim: int, num_consumer_wgs: int = 2) -> int:
@@ -486,7 +492,8 @@ def compile_backward(key: BackwardKey):
             assumed_align=16)
         kernel = FlashBackwardSm90(
             dtype, d, key.num_intervals, key.num_bwd_intervals, key.scale, cfg,
-            broadcast_batch=key.broadcast_batch, broadcast_head=key.broadcast_head)
+            broadcast_batch=key.broadcast_batch, broadcast_head=key.broadcast_head,
+            softcap=key.softcap)
         # [B, Hq, Tq, block_q * D]: one contiguous slot per query tile (fragment order).
         tile = cfg.block_q * d
         dq_acc = lambda: cute.runtime.make_fake_tensor(  # noqa: E731
@@ -540,7 +547,7 @@ def dq_turns(bwd_tiles, num_q_tiles: int):
 
 def cute_backward(q, k, v, out, lse, do, bwd_intervals, bwd_tiles, fwd_intervals, bwd_exact, *,
                   scale=None, dlse=None, block_q=BWD_TILES[0], block_kv=BWD_TILES[1],
-                  deterministic=False):
+                  deterministic=False, softcap=None):
     """Masked attention backward on SM90 from an Execution Descriptor's column view.
 
     Args:
@@ -551,6 +558,7 @@ def cute_backward(q, k, v, out, lse, do, bwd_intervals, bwd_tiles, fwd_intervals
         (checked instead of the column view for sequences where ``bwd_exact`` is False).
       dlse: optional cotangent of lse [B, Hq, Nq].
       deterministic: add dQ contributions in a fixed order (``BackwardConfig.deterministic``).
+      softcap: the forward's soft cap (None: none); P is recomputed from the capped logits.
     Returns (dq, dk, dv) in the input dtype.
     """
     B, Nq, Hq, D = q.shape
@@ -577,7 +585,8 @@ def cute_backward(q, k, v, out, lse, do, bwd_intervals, bwd_tiles, fwd_intervals
         deterministic=bool(deterministic)))
     key = BackwardKey(
         dtype=dtype_name, head_dim=D, num_intervals=K, num_bwd_intervals=Kc,
-        broadcast_batch=(Bm == 1), broadcast_head=(Hm == 1), scale=float(scale), config=config)
+        broadcast_batch=(Bm == 1), broadcast_head=(Hm == 1), scale=float(scale), config=config,
+        softcap=None if softcap is None else float(softcap))
     name = _ensure_registered(key)
     f32 = jnp.float32
     lse = lse.astype(f32)

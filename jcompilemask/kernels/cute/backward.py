@@ -114,8 +114,10 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         *,
         broadcast_batch: bool = False,
         broadcast_head: bool = False,
+        softcap: float | None = None,
     ):
         assert dtype in (cutlass.BFloat16, cutlass.Float16), dtype
+        assert softcap is None or softcap > 0
         assert config.block_kv == 64 * self.num_consumer_wgs, "each consumer warpgroup owns 64 keys"
         assert config.block_q == 64, "dQ leaves in the fragment order of one m64 wgmma per warpgroup"
         assert head_dim % 64 == 0
@@ -126,6 +128,9 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         self.num_bwd_intervals = num_bwd_intervals
         self.scale = float(scale)
         self.scale_log2 = float(scale) * _LOG2_E
+        # Soft cap: logit = cap * t, t = tanh(scale * s / cap); P = exp2(t * cap log2 e - lse2)
+        # and dlogit / ds = scale * (1 - t^2) (the scale is applied to dQ / dK at the end).
+        self.softcap = None if softcap is None else float(softcap)
         self.config = config
         self.block_q = config.block_q
         self.block_kv = config.block_kv
@@ -673,16 +678,27 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         if const_expr(not lse_early):
             for c in cutlass.range_constexpr(n_cols):
                 lse[c] = sLSE[f.tScS[0, c][1], state.index]
-        scale_log2 = Float32(self.scale_log2)
-        for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
-            for c in cutlass.range_constexpr(n_cols):
-                S[r, c] = cute.math.exp2(S[r, c] * scale_log2 - lse[c], fastmath=True)
+        if const_expr(self.softcap is None):
+            scale_log2 = Float32(self.scale_log2)
+            for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
+                for c in cutlass.range_constexpr(n_cols):
+                    S[r, c] = cute.math.exp2(S[r, c] * scale_log2 - lse[c], fastmath=True)
+        else:
+            self.softcap_tanh(S)                # S^T -> t = tanh(scale S^T / cap)
         if const_expr(masked):
+            # With a cap the mask writes t = -inf: exp2 then gives P = 0.
             self.apply_mask(S, f.tScS, q_tile, col_starts, col_lengths, exact, mFwdIntervals,
-                            f.mBwdIntervals, seqlen_q, seqlen_k, k_tile, mh, mask_batch)
+                            f.mBwdIntervals, seqlen_q, seqlen_k, k_tile, mh, mask_batch,
+                            0.0 if const_expr(self.softcap is None) else -math.inf)
+        if const_expr(self.softcap is not None):
+            # P^T for dV (bf16 / fp16 registers) and, in S, P^T (1 - t^2): the gradient of
+            # the capped logits is that times (dP^T - delta).
+            rP = cute.make_rmem_tensor_like(acc_S, self.dtype)
+            self.softcap_probs(S, _rows_view(rP), lse)
         if const_expr(not self.config.stats_early):
             for c in cutlass.range_constexpr(n_cols):
                 delta[c] = sDelta[f.tScS[0, c][1], state.index]
+
 
         # -- dS^T = P^T (dP^T - delta)
         warpgroup.wait_group(0)
@@ -697,8 +713,9 @@ class FlashBackwardSm90(WarpSpecializedSm90):
                     dP[r, c] = S[r, c] * (dP[r, c] - delta[c])
 
         # -- dV += P^T dO (P^T from registers)
-        rP = cute.make_rmem_tensor_like(acc_S, self.dtype)
-        rP.store(acc_S.load().to(self.dtype))
+        if const_expr(self.softcap is None):
+            rP = cute.make_rmem_tensor_like(acc_S, self.dtype)
+            rP.store(acc_S.load().to(self.dtype))
         issue_wgmma(f.mma_dkv, f.acc_dV, _as_a_operand(rP), f.tKVrdOt[None, None, None, state.index], False)
 
         # -- dS^T: converted once; to shared memory for dQ, from registers for dK
@@ -728,6 +745,32 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         pipeline_q.consumer_release(state)
         if const_expr(not self.config.release_do_early):
             pipeline_do.consumer_release(state)
+
+    @cute.jit
+    def softcap_tanh(self, S):
+        """S^T -> t = tanh(scale S^T / cap) in place, as the forward's default tanh
+        (``FlashForwardSm90.apply_softcap``): 1 - 2 rcp(ex2(2 log2 e scale / cap * s) + 1),
+        |t error| < ~4e-7, saturating to +-1 without NaN; P is then recomputed from the
+        same capped logits the forward's lse saw. 2 MUFU ops per score."""
+        pre = Float32(2.0 * _LOG2_E * self.scale / self.softcap)
+        for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
+            for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
+                e = cute.math.exp2(S[r, c] * pre, fastmath=True)
+                S[r, c] = Float32(1.0) - Float32(2.0) * cute.arch.rcp_approx(e + Float32(1.0))
+
+    @cute.jit
+    def softcap_probs(self, S, rP_rows, lse):
+        """t (S^T after softcap_tanh and the mask; -inf where masked) -> P^T = exp2(t cap
+        log2 e - lse2) into rP_rows (the dV operand, input dtype) and P^T (1 - t^2) into S
+        (0 where P^T is 0: a masked t of -inf would give 0 * -inf). One live fp32 tile, as
+        without a cap; the (1 - t^2) factor costs no registers beyond the early rP."""
+        cap_log2 = Float32(self.softcap * _LOG2_E)
+        for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
+            for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
+                t = S[r, c]
+                p = cute.math.exp2(t * cap_log2 - lse[c], fastmath=True)
+                rP_rows[r, c] = p.to(self.dtype)
+                S[r, c] = Float32(0.0) if p == Float32(0.0) else p * (Float32(1.0) - t * t)
 
     @cute.jit
     def dq_and_dk(self, f, rdS, ds_stage, state, pipeline_do, tidx):
@@ -771,8 +814,10 @@ class FlashBackwardSm90(WarpSpecializedSm90):
 
     @cute.jit
     def apply_mask(self, P, tScS, q_tile, col_starts, col_lengths, exact, mFwdIntervals,
-                   mBwdIntervals, seqlen_q, seqlen_k, k_tile, mh, mask_batch):
-        """Zero P^T where the (key, query) pair is not visible (or out of range)."""
+                   mBwdIntervals, seqlen_q, seqlen_k, k_tile, mh, mask_batch,
+                   fill: cutlass.Constexpr[float] = 0.0):
+        """Set P^T to `fill` (0; -inf for the soft cap's t) where the (key, query) pair is
+        not visible (or out of range)."""
         bq, bk = self.block_q, self.block_kv
         row0, col0 = k_tile * bk, q_tile * bq
         if exact:
@@ -787,7 +832,7 @@ class FlashBackwardSm90(WarpSpecializedSm90):
                     for m in cutlass.range_constexpr(self.num_bwd_intervals):
                         vis = vis | _unsigned_lt(i - col_starts[r, m], col_lengths[r, m])
                     keep = vis & key_ok & (i < seqlen_q)
-                    P[r, c] = P[r, c] if keep else Float32(0.0)
+                    P[r, c] = P[r, c] if keep else Float32(fill)
         else:
             # Forward row intervals of each query column (K per query).
             for c in cutlass.range_constexpr(cute.size(P, mode=[1])):
@@ -805,7 +850,7 @@ class FlashBackwardSm90(WarpSpecializedSm90):
                     for m in cutlass.range_constexpr(self.num_intervals):
                         vis = vis | _unsigned_lt(j - starts[m], lengths[m])
                     keep = vis & q_ok & (j < seqlen_k)
-                    P[r, c] = P[r, c] if keep else Float32(0.0)
+                    P[r, c] = P[r, c] if keep else Float32(fill)
 
     @cute.jit
     def epilogue(self, acc_dK, acc_dV, mdK, mdV, tiled_mma_dkv, tidx, seqlen_k, k_tile, head_kv, batch):
