@@ -283,8 +283,12 @@ def cute_forward(q, k, v, fwd_intervals, fwd_tiles, *, scale=None, softcap=None,
 
 
 # ---------------------------------------------------------------------------- backward
-BWD_HEAD_DIMS = (64, 128)
+BWD_HEAD_DIMS = (64, 128)           # validated on the H200 (NOTES.md "Backward v1")
+# Compiled (sm_90a, CuTe DSL 4.8.1) but not yet run on a GPU: the registry uses them only
+# with $JCOMPILEMASK_CUTE_BWD_EXPERIMENTAL=1 (backends.cute_backward_reason says so).
+BWD_HEAD_DIMS_EXPERIMENTAL = (256,)
 BWD_TILES = (64, 128)       # (bwd_block_q, bwd_block_kv): the descriptor's backward tiles
+BWD_TILES_SPLIT = (64, 64)  # ... with BackwardConfig.split_dkv (D 256: preferred_backward_config)
 BWD_CONFIG_ENV = "JCOMPILEMASK_CUTE_BWD_CONFIG"
 
 
@@ -328,6 +332,13 @@ class BackwardConfig:
       walking every tile's bits (so their tile counts cannot diverge). Not yet run on the
       H200.
 
+    - ``split_dkv``: both consumer warpgroups own the same ``block_kv`` = 64 keys; each
+      computes the whole 64 x 64 S^T and dP^T of them (twice the S / dP tensor work: 7
+      GEMM units per tile instead of 5) and the half of dK / dV / dQ's head dims that is
+      its own, so dK + dV take D registers per thread instead of 2 D (D 256: 128 instead of
+      an impossible 256). dS^T is written to shared memory by the first warpgroup alone.
+      Needs 64 x 64 backward tiles (``BWD_TILES_SPLIT``). Not yet run on a GPU.
+
     ``preferred_backward_config`` picks the default per head dim; ``JCOMPILEMASK_CUTE_BWD_CONFIG``
     (e.g. ``ds_stages=1,stats_early=0``) overrides fields at trace time for benchmarks.
     """
@@ -344,11 +355,14 @@ class BackwardConfig:
     dkv_tma_store: bool = False
     work_list: bool = False
     list_chunk: int = 1024
+    split_dkv: bool = False
 
     def __post_init__(self):
-        if (self.block_q, self.block_kv) != BWD_TILES:
-            raise ValueError(f"cute backward runs {BWD_TILES[0]}x{BWD_TILES[1]} backward tiles; the "
-                             f"descriptor was built for {self.block_q}x{self.block_kv}")
+        want = BWD_TILES_SPLIT if self.split_dkv else BWD_TILES
+        if (self.block_q, self.block_kv) != want:
+            raise ValueError(f"cute backward runs {want[0]}x{want[1]} backward tiles"
+                             f"{' with split_dkv' if self.split_dkv else ''}; the descriptor was "
+                             f"built for {self.block_q}x{self.block_kv}")
         if self.list_chunk < 16 or self.list_chunk % 16:
             raise ValueError(f"list_chunk={self.list_chunk} must be a positive multiple of 16 "
                              "(whole tile-state words)")
@@ -362,17 +376,43 @@ class BackwardConfig:
                 f"{'_se' if self.stats_early else ''}{'_le' if self.lse_early else ''}"
                 f"{'_rd' if self.release_do_early else ''}_cr{self.column_registers}"
                 f"{'_det' if self.deterministic else ''}{'_dkvt' if self.dkv_tma_store else ''}"
-                f"{f'_wl{self.list_chunk}' if self.work_list else ''}")
+                f"{f'_wl{self.list_chunk}' if self.work_list else ''}{'_sdkv' if self.split_dkv else ''}")
 
 
 def preferred_backward_config(head_dim: int, dtype: str = "bfloat16") -> BackwardConfig:
     """The backward config the registry uses. D 64 and 128 share it: 64 x 128 tiles, a
     2-stage Q / dO ring, two dS buffers, statistics read where used (NOTES.md, "Backward
-    v1": the run that compared ds_stages 1 / 2 and stats_early on / off)."""
-    del head_dim, dtype
+    v1": the run that compared ds_stages 1 / 2 and stats_early on / off).
+
+    D 256 is CHOSEN BY ARITHMETIC ON A MACHINE WITHOUT A GPU and must be re-chosen by
+    measurement on the H200 (h200.sh hdims) before the registry uses it by default:
+    - registers (240 per consumer thread): the 64 x 128 layout gives each warpgroup 64 keys
+      x D of dK and of dV, 2 x 64 x 256 / 128 = 256 fp32 registers: it cannot exist. With
+      ``split_dkv`` (both warpgroups on the same 64 keys, D split) dK + dV take 128, S^T and
+      dP^T 32 each, the dQ half 64 (64 x 128 / 128) while dS^T's 16 live: ~240 at the dQ
+      step before addresses, hence the spill figures in NOTES.md.
+    - shared memory (232448 bytes): K and V at 64 keys 2 x 32 KB, one Q and one dO stage
+      2 x 32 KB, two 8 KB dS^T buffers, the float32 dQ tile 64 KB, the work list 8 KB:
+      ~217 KB; a second Q / dO stage (+64 KB) does not fit, nor 128 keys (K + V 128 KB +
+      dQ 64 KB + one stage 64 KB = 256 KB). So 64 x 64 tiles, one stage — the shape
+      FlashAttention's SM90 backward uses at hdim 256 (64 x 64, one Q / dO / dS stage),
+      which keeps S^T split by keys across warpgroups and stages P through shared memory
+      instead of computing S^T twice; which is faster here is the measurement to make.
+    """
+    del dtype
+    if head_dim == 256:
+        return BackwardConfig(block_q=64, block_kv=64, num_stages=1, split_dkv=True,
+                              work_list=True, dkv_tma_store=True)
     # work_list and dkv_tma_store: causal 32K bwd 38.85 / 40.44 ms vs 40.66 without
     # (run 2026-12-01T13:50:48Z, h200.sh v1prof; NOTES.md "Backward v1, session 5").
     return BackwardConfig(work_list=True, dkv_tma_store=True)
+
+
+def preferred_backward_tiles(head_dim: int, dtype: str = "bfloat16") -> tuple[int, int]:
+    """(bwd_block_q, bwd_block_kv) the descriptor's backward view must be built at for
+    ``preferred_backward_config(head_dim)``."""
+    cfg = preferred_backward_config(head_dim, dtype)
+    return cfg.block_q, cfg.block_kv
 
 
 def _config_from_env(config: BackwardConfig) -> BackwardConfig:
@@ -426,9 +466,14 @@ class BackwardKey:
             raise ValueError(f"cute backward supports {_DTYPES}, got dtype {self.dtype!r}")
         if self.softcap is not None and not (math.isfinite(self.softcap) and self.softcap > 0):
             raise ValueError(f"softcap must be None or a positive finite float, got {self.softcap!r}")
-        if self.head_dim not in BWD_HEAD_DIMS:
-            raise ValueError(f"cute backward is built for head dims {BWD_HEAD_DIMS} (Dv == D), "
+        dims = BWD_HEAD_DIMS + BWD_HEAD_DIMS_EXPERIMENTAL
+        if self.head_dim not in dims:
+            raise ValueError(f"cute backward is built for head dims {dims} (Dv == D), "
                              f"got {self.head_dim}; the xla backward serves the others")
+        if self.head_dim == 256 and not self.config.split_dkv:
+            raise ValueError("cute backward at head dim 256 needs BackwardConfig(split_dkv=True, "
+                             "block_kv=64): dK + dV of 64 keys x 256 do not fit in registers; "
+                             "use preferred_backward_config(256)")
         if not 1 <= self.num_intervals <= 8 or not 0 <= self.num_bwd_intervals <= 16:
             raise ValueError(f"interval counts K={self.num_intervals} (1..8), "
                              f"Kc={self.num_bwd_intervals} (0..16) out of range")

@@ -118,7 +118,11 @@ class FlashBackwardSm90(WarpSpecializedSm90):
     ):
         assert dtype in (cutlass.BFloat16, cutlass.Float16), dtype
         assert softcap is None or softcap > 0
-        assert config.block_kv == 64 * self.num_consumer_wgs, "each consumer warpgroup owns 64 keys"
+        # split_dkv: both consumer warpgroups own the same 64 keys (each computes all of S^T
+        # and dP^T, and half of dK / dV's head dims); else each owns 64 of the tile's keys.
+        self.split_dkv = config.split_dkv
+        assert config.block_kv == (64 if self.split_dkv else 64 * self.num_consumer_wgs), \
+            "each consumer warpgroup owns 64 keys (split_dkv: the same 64)"
         assert config.block_q == 64, "dQ leaves in the fragment order of one m64 wgmma per warpgroup"
         assert head_dim % 64 == 0
         assert 1 <= num_intervals <= 8 and 0 <= num_bwd_intervals <= 16
@@ -138,6 +142,14 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         self.broadcast_batch = broadcast_batch
         self.broadcast_head = broadcast_head
         self.dq_wgs = dq_warpgroups(head_dim, self.num_consumer_wgs)
+        # Warpgroups that tile S^T / dP^T (split_dkv: one tile, computed by both), and the
+        # dK / dV tiling: along keys (64 per warpgroup) or, with split_dkv, along D.
+        self.sdp_wgs = 1 if self.split_dkv else self.num_consumer_wgs
+        if self.split_dkv:
+            assert head_dim // self.num_consumer_wgs % 64 == 0, "D halves must be whole 128B swizzle rows"
+            self.dkv_atoms, self.dkv_tile = (1, self.num_consumer_wgs, 1), (64, head_dim // self.num_consumer_wgs)
+        else:
+            self.dkv_atoms, self.dkv_tile = (self.num_consumer_wgs, 1, 1), (64, head_dim)
         self.dq_single_wg = self.dq_wgs == 1
         # Floats of one dQ warpgroup's tile (block_q x D / dq_wgs) and its float4 chunks.
         self.dq_wg_floats = self.block_q * head_dim // self.dq_wgs
@@ -183,12 +195,12 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         K_MAJOR, MN_MAJOR = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
         # S^T = K Q^T and dP^T = V dO^T: (keys, queries), contraction over D.
         tiled_mma_sdp = sm90_helpers.make_trivial_tiled_mma(
-            self.dtype, self.dtype, K_MAJOR, K_MAJOR, Float32, (self.num_consumer_wgs, 1, 1), (64, bq),
+            self.dtype, self.dtype, K_MAJOR, K_MAJOR, Float32, (self.sdp_wgs, 1, 1), (64, bq),
         )
         # dV += P^T dO and dK += dS^T Q: (keys, D), contraction over the queries; the
         # left operand comes from registers, dO and Q are their buffers seen transposed.
         tiled_mma_dkv = sm90_helpers.make_trivial_tiled_mma(
-            self.dtype, self.dtype, K_MAJOR, MN_MAJOR, Float32, (self.num_consumer_wgs, 1, 1), (64, d),
+            self.dtype, self.dtype, K_MAJOR, MN_MAJOR, Float32, self.dkv_atoms, self.dkv_tile,
             warpgroup.OperandSource.RMEM,
         )
         # dQ = dS K: (queries, D), contraction over the keys; dS (queries-major in shared
@@ -543,11 +555,14 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         d, bq, bk = self.head_dim, self.block_q, self.block_kv
         wg = tidx // self.threads_per_wg
         wg_slice = cute.make_layout(self.num_consumer_wgs, stride=self.threads_per_wg)
-        mma_sdp = tiled_mma_sdp.get_slice(wg_slice(wg))
+        # split_dkv: both warpgroups take the one S^T / dP^T tile (thread t and t + 128 hold
+        # the same elements), so dK / dV's register A operand is whole in each.
+        sdp_tidx = tidx % self.threads_per_wg if const_expr(self.split_dkv) else tidx
+        mma_sdp = tiled_mma_sdp.get_slice(wg_slice(0) if const_expr(self.split_dkv) else wg_slice(wg))
         mma_dkv = tiled_mma_dkv.get_slice(wg_slice(wg))
         # With a single dQ warpgroup, the second one builds (and never uses) its fragments.
         mma_dq = tiled_mma_dq.get_slice(wg_slice(0) if const_expr(self.dq_single_wg) else wg_slice(wg))
-        thr_sdp = tiled_mma_sdp.get_slice(tidx)
+        thr_sdp = tiled_mma_sdp.get_slice(sdp_tidx)
 
         # Operand fragments (shared-memory descriptors) of the five products.
         frags = _Fragments()
@@ -582,7 +597,7 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         ds_copy = cute.make_tiled_copy_C(
             cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype),
             tiled_mma_sdp,
-        ).get_slice(tidx)
+        ).get_slice(sdp_tidx)
         frags.ds_copy = ds_copy
         frags.tdSsdS = ds_copy.partition_D(sdS_t)
         # This thread's float4 chunks of its warpgroup's dQ tile in shared memory: chunk g
@@ -726,8 +741,12 @@ class FlashBackwardSm90(WarpSpecializedSm90):
             cute.arch.barrier(barrier_id=int(Bar.DS_FREE), number_of_threads=both)
         else:
             ds_stage = state.count % 2
-        cute.copy(f.ds_copy, f.ds_copy.retile(rdS), f.tdSsdS[None, None, None, ds_stage])
-        cute.arch.fence_view_async_shared()
+        if const_expr(self.split_dkv):
+            if tidx // self.threads_per_wg == 0:      # both hold the same dS^T: one writes it
+                self.store_ds(f, rdS, ds_stage)
+        else:
+            cute.copy(f.ds_copy, f.ds_copy.retile(rdS), f.tdSsdS[None, None, None, ds_stage])
+            cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=int(Bar.DS_READY), number_of_threads=both)
 
         # -- dQ_tile[:, this warpgroup's D part] = dS K; dK += dS^T Q
@@ -745,6 +764,12 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         pipeline_q.consumer_release(state)
         if const_expr(not self.config.release_do_early):
             pipeline_do.consumer_release(state)
+
+    @cute.jit
+    def store_ds(self, f, rdS, ds_stage):
+        """dS^T registers -> this tile's dS^T buffer (stmatrix), fenced for the wgmma reads."""
+        cute.copy(f.ds_copy, f.ds_copy.retile(rdS), f.tdSsdS[None, None, None, ds_stage])
+        cute.arch.fence_view_async_shared()
 
     @cute.jit
     def softcap_tanh(self, S):
