@@ -20,7 +20,10 @@ import jax.numpy as jnp
 import numpy as np
 
 _DTYPES = ("bfloat16", "float16")
-HEAD_DIMS = (64, 128, 256)
+HEAD_DIMS = (64, 128, 256)          # Dv == D; validated on the H200 (NOTES.md)
+# (D, Dv) pairs with Dv != D: compiled, not yet run on a GPU (the registry uses them only
+# with $JCOMPILEMASK_CUTE_BWD_EXPERIMENTAL=1).
+HEAD_DIM_PAIRS_EXPERIMENTAL = ((192, 128),)
 # Dynamic shared memory one CTA may opt into on SM90 (227 KB).
 _SMEM_LIMIT = 232448
 
@@ -39,10 +42,14 @@ def preferred_forward_tiles(head_dim: int, dtype: str = "bfloat16") -> tuple[int
       256. Shared memory binds: Q (64 KB) + 2 stages of K and V at 80 keys (160 KB) is
       224 KB of the 227 available; 96 keys would need 256 KB, i.e. a single stage and
       no load/compute overlap.
+    - D = 192 / Dv = 128 (DeepSeek-style): 128 keys (S 64 + P 32 + O 64 registers, as at
+      D = 128); shared memory Q 48 KB + 2 stages of K (2 x 48 KB) and V (2 x 32 KB) =
+      208 KB + 1 KB, O staged in Q's buffer. Chosen by arithmetic (FlashAttention's SM90
+      forward also runs 128 x 128 at 192 / 128); to be measured on the H200.
     bf16 and fp16 share the shapes (same element size, same wgmma shapes).
     """
     del dtype
-    if head_dim <= 128:
+    if head_dim <= 128 or head_dim == 192:
         return (128, 128)
     return (128, 80)
 
@@ -57,10 +64,12 @@ def preferred_forward_stages(head_dim: int, dtype: str = "bfloat16") -> int:
 
 
 def forward_smem_bytes(head_dim: int, block_q: int, block_kv: int, num_stages: int,
-                       elem_bytes: int = 2) -> int:
+                       elem_bytes: int = 2, head_dim_v: int | None = None) -> int:
     """Shared memory of FlashForwardSm90: barriers (padded to the 1 KB swizzle
-    alignment), Q, and `num_stages` K and V tiles (Dv == D)."""
-    return 1024 + elem_bytes * head_dim * (block_q + 2 * num_stages * block_kv)
+    alignment), Q (O is staged in it), and `num_stages` K and V tiles."""
+    dv = head_dim if head_dim_v is None else head_dim_v
+    return 1024 + elem_bytes * (head_dim * (block_q + num_stages * block_kv)
+                                + dv * num_stages * block_kv)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,10 +94,13 @@ class ForwardKey:
     def __post_init__(self):
         if self.dtype not in _DTYPES:
             raise ValueError(f"cute forward supports {_DTYPES}, got dtype {self.dtype!r}")
-        if self.head_dim not in HEAD_DIMS or self.head_dim_v != self.head_dim:
+        pair = (self.head_dim, self.head_dim_v)
+        if not ((self.head_dim in HEAD_DIMS and self.head_dim_v == self.head_dim)
+                or pair in HEAD_DIM_PAIRS_EXPERIMENTAL):
             raise ValueError(
-                f"cute forward is built for head dims {HEAD_DIMS} with Dv == D, got "
-                f"{self.head_dim}/{self.head_dim_v}; use the xla backend for other head dims"
+                f"cute forward is built for head dims {HEAD_DIMS} with Dv == D and (D, Dv) in "
+                f"{HEAD_DIM_PAIRS_EXPERIMENTAL}, got {self.head_dim}/{self.head_dim_v}; use the "
+                "xla backend for other head dims"
             )
         want = preferred_forward_tiles(self.head_dim, self.dtype)
         if (self.block_q, self.block_kv) != want:
@@ -99,7 +111,8 @@ class ForwardKey:
             )
         if not 1 <= self.num_intervals <= 8:
             raise ValueError(f"interval count K must be in 1..8, got {self.num_intervals}")
-        smem = forward_smem_bytes(self.head_dim, self.block_q, self.block_kv, self.num_stages)
+        smem = forward_smem_bytes(self.head_dim, self.block_q, self.block_kv, self.num_stages,
+                                  head_dim_v=self.head_dim_v)
         if self.num_stages < 1 or smem > _SMEM_LIMIT:
             raise ValueError(
                 f"num_stages={self.num_stages} at head dim {self.head_dim} needs {smem} bytes of "
