@@ -300,6 +300,8 @@ BWD_HEAD_DIMS = (64, 128)           # validated on the H200 (NOTES.md "Backward 
 # Compiled (sm_90a, CuTe DSL 4.8.1) but not yet run on a GPU: the registry uses them only
 # with $JCOMPILEMASK_CUTE_BWD_EXPERIMENTAL=1 (backends.cute_backward_reason says so).
 BWD_HEAD_DIMS_EXPERIMENTAL = (256,)
+# (D, Dv) -> the head dim of the kernel that serves it on zero-padded operands (cute_backward).
+PADDED_BACKWARD = {(192, 128): 256}
 BWD_TILES = (64, 128)       # (bwd_block_q, bwd_block_kv): the descriptor's backward tiles
 BWD_TILES_SPLIT = (64, 64)  # ... with BackwardConfig.split_dkv (D 256: preferred_backward_config)
 BWD_CONFIG_ENV = "JCOMPILEMASK_CUTE_BWD_CONFIG"
@@ -421,10 +423,12 @@ def preferred_backward_config(head_dim: int, dtype: str = "bfloat16") -> Backwar
     return BackwardConfig(work_list=True, dkv_tma_store=True)
 
 
-def preferred_backward_tiles(head_dim: int, dtype: str = "bfloat16") -> tuple[int, int]:
+def preferred_backward_tiles(head_dim: int, dtype: str = "bfloat16",
+                             head_dim_v: int | None = None) -> tuple[int, int]:
     """(bwd_block_q, bwd_block_kv) the descriptor's backward view must be built at for
-    ``preferred_backward_config(head_dim)``."""
-    cfg = preferred_backward_config(head_dim, dtype)
+    ``preferred_backward_config`` of the kernel that serves (head_dim, head_dim_v)."""
+    dv = head_dim if head_dim_v is None else head_dim_v
+    cfg = preferred_backward_config(PADDED_BACKWARD.get((head_dim, dv), head_dim), dtype)
     return cfg.block_q, cfg.block_kv
 
 
@@ -618,7 +622,23 @@ def cute_backward(q, k, v, out, lse, do, bwd_intervals, bwd_tiles, fwd_intervals
       deterministic: add dQ contributions in a fixed order (``BackwardConfig.deterministic``).
       softcap: the forward's soft cap (None: none); P is recomputed from the capped logits.
     Returns (dq, dk, dv) in the input dtype.
+
+    (D, Dv) = (192, 128) runs the D 256 kernel on zero-padded operands (``PADDED_BACKWARD``):
+    zero columns add nothing to S, dP or the gradients, at the price of 256 / 192 of the
+    Q / K side and 2x of the V / dO side of the tensor work. A 192 / 128 tile of its own
+    (D halves of 96 are not whole 128B swizzle rows, so ``split_dkv`` does not apply) is the
+    follow-up; the padded path is compile-checked only.
     """
+    pad_to = PADDED_BACKWARD.get((q.shape[-1], v.shape[-1]))
+    if pad_to is not None:
+        d, dv = q.shape[-1], v.shape[-1]
+        widen = lambda x: jnp.pad(x, ((0, 0),) * 3 + ((0, pad_to - x.shape[-1]),))  # noqa: E731
+        dq, dk, dv_ = cute_backward(
+            widen(q), widen(k), widen(v), widen(out), lse, widen(do), bwd_intervals, bwd_tiles,
+            fwd_intervals, bwd_exact, scale=1.0 / math.sqrt(d) if scale is None else scale,
+            dlse=dlse, block_q=block_q, block_kv=block_kv, deterministic=deterministic,
+            softcap=softcap)
+        return dq[..., :d], dk[..., :d], dv_[..., :dv]
     B, Nq, Hq, D = q.shape
     Nk, Hkv = k.shape[1], k.shape[2]
     if k.dtype != q.dtype or v.dtype != q.dtype or do.dtype != q.dtype:
