@@ -82,8 +82,8 @@ def test_new_backward_configs_compile_for_sm90(dtype, d, kk, kc, bb, bh, cap):
     """Issue 15's configs, as the registry runs them once opted in (preferred config per
     head dim; D 192 / 128 is the D 256 kernel on zero-padded operands)."""
     from jcompilemask.kernels.cute.api import BackwardKey, compile_backward, preferred_backward_config
-    key = BackwardKey(dtype, d, kk, kc, bb, bh, d ** -0.5, preferred_backward_config(d, dtype),
-                      softcap=cap)
+    key = BackwardKey(dtype, d, kk, kc, bb, bh, d ** -0.5,
+                      preferred_backward_config(d, dtype, cap is not None), softcap=cap)
     assert compile_backward(key) is not None
     cap_suffix = f"_c{np.float64(cap or 1.0).view(np.uint64):016x}"
     assert key.target_name.endswith(cap_suffix) == (cap is not None)
@@ -92,14 +92,16 @@ def test_new_backward_configs_compile_for_sm90(dtype, d, kk, kc, bb, bh, cap):
 def test_backward_key_names_of_new_configs():
     """Soft cap and split_dkv are in the target name; the names of the validated D 64/128
     kernels without a cap are unchanged."""
-    from jcompilemask.kernels.cute.api import (BackwardKey, PADDED_BACKWARD, preferred_backward_config,
-                                               preferred_backward_tiles)
+    from jcompilemask.kernels.cute.api import (BackwardConfig, BackwardKey, PADDED_BACKWARD,
+                                               preferred_backward_config, preferred_backward_tiles)
     cfg = preferred_backward_config(128)
     plain = BackwardKey("bfloat16", 128, 1, 1, True, True, 0.125, cfg)
     capped = BackwardKey("bfloat16", 128, 1, 1, True, True, 0.125, cfg, softcap=30.0)
     assert plain.target_name.endswith("_dkvt_wl1024_3fc0000000000000")
     assert capped.target_name.startswith(plain.target_name) and capped.target_name != plain.target_name
     d256 = BackwardKey("bfloat16", 256, 1, 1, True, True, 0.0625, preferred_backward_config(256))
+    assert preferred_backward_config(128, softcap=True).column_registers == 2
+    assert preferred_backward_config(128) == BackwardConfig(work_list=True, dkv_tma_store=True)
     assert "_t64x64_s1_" in d256.target_name and "_sdkv" in d256.target_name
     assert preferred_backward_tiles(128) == (64, 128) and preferred_backward_tiles(64) == (64, 128)
     assert preferred_backward_tiles(256) == (64, 64)

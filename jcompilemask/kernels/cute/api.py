@@ -394,7 +394,8 @@ class BackwardConfig:
                 f"{f'_wl{self.list_chunk}' if self.work_list else ''}{'_sdkv' if self.split_dkv else ''}")
 
 
-def preferred_backward_config(head_dim: int, dtype: str = "bfloat16") -> BackwardConfig:
+def preferred_backward_config(head_dim: int, dtype: str = "bfloat16",
+                              softcap: bool = False) -> BackwardConfig:
     """The backward config the registry uses. D 64 and 128 share it: 64 x 128 tiles, a
     2-stage Q / dO ring, two dS buffers, statistics read where used (NOTES.md, "Backward
     v1": the run that compared ds_stages 1 / 2 and stats_early on / off).
@@ -413,11 +414,18 @@ def preferred_backward_config(head_dim: int, dtype: str = "bfloat16") -> Backwar
       FlashAttention's SM90 backward uses at hdim 256 (64 x 64, one Q / dO / dS stage),
       which keeps S^T split by keys across warpgroups and stages P through shared memory
       instead of computing S^T twice; which is faster here is the measurement to make.
+
+    The new configs (D 256, and a soft cap at D 64 / 128) re-read Kc > 2 column intervals
+    per masked tile (``column_registers=2``): ptxas stack bytes, D 128 fp16 cap K 6 / Kc 7
+    272 held -> 96; D 256 K 6 / Kc 7 136 -> 40; D 256 cap K 2 / Kc 4 128 -> 72 (NOTES.md,
+    "Issue 15"). The validated D 64 / 128 no-cap config keeps holding them (16).
     """
     del dtype
     if head_dim == 256:
         return BackwardConfig(block_q=64, block_kv=64, num_stages=1, split_dkv=True,
-                              work_list=True, dkv_tma_store=True)
+                              work_list=True, dkv_tma_store=True, column_registers=2)
+    if softcap:
+        return BackwardConfig(work_list=True, dkv_tma_store=True, column_registers=2)
     # work_list and dkv_tma_store: causal 32K bwd 38.85 / 40.44 ms vs 40.66 without
     # (run 2026-12-01T13:50:48Z, h200.sh v1prof; NOTES.md "Backward v1, session 5").
     return BackwardConfig(work_list=True, dkv_tma_store=True)
@@ -659,7 +667,7 @@ def cute_backward(q, k, v, out, lse, do, bwd_intervals, bwd_tiles, fwd_intervals
                          f"backward tiles of Nq={Nq}, Nk={Nk}")
     dtype_name = jnp.dtype(q.dtype).name
     config = _config_from_env(dataclasses.replace(
-        preferred_backward_config(D, dtype_name), block_q=block_q, block_kv=block_kv,
+        preferred_backward_config(D, dtype_name, softcap is not None), block_q=block_q, block_kv=block_kv,
         deterministic=bool(deterministic)))
     key = BackwardKey(
         dtype=dtype_name, head_dim=D, num_intervals=K, num_bwd_intervals=Kc,
