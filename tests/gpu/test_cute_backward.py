@@ -360,3 +360,30 @@ def test_repeated_gradients_are_identical(deterministic, cute_backward_on):
             np.testing.assert_array_equal(again[2], first[2])
             if deterministic:
                 np.testing.assert_array_equal(again[0], first[0])
+
+
+def test_explain_says_which_backward_runs(monkeypatch):
+    """explain(call) names the backward and why (checked with the cute backend marked
+    available, which this machine may not be)."""
+    import dataclasses
+    real = backends.get("cute")
+    backends.register(dataclasses.replace(real, available=lambda: None))
+    try:
+        monkeypatch.delenv(backends.CUTE_BACKWARD_ENV, raising=False)
+        monkeypatch.delenv(backends.CUTE_EXPERIMENTAL_ENV, raising=False)
+
+        def call(d, dv, cap=False):
+            return backends.Call(dtype="bfloat16", head_dim=d, head_dim_v=dv, num_heads=4,
+                                 num_kv_heads=2, softcap=cap, has_fallback=False)
+        assert "backward: the CuTe backward kernel" in backends.explain(call(128, 128))
+        text = backends.explain(call(256, 256))
+        assert "chosen: cute" in text and "backward: xla on the CuTe forward's residuals" in text
+        assert "D 256 backward: compiled, awaiting validation on the GPU" in text
+        assert "soft cap at D 128" in backends.explain(call(128, 128, True))
+        monkeypatch.setenv(backends.CUTE_EXPERIMENTAL_ENV, "1")
+        for c in (call(256, 256), call(128, 128, True), call(192, 128)):
+            assert "backward: the CuTe backward kernel (opted in" in backends.explain(c)
+        fallback = dataclasses.replace(call(128, 128), has_fallback=True)
+        assert "backward: xla (the backend that runs the forward)" in backends.explain(fallback)
+    finally:
+        backends.register(real)
