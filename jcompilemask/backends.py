@@ -321,8 +321,8 @@ def cute_backward_plan(d: int, dv: int, softcap, bwd_tiles=None, num_bwd_interva
     """None when the CuTe backward kernel would serve gradients of this shape, else why the
     xla backward does (static facts only: head dims, soft cap, the descriptor's backward
     tiles and column-interval count)."""
-    from .kernels.cute.api import (BWD_HEAD_DIMS, BWD_HEAD_DIMS_EXPERIMENTAL, PADDED_BACKWARD,
-                                   preferred_backward_tiles)
+    from .kernels.cute.api import (BWD_HEAD_DIM_PAIRS_EXPERIMENTAL, BWD_HEAD_DIMS,
+                                   BWD_HEAD_DIMS_EXPERIMENTAL, preferred_backward_tiles)
     if not _cute_backward_enabled():
         return f"the CuTe backward is turned off ({CUTE_BACKWARD_ENV}=0)"
     opt_in = f"set {CUTE_EXPERIMENTAL_ENV}=1 to use it"
@@ -333,14 +333,13 @@ def cute_backward_plan(d: int, dv: int, softcap, bwd_tiles=None, num_bwd_interva
     elif d in BWD_HEAD_DIMS_EXPERIMENTAL and dv == d:
         if not _cute_experimental_enabled():
             return f"D {d} backward: compiled, awaiting validation on the GPU; {opt_in}"
-    elif (d, dv) in PADDED_BACKWARD:
+    elif (d, dv) in BWD_HEAD_DIM_PAIRS_EXPERIMENTAL:
         if not _cute_experimental_enabled():
-            return (f"D {d} / Dv {dv} backward: compiled (zero-padded to the D "
-                    f"{PADDED_BACKWARD[(d, dv)]} kernel), awaiting validation on the GPU; {opt_in}")
+            return f"D {d} / Dv {dv} backward: compiled, awaiting validation on the GPU; {opt_in}"
     else:
         dims = BWD_HEAD_DIMS + BWD_HEAD_DIMS_EXPERIMENTAL
         return (f"head dims {d}/{dv} (the CuTe backward is built for D in {dims} with Dv == D, "
-                f"and {tuple(PADDED_BACKWARD)})")
+                f"and (D, Dv) in {BWD_HEAD_DIM_PAIRS_EXPERIMENTAL})")
     want = preferred_backward_tiles(d, "bfloat16", dv)
     if bwd_tiles is not None and tuple(bwd_tiles) != want:
         return (f"backward tiles {bwd_tiles[0]}x{bwd_tiles[1]} (the kernel for head dims "

@@ -77,13 +77,17 @@ def test_backward_config_variants_compile_for_sm90(d, changes):
     ("float16", 256, 1, 1, True, True, None),
     ("bfloat16", 256, 6, 7, False, False, None),    # D 256, per-head, column intervals
     ("float16", 256, 2, 4, False, True, 30.0),      # D 256 with a soft cap
+    ("bfloat16", 192, 1, 1, True, True, None),      # D 192 / Dv 128: split_dkv, 64B-swizzled Q / K
+    ("float16", 192, 6, 7, False, False, None),
+    ("bfloat16", 192, 2, 4, False, True, 30.0),
 ])
 def test_new_backward_configs_compile_for_sm90(dtype, d, kk, kc, bb, bh, cap):
     """Issue 15's configs, as the registry runs them once opted in (preferred config per
-    head dim; D 192 / 128 is the D 256 kernel on zero-padded operands)."""
+    head dim; D 192 runs with Dv 128)."""
     from jcompilemask.kernels.cute.api import BackwardKey, compile_backward, preferred_backward_config
     key = BackwardKey(dtype, d, kk, kc, bb, bh, d ** -0.5,
-                      preferred_backward_config(d, dtype, cap is not None), softcap=cap)
+                      preferred_backward_config(d, dtype, cap is not None), softcap=cap,
+                      head_dim_v=128 if d == 192 else None)
     assert compile_backward(key) is not None
     cap_suffix = f"_c{np.float64(cap or 1.0).view(np.uint64):016x}"
     assert key.target_name.endswith(cap_suffix) == (cap is not None)
@@ -92,8 +96,9 @@ def test_new_backward_configs_compile_for_sm90(dtype, d, kk, kc, bb, bh, cap):
 def test_backward_key_names_of_new_configs():
     """Soft cap and split_dkv are in the target name; the names of the validated D 64/128
     kernels without a cap are unchanged."""
-    from jcompilemask.kernels.cute.api import (BackwardConfig, BackwardKey, PADDED_BACKWARD,
-                                               preferred_backward_config, preferred_backward_tiles)
+    from jcompilemask.kernels.cute.api import backward_smem_bytes
+    from jcompilemask.kernels.cute.api import (BackwardConfig, BackwardKey, preferred_backward_config,
+                                               preferred_backward_tiles)
     cfg = preferred_backward_config(128)
     plain = BackwardKey("bfloat16", 128, 1, 1, True, True, 0.125, cfg)
     capped = BackwardKey("bfloat16", 128, 1, 1, True, True, 0.125, cfg, softcap=30.0)
@@ -105,8 +110,15 @@ def test_backward_key_names_of_new_configs():
     assert "_t64x64_s1_" in d256.target_name and "_sdkv" in d256.target_name
     assert preferred_backward_tiles(128) == (64, 128) and preferred_backward_tiles(64) == (64, 128)
     assert preferred_backward_tiles(256) == (64, 64)
-    assert preferred_backward_tiles(192, head_dim_v=128) == (64, 64) and PADDED_BACKWARD[(192, 128)] == 256
-    from jcompilemask.kernels.cute.api import backward_smem_bytes
+    assert preferred_backward_tiles(192, head_dim_v=128) == (64, 64)
+    d192 = BackwardKey("bfloat16", 192, 1, 1, True, True, 0.07, preferred_backward_config(192),
+                       head_dim_v=128)
+    assert "_d192x128_" in d192.target_name and "_t64x64_s2_" in d192.target_name
+    with pytest.raises(ValueError, match="Dv != D"):
+        BackwardKey("bfloat16", 128, 1, 1, True, True, 0.1, preferred_backward_config(128), head_dim_v=64)
+    with pytest.raises(ValueError, match="split_dkv"):
+        BackwardKey("bfloat16", 192, 1, 1, True, True, 0.1, head_dim_v=128)
+    assert backward_smem_bytes(192, preferred_backward_config(192), head_dim_v=128) <= 232448
     assert backward_smem_bytes(256, preferred_backward_config(256)) <= 232448
     import dataclasses
     two_stages = dataclasses.replace(preferred_backward_config(256), num_stages=2)

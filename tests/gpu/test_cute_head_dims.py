@@ -1,6 +1,6 @@
 """Issue 15 on the H200: the CuTe configs compiled but not yet run on a GPU — the backward
 with a soft cap (D 64 / 128), the backward at D 256 (``split_dkv``, 64 x 64 tiles) and at
-D 192 / Dv 128 (the D 256 kernel on zero-padded operands), and the forward at 192 / 128.
+D 192 / Dv 128 (split_dkv with 64B-swizzled Q / K), and the forward at 192 / 128.
 
 Every test opts in with ``JCOMPILEMASK_CUTE_BWD_EXPERIMENTAL=1`` (the registry uses these
 configs only then), checks that the CuTe backward really serves the call

@@ -300,8 +300,7 @@ BWD_HEAD_DIMS = (64, 128)           # validated on the H200 (NOTES.md "Backward 
 # Compiled (sm_90a, CuTe DSL 4.8.1) but not yet run on a GPU: the registry uses them only
 # with $JCOMPILEMASK_CUTE_BWD_EXPERIMENTAL=1 (backends.cute_backward_reason says so).
 BWD_HEAD_DIMS_EXPERIMENTAL = (256,)
-# (D, Dv) -> the head dim of the kernel that serves it on zero-padded operands (cute_backward).
-PADDED_BACKWARD = {(192, 128): 256}
+BWD_HEAD_DIM_PAIRS_EXPERIMENTAL = ((192, 128),)     # (D, Dv), Dv != D: split_dkv
 BWD_TILES = (64, 128)       # (bwd_block_q, bwd_block_kv): the descriptor's backward tiles
 BWD_TILES_SPLIT = (64, 64)  # ... with BackwardConfig.split_dkv (D 256: preferred_backward_config)
 BWD_CONFIG_ENV = "JCOMPILEMASK_CUTE_BWD_CONFIG"
@@ -421,6 +420,13 @@ def preferred_backward_config(head_dim: int, dtype: str = "bfloat16",
     "Issue 15"). The validated D 64 / 128 no-cap config keeps holding them (16).
     """
     del dtype
+    if head_dim == 192:
+        # D 192 / Dv 128 (the only Dv != D pair): split_dkv with 64B-swizzled Q / K (halves
+        # of 96 columns); registers dK 48 + dV 32 + S^T 32 + dP^T 32 + dQ half 48; shared
+        # memory K 24 KB + V 16 KB + 2 x (Q 24 KB + dO 16 KB) + dS 16 KB + dQ 48 KB + list
+        # 8 KB = ~193 KB, so two stages fit. By arithmetic, like D 256 (see above).
+        return BackwardConfig(block_q=64, block_kv=64, num_stages=2, split_dkv=True,
+                              work_list=True, dkv_tma_store=True, column_registers=2)
     if head_dim == 256:
         return BackwardConfig(block_q=64, block_kv=64, num_stages=1, split_dkv=True,
                               work_list=True, dkv_tma_store=True, column_registers=2)
@@ -435,8 +441,8 @@ def preferred_backward_tiles(head_dim: int, dtype: str = "bfloat16",
                              head_dim_v: int | None = None) -> tuple[int, int]:
     """(bwd_block_q, bwd_block_kv) the descriptor's backward view must be built at for
     ``preferred_backward_config`` of the kernel that serves (head_dim, head_dim_v)."""
-    dv = head_dim if head_dim_v is None else head_dim_v
-    cfg = preferred_backward_config(PADDED_BACKWARD.get((head_dim, dv), head_dim), dtype)
+    del head_dim_v      # Dv != D (192 / 128) shares D's config
+    cfg = preferred_backward_config(head_dim, dtype)
     return cfg.block_q, cfg.block_kv
 
 
@@ -459,11 +465,13 @@ def _config_from_env(config: BackwardConfig) -> BackwardConfig:
     return dataclasses.replace(config, **changes)
 
 
-def backward_smem_bytes(head_dim: int, config: BackwardConfig, elem_bytes: int = 2) -> int:
+def backward_smem_bytes(head_dim: int, config: BackwardConfig, elem_bytes: int = 2,
+                        head_dim_v: int | None = None) -> int:
     """Shared memory of FlashBackwardSm90: barriers, K and V, the Q / dO ring with its
     lse / delta, the dS^T buffers and one float32 dQ tile."""
     bq, bk = config.block_q, config.block_kv
-    return (1024 + elem_bytes * (2 * bk * head_dim + 2 * config.num_stages * bq * head_dim
+    dd = head_dim + (head_dim if head_dim_v is None else head_dim_v)     # D + Dv
+    return (1024 + elem_bytes * (bk * dd + config.num_stages * bq * dd
                                  + config.ds_stages * bq * bk)
             + 2 * 4 * bq * config.num_stages + 4 * bq * head_dim
             + (2 * 4 * config.list_chunk if config.work_list else 16) + 8)
@@ -485,14 +493,22 @@ class BackwardKey:
     # logits = cap * tanh(scale * q.k / cap); P recomputed from them and dS times (1 - t^2).
     # Static per model, like the forward's. Awaiting validation on the H200 (backends.py).
     softcap: float | None = None
+    head_dim_v: int | None = None   # None: Dv == D; (192, 128) runs split_dkv (64B-swizzled Q / K)
 
     def __post_init__(self):
         if self.dtype not in _DTYPES:
             raise ValueError(f"cute backward supports {_DTYPES}, got dtype {self.dtype!r}")
+        if self.head_dim_v is not None and self.head_dim_v != self.head_dim:
+            if (self.head_dim, self.head_dim_v) not in BWD_HEAD_DIM_PAIRS_EXPERIMENTAL:
+                raise ValueError(f"cute backward head dims {self.head_dim}/{self.head_dim_v}: Dv != D "
+                                 f"only as {BWD_HEAD_DIM_PAIRS_EXPERIMENTAL}")
+            if not (self.config.split_dkv and self.config.dkv_tma_store):
+                raise ValueError("Dv != D needs BackwardConfig(split_dkv=True, dkv_tma_store=True); "
+                                 "use preferred_backward_config(D)")
         if self.softcap is not None and not (math.isfinite(self.softcap) and self.softcap > 0):
             raise ValueError(f"softcap must be None or a positive finite float, got {self.softcap!r}")
         dims = BWD_HEAD_DIMS + BWD_HEAD_DIMS_EXPERIMENTAL
-        if self.head_dim not in dims:
+        if self.head_dim not in dims and self.dv == self.head_dim:
             raise ValueError(f"cute backward is built for head dims {dims} (Dv == D), "
                              f"got {self.head_dim}; the xla backward serves the others")
         if self.head_dim == 256 and not self.config.split_dkv:
@@ -502,15 +518,20 @@ class BackwardKey:
         if not 1 <= self.num_intervals <= 8 or not 0 <= self.num_bwd_intervals <= 16:
             raise ValueError(f"interval counts K={self.num_intervals} (1..8), "
                              f"Kc={self.num_bwd_intervals} (0..16) out of range")
-        smem = backward_smem_bytes(self.head_dim, self.config)
+        smem = backward_smem_bytes(self.head_dim, self.config, head_dim_v=self.dv)
         if smem > _SMEM_LIMIT:
             raise ValueError(f"{self.config} needs {smem} bytes of shared memory at head dim "
                              f"{self.head_dim} (SM90 allows {_SMEM_LIMIT})")
 
     @property
+    def dv(self) -> int:
+        return self.head_dim if self.head_dim_v is None else self.head_dim_v
+
+    @property
     def target_name(self) -> str:
         scale_bits = np.float64(self.scale).view(np.uint64)
-        return (f"jcompilemask_cute_bwd_{self.dtype}_d{self.head_dim}_k{self.num_intervals}"
+        dims = f"{self.head_dim}" + ("" if self.dv == self.head_dim else f"x{self.dv}")
+        return (f"jcompilemask_cute_bwd_{self.dtype}_d{dims}_k{self.num_intervals}"
                 f"c{self.num_bwd_intervals}_b{int(self.broadcast_batch)}h{int(self.broadcast_head)}"
                 f"_{self.config.tag}_{scale_bits:016x}"
                 + ("" if self.softcap is None else f"_c{np.float64(self.softcap).view(np.uint64):016x}"))
@@ -536,10 +557,10 @@ def compile_backward(key: BackwardKey):
         b, nq, nk, hq, hkv = sym(), sym(), sym(), sym(), sym()
         d = key.head_dim
 
-        def bshd(el, seqlen, heads, align=16, div=8):
+        def bshd(el, seqlen, heads, align=16, div=8, dim=d):
             return cute.runtime.make_fake_tensor(
-                el, (b, seqlen, heads, d),
-                stride=(sym64(divisibility=div), sym64(divisibility=div), d, 1), assumed_align=align)
+                el, (b, seqlen, heads, dim),
+                stride=(sym64(divisibility=div), sym64(divisibility=div), dim, 1), assumed_align=align)
 
         bm = 1 if key.broadcast_batch else b
         hm = 1 if key.broadcast_head else hq
@@ -563,7 +584,7 @@ def compile_backward(key: BackwardKey):
         kernel = FlashBackwardSm90(
             dtype, d, key.num_intervals, key.num_bwd_intervals, key.scale, cfg,
             broadcast_batch=key.broadcast_batch, broadcast_head=key.broadcast_head,
-            softcap=key.softcap)
+            softcap=key.softcap, head_dim_v=key.dv)
         # [B, Hq, Tq, block_q * D]: one contiguous slot per query tile (fragment order).
         tile = cfg.block_q * d
         dq_acc = lambda: cute.runtime.make_fake_tensor(  # noqa: E731
@@ -576,10 +597,11 @@ def compile_backward(key: BackwardKey):
             cutlass.Int32, (sym(), sym(), sym()), stride=(sym64(), sym64(), 1), assumed_align=4)
         fn = cute.compile(
             kernel,
-            bshd(dtype, nq, hq), bshd(dtype, nk, hkv), bshd(dtype, nk, hkv), bshd(dtype, nq, hq),
+            bshd(dtype, nq, hq), bshd(dtype, nk, hkv), bshd(dtype, nk, hkv, dim=key.dv),
+            bshd(dtype, nq, hq, dim=key.dv),
             rows(), rows(), bwd_iv, tiles, fwd_iv, exact, rank,
             dq_acc(), sem(), dq_acc(), sem(),
-            bshd(dtype, nk, hkv), bshd(dtype, nk, hkv),
+            bshd(dtype, nk, hkv), bshd(dtype, nk, hkv, dim=key.dv),
             cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
             options=_options(),
         )
@@ -631,22 +653,8 @@ def cute_backward(q, k, v, out, lse, do, bwd_intervals, bwd_tiles, fwd_intervals
       softcap: the forward's soft cap (None: none); P is recomputed from the capped logits.
     Returns (dq, dk, dv) in the input dtype.
 
-    (D, Dv) = (192, 128) runs the D 256 kernel on zero-padded operands (``PADDED_BACKWARD``):
-    zero columns add nothing to S, dP or the gradients, at the price of 256 / 192 of the
-    Q / K side and 2x of the V / dO side of the tensor work. A 192 / 128 tile of its own
-    (D halves of 96 are not whole 128B swizzle rows, so ``split_dkv`` does not apply) is the
-    follow-up; the padded path is compile-checked only.
+    (D, Dv) = (192, 128): v, out, do and dv are [.., 128] (``BWD_HEAD_DIM_PAIRS_EXPERIMENTAL``).
     """
-    pad_to = PADDED_BACKWARD.get((q.shape[-1], v.shape[-1]))
-    if pad_to is not None:
-        d, dv = q.shape[-1], v.shape[-1]
-        widen = lambda x: jnp.pad(x, ((0, 0),) * 3 + ((0, pad_to - x.shape[-1]),))  # noqa: E731
-        dq, dk, dv_ = cute_backward(
-            widen(q), widen(k), widen(v), widen(out), lse, widen(do), bwd_intervals, bwd_tiles,
-            fwd_intervals, bwd_exact, scale=1.0 / math.sqrt(d) if scale is None else scale,
-            dlse=dlse, block_q=block_q, block_kv=block_kv, deterministic=deterministic,
-            softcap=softcap)
-        return dq[..., :d], dk[..., :d], dv_[..., :dv]
     B, Nq, Hq, D = q.shape
     Nk, Hkv = k.shape[1], k.shape[2]
     if k.dtype != q.dtype or v.dtype != q.dtype or do.dtype != q.dtype:
@@ -654,9 +662,12 @@ def cute_backward(q, k, v, out, lse, do, bwd_intervals, bwd_tiles, fwd_intervals
                         f"{do.dtype}")
     if k.shape[0] != B or v.shape[:3] != k.shape[:3] or Hq % Hkv:
         raise ValueError(f"incompatible shapes q{q.shape} k{k.shape} v{v.shape}")
-    if v.shape[-1] != D or out.shape != q.shape or do.shape != q.shape:
-        raise ValueError(f"cute backward needs Dv == D and out/do shaped like q; got q{q.shape} "
-                         f"v{v.shape} out{out.shape} do{do.shape}")
+    Dv = v.shape[-1]
+    if ((Dv != D and (D, Dv) not in BWD_HEAD_DIM_PAIRS_EXPERIMENTAL)
+            or out.shape != q.shape[:3] + (Dv,) or do.shape != out.shape):
+        raise ValueError(f"cute backward needs Dv == D or (D, Dv) in {BWD_HEAD_DIM_PAIRS_EXPERIMENTAL}, "
+                         f"and out / do shaped [B, Nq, Hq, Dv]; got q{q.shape} v{v.shape} "
+                         f"out{out.shape} do{do.shape}")
     if scale is None:
         scale = 1.0 / math.sqrt(D)
     Bm, Hm, _, K, _ = fwd_intervals.shape
@@ -672,7 +683,7 @@ def cute_backward(q, k, v, out, lse, do, bwd_intervals, bwd_tiles, fwd_intervals
     key = BackwardKey(
         dtype=dtype_name, head_dim=D, num_intervals=K, num_bwd_intervals=Kc,
         broadcast_batch=(Bm == 1), broadcast_head=(Hm == 1), scale=float(scale), config=config,
-        softcap=None if softcap is None else float(softcap))
+        softcap=None if softcap is None else float(softcap), head_dim_v=None if Dv == D else Dv)
     name = _ensure_registered(key)
     f32 = jnp.float32
     lse = lse.astype(f32)
