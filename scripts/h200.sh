@@ -21,6 +21,7 @@
 #                smoke per config, a subset of tests/gpu/test_cute_head_dims.py, then
 #                benchmarks/bench_head_dims.py (causal 32K + 8K beside FA4 native / cuDNN / xla)
 #   hdimstests   all of tests/gpu/test_cute_head_dims.py (+ the forward's 192/128 cases)
+#   multigpu     issue 19 on a multi-GPU kind: sharded training step + context parallelism (benchmarks/multi_gpu.py)
 #   kernels      GPU tests of the CuTe forward kernel alone (48 variant cases)
 #   forward      bench_forward (D = 128 causal vs FA4 native, same run) + the step-2 variants
 #   peers        FlexAttention (Triton, FA4) / FA4 native / cuDNN forward at 2K and 8K
@@ -203,6 +204,17 @@ case $stage in
       --junitxml="$OUT/junit-hdimstests.xml" > "$OUT/pytest-hdimstests.log" 2>&1
     echo "pytest rc $?"; pkill -9 -f "tests/gpu/test_cute_head_dims.py" 2>/dev/null
     tail -40 "$OUT/pytest-hdimstests.log"
+    ;;
+  multigpu)
+    # Issue 19, on a multi-GPU kind (nvidia-h200-x2 / -x4 / -x8; ask status first): the
+    # batch-sharded training step (weak scaling vs one GPU) and context parallelism
+    # (HSTU, shared prompt, causal at 64K and 128K) in one call; records after each
+    # configuration. NVLink multicast stays off (NCCL_NVLS_ENABLE=0).
+    export NCCL_NVLS_ENABLE=0 JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
+    nvidia-smi -L
+    timeout -k 5 540 python3 benchmarks/multi_gpu.py --budget-s 480 --min-repeat-s 0.25 \
+      --out "$OUT/h200-multi-gpu.json" > "$OUT/multi-gpu.log" 2>&1
+    echo "multi_gpu rc $?"; pkill -9 -f multi_gpu.py; grep -E '^\||FAILED|budget' "$OUT/multi-gpu.log" | tail -40
     ;;
   kernels)
     timeout 560 python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_cute_forward.py \

@@ -26,7 +26,8 @@ runs that one group only (each group draws from its own stream ``(seed, stage, g
 so it is the same alone as in the full run). A failure message names the seed, the group,
 the spec, the metadata, the sizes and tiles, and the command that replays it.
 ``JCM_FUZZ_SCALE`` (a float, default 1) scales the number of cases (e.g. 10 for a longer
-local hunt).
+local hunt). ``JCM_FUZZ_LOWP=0`` keeps the attention stage to float32 signatures (by
+default one of the three is bfloat16 and one float16).
 """
 from __future__ import annotations
 
@@ -289,14 +290,16 @@ def test_fuzz_descriptors():
 _ATT_PER_GROUP = 8
 
 
-# Reduced precision is fuzzed only when asked for (JCM_FUZZ_LOWP=1: bfloat16 and float16
-# signatures). On tiny problems (10-13 keys) the policy's "2 x the dense input-dtype
-# error" bound has failed on random draws: bfloat16 dk at 1.06x (JCM_FUZZ_SEED=4276690935
-# groups 3 and 8), float16 dq at 1.02x (3829743873 group 11) — under one ulp, now
-# covered by the policy's ulp floor — and float16 dq at 1.28x (283758360 group 8, a
-# fallback mask). Whether the last is rounding noise or a real error is open; until it
-# is settled a fresh-seed CI run must not fail on it, so the default run fuzzes float32.
-_LOWP = os.environ.get("JCM_FUZZ_LOWP") == "1"
+# Reduced precision (bfloat16 and float16 signatures) is fuzzed by default; JCM_FUZZ_LOWP=0
+# restricts a run to float32. On tiny problems (10-13 keys) "2 x the dense input-dtype
+# error" alone failed on random draws: bfloat16 dk at 1.06x (JCM_FUZZ_SEED=4276690935
+# groups 3 and 8), float16 dq at 1.02x (3829743873 group 11) and at 1.28x (283758360
+# group 8, a fallback mask). The last was settled as rounding, not a bug: the same
+# backend in float32 is within 6e-7 of the reference; in float16 it lands 1.53 ulp from
+# it where the dense float16 computation lands 0.46 ulp (neighbouring roundings of the
+# rounded P / dS intermediates). The policy's floor is two ulps of the largest reference
+# value (jcompilemask.testing); those seeds pass under it.
+_LOWP = os.environ.get("JCM_FUZZ_LOWP", "1") != "0"
 _SECOND_DTYPE = "bfloat16" if _LOWP else "float32"
 
 

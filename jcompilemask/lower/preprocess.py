@@ -8,6 +8,7 @@ for masks with fallback regions whose tiles are classified by evaluating the pre
 """
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -81,17 +82,20 @@ def tile_states_from_intervals(starts, lens, q_len, kv_len, bq, bk):
     f_hi = jnp.where(ge == kv_len, tk, ge // bk)
     f_ok = ok & (f_hi > f_lo)
 
-    bi = jnp.arange(b, dtype=I32)[:, None, None, None]
-    hi_ = jnp.arange(hm, dtype=I32)[None, :, None, None]
-    ti = (jnp.arange(nq, dtype=I32) // bq)[None, None, :, None]
+    ti = (jnp.arange(nq, dtype=I32) // bq)[:, None]
     one = ok.astype(I32)
     fone = f_ok.astype(I32)
 
     def diff(lo_i, hi_i, w):
-        d = jnp.zeros((b, hm, tq, tk + 1), I32)
-        d = d.at[bi, hi_, ti, jnp.where(w > 0, lo_i, 0)].add(w)
-        d = d.at[bi, hi_, ti, jnp.where(w > 0, hi_i, 0)].add(-w)
-        return jnp.cumsum(d, axis=-1)[..., :tk]
+        # vmapped over (batch, mask head): the scatters carry those as batching dims, so
+        # under a batch-sharded jit each device scatters into its own sequences (an
+        # explicit batch index would make XLA all-reduce the whole table).
+        def one_row_block(lo_r, hi_r, w_r):                  # [Nq, K] -> [Tq, Tk]
+            d = jnp.zeros((tq, tk + 1), I32)
+            d = d.at[ti, jnp.where(w_r > 0, lo_r, 0)].add(w_r)
+            d = d.at[ti, jnp.where(w_r > 0, hi_r, 0)].add(-w_r)
+            return jnp.cumsum(d, axis=-1)[..., :tk]
+        return jax.vmap(jax.vmap(one_row_block))(lo_i, hi_i, w)
 
     touched = diff(t_lo, t_hi, one)
     covered = diff(f_lo, f_hi, fone)
@@ -192,8 +196,6 @@ def _column_intervals(cm, env, meta, endpoints, q_len, kv_len, b, hm):
     _, _, eff_lo, eff_hi, nested = region_row_ranges(spec, meta, q_len, kv_len)
     qs = jnp.arange(q_len, dtype=I32)[None, None, :]
     big = kv_len + 1
-    bi = jnp.arange(b, dtype=I32)[:, None, None]
-    hi_ = jnp.arange(hm, dtype=I32)[None, :, None]
     shape3 = (b, hm, 1)
     out = []
     for g, lr in enumerate(cm.regions):
@@ -213,9 +215,10 @@ def _column_intervals(cm, env, meta, endpoints, q_len, kv_len, b, hm):
             hi_x = jnp.where(before, -1, jnp.where(after, big, hi))
 
             def count_le(v):   # [B, Hm, Nk]: #{q : v(q) <= j}
-                hist = jnp.zeros((b, hm, kv_len + 2), I32)
-                hist = hist.at[bi, hi_, jnp.clip(v + 1, 0, kv_len + 1)].add(1)
-                return jnp.cumsum(hist, axis=-1)[..., 1:kv_len + 1]
+                def one(v_r):  # vmapped over (batch, mask head): see tile_states_from_intervals
+                    hist = jnp.zeros((kv_len + 2,), I32).at[jnp.clip(v_r + 1, 0, kv_len + 1)].add(1)
+                    return jnp.cumsum(hist)[1:kv_len + 1]
+                return jax.vmap(jax.vmap(one))(jnp.broadcast_to(v, (b, hm) + v.shape[2:]))
 
             q0, q1 = count_le(hi_x), count_le(lo_x)
             ln = jnp.where(flag, jnp.maximum(q1 - q0, 0), 0)
