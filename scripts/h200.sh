@@ -17,6 +17,10 @@
 #   v1prof       ncu (per-instruction stalls) on one v1 backward launch + config timings at causal 32K
 #   v5tests      the default backward config through every GPU backward test (+ non-finite, list chunks)
 #   v5bench      bench_total 32K + 8K: default vs FA4 native and Flex+FA4 (JCM_BENCH_S seconds)
+#   hdims        issue 15 (opt-in configs: soft cap in the backward, D 256, 192/128): a hang-guarded
+#                smoke per config, a subset of tests/gpu/test_cute_head_dims.py, then
+#                benchmarks/bench_head_dims.py (causal 32K + 8K beside FA4 native / cuDNN / xla)
+#   hdimstests   all of tests/gpu/test_cute_head_dims.py (+ the forward's 192/128 cases)
 #   multigpu     issue 19 on a multi-GPU kind: sharded training step + context parallelism (benchmarks/multi_gpu.py)
 #   kernels      GPU tests of the CuTe forward kernel alone (48 variant cases)
 #   forward      bench_forward (D = 128 causal vs FA4 native, same run) + the step-2 variants
@@ -154,6 +158,52 @@ case $stage in
       --masks causal,hstu,shared_prompt,clear --impls jcm,fa4-native,flex-fa4 --min-repeat-s 0.25 \
       --budget-s $(( ${JCM_BENCH_S:-300} - 50 )) --out "$OUT/h200-total-v5.json" > "$OUT/bench-v5.log" 2>&1
     echo "bench rc $?"; pkill -9 -f bench_total; grep -E '^\||FAILED|budget' "$OUT/bench-v5.log" | tail -22
+    ;;
+  hdims)
+    # Issue 15's configs, none of which has run on a GPU before: each first gets one small
+    # gradient test under its own timeout (a barrier mismatch hangs rather than fails), and
+    # only the configs that pass are timed. Every step writes to a file (no pipes that
+    # could outlive a timeout), stragglers are killed by pid pattern of this stage's own
+    # scripts, and each timeout is capped by what is left of the call (570 s).
+    export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
+    t=tests/gpu/test_cute_head_dims.py
+    left() { local l=$(( 570 - SECONDS )); (( l < $1 )) && echo $(( l > 5 ? l : 5 )) || echo $1; }
+    ok=""
+    for c in cap128 d256 d192 cap64 d256cap; do
+      timeout -k 5 $(left 75) python3 -m pytest -q -x -p no:cacheprovider "$t::test_fully_masked_rows[$c]" \
+        > "$OUT/smoke-$c.log" 2>&1
+      rc=$?; pkill -9 -f "pytest -q -x -p no:cacheprovider $t" 2>/dev/null
+      echo "smoke $c rc $rc ($SECONDS s)"; tail -2 "$OUT/smoke-$c.log"
+      [[ $rc == 0 ]] && ok="$ok $c"
+    done
+    echo "passed smoke:$ok"
+    timeout -k 5 $(left 200) python3 -m pytest -q -rs -p no:cacheprovider \
+      "$t::test_builtin_grads[causal-cap128]" "$t::test_builtin_grads[hstu-d256]" \
+      "$t::test_builtin_grads[clear-d192]" "$t::test_builtin_grads[document-cap64]" \
+      "$t::test_fp16_mqa" "$t::test_random_lowered_specs[0-d256]" "$t::test_random_lowered_specs[0-cap128]" \
+      "$t::test_random_lowered_specs[0-d192]" "$t::test_forward_192_128" \
+      --junitxml="$OUT/junit-hdims.xml" > "$OUT/pytest-hdims.log" 2>&1
+    echo "pytest rc $? ($SECONDS s)"; pkill -9 -f "pytest -q -rs -p no:cacheprovider $t" 2>/dev/null
+    tail -12 "$OUT/pytest-hdims.log"
+    # Timed: the no-cap D 128 and D 64 baselines always; the new configs if their smoke passed.
+    cfgs="d128"
+    [[ $ok == *cap128* ]] && cfgs="$cfgs,d128cap"
+    [[ $ok == *d256\ * || $ok == *d256 ]] && cfgs="$cfgs,d256"
+    [[ $ok == *d192* ]] && cfgs="$cfgs,d192"
+    cfgs="$cfgs,d64"
+    b=$(left 260)
+    timeout -k 5 $b python3 benchmarks/bench_head_dims.py --ns 32768,8192 --configs "$cfgs" \
+      --impls jcm-cute,fa4-native,jax-cudnn,jcm-xla --xla-ns 8192 --min-repeat-s 0.15 \
+      --budget-s $(( b - 40 )) --out "$OUT/h200-head-dims.json" > "$OUT/bench-hdims.log" 2>&1
+    echo "bench rc $? ($SECONDS s; configs $cfgs)"; pkill -9 -f bench_head_dims.py 2>/dev/null
+    grep -E '^\{|budget' "$OUT/bench-hdims.log" | cut -c1-330 | tail -40
+    ;;
+  hdimstests)
+    timeout -k 5 540 python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_cute_head_dims.py \
+      "tests/gpu/test_cute_forward.py::test_head_dim_192_128_compiles_for_sm90" \
+      --junitxml="$OUT/junit-hdimstests.xml" > "$OUT/pytest-hdimstests.log" 2>&1
+    echo "pytest rc $?"; pkill -9 -f "tests/gpu/test_cute_head_dims.py" 2>/dev/null
+    tail -40 "$OUT/pytest-hdimstests.log"
     ;;
   multigpu)
     # Issue 19, on a multi-GPU kind (nvidia-h200-x2 / -x4 / -x8; ask status first): the
