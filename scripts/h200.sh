@@ -33,10 +33,9 @@
 #                preprocess benchmark
 #   sanitize     compute-sanitizer memcheck + racecheck over a small CuTe backward run
 #   profile      ncu on one clear forward launch at 32K (why 53 TF/s)
-#   profilebwd   ncu on one CuTe backward launch, causal 32K
 #   train        end-to-end Qwen3-0.6B training tokens/s (benchmarks/train_e2e.py), jcm vs cuDNN vs dense XLA at 8K and 32K (build .device-stage/train with scripts/train_bundle.sh; carry it too)
 set -uo pipefail
-stage=${1:?stage: correctness | bwdv1 | kernels | forward | peers | peers2k | peers32 | total | tilelang | sanitize | profile | profilebwd}
+stage=${1:?stage: correctness | bwdv1 | kernels | forward | peers | peers2k | peers32 | total | tilelang | sanitize | profile | v1prof | v5tests | v5bench | hdims | multigpu | ...}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
@@ -258,21 +257,15 @@ case $stage in
         2>&1 | grep -v Warning | tee "$OUT/sanitize-$tool.log" | tail -15
     done
     ;;
-  profilebwd)
-    # Nsight Compute on one CuTe backward launch, causal 32K (1.9x FA4's backward time);
-    # the variants under trial are profiled when their environment variables are set.
-    timeout 560 ncu --clock-control none --kernel-name regex:FlashBackward --launch-skip 2 --launch-count 1 \
-      --section SpeedOfLight --section WarpStateStats --section LaunchStats --section Occupancy \
-      --section MemoryWorkloadAnalysis python3 benchmarks/bench_total.py --impls jcm --masks causal \
-      --ns 32768 --budget-s 30 --out /tmp/ncu-total.json 2>&1 \
-      | grep -v Warning | tee "$OUT/ncu-bwd.log" | tail -80
-    ;;
   profile)
     # Nsight Compute on one forward launch of the clear mask at 32K (the slow workload).
-    timeout 560 ncu --clock-control none --kernel-name regex:FlashForward --launch-skip 3 --launch-count 1 \
+    # Output to a file (a pipe outlives a timed-out ncu: its python child holds it open).
+    timeout -k 5 400 ncu --clock-control none --kernel-name regex:FlashForward --launch-skip 3 --launch-count 1 \
       --section SpeedOfLight --section WarpStateStats --section LaunchStats --section Occupancy \
-      python3 benchmarks/bench_forward.py --ns 32768 --masks clear --out /tmp/ncu-forward.json 2>&1 \
-      | grep -v Warning | tee "$OUT/ncu-clear.log" | tail -60
+      --section SourceCounters -o "$OUT/fwd-clear" python3 benchmarks/bench_forward.py --ns 32768 --masks clear \
+      --out /tmp/ncu-forward.json > "$OUT/ncu-clear-run.log" 2>&1; echo "ncu rc $?"; pkill -9 -f bench_forward
+    [[ -f $OUT/fwd-clear.ncu-rep ]] && timeout 60 ncu -i "$OUT/fwd-clear.ncu-rep" --page details > "$OUT/ncu-clear.log" 2>&1
+    grep -E "Busy|Stall|Registers|Duration|Throughput" "$OUT/ncu-clear.log" | head -30
     ;;
   tilelang)
     export JCOMPILEMASK_CACHE_DIR=$PWD/.jcm-cache
