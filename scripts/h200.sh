@@ -252,9 +252,12 @@ case $stage in
     ;;
   sanitize)
     # Memory errors and shared-memory races of the CuTe backward on a small case.
-    for tool in memcheck racecheck; do
-      timeout 270 compute-sanitizer --tool $tool --print-limit 20 python3 tests/scripts/gpu_backward_small.py \
-        2>&1 | grep -v Warning | tee "$OUT/sanitize-$tool.log" | tail -15
+    # (Output to files: a pipe would outlive a timed-out sanitizer, whose python child
+    # holds it open.) synccheck too: the acceptance names all three tools.
+    for tool in memcheck racecheck synccheck; do
+      timeout -k 5 180 compute-sanitizer --tool $tool --print-limit 20 python3 tests/scripts/gpu_backward_small.py \
+        > "$OUT/sanitize-$tool.log" 2>&1; echo "$tool rc $?"; pkill -9 -f gpu_backward_small
+      grep -v Warning "$OUT/sanitize-$tool.log" | tail -6
     done
     ;;
   profile)
