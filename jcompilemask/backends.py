@@ -477,11 +477,7 @@ def _tilelang_reason() -> Optional[str]:
 def _tilelang_preprocess() -> Preprocess:
     def supports(cm):
         from .kernels.tilelang.codegen import unsupported_reason
-        why = unsupported_reason(cm)
-        if why is None and getattr(cm, "shares_slots", False):
-            why = ("intervals share forward-table slots (row conditions that exclude each "
-                   "other); the generated kernels write one interval per slot")
-        return why
+        return unsupported_reason(cm)
 
     def build(cm, metadata, q_len, kv_len, tiles):
         from .kernels.tilelang import tilelang_preprocess
