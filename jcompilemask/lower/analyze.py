@@ -270,8 +270,9 @@ def solve_k(atom: Cmp, spec, _depth: int = 0):
     U*d`` and ``x // d >= L <=> x >= L*d`` for ``d >= 1``.
 
     >>> from jcompilemask.spec import q, k
-    >>> print(solve_k(k // 64 <= q // 64, None))
-    ('hi', 64 * (q // 64) + 64)
+    >>> side, bound = solve_k(k // 64 <= q // 64, None)
+    >>> print(side, bound)
+    hi 64 * (q // 64) + 64
     >>> solve_k(k % 4 == 1, None) is None
     True
     """
