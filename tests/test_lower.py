@@ -273,6 +273,8 @@ K_ATOMS = [
     lambda c: k < c,
     lambda c: (2 * k + 2) // 2 <= q + c,      # linear in k only after sympy simplifies
     lambda c: maximum(k, 0 - 1) < A,          # max(k, -1) is k: k is non-negative
+    lambda c: k // (c + 1) <= q // (c + 1),   # k // c atoms solve exactly (issue 16)
+    lambda c: k // C >= q // C - 1,
 ]
 # Row conditions (no k).
 ROW_ATOMS = [
@@ -283,9 +285,12 @@ ROW_ATOMS = [
     lambda c: q * 2 >= B,
     lambda c: V[1] <= q,
 ]
-# k inside a non-linear function: the region must fall back to its predicate.
+# k inside a non-linear function: the region keeps a residual predicate (k // 3 == q // 3
+# lowers exactly since issue 16, and stays here as the block spelling next to residuals).
 NONLINEAR_ATOMS = [
     lambda c: k // 3 == q // 3,
+    lambda c: (q - k) % 2 == 0,
+    lambda c: k % C != c % 2,
     lambda c: k * k <= q,
     lambda c: SEG.id(k) == SEG.id(q),
     lambda c: k % 4 == c % 4,
