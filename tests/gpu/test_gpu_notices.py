@@ -36,7 +36,7 @@ def test_leaving_the_cute_kernels_is_logged_once_with_the_reason(caplog):
     # a dilated causal mask: its residual (q - k) % 2 == 0 keeps it off the CuTe kernels
     # (k // 64 <= q // 64, the block-causal spelling, lowers exactly since issue 16)
     dilated = MaskSpec([Region((0, q_len), (k <= q) & ((q - k) % 2 == 0))],
-                            name="gpu_notice_dilated")
+                       name="gpu_notice_dilated")
     with pytest.warns(jcm.MaskFallbackWarning, match="residual predicate"):
         with caplog.at_level(logging.WARNING, logger="jcompilemask"):
             for _ in range(2):
