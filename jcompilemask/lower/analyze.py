@@ -4,7 +4,9 @@ Steps (paper §3.2.2, extended by issue 16):
 
 1. Push negations to the atoms (NNF). ``==`` / ``!=`` atoms on ``k`` are split into
    ordered comparisons when those solve (``k // 8 == q // 8`` -> two bounds); otherwise
-   they stay whole (``k % 4 == 1`` is kept as it is, for the residual).
+   they stay whole (``k % 4 == 1`` is kept as it is, for the residual). A comparison of
+   ``min`` / ``max`` with ``k`` inside splits into its two sides (``min(k, q) >= 3`` is
+   ``(k >= 3) & (q >= 3)``).
 2. DNF (sympy's ``to_dnf`` over atom symbols), one interval per conjunct.
 3. Per conjunct: every atom that *solves* for ``k`` becomes a bound (``k >= L`` or
    ``k < U``): atoms linear in ``k``, and atoms whose key side is a floor division
@@ -161,6 +163,9 @@ def _nnf(p: Pred, spec, neg: bool = False) -> Pred:
         return And.of(*parts) if neg else Or.of(*parts)
     if isinstance(p, Cmp):
         c = p.negated() if neg else p
+        split = _split_minmax(c, spec)
+        if split is not None:
+            return _nnf(split, spec)
         if c.op in ("==", "!=") and _uses(c, "k"):
             le, ge = Cmp("<=", c.a, c.b), Cmp(">=", c.a, c.b)
             if solve_k(le, spec) is None or solve_k(ge, spec) is None:
@@ -170,6 +175,27 @@ def _nnf(p: Pred, spec, neg: bool = False) -> Pred:
             return Or.of(Cmp("<", c.a, c.b), Cmp(">", c.a, c.b))
         return c
     raise TypeError(f"not a predicate: {p!r}")
+
+
+_FLIP = {"<": ">", "<=": ">=", ">": "<", ">=": "<="}
+
+
+def _split_minmax(c: Cmp, spec) -> Pred | None:
+    """``min(x, y) >= e`` as ``(x >= e) & (y >= e)`` (and the other seven forms), for an
+    atom whose key side is a min / max with ``k`` inside and whose other side is free of
+    ``k``, when the atom does not solve as it stands: ``min(k, q) >= 3`` is the interval
+    ``k >= 3`` under the row condition ``q >= 3``."""
+    if c.op not in _FLIP or solve_k(c, spec) is not None:
+        return None
+    op, x, e = c.op, c.a, c.b
+    if _uses(e, "k"):
+        op, x, e = _FLIP[op], e, x
+    if _uses(e, "k") or not (isinstance(x, BinOp) and x.op in ("min", "max")):
+        return None
+    parts = (Cmp(op, x.a, e), Cmp(op, x.b, e))
+    lower = op in (">", ">=")               # x op e bounds x from below
+    both = (x.op == "min") == lower         # min(..) >= e and max(..) < e need both
+    return And.of(*parts) if both else Or.of(*parts)
 
 
 def _dnf(p: Pred) -> list[list[Pred]] | None:
