@@ -81,6 +81,9 @@ SPELLINGS = [
     (k // C >= A, k >= A * C),
     (k // maximum(A, 1) < 2, k < 2 * maximum(A, 1)),
     (k // A < 2, k < 2 * maximum(A, 1)),       # a divisor <= 0 acts as 1
+    (minimum(k, q) >= 2, (k >= 2) & (q >= 2)),  # min / max with k inside split
+    (maximum(k, A) < 5, (k < 5) & (A < 5)),
+    (~(minimum(k, q + 1) >= A), (k < A) | (q + 1 < A)),
 ]
 
 
@@ -188,6 +191,10 @@ def test_slots_need_a_proof():
     # excluded by a row bound: one slot
     cm = _cm(((q < A) & (k < 2)) | ((q >= A) & (k >= q)))
     assert cm.num_intervals == 1 and cm.shares_slots
+    # excluded by q-free conditions on one metadata value (A < 3 vs A >= 3)
+    flags = _cm(((A < 3) & (k < 2)) | ((A >= 3) & (k >= q)))
+    assert flags.num_intervals == 1
+    _dense(flags, {"a": np.array([0, 2, 3, 9], np.int32)}, 11)
     rng = np.random.default_rng(2)
     for n in (9, 13):
         _dense(cm, _md(cm.spec, rng, 3, n), n)
