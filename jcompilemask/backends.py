@@ -287,7 +287,18 @@ def _cute_backend() -> Backend:
                                          call.dtype if call else "bfloat16")
         return TileConfig(bq, bk, DEFAULT_TILES.bwd_block_q, DEFAULT_TILES.bwd_block_kv)
 
+    def refuse_residuals(desc):
+        # Defence in depth: the tables of a residual mask hold hulls, which the kernels
+        # would take for the mask itself. supports() refuses such calls; a Call built by
+        # hand with has_fallback=False must not run them silently either.
+        res = getattr(desc.mask, "residual_regions", ())
+        if res:
+            raise BackendUnavailable(f"the cute backend cannot run this mask: regions "
+                                     f"{list(res)} have a {RESIDUAL_REASON}; use "
+                                     "implementation='xla'")
+
     def forward(q, k, v, desc, scale, softcap):
+        refuse_residuals(desc)
         from .kernels.cute import cute_forward
         with slow_step(f"jcompilemask: building the CuTe forward kernel ({q.dtype}, D "
                        f"{q.shape[-1]}, K {desc.num_intervals}, tiles {desc.tiles.block_q}x"
@@ -299,6 +310,7 @@ def _cute_backend() -> Backend:
     from .attention import xla
 
     def backward(q, k, v, desc, scale, softcap, out, lse, do, dlse=None, deterministic=False):
+        refuse_residuals(desc)
         why = cute_backward_reason(q, v, desc, softcap)
         if why is not None:
             log_once(("cute-backward", why), "jcompilemask: gradients come from the xla "

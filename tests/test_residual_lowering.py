@@ -370,6 +370,19 @@ def test_cute_refuses_residual_masks_with_the_reason():
             softcap=False, has_fallback=True, num_intervals=1))
 
 
+def test_cute_kernels_never_take_a_residual_descriptor():
+    """Even through a hand-built call, the cute entry points refuse residual masks
+    (before touching the kernels, so this runs without a GPU)."""
+    cm = _cm((k <= q) & ((q - k) % 2 == 0))
+    desc = cm.instantiate(None, 8, 8, block_q=4, block_kv=4, bwd_block_q=4, bwd_block_kv=4)
+    x = jnp.zeros((1, 8, 1, 64), jnp.bfloat16)
+    cute = backends.get("cute")
+    with pytest.raises(backends.BackendUnavailable, match="issue 16"):
+        cute.forward(x, x, x, desc, 1.0, None)
+    with pytest.raises(backends.BackendUnavailable, match="issue 16"):
+        cute.backward(x, x, x, desc, 1.0, None, x, None, x)
+
+
 def test_tilelang_refuses_residuals_and_shared_slots():
     tl = backends.get_preprocess("tilelang")
     assert "residual" in tl.supports(_cm((k <= q) & (k % 2 == 0)))
