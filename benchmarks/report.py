@@ -81,6 +81,30 @@ def variants_table(variants):
     return "\n".join(lines)
 
 
+def same_run_backward_table(total, ours="jcm-cute"):
+    """Backward ms of ours beside every peer measured in the same device call (same
+    ``run``), newest run first: the only comparison the notes quote."""
+    runs = {}
+    for r in total:
+        if r.get("run") and r.get("bwd_ms") is not None:
+            runs.setdefault(r["run"], []).append(r)
+    head = ["run", "mask", "N", f"{ours} bwd ms (MHz)", "peer", "peer bwd ms (MHz)", "ratio",
+            f"{ours} total TF/s", "peer total TF/s"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    mhz = lambda r: f" ({r['sm_clock_mhz']:.0f})" if r.get("sm_clock_mhz") else ""  # noqa: E731
+    for run in sorted(runs, reverse=True):
+        recs = runs[run]
+        for o in (r for r in recs if r["impl"] == ours):
+            for p in (r for r in recs if r["impl"] != ours and not r["impl"].startswith("jcm")
+                      and (r["mask"], r["n"]) == (o["mask"], o["n"])):
+                row = (f"| {run} | {o['mask']} | {_label(o['n'])} | {o['bwd_ms']:.2f}{mhz(o)} | "
+                             f"{p['impl']} | {p['bwd_ms']:.2f}{mhz(p)} | {o['bwd_ms'] / p['bwd_ms']:.3f} | "
+                             f"{o['total_tflops']:.0f} | {p['total_tflops']:.0f} |")
+                if row not in lines:           # a record kept in two files counts once
+                    lines.append(row)
+    return "\n".join(lines) if len(lines) > 2 else ""
+
+
 def dedupe(records, ours):
     """One record per (mask, n, impl). A figure measured twice (a peer in the same run as
     ours and again in a peers-only run) keeps the one of the same run as ours for that
@@ -244,6 +268,7 @@ def build(results_dir):
     # jcm-cute when present (kernel variants such as jcm-cute-st-dqb are extra columns)
     ours_total = ("jcm-cute" if any(r["impl"] == "jcm-cute" for r in total) else
                   next((r["impl"] for r in total if r["impl"].startswith("jcm-")), None))
+    same_run = same_run_backward_table(total) if total else ""   # before dedupe: every run
     total = dedupe(total, ours_total)
     written = []
     parts = ["# Benchmark report",
@@ -265,6 +290,8 @@ def build(results_dir):
         parts += ["## CuTe forward variants (head dim, dtype, soft cap, stages)", "",
                   variants_table(variants), ""]
     if total:
+        if same_run:
+            parts += ["## Backward beside the peers of the same device call", "", same_run, ""]
         parts += ["## Training step: total TF/s = 3.5 x forward FLOPs / (preprocess + "
                   "forward + backward)", "", forward_table(total, "total_tflops", ours_total),
                   "", "Per-pass times (ms): " + "; ".join(

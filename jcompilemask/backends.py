@@ -81,6 +81,9 @@ class Backend:
     backward: Callable
     backward_note: str | Callable[[], str] = ""   # a callable is asked each time
     takes_bias: bool = False      # forward/backward accept bias= (added to the logits)
+    # The backward checks the descriptor's backward tiles itself and hands over to xla when
+    # they are not its own, so only the forward tiles must match (cute).
+    own_bwd_tile_check: bool = False
 
 
 _REGISTRY: dict[str, Backend] = {}
@@ -112,7 +115,10 @@ def _check(b: Backend, call: Call | None) -> Optional[str]:
         why = b.supports(call)
         if why is None and call.tiles is not None:
             want = b.tiles(call)
-            if want != call.tiles and b.name != "xla":
+            got = call.tiles
+            if b.own_bwd_tile_check:
+                want, got = (want.block_q, want.block_kv), (got.block_q, got.block_kv)
+            if want != got and b.name != "xla":
                 why = (f"the descriptor was built for tiles {call.tiles}, this backend needs "
                        f"{want}: instantiate with those tiles or pass the MaskSpec")
     return why
@@ -167,6 +173,7 @@ def explain(call: Call | None = None, mask=None) -> str:
       cute: skipped: ...
       xla: available
     chosen: xla
+    backward: xla (the backend that runs the forward)
     mask regions:
       region 0: 1 interval(s), residual predicate: (q - k) % 2 == 0
         runs on: xla (residual predicate: cute kernels do not evaluate residuals yet (issue 16))
@@ -195,6 +202,8 @@ def explain(call: Call | None = None, mask=None) -> str:
         lines.append(f"  {b.name}: {status}")
     if call is not None:
         lines.append(f"chosen: {chosen}")
+        if chosen is not None:
+            lines.append(explain_backward(call))
     if cm is not None:
         lines += _explain_regions(cm, chosen)
     lines += _explain_preprocess()
@@ -210,7 +219,7 @@ def _explain_regions(cm, chosen) -> list[str]:
     lines = ["mask regions:"]
     for g, lr in enumerate(regions):
         name = cm.spec.regions[g].name
-        head = f"  region {g}{f' {name!r}' if name else ''}: {lr.num_slots} interval(s)"
+        head = f"  region {g}{f' {name!r}' if name else ''}: {cm.region_num_slots[g]} interval(s)"
         res = [str(lr.slot_residual(m)) for m in range(lr.num_slots)
                if lr.slot_residual(m).key() != ("bool", True)]
         if res:
@@ -273,10 +282,16 @@ def _cute_backend() -> Backend:
                     "partial tiles")
         if call.dtype not in ("bfloat16", "float16"):
             return f"dtype {call.dtype} (the CuTe kernels take bfloat16 and float16)"
-        from .kernels.cute.api import HEAD_DIMS
-        if call.head_dim not in HEAD_DIMS or call.head_dim_v != call.head_dim:
+        from .kernels.cute.api import HEAD_DIM_PAIRS_EXPERIMENTAL, HEAD_DIMS
+        pair = (call.head_dim, call.head_dim_v)
+        if pair in HEAD_DIM_PAIRS_EXPERIMENTAL:
+            if not _cute_experimental_enabled():
+                return (f"head dims {pair[0]}/{pair[1]}: the CuTe forward is compiled, awaiting "
+                        f"validation on the GPU; set {CUTE_EXPERIMENTAL_ENV}=1 to use it")
+        elif call.head_dim not in HEAD_DIMS or call.head_dim_v != call.head_dim:
             return (f"head dims {call.head_dim}/{call.head_dim_v} (built: D in {HEAD_DIMS} "
-                    "with Dv == D)")
+                    f"with Dv == D, and {HEAD_DIM_PAIRS_EXPERIMENTAL} with "
+                    f"{CUTE_EXPERIMENTAL_ENV}=1)")
         if call.num_intervals > 8:
             return f"K = {call.num_intervals} intervals per row (the kernel unrolls up to 8)"
         return None
@@ -285,7 +300,14 @@ def _cute_backend() -> Backend:
         from .kernels.cute import preferred_forward_tiles
         bq, bk = preferred_forward_tiles(call.head_dim if call else 128,
                                          call.dtype if call else "bfloat16")
-        return TileConfig(bq, bk, DEFAULT_TILES.bwd_block_q, DEFAULT_TILES.bwd_block_kv)
+        bwd = (DEFAULT_TILES.bwd_block_q, DEFAULT_TILES.bwd_block_kv)
+        if call is not None and _cute_experimental_enabled():
+            # The experimental backward configs (D 256, 192 / 128) run other backward tiles;
+            # only with the opt-in, so a default descriptor is the validated one.
+            from .kernels.cute.api import preferred_backward_tiles
+            if cute_backward_plan(call.head_dim, call.head_dim_v, call.softcap) is None:
+                bwd = preferred_backward_tiles(call.head_dim, call.dtype, call.head_dim_v)
+        return TileConfig(bq, bk, *bwd)
 
     def refuse_residuals(desc):
         # Defence in depth: the tables of a residual mask hold hulls, which the kernels
@@ -322,45 +344,102 @@ def _cute_backend() -> Backend:
             return cute_backward(q, k, v, out, lse, do, desc.bwd_intervals, desc.bwd_tiles,
                                  desc.fwd_intervals, desc.bwd_exact, scale=scale, dlse=dlse,
                                  block_q=desc.tiles.bwd_block_q,
-                                 block_kv=desc.tiles.bwd_block_kv, deterministic=deterministic)
+                                 block_kv=desc.tiles.bwd_block_kv, deterministic=deterministic,
+                                 softcap=softcap)
 
     return Backend(name="cute", priority=10, tiles=tiles, available=available,
                    supports=supports, forward=forward, backward=backward,
-                   backward_note=_cute_backward_note)
+                   backward_note=_cute_backward_note, own_bwd_tile_check=True)
 
 
 CUTE_BACKWARD_ENV = "JCOMPILEMASK_CUTE_BACKWARD"
+# Opt-in to the CuTe configs compiled but not yet validated on the H200: the backward with a
+# soft cap, at D 256 and at 192 / 128, and the forward at 192 / 128. Read at trace time.
+CUTE_EXPERIMENTAL_ENV = "JCOMPILEMASK_CUTE_BWD_EXPERIMENTAL"
 
 
 def _cute_backward_enabled() -> bool:
     return os.environ.get(CUTE_BACKWARD_ENV, "1") != "0"
 
 
+def _cute_experimental_enabled() -> bool:
+    return os.environ.get(CUTE_EXPERIMENTAL_ENV, "0") == "1"
+
+
 def _cute_backward_note() -> str:
-    if _cute_backward_enabled():
-        return ("CuTe backward for D 64/128 without soft cap; xla backward on the CuTe "
-                f"forward's residuals otherwise ({CUTE_BACKWARD_ENV}=0 uses it always)")
-    return (f"gradients from the xla backward on the CuTe forward's residuals "
-            f"({CUTE_BACKWARD_ENV}=0 turned the CuTe backward off)")
+    if not _cute_backward_enabled():
+        return (f"gradients from the xla backward on the CuTe forward's residuals "
+                f"({CUTE_BACKWARD_ENV}=0 turned the CuTe backward off)")
+    if _cute_experimental_enabled():
+        return ("CuTe backward for D 64/128, and (opted in with "
+                f"{CUTE_EXPERIMENTAL_ENV}=1, not yet validated on the GPU) soft cap, D 256 and "
+                "192/128; xla backward on the CuTe forward's residuals otherwise "
+                f"({CUTE_BACKWARD_ENV}=0 uses it always)")
+    return ("CuTe backward for D 64/128 without soft cap; soft cap, D 256 and 192/128: "
+            "compiled, awaiting validation on the GPU (set "
+            f"{CUTE_EXPERIMENTAL_ENV}=1 to use them); xla backward on the CuTe forward's "
+            f"residuals otherwise ({CUTE_BACKWARD_ENV}=0 uses it always)")
+
+
+def cute_backward_plan(d: int, dv: int, softcap, bwd_tiles=None, num_bwd_intervals: int = 0
+                       ) -> Optional[str]:
+    """None when the CuTe backward kernel would serve gradients of this shape, else why the
+    xla backward does (static facts only: head dims, soft cap, the descriptor's backward
+    tiles and column-interval count)."""
+    from .kernels.cute.api import (BWD_HEAD_DIM_PAIRS_EXPERIMENTAL, BWD_HEAD_DIMS,
+                                   BWD_HEAD_DIMS_EXPERIMENTAL, preferred_backward_tiles)
+    if not _cute_backward_enabled():
+        return f"the CuTe backward is turned off ({CUTE_BACKWARD_ENV}=0)"
+    opt_in = f"set {CUTE_EXPERIMENTAL_ENV}=1 to use it"
+    if d in BWD_HEAD_DIMS and dv == d:
+        if softcap is not None and softcap is not False and not _cute_experimental_enabled():
+            return (f"soft cap at D {d}: the CuTe backward with a soft cap is compiled, awaiting "
+                    f"validation on the GPU; {opt_in}")
+    elif d in BWD_HEAD_DIMS_EXPERIMENTAL and dv == d:
+        if not _cute_experimental_enabled():
+            return f"D {d} backward: compiled, awaiting validation on the GPU; {opt_in}"
+    elif (d, dv) in BWD_HEAD_DIM_PAIRS_EXPERIMENTAL:
+        if not _cute_experimental_enabled():
+            return f"D {d} / Dv {dv} backward: compiled, awaiting validation on the GPU; {opt_in}"
+    else:
+        dims = BWD_HEAD_DIMS + BWD_HEAD_DIMS_EXPERIMENTAL
+        return (f"head dims {d}/{dv} (the CuTe backward is built for D in {dims} with Dv == D, "
+                f"and (D, Dv) in {BWD_HEAD_DIM_PAIRS_EXPERIMENTAL})")
+    want = preferred_backward_tiles(d, "bfloat16", dv)
+    if bwd_tiles is not None and tuple(bwd_tiles) != want:
+        return (f"backward tiles {bwd_tiles[0]}x{bwd_tiles[1]} (the kernel for head dims "
+                f"{d}/{dv} runs {want[0]}x{want[1]})")
+    if num_bwd_intervals > 16:
+        return f"Kc = {num_bwd_intervals} column intervals (the kernel unrolls up to 16)"
+    return None
 
 
 def cute_backward_reason(q, v, desc, softcap) -> Optional[str]:
     """None when the CuTe backward kernel serves these gradients, else why the xla
     backward does (checked at trace time, from static shapes only)."""
-    from .kernels.cute.api import BWD_HEAD_DIMS, BWD_TILES
-    if not _cute_backward_enabled():
-        return f"the CuTe backward is turned off ({CUTE_BACKWARD_ENV}=0)"
-    d, dv = q.shape[-1], v.shape[-1]
-    if d not in BWD_HEAD_DIMS or dv != d:
-        return f"head dims {d}/{dv} (the CuTe backward is built for D in {BWD_HEAD_DIMS}, Dv == D)"
-    if softcap is not None:
-        return "soft cap (the CuTe backward does not differentiate through tanh yet)"
-    if (desc.tiles.bwd_block_q, desc.tiles.bwd_block_kv) != BWD_TILES:
-        return (f"backward tiles {desc.tiles.bwd_block_q}x{desc.tiles.bwd_block_kv} (the kernel "
-                f"runs {BWD_TILES[0]}x{BWD_TILES[1]})")
-    if desc.num_bwd_intervals > 16:
-        return f"Kc = {desc.num_bwd_intervals} column intervals (the kernel unrolls up to 16)"
-    return None
+    return cute_backward_plan(q.shape[-1], v.shape[-1], softcap,
+                              (desc.tiles.bwd_block_q, desc.tiles.bwd_block_kv),
+                              desc.num_bwd_intervals)
+
+
+def explain_backward(call: Call) -> str:
+    """Which backward computes the gradients of ``call`` and why (one line)."""
+    _ensure_builtin()
+    chosen = None
+    for b in backends():
+        if _check(b, call) is None:
+            chosen = b.name
+            break
+    if chosen != "cute":
+        return f"backward: {chosen} (the backend that runs the forward)"
+    bwd_tiles = None if call.tiles is None else (call.tiles.bwd_block_q, call.tiles.bwd_block_kv)
+    why = cute_backward_plan(call.head_dim, call.head_dim_v, call.softcap or None, bwd_tiles)
+    if why is None:
+        extra = ("" if (call.head_dim in (64, 128) and call.head_dim_v == call.head_dim
+                        and not call.softcap)
+                 else f" (opted in with {CUTE_EXPERIMENTAL_ENV}=1: not yet validated on the GPU)")
+        return "backward: the CuTe backward kernel" + extra
+    return f"backward: xla on the CuTe forward's residuals, because {why}"
 
 
 _BUILTIN_DONE = False

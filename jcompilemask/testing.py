@@ -19,13 +19,18 @@ output — rather than autodiff through the rounded forward (whose dS stays floa
 accuracy no kernel with input-dtype tensor-core products can match: the 2x bound then
 failed for bfloat16 dQ on about one mask draw in 40).
 
-The bound never falls below one unit in the last place (of the result's dtype) of the
+The bound never falls below two units in the last place (of the result's dtype) of the
 largest reference magnitude: a result stored in bfloat16 / float16 carries up to half
-an ulp from its final rounding alone, and on small tensors the maximum of two rounding
-realisations is a noisy statistic (the fuzz stage found bfloat16 dK at 1.06x and float16
-dQ at 1.02x of "2 x dense error" on 13-key problems, where that error was under one ulp).
-A wrong mask element or a wrong product gives errors of the order of the values
-themselves, far above this floor.
+an ulp from its final rounding alone, plus the roundings of its input-dtype
+intermediates (P and dS are rounded before their products, as a tensor-core backward
+does), and on small tensors the maximum of two such rounding realisations is a noisy
+statistic. The fuzz stage found bfloat16 dK at 1.06x and float16 dQ at 1.02x of
+"2 x dense error" on 13-key problems, and float16 dQ at 1.28x on a 10-key one
+(``JCM_FUZZ_SEED=283758360 JCM_FUZZ_CASE=8 JCM_FUZZ_LOWP=1``): there the same backend in
+float32 is within 6e-7 of the reference, the dense float16 computation lands 0.46 ulp
+from it and ours 1.53 ulp — two neighbouring roundings of one correct sum. A wrong mask
+element or a wrong product gives errors of the order of the values themselves, far above
+this floor.
 """
 from __future__ import annotations
 
@@ -164,7 +169,7 @@ def policy_error(actual, high, low):
     err = float(np.max(np.abs(np.where(fin, a, 0.0) - h0), initial=0.0))
     lo0 = np.where(fin & ~np.isneginf(lo), lo, h0)
     base = float(np.max(np.abs(lo0 - h0), initial=0.0))
-    return err, max(2.0 * base, _ulp_of_max(actual, h0)) + 1e-5
+    return err, max(2.0 * base, 2.0 * _ulp_of_max(actual, h0)) + 1e-5
 
 
 def _ulp_of_max(actual, ref) -> float:
@@ -183,5 +188,5 @@ def assert_within_policy(actual, high, low, name="result"):
     err, allowed = policy_error(actual, high, low)
     if not err <= allowed:
         raise AssertionError(f"{name}: max abs error {err:.3g} exceeds the policy bound "
-                             f"{allowed:.3g} (2 x input-dtype dense error, at least one ulp of the largest "
+                             f"{allowed:.3g} (2 x input-dtype dense error, at least two ulps of the largest "
                              "reference value, + 1e-5)")

@@ -15,6 +15,13 @@
 #   bwdv1c       the backward configs not yet run: their tests, the determinism stress, non-finite
 #   bwdv1d       those configs timed at 32K beside the default and FA4 native
 #   v1prof       ncu (per-instruction stalls) on one v1 backward launch + config timings at causal 32K
+#   v5tests      the default backward config through every GPU backward test (+ non-finite, list chunks)
+#   v5bench      bench_total 32K + 8K: default vs FA4 native and Flex+FA4 (JCM_BENCH_S seconds)
+#   hdims        issue 15 (opt-in configs: soft cap in the backward, D 256, 192/128): a hang-guarded
+#                smoke per config, a subset of tests/gpu/test_cute_head_dims.py, then
+#                benchmarks/bench_head_dims.py (causal 32K + 8K beside FA4 native / cuDNN / xla)
+#   hdimstests   all of tests/gpu/test_cute_head_dims.py (+ the forward's 192/128 cases)
+#   multigpu     issue 19 on a multi-GPU kind: sharded training step + context parallelism (benchmarks/multi_gpu.py)
 #   kernels      GPU tests of the CuTe forward kernel alone (48 variant cases)
 #   forward      bench_forward (D = 128 causal vs FA4 native, same run) + the step-2 variants
 #   peers        FlexAttention (Triton, FA4) / FA4 native / cuDNN forward at 2K and 8K
@@ -106,19 +113,108 @@ case $stage in
   v1prof)
     # Backward v1 profiled (ncu: stall reasons per SASS instruction, one causal 32K launch)
     # and the configs of bwdv1c timed beside the default and FA4 native at causal 32K.
+    # ncu's output goes to a file (a pipe would outlive a timed-out ncu: its python child
+    # keeps it open), and stragglers are killed.
     export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
-    timeout 200 ncu --clock-control none --kernel-name regex:FlashBackward --launch-skip 2 --launch-count 1 \
+    timeout -k 5 130 ncu --clock-control none --kernel-name regex:FlashBackward --launch-skip 1 --launch-count 1 \
       --section SpeedOfLight --section WarpStateStats --section LaunchStats --section Occupancy \
-      --section SourceCounters --section InstructionStats -o "$OUT/bwd" python3 benchmarks/bench_total.py \
-      --impls jcm --masks causal --ns 32768 --budget-s 20 --out /tmp/ncu-total.json 2>&1 | grep -v Warning | tail -3
-    ncu -i "$OUT/bwd.ncu-rep" --page details 2>&1 | tee "$OUT/ncu-bwd.log" | grep -E "Busy|Stall|Throughput|Registers|Issued|Eligible|Duration" | head -40
-    ncu -i "$OUT/bwd.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu-bwd-sass.csv" 2>&1
-    ncu -i "$OUT/bwd.ncu-rep" --page raw --csv > "$OUT/ncu-bwd-raw.csv" 2>&1
-    ls -la "$OUT"
-    timeout 330 python3 benchmarks/bench_total.py --ns 32768 --masks causal --impls jcm,fa4-native \
-      --jcm-variants "base=;le=JCOMPILEMASK_CUTE_BWD_CONFIG=lse_early=1;rd=JCOMPILEMASK_CUTE_BWD_CONFIG=release_do_early=1;dkvt=JCOMPILEMASK_CUTE_BWD_CONFIG=dkv_tma_store=1;det=JCOMPILEMASK_CUTE_BWD_CONFIG=deterministic=1;wl=JCOMPILEMASK_CUTE_BWD_CONFIG=work_list=1" \
-      --min-repeat-s 0.3 --budget-s 300 --out "$OUT/h200-bwd-v1prof.json" 2>&1 | grep -v Warning \
-      | tee "$OUT/bench-v1prof.log" | grep '^|' | tail -12
+      --section SourceCounters -o "$OUT/bwd" python3 tests/scripts/gpu_backward_profile.py \
+      > "$OUT/ncu-run.log" 2>&1; echo "ncu rc $?"; pkill -9 -f gpu_backward_profile; tail -3 "$OUT/ncu-run.log"
+    if [[ -f $OUT/bwd.ncu-rep ]]; then
+      timeout 30 ncu -i "$OUT/bwd.ncu-rep" --page details > "$OUT/ncu-bwd.log" 2>&1
+      grep -E "Busy|Stall|Registers|Issued|Eligible|Duration|Spill|Local" "$OUT/ncu-bwd.log" | head -30
+      timeout 40 ncu -i "$OUT/bwd.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu-bwd-sass.csv" 2>&1
+      timeout 30 ncu -i "$OUT/bwd.ncu-rep" --page raw --csv > "$OUT/ncu-bwd-raw.csv" 2>&1
+      ls -la "$OUT"
+    fi
+    timeout -k 5 230 python3 benchmarks/bench_total.py --ns 32768 --masks causal --impls jcm,fa4-native \
+      --jcm-variants "base=;le=JCOMPILEMASK_CUTE_BWD_CONFIG=lse_early=1;rd=JCOMPILEMASK_CUTE_BWD_CONFIG=release_do_early=1;dkvt=JCOMPILEMASK_CUTE_BWD_CONFIG=dkv_tma_store=1;wl=JCOMPILEMASK_CUTE_BWD_CONFIG=work_list=1;det=JCOMPILEMASK_CUTE_BWD_CONFIG=deterministic=1" \
+      --min-repeat-s 0.25 --budget-s 200 --out "$OUT/h200-bwd-v1prof.json" > "$OUT/bench-v1prof.log" 2>&1
+    echo "bench rc $?"; pkill -9 -f bench_total; grep '^|' "$OUT/bench-v1prof.log" | tail -12
+    ;;
+  v5tests)
+    # The default backward config (work list + dK / dV by TMA store) through the GPU
+    # tests: smoke vs xla, every GPU case of test_cute_backward.py, the gradient cases of
+    # test_cute_attention.py, the non-finite GPU tests, then list chunks of 16 query
+    # tiles (every test sequence spans several chunks).
+    t=tests/gpu/test_cute_backward.py
+    timeout -k 5 90 python3 tests/scripts/gpu_backward_small.py > "$OUT/smoke.log" 2>&1 \
+      || { echo "SMOKE FAILED OR HUNG"; tail -5 "$OUT/smoke.log"; pkill -9 -f gpu_backward_small; exit 3; }
+    grep -v Warning "$OUT/smoke.log" | tail -4
+    timeout -k 5 300 python3 -m pytest -q -rs -p no:cacheprovider "$t::test_builtin_grads" \
+      "$t::test_head_dim_64_fp16_mqa" "$t::test_fully_masked_rows" "$t::test_no_column_view_uses_row_intervals" \
+      "$t::test_random_lowered_specs" "$t::test_repeated_gradients_are_identical" \
+      "tests/gpu/test_cute_attention.py::test_builtin[hstu]" "tests/gpu/test_cute_attention.py::test_builtin[document]" \
+      tests/gpu/test_nonfinite_gpu.py --junitxml="$OUT/junit-v5.xml" > "$OUT/pytest-v5.log" 2>&1
+    echo "pytest rc $?"; pkill -9 -f pytest; tail -12 "$OUT/pytest-v5.log"
+    JCOMPILEMASK_CUTE_BWD_CONFIG=list_chunk=16 timeout -k 5 70 python3 -m pytest -q -rs -p no:cacheprovider \
+      "$t::test_builtin_grads[causal]" "$t::test_builtin_grads[clear]" "$t::test_builtin_grads[hstu]" \
+      > "$OUT/pytest-v5-chunk16.log" 2>&1; echo "chunk16 rc $?"; tail -3 "$OUT/pytest-v5-chunk16.log"
+    ;;
+  v5bench)
+    # bench_total at 32K then 8K: the default beside FA4 native (causal) and Flex+FA4.
+    export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
+    timeout -k 5 ${JCM_BENCH_S:-300} python3 benchmarks/bench_total.py --ns 32768,8192 \
+      --masks causal,hstu,shared_prompt,clear --impls jcm,fa4-native,flex-fa4 --min-repeat-s 0.25 \
+      --budget-s $(( ${JCM_BENCH_S:-300} - 50 )) --out "$OUT/h200-total-v5.json" > "$OUT/bench-v5.log" 2>&1
+    echo "bench rc $?"; pkill -9 -f bench_total; grep -E '^\||FAILED|budget' "$OUT/bench-v5.log" | tail -22
+    ;;
+  hdims)
+    # Issue 15's configs, none of which has run on a GPU before: each first gets one small
+    # gradient test under its own timeout (a barrier mismatch hangs rather than fails), and
+    # only the configs that pass are timed. Every step writes to a file (no pipes that
+    # could outlive a timeout), stragglers are killed by pid pattern of this stage's own
+    # scripts, and each timeout is capped by what is left of the call (570 s).
+    export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
+    t=tests/gpu/test_cute_head_dims.py
+    left() { local l=$(( 570 - SECONDS )); (( l < $1 )) && echo $(( l > 5 ? l : 5 )) || echo $1; }
+    ok=""
+    for c in cap128 d256 d192 cap64 d256cap; do
+      timeout -k 5 $(left 75) python3 -m pytest -q -x -p no:cacheprovider "$t::test_fully_masked_rows[$c]" \
+        > "$OUT/smoke-$c.log" 2>&1
+      rc=$?; pkill -9 -f "pytest -q -x -p no:cacheprovider $t" 2>/dev/null
+      echo "smoke $c rc $rc ($SECONDS s)"; tail -2 "$OUT/smoke-$c.log"
+      [[ $rc == 0 ]] && ok="$ok $c"
+    done
+    echo "passed smoke:$ok"
+    timeout -k 5 $(left 200) python3 -m pytest -q -rs -p no:cacheprovider \
+      "$t::test_builtin_grads[causal-cap128]" "$t::test_builtin_grads[hstu-d256]" \
+      "$t::test_builtin_grads[clear-d192]" "$t::test_builtin_grads[document-cap64]" \
+      "$t::test_fp16_mqa" "$t::test_random_lowered_specs[0-d256]" "$t::test_random_lowered_specs[0-cap128]" \
+      "$t::test_random_lowered_specs[0-d192]" "$t::test_forward_192_128" \
+      --junitxml="$OUT/junit-hdims.xml" > "$OUT/pytest-hdims.log" 2>&1
+    echo "pytest rc $? ($SECONDS s)"; pkill -9 -f "pytest -q -rs -p no:cacheprovider $t" 2>/dev/null
+    tail -12 "$OUT/pytest-hdims.log"
+    # Timed: the no-cap D 128 and D 64 baselines always; the new configs if their smoke passed.
+    cfgs="d128"
+    [[ $ok == *cap128* ]] && cfgs="$cfgs,d128cap"
+    [[ $ok == *d256\ * || $ok == *d256 ]] && cfgs="$cfgs,d256"
+    [[ $ok == *d192* ]] && cfgs="$cfgs,d192"
+    cfgs="$cfgs,d64"
+    b=$(left 260)
+    timeout -k 5 $b python3 benchmarks/bench_head_dims.py --ns 32768,8192 --configs "$cfgs" \
+      --impls jcm-cute,fa4-native,jax-cudnn,jcm-xla --xla-ns 8192 --min-repeat-s 0.15 \
+      --budget-s $(( b - 40 )) --out "$OUT/h200-head-dims.json" > "$OUT/bench-hdims.log" 2>&1
+    echo "bench rc $? ($SECONDS s; configs $cfgs)"; pkill -9 -f bench_head_dims.py 2>/dev/null
+    grep -E '^\{|budget' "$OUT/bench-hdims.log" | cut -c1-330 | tail -40
+    ;;
+  hdimstests)
+    timeout -k 5 540 python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_cute_head_dims.py \
+      "tests/gpu/test_cute_forward.py::test_head_dim_192_128_compiles_for_sm90" \
+      --junitxml="$OUT/junit-hdimstests.xml" > "$OUT/pytest-hdimstests.log" 2>&1
+    echo "pytest rc $?"; pkill -9 -f "tests/gpu/test_cute_head_dims.py" 2>/dev/null
+    tail -40 "$OUT/pytest-hdimstests.log"
+    ;;
+  multigpu)
+    # Issue 19, on a multi-GPU kind (nvidia-h200-x2 / -x4 / -x8; ask status first): the
+    # batch-sharded training step (weak scaling vs one GPU) and context parallelism
+    # (HSTU, shared prompt, causal at 64K and 128K) in one call; records after each
+    # configuration. NVLink multicast stays off (NCCL_NVLS_ENABLE=0).
+    export NCCL_NVLS_ENABLE=0 JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
+    nvidia-smi -L
+    timeout -k 5 540 python3 benchmarks/multi_gpu.py --budget-s 480 --min-repeat-s 0.25 \
+      --out "$OUT/h200-multi-gpu.json" > "$OUT/multi-gpu.log" 2>&1
+    echo "multi_gpu rc $?"; pkill -9 -f multi_gpu.py; grep -E '^\||FAILED|budget' "$OUT/multi-gpu.log" | tail -40
     ;;
   kernels)
     timeout 560 python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_cute_forward.py \

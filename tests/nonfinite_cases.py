@@ -68,10 +68,15 @@ def jax_reference(q, k, v, do, dense):
     return (out, *vjp(up(do)))
 
 
+def bhq_lse(res):
+    """(out, lse) of ``return_residual=True`` with lse as [B, Hq, Nq] (the references')."""
+    return res[0], jnp.swapaxes(res[1], 1, 2)
+
+
 def ours(q, k, v, do, mask, implementation, metadata=None):
-    f = jax.jit(lambda q, k, v: jcm.mask_attention(                   # noqa: E731
-        q, k, v, mask, metadata=metadata, return_residuals=True,
-        implementation=implementation))
+    f = jax.jit(lambda q, k, v: bhq_lse(jcm.mask_attention(           # noqa: E731
+        q, k, v, mask, metadata=metadata, return_residual=True,
+        implementation=implementation)))
     (out, lse), vjp = jax.vjp(f, q, k, v)
     return (out, lse, *vjp((do, jnp.zeros_like(lse))))
 

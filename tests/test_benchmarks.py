@@ -216,3 +216,21 @@ def test_report_prefers_the_peer_of_the_same_run_id(tmp_path):
          "run": "r2"}]})
     rep.build(str(tmp_path))
     assert "| causal | 2K | 400 | 500 |" in (tmp_path / "REPORT.md").read_text()
+
+
+def test_bench_head_dims_smoke_records(tmp_path):
+    """Issue 15's benchmark at tiny shapes on the CPU (the xla path): one record per
+    configuration with the fields the note's tables read."""
+    mod = _bench_module("bench_head_dims")
+    out = tmp_path / "hd.json"
+    recs = mod.main(["--smoke", "--out", str(out)])
+    assert [r["config"] for r in recs] == list(mod.CONFIGS)
+    for r in recs:
+        assert "error" not in r, r
+        for f in ("mask", "n", "impl", "head_dim", "head_dim_v", "softcap", "fwd_ms", "bwd_ms",
+                  "run", "sm_clock_mhz"):
+            assert f in r, f
+        assert r["impl"] == "jcm-xla" and r["step_ms"] >= r["fwd_ms"] > 0
+    by = {r["config"]: r for r in recs}
+    assert by["d192"]["head_dim"] != by["d192"]["head_dim_v"] and by["d128cap"]["softcap"] == 30.0
+    assert json.loads(out.read_text())["smoke"] is True

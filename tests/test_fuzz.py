@@ -26,7 +26,8 @@ runs that one group only (each group draws from its own stream ``(seed, stage, g
 so it is the same alone as in the full run). A failure message names the seed, the group,
 the spec, the metadata, the sizes and tiles, and the command that replays it.
 ``JCM_FUZZ_SCALE`` (a float, default 1) scales the number of cases (e.g. 10 for a longer
-local hunt).
+local hunt). ``JCM_FUZZ_LOWP=0`` keeps the attention stage to float32 signatures (by
+default one of the three is bfloat16 and one float16).
 """
 from __future__ import annotations
 
@@ -99,6 +100,19 @@ def _segment_ids(rng, b, n):
                 ids += [_pick(rng, [cur, cur + 1, -1, -2])] * int(rng.integers(1, max(1, n // 2) + 1))
                 cur += 1
             rows.append(ids[:n])
+    return np.array(rows, np.int32)
+
+
+def _contiguous_ids(rng, b, n):
+    """Each id (padding ids too) one run, ids in any order."""
+    rows = []
+    for _ in range(b):
+        cuts = np.sort(rng.choice(np.arange(1, n), size=int(rng.integers(0, min(5, n - 1) + 1)),
+                                  replace=False)) if n > 1 else np.array([], int)
+        values = rng.permutation([0, 1, 2, 3, -1, -2])
+        bounds = [0] + [int(c) for c in cuts] + [n]
+        rows.append([int(values[i]) for i in range(len(bounds) - 1)
+                     for _ in range(bounds[i + 1] - bounds[i])])
     return np.array(rows, np.int32)
 
 
@@ -177,7 +191,8 @@ def _rule(rng, nonlinear, heads, depth=2):
 
 
 def _random_metadata(r, spec, b, nq, nk):
-    """Values over the whole declared ranges of test_lower's metadata a, b, c, v, seg."""
+    """Values over the whole declared ranges of test_lower's metadata a, b, c, v, seg,
+    cseg."""
     md = {}
     for name in spec.metadata:
         if name in ("a", "b"):
@@ -188,6 +203,8 @@ def _random_metadata(r, spec, b, nq, nk):
             md[name] = _ints(r, 0, nq, (b, 2))
         elif name == "seg":
             md[name] = _segment_ids(r, b, max(nq, nk))
+        elif name == "cseg":             # declared contiguous: each id one run
+            md[name] = _contiguous_ids(r, b, max(nq, nk))
         else:  # pragma: no cover
             raise AssertionError(name)
     return md
@@ -289,14 +306,16 @@ def test_fuzz_descriptors():
 _ATT_PER_GROUP = 8
 
 
-# Reduced precision is fuzzed only when asked for (JCM_FUZZ_LOWP=1: bfloat16 and float16
-# signatures). On tiny problems (10-13 keys) the policy's "2 x the dense input-dtype
-# error" bound has failed on random draws: bfloat16 dk at 1.06x (JCM_FUZZ_SEED=4276690935
-# groups 3 and 8), float16 dq at 1.02x (3829743873 group 11) — under one ulp, now
-# covered by the policy's ulp floor — and float16 dq at 1.28x (283758360 group 8, a
-# fallback mask). Whether the last is rounding noise or a real error is open; until it
-# is settled a fresh-seed CI run must not fail on it, so the default run fuzzes float32.
-_LOWP = os.environ.get("JCM_FUZZ_LOWP") == "1"
+# Reduced precision (bfloat16 and float16 signatures) is fuzzed by default; JCM_FUZZ_LOWP=0
+# restricts a run to float32. On tiny problems (10-13 keys) "2 x the dense input-dtype
+# error" alone failed on random draws: bfloat16 dk at 1.06x (JCM_FUZZ_SEED=4276690935
+# groups 3 and 8), float16 dq at 1.02x (3829743873 group 11) and at 1.28x (283758360
+# group 8, a fallback mask). The last was settled as rounding, not a bug: the same
+# backend in float32 is within 6e-7 of the reference; in float16 it lands 1.53 ulp from
+# it where the dense float16 computation lands 0.46 ulp (neighbouring roundings of the
+# rounded P / dS intermediates). The policy's floor is two ulps of the largest reference
+# value (jcompilemask.testing); those seeds pass under it.
+_LOWP = os.environ.get("JCM_FUZZ_LOWP", "1") != "0"
 _SECOND_DTYPE = "bfloat16" if _LOWP else "float32"
 
 
@@ -339,8 +358,9 @@ def _ours(cm, sig):
     def f(md, q, k, v, do):
         desc = cm.instantiate(md, nq, nk, **_tile_kwargs(tiles))
         (out, lse), vjp = jax.vjp(lambda a, b_, c: jcm.mask_attention(
-            a, b_, c, desc, logits_soft_cap=softcap, return_residuals=True), q, k, v)
-        return out, lse, vjp((do, jnp.zeros_like(lse))), desc.as_dense()
+            a, b_, c, desc, logits_soft_cap=softcap, return_residual=True), q, k, v)
+        # lse comes as [B, Nq, Hq] (jax's layout); the references give [B, Hq, Nq].
+        return out, jnp.swapaxes(lse, 1, 2), vjp((do, jnp.zeros_like(lse))), desc.as_dense()
     return jax.jit(f)
 
 

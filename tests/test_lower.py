@@ -247,6 +247,7 @@ B = Scalar("b", max=q_len)
 C = Scalar("c", min=1, max=q_len)
 V = Vector("v", 2, max=q_len)
 SEG = SegmentIds("seg")
+CSEG = SegmentIds("cseg", contiguous=True)     # each id one run (issue 16)
 
 # Atoms linear in k, with bounds over q and metadata (some monotone, some not).
 K_ATOMS = [
@@ -275,6 +276,9 @@ K_ATOMS = [
     lambda c: maximum(k, 0 - 1) < A,          # max(k, -1) is k: k is non-negative
     lambda c: k // (c + 1) <= q // (c + 1),   # k // c atoms solve exactly (issue 16)
     lambda c: k // C >= q // C - 1,
+    lambda c: CSEG.id(k) == CSEG.id(q),       # the run of q's id (contiguous ids)
+    lambda c: CSEG.id(k) != CSEG.id(q - c),
+    lambda c: k < CSEG.start(q) + V[CSEG.id(q)],   # a per-segment vector entry
 ]
 # Row conditions (no k).
 ROW_ATOMS = [
@@ -284,6 +288,8 @@ ROW_ATOMS = [
     lambda c: q % 2 == 0,
     lambda c: q * 2 >= B,
     lambda c: V[1] <= q,
+    lambda c: q == V[0],                      # a special row: keeps the column view
+    lambda c: q == A + c,
 ]
 # k inside a non-linear function: the region keeps a residual predicate (k // 3 == q // 3
 # lowers exactly since issue 16, and stays here as the block spelling next to residuals).
@@ -343,6 +349,19 @@ def random_specs(draw):
     return spec
 
 
+@st.composite
+def contiguous_segment_ids(draw, b, n):
+    """Each id (padding ids too) one run, in any order of ids."""
+    rows = []
+    for _ in range(b):
+        cuts = sorted(draw(st.sets(st.integers(1, n - 1), max_size=min(5, n - 1))))
+        values = draw(st.permutations([0, 1, 2, 3, -1, -2]))
+        bounds = [0] + cuts + [n]
+        rows.append([values[r] for r in range(len(bounds) - 1)
+                     for _ in range(bounds[r + 1] - bounds[r])])
+    return np.array(rows, np.int32)
+
+
 def random_metadata(draw, spec, nq, nk, b, spill=0):
     """Metadata in the declared ranges, or up to ``spill`` outside them (jit only)."""
     md = {}
@@ -359,6 +378,8 @@ def random_metadata(draw, spec, nq, nk, b, spill=0):
                                               min_size=b, max_size=b)), np.int32)
         elif name == "seg":
             md[name] = draw(segment_ids(b, max(nq, nk)))
+        elif name == "cseg":
+            md[name] = draw(contiguous_segment_ids(b, max(nq, nk)))
         else:  # pragma: no cover
             raise AssertionError(name)
     return md

@@ -222,7 +222,7 @@ def plan_mask(mask, metadata, *, is_causal, window, query_seq_lengths, key_value
     if isinstance(mask, DenseMask):
         if not extras:
             return MaskPlan(mask=mask, metadata=metadata)
-        if mask.batched:
+        if getattr(mask, "METADATA", None):
             raise ValueError(f"{type(mask).__name__} reads metadata; combine is_causal, "
                              "local_window_size and sequence lengths into its array instead")
         mask = jnp.asarray(mask.array)                 # combine as a dense array below

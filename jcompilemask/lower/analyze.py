@@ -26,6 +26,8 @@ Steps (paper §3.2.2, extended by issue 16):
    provably overlap or touch wherever both hold. A slot holds the union of its active
    intervals, so K (the slots of a region) is the most runs a row can need, not the
    number of conjuncts: an HSTU spelled as one region with row conditions lowers to K = 2.
+   Intervals of disjoint mask heads are not grouped: the per-head assignment of the
+   groups to table slots (:mod:`.slots`) gives each head its own K.
 
 The backward (per key column) view needs, per interval, bounds non-decreasing in ``q``
 and row conditions that select a contiguous row range (atoms free of ``q``, or linear in
@@ -47,6 +49,7 @@ import sympy as sp
 
 from ..spec.expr import (TRUE, And, BinOp, BoolConst, Cmp, Const, Expr, Index, Not, Or,
                          Pred, kv_len, maximum, minimum, walk)
+from .segments import rewrite_id_atoms
 from .symbolic import (CONST, INC, _lin, _from_lin, linear_coeff, lin_normalize, monotone,
                        provably_le)
 
@@ -324,6 +327,19 @@ def solve_k(atom: Cmp, spec, _depth: int = 0):
     return solve_k(inner, spec, _depth + 1)
 
 
+def _row_bounds(atom, spec):
+    """A row condition linear in ``q`` as row bounds [("lo", L) / ("hi", U)], or None.
+
+    ``q == e`` (a row equal to a metadata value: a special token's row) is the range
+    ``[e, e + 1)``: both of its ordered halves, so the column view keeps it."""
+    if not isinstance(atom, Cmp):
+        return None
+    halves = ([Cmp("<=", atom.a, atom.b), Cmp(">=", atom.a, atom.b)] if atom.op == "=="
+              else [atom])
+    out = [_solve(c, "q", spec) for c in halves]
+    return None if any(s is None for s in out) else out
+
+
 def BinOpSub(a: Expr, b: Expr) -> Expr:
     return lin_normalize(a - b)
 
@@ -362,13 +378,15 @@ def _make_interval(lo, hi, conds, residual, spec) -> Interval:
         if not _uses(atom, "q"):
             flags.append(atom)
             continue
-        s = _solve(atom, "q", spec) if isinstance(atom, Cmp) else None
-        if s is None:
+        bounds = _row_bounds(atom, spec)
+        if bounds is None:
             bwd_ok = False
-        elif s[0] == "lo":
-            q_lo = s[1] if q_lo is None else maximum(q_lo, s[1])
-        else:
-            q_hi = s[1] if q_hi is None else minimum(q_hi, s[1])
+            continue
+        for side, b in bounds:
+            if side == "lo":
+                q_lo = b if q_lo is None else maximum(q_lo, b)
+            else:
+                q_hi = b if q_hi is None else minimum(q_hi, b)
     if not (monotone(lo) in (CONST, INC) and monotone(hi) in (CONST, INC)):
         bwd_ok = False
     return Interval(lo, hi, cond, q_lo, q_hi, And.of(*flags), bwd_ok, residual)
@@ -444,13 +462,22 @@ def _slot_compatible(a: Interval, b: Interval, spec, region) -> bool:
 
 
 def _assign_slots(ivs: list[Interval], spec, region) -> tuple[tuple[int, ...], ...]:
-    """Greedy packing of the intervals into forward-table slots (see the module doc):
-    every pair in a slot is compatible, so the active members of a slot form one
-    interval on every row (pairwise-touching intervals have a connected union)."""
+    """Greedy packing of the intervals into forward-table slot groups (see the module
+    doc): every pair in a group is compatible, so the active members of a group form one
+    interval on every row (pairwise-touching intervals have a connected union).
+
+    An interval joins a group only if some member can hold on one of its mask heads:
+    intervals of disjoint heads need no union, the per-head slot assignment
+    (:mod:`.slots`, run over these groups by :class:`~.compiled.CompiledMask`) puts them
+    in one table slot anyway."""
+    from .slots import head_support
+    hm = getattr(spec, "mask_heads", 1) or 1
+    heads = [set(head_support(iv.cond, hm)) for iv in ivs]
     slots: list[list[int]] = []
     for i, iv in enumerate(ivs):
         for s in slots:
-            if all(_slot_compatible(ivs[j], iv, spec, region) for j in s):
+            if (any(heads[i] & heads[j] for j in s)
+                    and all(_slot_compatible(ivs[j], iv, spec, region) for j in s)):
                 s.append(i)
                 break
         else:
@@ -460,7 +487,8 @@ def _assign_slots(ivs: list[Interval], spec, region) -> tuple[tuple[int, ...], .
 
 def lower_region(region, spec) -> LoweredRegion:
     """Lower ``region.visible`` to intervals: hulls, residuals and slots."""
-    nnf = _nnf(region.visible, spec)
+    # seg.id(k) == seg.id(q) first: one run of contiguous ids (lower/segments.py)
+    nnf = _nnf(rewrite_id_atoms(region.visible), spec)
     conjuncts = _dnf(nnf)
     if conjuncts is None:
         iv = _make_interval(Const(0), kv_len, [], nnf, spec)

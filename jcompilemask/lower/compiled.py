@@ -7,10 +7,11 @@ from typing import Mapping, Optional, Protocol
 import jax.numpy as jnp
 
 from ..spec.evaluate import Env, evaluate
-from ..spec.expr import BoolConst
+from ..spec.expr import And, BoolConst, Or
 from ..spec.maskspec import MaskSpec
 from .analyze import LoweredRegion, lower_region
 from .descriptor import ExecutionDescriptor, TileConfig
+from .slots import assign_slots, head_support
 
 __all__ = ["CompiledMask", "compile", "resolve_tiles", "DEFAULT_TILES", "Planner",
            "install_planner", "planner"]
@@ -93,8 +94,9 @@ def region_backend(cm, g: int) -> str:
     lr = cm.regions[g]
     if lr.has_residual:
         return f"xla ({RESIDUAL_REASON})"
-    if lr.num_slots > CUTE_MAX_INTERVALS:
-        return (f"xla (K = {lr.num_slots} intervals per row: the cute kernels unroll up to "
+    k_g = cm.region_num_slots[g]
+    if k_g > CUTE_MAX_INTERVALS:
+        return (f"xla (K = {k_g} intervals per row: the cute kernels unroll up to "
                 f"{CUTE_MAX_INTERVALS})")
     others = [i for i in cm.residual_regions if i != g]
     if others:
@@ -112,19 +114,26 @@ class CompiledMask:
     Attributes:
       spec: the source :class:`MaskSpec`.
       regions: one :class:`LoweredRegion` per region: its intervals (hull + residual
-        predicate each) and their forward-table slots.
+        predicate each) and their slot groups (``lr.slots``).
       residual_regions: the regions whose intervals keep a residual predicate (atoms that
         are not intervals in ``k``, e.g. ``k % 2 == 0``); ``fallback_regions`` is the
         same tuple under its former name. Their hulls are in the interval tables, the
         residuals are evaluated per element in partial tiles by the ``xla`` backend; the
         CuTe kernels and the TileLang preprocess refuse such masks.
-      num_intervals: K, forward intervals (slots) per row (max over regions, at least
-        1): the most ranges of keys one query row sees. Intervals whose row conditions
-        exclude each other, or that overlap, share a slot.
+      num_intervals: K, forward intervals (slots) per row (max over regions and mask
+        heads, at least 1): the most ranges of keys one query row sees. Intervals whose
+        row conditions exclude each other, or that overlap, form one slot group; a group
+        takes a table slot only in the heads where some member can hold.
       num_bwd_intervals: Kc, backward intervals per key column (0: no column view): the
-        most ranges of query rows that see one key. The *column view* is that table, per
-        key instead of per row; the backward pass, which holds a key tile and streams
-        query tiles, reads it.
+        most ranges of query rows that see one key (max over mask heads). The *column
+        view* is that table, per key instead of per row; the backward pass, which holds
+        a key tile and streams query tiles, reads it. Every lowered interval has its own
+        column interval (residuals are applied to it as to rows).
+      fwd_slots, bwd_slots: ``{(region, interval): ((slot, heads or None), ...)}``, the
+        table slot each lowered interval writes, per head (:mod:`.slots`). In
+        ``fwd_slots`` the members of one slot group have their group's assignment (the
+        group writes the union of its active members there).
+      region_num_slots: per region, the forward slots it uses (max over heads).
 
     >>> import jcompilemask as jcm
     >>> cm = jcm.compile(jcm.masks.causal())
@@ -144,15 +153,36 @@ class CompiledMask:
     def __init__(self, spec: MaskSpec, regions: tuple[LoweredRegion, ...]):
         self.spec = spec
         self.regions = regions
-        self.num_intervals = max([r.num_slots for r in regions] + [1])
         self.residual_regions = tuple(i for i, r in enumerate(regions) if r.has_residual)
         # The former name: regions not served by the interval tables alone (the GPU
         # kernels and the TileLang preprocess refuse them; the xla backend serves them).
         self.fallback_regions = self.residual_regions
         self.shares_slots = any(r.shares_slots for r in regions)
         self.has_column_view = bool(regions) and all(r.bwd_ok for r in regions)
-        self.num_bwd_intervals = (sum(len(r.intervals) for r in regions)
-                                  if self.has_column_view else 0)
+        # Two slot systems composed: a region's slot groups (lr.slots: intervals that
+        # exclude each other or touch, one run per row) are the units of the per-head
+        # assignment (lower/slots.py): a group is live on the union of its members' head
+        # supports, so K is the max over regions and heads of the groups live there.
+        hm = spec.mask_heads
+        support = {(g, i): head_support(iv.cond, hm) for g, r in enumerate(regions)
+                   for i, iv in enumerate(r.intervals)}
+        self.fwd_slots, k_max, self.region_num_slots = {}, 1, []
+        for g, r in enumerate(regions):
+            units = [tuple(sorted(set().union(*[support[g, i] for i in members])))
+                     for members in r.slots]
+            n, slots = assign_slots(units, hm)
+            k_max = max(k_max, n)
+            self.region_num_slots.append(n)
+            for members, sl in zip(r.slots, slots):
+                self.fwd_slots.update({(g, i): sl for i in members})
+        self.region_num_slots = tuple(self.region_num_slots)
+        self.num_intervals = k_max
+        # The column view: one column interval per lowered interval (residual or not),
+        # per head over all regions: Kc is the max over heads, not the sum.
+        keys = sorted(support)
+        n, slots = assign_slots([support[x] for x in keys], hm)
+        self.bwd_slots = dict(zip(keys, slots))
+        self.num_bwd_intervals = n if self.has_column_view else 0
         if self.has_column_view and self.num_bwd_intervals == 0:
             self.has_column_view = False
 
@@ -170,8 +200,12 @@ class CompiledMask:
         (q - k) % 2 == 0
         """
         lr = self.regions[region]
-        from ..spec.expr import TRUE
-        return lr.slot_residual(slot) if slot < lr.num_slots else TRUE
+        units = []                  # (slot group, heads or None) written to this slot
+        for m, members in enumerate(lr.slots):
+            for s, heads in self.fwd_slots[region, members[0]]:
+                if s == slot:
+                    units.append((lr.slot_residual(m), heads))
+        return _per_head_residual(units)
 
     # -- identity (static data of jit / descriptor aux) ---------------------------------
     def key(self):
@@ -224,20 +258,26 @@ class CompiledMask:
                  "which the backward pass walks key by key)"]
         for i, (r, lr) in enumerate(zip(s.regions, self.regions)):
             label = f" {r.name!r}" if r.name else ""
+            nk = self.region_num_slots[i]
             lines.append(f"  region {i}{label}: rows [{r.rows[0]}, {r.rows[1]}): "
-                         f"{len(lr.intervals)} interval(s) in {lr.num_slots} slot(s)")
+                         f"{len(lr.intervals)} interval(s) in {nk} slot(s)")
             if not lr.intervals:
                 lines.append("    sees nothing")
+            per_head = any(hd is not None for m in range(len(lr.intervals))
+                           for _, hd in self.fwd_slots[i, m])
             for m, iv in enumerate(lr.intervals):
-                lines.append(f"    interval {m}: k in {iv}")
+                where = f"  (slot {_slot_label(self.fwd_slots[i, m])})" if per_head else ""
+                lines.append(f"    interval {m}: k in {iv}{where}")
             for m, members in enumerate(lr.slots):
                 if len(members) > 1:
-                    lines.append(f"    slot {m} holds intervals {list(members)} (their row "
+                    lines.append(f"    slot {_slot_label(self.fwd_slots[i, members[0]])} "
+                                 f"holds intervals {list(members)} (their row "
                                  "conditions exclude each other, or they overlap: one run)")
-            for m in range(lr.num_slots):
+            for m, members in enumerate(lr.slots):
                 res = lr.slot_residual(m)
                 if not (isinstance(res, BoolConst) and res.value):
-                    where = "" if lr.num_slots == 1 else f" (slot {m})"
+                    where = ("" if nk == 1 and not per_head else
+                             f" (slot {_slot_label(self.fwd_slots[i, members[0]])})")
                     lines.append(f"    residual predicate{where}: {res}")
             lines.append(f"    backend: {region_backend(self, i)}")
             if lr.bwd_reason:
@@ -333,14 +373,20 @@ class CompiledMask:
         out = evaluate(pred, env)
         return jnp.broadcast_to(out, out.shape[:2] + (rows.shape[0], cols.shape[0]))
 
+    def column_residual(self, slot: int):
+        """The residual predicate of column-view slot ``slot`` (per head, that of the
+        interval written there: ``bwd_slots``); ``TRUE`` where it is exact."""
+        units = [(self.regions[g].intervals[i].residual, heads)
+                 for (g, i), sl in self.bwd_slots.items() for c, heads in sl if c == slot]
+        return _per_head_residual(units)
+
     def slot_residuals(self, desc: ExecutionDescriptor, rows, cols, view: str = "fwd"):
         """None when no slot has a residual; else bool [B|1, Hm|1, R, C, S] to AND with
         the per-slot interval check: S = K forward slots (``view`` "fwd": per row, the
-        residual of its region's slot) or Kc column intervals ("bwd": column interval
-        ``c`` is interval ``i`` of region ``g``, in region order)."""
+        residual of its region's slot, :meth:`residual`) or Kc column slots ("bwd":
+        :meth:`column_residual`)."""
         if not self.residual_regions:
             return None
-        from ..spec.expr import TRUE
         r = jnp.clip(rows, 0, desc.q_len - 1)
         region = desc.row_region[:, r][:, None, :, None]             # [B, 1, R, 1]
         one = jnp.ones((1, 1, rows.shape[0], cols.shape[0]), bool)
@@ -356,13 +402,33 @@ class CompiledMask:
                                                                           cols))
                 out.append(acc)
         else:
-            for lr in self.regions:
-                for iv in lr.intervals:
-                    res = iv.residual if iv.has_residual else TRUE
-                    out.append(one if res is TRUE else
-                               self.residual_visibility(res, desc, rows, cols))
+            for c in range(self.num_bwd_intervals):
+                res = self.column_residual(c)
+                out.append(one if isinstance(res, BoolConst) and res.value else
+                           self.residual_visibility(res, desc, rows, cols))
         shape = jnp.broadcast_shapes(*[x.shape for x in out])
         return jnp.stack([jnp.broadcast_to(x, shape) for x in out], -1)
+
+
+def _slot_label(sl) -> str:
+    """A slot assignment ((slot, heads or None), ...) as text: "0", "1 (heads [2, 3])"."""
+    if not sl:
+        return "none (no head can see it)"
+    return ", ".join(f"{c}" if hd is None else f"{c} (heads {list(hd)})" for c, hd in sl)
+
+
+def _per_head_residual(units):
+    """The residual of one table slot written by ``units`` ((residual, heads or None),
+    at most one unit per head): ``TRUE`` when every unit is exact, a unit's residual
+    when it holds the slot on every head, else per head ``(h == x) & residual``."""
+    from ..spec.expr import TRUE, Index
+    if all(isinstance(r, BoolConst) and r.value for r, _ in units):
+        return TRUE
+    if len(units) == 1 and units[0][1] is None:
+        return units[0][0]
+    h = Index("h")
+    return Or.of(*[And.of(Or.of(*[h == x for x in heads]) if heads is not None else TRUE, r)
+                   for r, heads in units])
 
 
 @functools.lru_cache(maxsize=256)

@@ -58,25 +58,27 @@ def _pack_bits(mask: np.ndarray) -> np.ndarray:
 
 
 def _bitmap_tile_states(mask: np.ndarray, bq: int, bk: int) -> np.ndarray:
-    """uint8 [1, Hm, Tq, Tk] tile states of a bool [Hm, Nq, Nk] mask (exact)."""
-    hm, nq, nk = mask.shape
+    """uint8 [B, Hm, Tq, Tk] tile states of a bool [B, Hm, Nq, Nk] mask (exact)."""
+    b, hm, nq, nk = mask.shape
     tq, tk = -(-nq // bq), -(-nk // bk)
-    out = np.zeros((1, hm, tq, tk), np.uint8)
+    out = np.zeros((b, hm, tq, tk), np.uint8)
     inside = np.zeros((tq * bq, tk * bk), np.bool_)
     inside[:nq, :nk] = True
     inside = inside.reshape(tq, bq, tk, bk)
-    for h in range(hm):                       # one head at a time bounds the memory
-        pad = np.zeros((tq * bq, tk * bk), np.bool_)
-        pad[:nq, :nk] = mask[h]
-        pad = pad.reshape(tq, bq, tk, bk)
-        vis = pad.any(axis=(1, 3))
-        masked = (inside & ~pad).any(axis=(1, 3))
-        out[0, h] = vis * COMPUTE + masked * MASKED
+    for i in range(b):
+        for h in range(hm):                   # one head at a time bounds the memory
+            pad = np.zeros((tq * bq, tk * bk), np.bool_)
+            pad[:nq, :nk] = mask[i, h]
+            pad = pad.reshape(tq, bq, tk, bk)
+            vis = pad.any(axis=(1, 3))
+            masked = (inside & ~pad).any(axis=(1, 3))
+            out[i, h] = vis * COMPUTE + masked * MASKED
     return out
 
 
 class DenseMask(CompiledMask):
-    """A static mask compiled from a boolean array [Hm, Nq, Nk].
+    """A static mask compiled from a boolean array [Hm, Nq, Nk], or [B, Hm, Nq, Nk] for
+    one mask per sequence of the batch (see :func:`from_dense`).
 
     Two layouts, chosen by the most runs of visible keys in a row (K):
 
@@ -87,13 +89,17 @@ class DenseMask(CompiledMask):
       does not grow with the number of runs. The interval tables are empty and the mask
       counts as one fallback region (every row), so the CuTe kernels leave it to ``xla``.
 
-    Descriptors are constants (no metadata); tile states are exact in both layouts.
+    Descriptors are constants (no metadata; B = 1, or the mask's batch for a per-sequence
+    mask); tile states are exact in both layouts. ``array`` is the mask as given
+    ([Hm, Nq, Nk], or [B, Hm, Nq, Nk] when per sequence).
     """
 
     def __init__(self, mask: np.ndarray, name: str | None = None, layout: str = "auto"):
         if layout not in ("auto", "intervals", "bitmap"):
             raise ValueError(f"layout must be 'auto', 'intervals' or 'bitmap', got {layout!r}")
         self.array = mask
+        mask = mask if mask.ndim == 4 else mask[None]          # [B, Hm, Nq, Nk]
+        self.batch_array = mask
         self.name = name
         self.spec = None
         self.regions = ()
@@ -127,15 +133,20 @@ class DenseMask(CompiledMask):
 
     @property
     def batched(self):
-        return False
+        """True for one mask per sequence (B > 1); the descriptor's batch is then B."""
+        return self.batch_array.shape[0] > 1
+
+    @property
+    def batch(self) -> int:
+        return self.batch_array.shape[0]
 
     @property
     def mask_heads(self):
-        return self.array.shape[0]
+        return self.batch_array.shape[1]
 
     def as_dense(self):
-        """bool [1, Hm, Nq, Nk]: the array this mask was built from."""
-        return jnp.asarray(self.array)[None]
+        """bool [B, Hm, Nq, Nk] (B = 1 unless per sequence): the array it was built from."""
+        return jnp.asarray(self.batch_array)
 
     def explain(self):
         if self.layout == "bitmap":
@@ -162,7 +173,7 @@ class DenseMask(CompiledMask):
 
     def _bitmap_states(self, bq, bk):
         if (bq, bk) not in self._states:
-            self._states[bq, bk] = _bitmap_tile_states(self.array, bq, bk)
+            self._states[bq, bk] = _bitmap_tile_states(self.batch_array, bq, bk)
         return self._states[bq, bk]
 
     def _empty_tables(self, b, q_len, kv_len):
@@ -176,34 +187,35 @@ class DenseMask(CompiledMask):
             raise ValueError("a mask from from_dense takes no metadata")
         q_len, kv_len = self._lengths(q_len, kv_len)
         tiles = resolve_tiles(block_q, block_kv, bwd_block_q, bwd_block_kv)
+        b = self.batch
         if self.layout == "bitmap":
-            fwd, bwd = self._empty_tables(1, q_len, kv_len)
+            fwd, bwd = self._empty_tables(b, q_len, kv_len)
             f_st = self._bitmap_states(tiles.block_q, tiles.block_kv)
             b_st = self._bitmap_states(tiles.bwd_block_q, tiles.bwd_block_kv)
             return ExecutionDescriptor(
                 fwd, bwd, pack_tiles(jnp.asarray(f_st)),
                 pack_tiles(jnp.asarray(np.swapaxes(b_st, -1, -2))),
-                jnp.zeros((1, q_len), jnp.int32), jnp.zeros((1,), bool),
-                {BITMAP_KEY: jnp.asarray(self._words)[None]},
+                jnp.zeros((b, q_len), jnp.int32), jnp.zeros((b,), bool),
+                {BITMAP_KEY: jnp.asarray(self._words)},
                 mask=self, q_len=q_len, kv_len=kv_len, tiles=tiles)
         from .preprocess import tile_states_from_intervals
-        fs = jnp.asarray(self._fs)[None]
-        fl = jnp.asarray(self._fl)[None]
+        fs = jnp.asarray(self._fs)
+        fl = jnp.asarray(self._fl)
         fwd = jnp.stack([fs, fl], -1)
-        bwd = jnp.stack([jnp.asarray(self._bs)[None], jnp.asarray(self._bl)[None]], -1)
+        bwd = jnp.stack([jnp.asarray(self._bs), jnp.asarray(self._bl)], -1)
         f_st = tile_states_from_intervals(fs, fl, q_len, kv_len, tiles.block_q, tiles.block_kv)
         b_st = tile_states_from_intervals(fs, fl, q_len, kv_len, tiles.bwd_block_q,
                                           tiles.bwd_block_kv)
         return ExecutionDescriptor(
             fwd, bwd, pack_tiles(f_st), pack_tiles(jnp.swapaxes(b_st, -1, -2)),
-            jnp.zeros((1, q_len), jnp.int32), jnp.ones((1,), bool), {},
+            jnp.zeros((b, q_len), jnp.int32), jnp.ones((b,), bool), {},
             mask=self, q_len=q_len, kv_len=kv_len, tiles=tiles)
 
     def fallback_visibility(self, desc: ExecutionDescriptor, rows, cols):
-        """bool [1, Hm, R, C]: the bitmap's bits (bitmap layout; False otherwise)."""
+        """bool [B, Hm, R, C]: the bitmap's bits (bitmap layout; False otherwise)."""
         if self.layout != "bitmap":
             return jnp.zeros((), bool)
-        words = desc.metadata[BITMAP_KEY]                                # [1, Hm, Nq, W]
+        words = desc.metadata[BITMAP_KEY]                                # [B, Hm, Nq, W]
         r = jnp.clip(rows, 0, desc.q_len - 1)
         c = jnp.clip(cols, 0, desc.kv_len - 1)
         w = jnp.take(words[:, :, r], c // _WORD, axis=-1)                # [1, Hm, R, C]
@@ -233,6 +245,10 @@ class SegmentedDenseMask(DenseMask):
     METADATA = ("q_segment_ids", "kv_segment_ids")
 
     def __init__(self, mask: np.ndarray, name: str | None = None):
+        if mask.ndim != 3:
+            raise ValueError(f"SegmentedDenseMask takes one mask [Hm, Nq, Nk] for every "
+                             f"sequence (the segment ids vary per sequence), got shape "
+                             f"{mask.shape}")
         super().__init__(mask, name, layout="bitmap")
 
     def key(self):
@@ -241,6 +257,10 @@ class SegmentedDenseMask(DenseMask):
     @property
     def batched(self):
         return True
+
+    @property
+    def batch(self) -> int:
+        return 1
 
     def explain(self):
         return super().explain() + "; AND q_segment_ids == kv_segment_ids (metadata)"
@@ -278,7 +298,7 @@ class SegmentedDenseMask(DenseMask):
         sq, skv = self._segments(metadata, q_len, kv_len)
         b = sq.shape[0]
         fwd, bwd = self._empty_tables(b, q_len, kv_len)
-        meta = {BITMAP_KEY: jnp.asarray(self._words)[None], self.METADATA[0]: sq,
+        meta = {BITMAP_KEY: jnp.asarray(self._words), self.METADATA[0]: sq,
                 self.METADATA[1]: skv}
         desc = ExecutionDescriptor(fwd, bwd, None, None, jnp.zeros((b, q_len), jnp.int32),
                                    jnp.zeros((b,), bool), meta, mask=self, q_len=q_len,
@@ -300,21 +320,63 @@ class SegmentedDenseMask(DenseMask):
         return bits & same
 
 
-def from_dense(mask, name: str | None = None, *, layout: str = "auto") -> DenseMask:
-    """Compile a fixed boolean mask, [Nq, Nk] or [H, Nq, Nk], into interval tables (or,
-    past 8 runs in a row, a bitmap: ``layout`` "auto", "intervals" or "bitmap"; see
-    :class:`DenseMask`).
+def from_dense(mask, name: str | None = None, *, layout: str = "auto",
+               batched: bool = False) -> DenseMask:
+    """Compile a fixed boolean mask into interval tables (or, past 8 runs in a row, a
+    bitmap: ``layout`` "auto", "intervals" or "bitmap"; see :class:`DenseMask`).
+
+    Shape contract of ``mask`` (True = attend):
+
+    ===========================  ===================  =================================
+    ``mask``                     ``batched``          meaning
+    ===========================  ===================  =================================
+    [Nq, Nk]                     False (default)      one mask for every sequence, head
+    [H, Nq, Nk]                  False (default)      one mask per head (``Hm = H``)
+    [B, Nq, Nk]                  True                 one mask per sequence of the batch
+    [B, H, Nq, Nk]               True                 per sequence and head
+    ===========================  ===================  =================================
+
+    A per-sequence mask's descriptor has batch ``B``, which must equal the attention
+    batch (or be 1); K is the most runs in any row of any sequence. The descriptor is a
+    constant: a mask that changes every step is better written as a MaskSpec with
+    metadata (a dense [B, Nq, Nk] costs O(B * Nq * Nk) host work per distinct mask).
 
     >>> import numpy as np, jcompilemask as jcm
     >>> m = jcm.from_dense(np.tril(np.ones((4, 4), bool)))
     >>> m.num_intervals, m.num_bwd_intervals
     (1, 1)
+    >>> per_seq = np.stack([np.tril(np.ones((4, 4), bool)), np.ones((4, 4), bool)])
+    >>> m = jcm.from_dense(per_seq, batched=True)            # [B=2, Nq, Nk]
+    >>> d = m.instantiate(None, 4, 4, block_q=2, block_kv=2, bwd_block_q=2, bwd_block_kv=2)
+    >>> d.batch, d.mask_heads, bool(d.as_dense()[1, 0].all())
+    (2, 1, True)
     """
+    if not isinstance(batched, (bool, np.bool_)):
+        raise TypeError(f"from_dense(batched=...) must be True or False, got {batched!r}")
+    if hasattr(mask, "dtype") and hasattr(mask, "shape"):
+        import jax
+        if isinstance(mask, jax.core.Tracer):
+            raise TypeError("from_dense(mask): mask must be a concrete boolean array (numpy "
+                            "or an evaluated jax array), not a traced value: the mask is "
+                            "compiled on the host. Build it outside jit, or write it as a "
+                            "MaskSpec with metadata")
     arr = np.asarray(mask)
     if arr.dtype != bool:
-        raise TypeError(f"from_dense takes a boolean array, got dtype {arr.dtype}")
-    if arr.ndim == 2:
+        raise TypeError(f"from_dense(mask): mask must be a boolean array (True = attend), "
+                        f"got dtype {arr.dtype}; pass e.g. mask.astype(bool)")
+    want = ("[B, Nq, Nk] or [B, H, Nq, Nk]" if batched else
+            "[Nq, Nk] or [H, Nq, Nk]; for one mask per sequence pass [B, Nq, Nk] or "
+            "[B, H, Nq, Nk] with batched=True")
+    ndim = arr.ndim
+    if batched and ndim == 3:
+        arr = arr[:, None]
+    elif not batched and ndim == 2:
         arr = arr[None]
-    if arr.ndim != 3 or min(arr.shape) < 1:
-        raise ValueError(f"from_dense takes [Nq, Nk] or [H, Nq, Nk], got shape {arr.shape}")
+    if ndim not in ((3, 4) if batched else (2, 3)):
+        raise ValueError(f"from_dense(mask{', batched=True' if batched else ''}): mask must "
+                         f"be {want}, got shape {arr.shape}")
+    if min(arr.shape) < 1:
+        raise ValueError(f"from_dense(mask): mask has an empty axis, shape {arr.shape}")
+    if arr.ndim == 4 and arr.shape[0] == 1:
+        arr = arr[0]                                   # one mask for every sequence
     return DenseMask(np.ascontiguousarray(arr), name, layout)

@@ -104,9 +104,38 @@ def fallback_message(spec, index: int, reason: str) -> str:
             whole = "" if rule.key() == fixed.key() else f" (the whole rule: `{rule}`)"
             return msg + f" Rewrite `{atom}` as `{fixed}`{whole}: it lowers to intervals."
         return msg + f" `{atom}` can be written `{fixed}`, but the rule still falls back."
+    seg_hint = _key_id_hint(spec, atom)
+    if seg_hint:
+        return msg + seg_hint
     return msg + (" To stay on the interval path, write the rule with k alone (or k // c) "
                   "on one side of each comparison, against bounds of q and metadata "
                   "(floor division and % of q are fine).")
+
+
+def _key_id_hint(spec, atom) -> str:
+    """The hint for an atom that reads ``seg.id(k)`` (the key's segment id)."""
+    from ..spec.metadata import SegRead
+    from .segments import key_id_read
+    if atom is None:
+        return ""
+    reads = [n for n in walk(atom) if key_id_read(n)]
+    if not reads:
+        return ""
+    seg = reads[0].decl
+    name = seg.name
+    if not seg.contiguous:
+        return (f" `{name}.id(k) == {name}.id(q)` lowers to one interval per row when every "
+                f"id occupies one contiguous run of tokens (sorted ids do): declare "
+                f"SegmentIds({name!r}, contiguous=True) if your ids are laid out so (it is "
+                f"checked on concrete metadata), or write the token's own run as "
+                f"`(k >= {name}.start(q)) & (k < {name}.end(q))` (padding sees nothing).")
+    same = any(isinstance(n, SegRead) and n.field == "id" and n.decl.name == name
+               and not _uses_k(n.pos) for n in walk(atom))
+    if same:
+        return ""
+    return (f" Of the comparisons that read the key's id, only `{name}.id(k) == "
+            f"{name}.id(e)` and `!=` (e free of k) lower (to the run of e); others are "
+            "evaluated per element.")
 
 
 def warn_fallbacks(cm, stacklevel: int = 3):

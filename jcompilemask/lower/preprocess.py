@@ -9,6 +9,7 @@ states: see :func:`tile_states_from_intervals`).
 """
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -92,17 +93,20 @@ def tile_states_from_intervals(starts, lens, q_len, kv_len, bq, bk, exact=None):
     f_hi = jnp.where(ge == kv_len, tk, ge // bk)
     f_ok = ok & (f_hi > f_lo)
 
-    bi = jnp.arange(b, dtype=I32)[:, None, None, None]
-    hi_ = jnp.arange(hm, dtype=I32)[None, :, None, None]
-    ti = (jnp.arange(nq, dtype=I32) // bq)[None, None, :, None]
+    ti = (jnp.arange(nq, dtype=I32) // bq)[:, None]
     one = ok.astype(I32)
     fone = f_ok.astype(I32)
 
     def diff(lo_i, hi_i, w):
-        d = jnp.zeros((b, hm, tq, tk + 1), I32)
-        d = d.at[bi, hi_, ti, jnp.where(w > 0, lo_i, 0)].add(w)
-        d = d.at[bi, hi_, ti, jnp.where(w > 0, hi_i, 0)].add(-w)
-        return jnp.cumsum(d, axis=-1)[..., :tk]
+        # vmapped over (batch, mask head): the scatters carry those as batching dims, so
+        # under a batch-sharded jit each device scatters into its own sequences (an
+        # explicit batch index would make XLA all-reduce the whole table).
+        def one_row_block(lo_r, hi_r, w_r):                  # [Nq, K] -> [Tq, Tk]
+            d = jnp.zeros((tq, tk + 1), I32)
+            d = d.at[ti, jnp.where(w_r > 0, lo_r, 0)].add(w_r)
+            d = d.at[ti, jnp.where(w_r > 0, hi_r, 0)].add(-w_r)
+            return jnp.cumsum(d, axis=-1)[..., :tk]
+        return jax.vmap(jax.vmap(one_row_block))(lo_i, hi_i, w)
 
     touched = diff(t_lo, t_hi, one)
     covered = diff(f_lo, f_hi, fone)
@@ -157,6 +161,8 @@ def build_descriptor(cm, metadata, q_len: int, kv_len: int, tiles: TileConfig):
             hi = jnp.clip(_bcast(evaluate(iv.hi, env), shape), 0, kv_len)
             endpoints[g, i] = (lo, hi)
         for m, members in enumerate(lr.slots):
+            # One slot group (lr.slots[m]): a single interval, or intervals whose row
+            # conditions exclude each other or that touch wherever both hold.
             if len(members) == 1:
                 lo, hi = endpoints[g, members[0]]
                 ok = mine & _bcast(evaluate(lr.intervals[members[0]].cond, env),
@@ -164,8 +170,7 @@ def build_descriptor(cm, metadata, q_len: int, kv_len: int, tiles: TileConfig):
                 ln = jnp.where(ok, jnp.maximum(hi - lo, 0), 0)
                 st_m = jnp.where(ln > 0, lo, 0)
             else:
-                # The members' row conditions exclude each other, or the members touch
-                # wherever both hold: the union of the active non-empty ones is one run.
+                # The union of the active non-empty members is one run.
                 s_lo, s_hi = big, jnp.zeros(shape, I32)
                 for i in members:
                     lo, hi = endpoints[g, i]
@@ -175,11 +180,16 @@ def build_descriptor(cm, metadata, q_len: int, kv_len: int, tiles: TileConfig):
                     s_hi = jnp.maximum(s_hi, jnp.where(act, hi, 0))
                 ln = jnp.where(mine, jnp.maximum(s_hi - s_lo, 0), 0)
                 st_m = jnp.where(ln > 0, s_lo, 0)
-            starts[m] = jnp.where(mine, st_m, starts[m])
-            lens[m] = jnp.where(mine, ln, lens[m])
             res = lr.slot_residual(m)
-            if not (isinstance(res, BoolConst) and res.value):
-                exact[m] = exact[m] & ~mine
+            inexact = not (isinstance(res, BoolConst) and res.value)
+            # The group's table slot per head (lower/slots.py; every member has the
+            # group's assignment).
+            for s, heads in cm.fwd_slots[g, members[0]]:
+                sel = mine & _heads_mask(heads, hm)
+                starts[s] = jnp.where(sel, st_m, starts[s])
+                lens[s] = jnp.where(sel, ln, lens[s])
+                if inexact:
+                    exact[s] = exact[s] & ~sel
     st = jnp.stack(starts, -1)
     ln = jnp.stack(lens, -1)
     fwd_intervals = jnp.stack([st, ln], -1)                           # [B, Hm, Nq, K, 2]
@@ -207,6 +217,13 @@ def build_descriptor(cm, metadata, q_len: int, kv_len: int, tiles: TileConfig):
     return desc
 
 
+def _heads_mask(heads, hm):
+    """bool [1, Hm, 1]: the mask heads of a slot assignment (None: every head)."""
+    if heads is None:
+        return jnp.ones((1, hm, 1), bool)
+    return jnp.isin(jnp.arange(hm, dtype=I32), jnp.asarray(heads, I32)).reshape(1, hm, 1)
+
+
 def _column_intervals(cm, env, meta, endpoints, q_len, kv_len, b, hm):
     """Per key column, the rows that see it, one (start, len) per (region, interval).
 
@@ -220,10 +237,8 @@ def _column_intervals(cm, env, meta, endpoints, q_len, kv_len, b, hm):
     _, _, eff_lo, eff_hi, nested = region_row_ranges(spec, meta, q_len, kv_len)
     qs = jnp.arange(q_len, dtype=I32)[None, None, :]
     big = kv_len + 1
-    bi = jnp.arange(b, dtype=I32)[:, None, None]
-    hi_ = jnp.arange(hm, dtype=I32)[None, :, None]
     shape3 = (b, hm, 1)
-    out = []
+    out = [jnp.zeros((b, hm, kv_len, 2), I32)] * cm.num_bwd_intervals
     for g, lr in enumerate(cm.regions):
         for m, iv in enumerate(lr.intervals):
             lo, hi = endpoints[g, m]
@@ -239,11 +254,14 @@ def _column_intervals(cm, env, meta, endpoints, q_len, kv_len, b, hm):
             hi_x = jnp.where(before, -1, jnp.where(after, big, hi))
 
             def count_le(v):   # [B, Hm, Nk]: #{q : v(q) <= j}
-                hist = jnp.zeros((b, hm, kv_len + 2), I32)
-                hist = hist.at[bi, hi_, jnp.clip(v + 1, 0, kv_len + 1)].add(1)
-                return jnp.cumsum(hist, axis=-1)[..., 1:kv_len + 1]
+                def one(v_r):  # vmapped over (batch, mask head): see tile_states_from_intervals
+                    hist = jnp.zeros((kv_len + 2,), I32).at[jnp.clip(v_r + 1, 0, kv_len + 1)].add(1)
+                    return jnp.cumsum(hist)[1:kv_len + 1]
+                return jax.vmap(jax.vmap(one))(jnp.broadcast_to(v, (b, hm) + v.shape[2:]))
 
             q0, q1 = count_le(hi_x), count_le(lo_x)
             ln = jnp.where(flag, jnp.maximum(q1 - q0, 0), 0)
-            out.append(jnp.stack([jnp.where(ln > 0, q0, 0), ln], -1))
+            val = jnp.stack([jnp.where(ln > 0, q0, 0), ln], -1)
+            for c, heads in cm.bwd_slots[g, m]:
+                out[c] = jnp.where(_heads_mask(heads, hm)[..., None], val, out[c])
     return jnp.stack(out, 3), nested

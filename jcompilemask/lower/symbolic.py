@@ -13,7 +13,7 @@ from typing import Callable
 import sympy as sp
 
 from ..spec.expr import BinOp, Const, Expr, Index, Length, substitute, walk
-from ..spec.metadata import Scalar, SegRead, VectorElem
+from ..spec.metadata import Scalar, SegRead, VectorElem, VectorRead
 
 __all__ = ["SymCtx", "provably", "linear_coeff", "lin_normalize", "monotone"]
 
@@ -67,6 +67,9 @@ def _to_sympy(e: Expr, ctx: SymCtx):
         return ctx.sym(e.name, **ctx._decl_sign(e))
     if isinstance(e, VectorElem):
         return ctx.sym(f"{e.decl.name}_{e.index}", **ctx._decl_sign(e.decl))
+    if isinstance(e, VectorRead):
+        f = sp.Function(f"{e.decl.name}_at", integer=True, **ctx._decl_sign(e.decl))
+        return f(_to_sympy(e.index, ctx))
     if isinstance(e, SegRead):
         f = sp.Function(f"{e.decl.name}_{e.field}", integer=True,
                         nonnegative=(e.field != "id"))
@@ -281,7 +284,7 @@ def _nonneg(e: Expr) -> bool:
         return True
     if isinstance(e, Scalar):
         return isinstance(e.min, Const) and e.min.value >= 0
-    if isinstance(e, VectorElem):
+    if isinstance(e, (VectorElem, VectorRead)):
         return isinstance(e.decl.min, Const) and e.decl.min.value >= 0
     return False
 
@@ -296,9 +299,11 @@ def monotone(e: Expr, var: str = "q"):
         m = monotone(e.pos, var)
         if m == CONST:
             return CONST
-        if e.field in ("start", "end") and m == INC:
+        if e.field in ("start", "end", "run_start", "run_end") and m == INC:
             return INC     # run bounds never decrease with the position (padding too)
         return None
+    if isinstance(e, VectorRead):
+        return CONST if monotone(e.index, var) == CONST else None   # a looked-up value
     if isinstance(e, BinOp):
         ma, mb = monotone(e.a, var), monotone(e.b, var)
         if e.op == "+":

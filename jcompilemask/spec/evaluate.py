@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from .expr import (And, BinOp, BoolConst, Cmp, Const, Expr, Index, Length, Not, Or, Pred)
-from .metadata import Scalar, SegRead, VectorElem
+from .metadata import Scalar, SegRead, VectorElem, VectorRead
 
 __all__ = ["Env", "evaluate", "segment_tables"]
 
@@ -20,10 +20,12 @@ I32 = jnp.int32
 
 
 def segment_tables(ids) -> dict:
-    """Per-token run tables from segment ids [B, N]: ``start``, ``end``, ``id`` (int32).
+    """Per-token run tables from segment ids [B, N]: ``start``, ``end``, ``id``,
+    ``run_start``, ``run_end`` (int32).
 
     A run is a maximal stretch of equal consecutive ids; padding (id < 0) gets
-    ``start == end == pos``.
+    ``start == end == pos``; ``run_start`` / ``run_end`` are the run's bounds for every
+    token, padding included.
     """
     ids = jnp.asarray(ids, I32)
     n = ids.shape[-1]
@@ -35,7 +37,8 @@ def segment_tables(ids) -> dict:
     start = lax.cummax(jnp.where(new_run, pos, 0), axis=ids.ndim - 1)
     end = lax.cummin(jnp.where(last, pos + 1, n), axis=ids.ndim - 1, reverse=True)
     pad = ids < 0
-    return {"start": jnp.where(pad, pos, start), "end": jnp.where(pad, pos, end), "id": ids}
+    return {"start": jnp.where(pad, pos, start), "end": jnp.where(pad, pos, end), "id": ids,
+            "run_start": start, "run_end": end}
 
 
 class Env:
@@ -71,8 +74,15 @@ class Env:
     def elem(self, name, i):
         return self._lift(self.metadata[name][:, i])
 
+    def vector_read(self, name, index):
+        """``vec[clamp(index, 0, R - 1)]`` for an int32 index array of the env's rank."""
+        table = self.metadata[name]                 # [B, R]
+        return self._gather(table, index)
+
     def seg(self, name, field, pos):
-        table = self.metadata[name][field]          # [B, N]
+        return self._gather(self.metadata[name][field], pos)
+
+    def _gather(self, table, pos):
         b, n = table.shape
         pos = jnp.asarray(pos, I32)
         pos = pos.reshape((1,) * (self.rank - pos.ndim) + pos.shape)
@@ -108,6 +118,8 @@ def _eval_uncached(node, env, cache):
         return env.scalar(node.name)
     if isinstance(node, VectorElem):
         return env.elem(node.decl.name, node.index)
+    if isinstance(node, VectorRead):
+        return env.vector_read(node.decl.name, _eval(node.index, env, cache))
     if isinstance(node, SegRead):
         return env.seg(node.decl.name, node.field, _eval(node.pos, env, cache))
     if isinstance(node, BinOp):

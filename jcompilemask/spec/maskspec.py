@@ -28,7 +28,7 @@ from jax.experimental import checkify
 
 from .evaluate import Env, evaluate, segment_tables
 from .expr import Expr, Index, as_expr, as_pred, walk
-from .metadata import MetaDecl, Scalar, SegRead, VectorElem
+from .metadata import MetaDecl, Scalar, SegRead, VectorElem, VectorRead
 
 __all__ = ["Region", "MaskSpec", "MetadataError"]
 
@@ -104,7 +104,7 @@ def _metadata_of(node) -> list[MetaDecl]:
     for n in walk(node):
         if isinstance(n, Scalar):
             out.append(n)
-        elif isinstance(n, VectorElem):
+        elif isinstance(n, (VectorElem, VectorRead)):
             out.append(n.decl)
         elif isinstance(n, SegRead):
             out.append(n.decl)
@@ -351,6 +351,12 @@ class MaskSpec:
                                f", and declare the range, e.g. {type(decl).__name__}"
                                f"({name!r}, max=q_len)"), bad))
             if decl.kind == "tokens":
+                if decl.contiguous:
+                    out.append((f"metadata {name!r} is declared contiguous (each id one run "
+                                "of tokens) but an id occurs in more than one run, which "
+                                "the lowering of seg.id(k) == seg.id(q) assumes: sort the "
+                                "ids, give each run its own id, or drop contiguous=True",
+                                _repeated_runs(x, xp)))
                 continue
             for bound, cmp, word in ((decl.min, "lt", "below its minimum"),
                                      (decl.max, "gt", "above its maximum")):
@@ -463,6 +469,24 @@ def _to_int32(x):
         lo, hi = max(info.min, _I32.min), min(info.max, _I32.max)
         x = np.clip(x, lo, hi) if isinstance(x, (np.ndarray, np.generic)) else jnp.clip(x, lo, hi)
     return jnp.asarray(x).astype(jnp.int32)
+
+
+def _repeated_runs(ids, xp):
+    """bool [B, N]: True at the first token of a run whose id already had a run before
+    (the breach of ``SegmentIds(contiguous=True)``); ``xp`` is numpy or jax.numpy."""
+    ids = xp.asarray(ids)
+    n = ids.shape[-1]
+    first = xp.ones(ids.shape[:-1] + (1,), bool)
+    new_run = xp.concatenate([first, ids[..., 1:] != ids[..., :-1]], axis=-1)
+    pos = xp.broadcast_to(xp.arange(n), ids.shape)
+    # run starts first, by id, then by position: a repeated id is a run start that
+    # follows a run start with the same id
+    order = xp.lexsort((pos, ids, ~new_run), axis=-1)
+    s_ids = xp.take_along_axis(ids, order, axis=-1)
+    s_new = xp.take_along_axis(new_run, order, axis=-1)
+    dup = s_new[..., 1:] & s_new[..., :-1] & (s_ids[..., 1:] == s_ids[..., :-1])
+    dup = xp.concatenate([xp.zeros_like(first), dup], axis=-1)
+    return xp.take_along_axis(dup, xp.argsort(order, axis=-1), axis=-1)
 
 
 def _batch_of(meta) -> int:

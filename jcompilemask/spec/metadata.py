@@ -6,16 +6,36 @@ Three kinds, each bound to a key of the ``metadata`` dict passed at run time:
 declaration         array            reads
 ==================  ===============  ===============================================
 ``Scalar(name)``    int [B]          the declaration itself is an :class:`Expr`
-``Vector(name, R)`` int [B, R]       ``vec[i]`` for a static Python int ``i``
-``SegmentIds(name)`` int [B, N]      ``seg.start(pos)``, ``seg.end(pos)``, ``seg.id(pos)``
+``Vector(name, R)`` int [B, R]       ``vec[i]`` for a static Python int ``i``, or
+                                     ``vec[e]`` for an expression ``e`` (a per-token id)
+``SegmentIds(name)`` int [B, N]      ``seg.start(pos)``, ``seg.end(pos)``, ``seg.id(pos)``,
+                                     ``seg.run_start(pos)``, ``seg.run_end(pos)``
 ==================  ===============  ===============================================
 
 Segment semantics: a *segment* is a maximal run of equal consecutive ids. For a token at
 ``pos``, ``start(pos)`` / ``end(pos)`` are the first index of its run and one past the
 last. A negative id marks padding, which belongs to no segment: for a padding token
 ``start(pos) == end(pos) == pos`` (an empty run at its position, which keeps both reads
-non-decreasing in ``pos``). ``id(pos)`` is the raw id. ``N`` must equal
-``max(q_len, kv_len)``; a position outside ``[0, N)`` reads the nearest end (clamped).
+non-decreasing in ``pos``). ``id(pos)`` is the raw id. ``run_start(pos)`` /
+``run_end(pos)`` are the bounds of the token's run with padding counted like any id (a
+run of equal negative ids is a run too). ``N`` must equal ``max(q_len, kv_len)``; a
+position outside ``[0, N)`` reads the nearest end (clamped). ``pos`` may be any
+expression, of the key ``k`` too: ``seg.id(k) == seg.id(q)`` reads "key and query carry
+the same id".
+
+Declared property ``SegmentIds(name, contiguous=True)``: every id value (negative ones
+included) occupies one contiguous run of tokens in each sequence, as sorted ids do
+(``[0, 0, 1, 1, 1, -1, -1]``; ``[0, 1, 0]`` is not contiguous). Then ``seg.id(k) ==
+seg.id(e)`` (``e`` free of ``k``) is the interval ``[run_start(e), run_end(e))`` of keys
+and lowers (the document mask, spelled by ids); without the declaration it falls back to
+the per-element predicate. The property is checked eagerly on concrete metadata and
+reported by :meth:`MaskSpec.check_metadata` inside ``jit``; under ``jit`` a sequence that
+breaks it gets, from the lowered tables, only the query's own run of that id.
+
+``vec[e]`` with an expression ``e`` (``P[seg.id(q)]``: a per-segment value looked up by
+the query's segment id) reads entry ``clamp(e, 0, R - 1)`` (a padding id -1 reads entry
+0). A bound with such a read lowers to intervals; its column view needs monotone bounds,
+which a looked-up value is not known to be.
 
 Scalars and vector entries carry a declared value range ``[min, max]`` (``max`` may be an
 expression of ``q_len`` / ``kv_len``), checked eagerly on concrete metadata; inside
@@ -35,7 +55,8 @@ from __future__ import annotations
 
 from .expr import Expr, as_expr
 
-__all__ = ["Scalar", "Vector", "SegmentIds", "MetaDecl", "VectorElem", "SegRead"]
+__all__ = ["Scalar", "Vector", "SegmentIds", "MetaDecl", "VectorElem", "VectorRead",
+           "SegRead"]
 
 
 def _range_key(v):
@@ -104,10 +125,13 @@ class Scalar(Expr, MetaDecl):
 class Vector(MetaDecl):
     """A per-sequence vector of static length ``size``, int32 [B, size].
 
-    >>> from jcompilemask.spec import Vector
+    >>> from jcompilemask.spec import SegmentIds, Vector, q
     >>> starts = Vector("response_starts", 4)
     >>> print(starts[2] + 1)
     response_starts[2] + 1
+    >>> doc = SegmentIds("segment_ids")
+    >>> print(Vector("doc_prefix", 8)[doc.id(q)])          # looked up per query token
+    doc_prefix[segment_ids.id(q)]
     """
 
     kind = "vector"
@@ -120,10 +144,15 @@ class Vector(MetaDecl):
         self.min = _check_bound(min, f"Vector {name!r} min")
         self.max = _check_bound(max, f"Vector {name!r} max")
 
-    def __getitem__(self, i) -> "VectorElem":
-        if isinstance(i, Expr) or not isinstance(i, int) or isinstance(i, bool):
-            raise TypeError(f"Vector {self.name!r} is indexed by static Python ints only, "
-                            f"got {i!r}")
+    def __getitem__(self, i) -> "Expr":
+        from .expr import Const
+        if isinstance(i, Const):
+            i = i.value
+        if isinstance(i, Expr):
+            return VectorRead(self, i)
+        if not isinstance(i, int) or isinstance(i, bool):
+            raise TypeError(f"Vector {self.name!r} is indexed by a Python int or an "
+                            f"integer expression (e.g. a segment id), got {i!r}")
         if not -self.size <= i < self.size:
             raise IndexError(f"Vector {self.name!r} has size {self.size}, index {i}")
         return VectorElem(self, i % self.size)
@@ -155,6 +184,31 @@ class VectorElem(Expr):
         return f"{self.decl.name}[{self.index}]"
 
 
+class VectorRead(Expr):
+    """``vec[e]`` for an expression ``e``: entry ``clamp(e, 0, size - 1)``."""
+
+    __slots__ = ("decl", "index")
+
+    def __init__(self, decl: Vector, index: Expr):
+        self.decl, self.index = decl, index
+
+    def children(self):
+        return (self.index,)
+
+    def rebuild(self, children):
+        from .expr import Const
+        i = children[0]
+        if isinstance(i, Const):          # keep the clamp of a run-time index
+            return VectorElem(self.decl, min(max(i.value, 0), self.decl.size - 1))
+        return VectorRead(self.decl, i)
+
+    def key(self):
+        return ("vread", self.decl.name, self.index.key())
+
+    def __str__(self):
+        return f"{self.decl.name}[{self.index}]"
+
+
 class SegmentIds(MetaDecl):
     """Per-token segment ids, int32 [B, N] with N = max(q_len, kv_len).
 
@@ -162,13 +216,29 @@ class SegmentIds(MetaDecl):
     >>> seg = SegmentIds("segment_ids")
     >>> print((k >= seg.start(q)) & (k < seg.end(q)))
     (k >= segment_ids.start(q)) & (k < segment_ids.end(q))
+
+    ``contiguous=True`` declares that every id occupies one run of tokens (see the
+    module doc); ``seg.id(k) == seg.id(q)`` then lowers to one interval per row:
+
+    >>> import jcompilemask as jcm
+    >>> from jcompilemask.spec import MaskSpec, Region, q_len
+    >>> docs = SegmentIds("segment_ids", contiguous=True)
+    >>> spec = MaskSpec([Region((0, q_len), (docs.id(k) == docs.id(q)) & (k <= q))])
+    >>> jcm.compile(spec).num_intervals
+    1
+    >>> spec.as_dense({"segment_ids": [[0, 0, 1, 1]]}, 4)[0, 0].astype(int).tolist()
+    [[1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 1, 1]]
     """
 
     kind = "tokens"
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, *, contiguous: bool = False):
         _check_name(name)
+        if not isinstance(contiguous, bool):
+            raise TypeError(f"SegmentIds {name!r}: contiguous must be True or False, got "
+                            f"{contiguous!r}")
         self.name = name
+        self.contiguous = contiguous
 
     def start(self, pos) -> "SegRead":
         return SegRead(self, "start", as_expr(pos, f"{self.name}.start(pos)"))
@@ -179,11 +249,18 @@ class SegmentIds(MetaDecl):
     def id(self, pos) -> "SegRead":
         return SegRead(self, "id", as_expr(pos, f"{self.name}.id(pos)"))
 
+    def run_start(self, pos) -> "SegRead":
+        return SegRead(self, "run_start", as_expr(pos, f"{self.name}.run_start(pos)"))
+
+    def run_end(self, pos) -> "SegRead":
+        return SegRead(self, "run_end", as_expr(pos, f"{self.name}.run_end(pos)"))
+
     def decl_key(self):
-        return ("tokens", self.name)
+        return ("tokens", self.name) + (("contiguous",) if self.contiguous else ())
 
     def describe(self):
-        return f"{self.name}: int[B, N] segment ids (negative = padding)"
+        extra = ", each id one contiguous run" if self.contiguous else ""
+        return f"{self.name}: int[B, N] segment ids (negative = padding{extra})"
 
     def __bool__(self):
         raise TypeError("a metadata SegmentIds has no truth value")
@@ -193,7 +270,8 @@ class SegmentIds(MetaDecl):
 
 
 class SegRead(Expr):
-    """``seg.start(pos)`` / ``seg.end(pos)`` / ``seg.id(pos)``."""
+    """``seg.start(pos)`` / ``seg.end(pos)`` / ``seg.id(pos)`` / ``seg.run_start(pos)`` /
+    ``seg.run_end(pos)``."""
 
     __slots__ = ("decl", "field", "pos")
 

@@ -9,7 +9,8 @@ each expression is bounded from
   themselves;
 * metadata in their declared ``[min, max]`` (an undeclared bound is the int32 limit:
   values outside int32 are rejected eagerly and saturate inside ``jit``), segment
-  ``start`` / ``end`` in [0, N] and ``id`` anywhere in int32;
+  ``start`` / ``end`` / ``run_start`` / ``run_end`` in [0, N] and ``id`` anywhere in
+  int32, ``vec[e]`` in the vector's declared range;
 
 and a node whose range can leave int32 raises :class:`Int32RangeError`, naming the
 expression, its range and the fix. Interval arithmetic forgets that two operands are the
@@ -28,7 +29,7 @@ jcompilemask.spec.ranges.Int32RangeError: q * 1000000 can reach 4095000000 ...
 from __future__ import annotations
 
 from .expr import (And, BinOp, BoolConst, Cmp, Const, Index, Length, Not, Or)
-from .metadata import Scalar, SegRead, VectorElem
+from .metadata import Scalar, SegRead, VectorElem, VectorRead
 
 __all__ = ["Int32RangeError", "INT32_MIN", "INT32_MAX", "expr_range", "check_int32"]
 
@@ -108,6 +109,9 @@ class _Ranges:
             return _decl_range(e, self.lens)
         if isinstance(e, VectorElem):
             return _decl_range(e.decl, self.lens)
+        if isinstance(e, VectorRead):
+            self(e.index)
+            return _decl_range(e.decl, self.lens)
         if isinstance(e, SegRead):
             self(e.pos)
             return (INT32_MIN, INT32_MAX) if e.field == "id" else (0, self.n_tok)
@@ -150,7 +154,8 @@ class _Ranges:
         reach = hi if hi > INT32_MAX else lo
         unbounded = sorted({n.name for n in _leaves(e) if isinstance(n, Scalar)
                             and (n.max is None or n.min is None)}
-                           | {n.decl.name for n in _leaves(e) if isinstance(n, VectorElem)
+                           | {n.decl.name for n in _leaves(e)
+                              if isinstance(n, (VectorElem, VectorRead))
                               and (n.decl.max is None or n.decl.min is None)})
         hint = ("rewrite it so that every intermediate value stays within int32 (e.g. "
                 "divide before multiplying)")

@@ -33,7 +33,8 @@ def _run(spec, md, b, n, hq, hkv, dtype=jnp.bfloat16, seed=0, grads=False, d=D, 
     vx = jax.random.normal(ks[2], (b, n, hkv, d), jnp.float32).astype(dtype)
     out, lse = jax.jit(lambda a, b_, c, m: jcm.mask_attention(
         a, b_, c, spec, metadata=m, implementation="cute", logits_soft_cap=softcap,
-        return_residuals=True))(qx, kx, vx, md)
+        return_residual=True))(qx, kx, vx, md)
+    lse = jnp.swapaxes(lse, 1, 2)                      # [B, Nq, Hq] -> the references' [B, Hq, Nq]
     dense = spec.as_dense(md, n, n)
     hi = reference_attention(qx, kx, vx, dense, softcap=softcap, precision="high")
     lo = reference_attention(qx, kx, vx, dense, softcap=softcap, precision="input")

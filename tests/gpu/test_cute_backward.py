@@ -41,8 +41,9 @@ needs_gpu = pytest.mark.skipif(_why is not None, reason=f"cute backend unavailab
     ("bfloat16", 128, 1, 0, False, True),      # no column view: forward row intervals
 ])
 def test_backward_compiles_for_sm90(dtype, d, kk, kc, bb, bh):
-    from jcompilemask.kernels.cute.api import BackwardKey, compile_backward
-    key = BackwardKey(dtype, d, kk, kc, bb, bh, d ** -0.5)
+    from jcompilemask.kernels.cute.api import BackwardKey, compile_backward, preferred_backward_config
+    # The config the registry runs (work list, dK / dV by TMA store).
+    key = BackwardKey(dtype, d, kk, kc, bb, bh, d ** -0.5, preferred_backward_config(d, dtype))
     assert compile_backward(key) is not None
     assert key.target_name.startswith("jcompilemask_cute_bwd_")
 
@@ -54,7 +55,8 @@ def test_backward_compiles_for_sm90(dtype, d, kk, kc, bb, bh):
                                        (128, dict(column_registers=2)),
                                        (128, dict(deterministic=True)), (64, dict(deterministic=True)),
                                        (128, dict(dkv_tma_store=True)), (128, dict(work_list=True)),
-                                       (64, dict(work_list=True, list_chunk=16, deterministic=True))])
+                                       (64, dict(work_list=True, list_chunk=16, deterministic=True)),
+                                       (128, dict(work_list=True, dkv_tma_store=True, deterministic=True))])
 def test_backward_config_variants_compile_for_sm90(d, changes):
     """The configs benchmarked against the default (one dS buffer, late statistics)."""
     import dataclasses
@@ -63,6 +65,94 @@ def test_backward_config_variants_compile_for_sm90(d, changes):
     key = BackwardKey("bfloat16", d, 1, 1, False, True, d ** -0.5, cfg)
     assert compile_backward(key) is not None
     assert cfg.tag in key.target_name
+
+
+@needs_cutlass
+@pytest.mark.parametrize("dtype,d,kk,kc,bb,bh,cap", [
+    ("bfloat16", 128, 1, 1, True, True, 30.0),      # soft cap, causal-like
+    ("float16", 128, 6, 7, False, False, 5.0),      # soft cap, clear-like, per-head (GQA flags)
+    ("bfloat16", 128, 1, 0, False, True, 30.0),     # soft cap, no column view (row intervals)
+    ("float16", 64, 2, 4, False, True, 50.0),       # soft cap, D 64 (dQ by one warpgroup)
+    ("bfloat16", 256, 1, 1, True, True, None),      # D 256: split_dkv, 64 x 64, one stage
+    ("float16", 256, 1, 1, True, True, None),
+    ("bfloat16", 256, 6, 7, False, False, None),    # D 256, per-head, column intervals
+    ("float16", 256, 2, 4, False, True, 30.0),      # D 256 with a soft cap
+    ("bfloat16", 192, 1, 1, True, True, None),      # D 192 / Dv 128: split_dkv, 64B-swizzled Q / K
+    ("float16", 192, 6, 7, False, False, None),
+    ("bfloat16", 192, 2, 4, False, True, 30.0),
+])
+def test_new_backward_configs_compile_for_sm90(dtype, d, kk, kc, bb, bh, cap):
+    """Issue 15's configs, as the registry runs them once opted in (preferred config per
+    head dim; D 192 runs with Dv 128)."""
+    from jcompilemask.kernels.cute.api import BackwardKey, compile_backward, preferred_backward_config
+    key = BackwardKey(dtype, d, kk, kc, bb, bh, d ** -0.5,
+                      preferred_backward_config(d, dtype, cap is not None), softcap=cap,
+                      head_dim_v=128 if d == 192 else None)
+    assert compile_backward(key) is not None
+    cap_suffix = f"_c{np.float64(cap or 1.0).view(np.uint64):016x}"
+    assert key.target_name.endswith(cap_suffix) == (cap is not None)
+
+
+def test_backward_key_names_of_new_configs():
+    """Soft cap and split_dkv are in the target name; the names of the validated D 64/128
+    kernels without a cap are unchanged."""
+    from jcompilemask.kernels.cute.api import backward_smem_bytes
+    from jcompilemask.kernels.cute.api import (BackwardConfig, BackwardKey, preferred_backward_config,
+                                               preferred_backward_tiles)
+    cfg = preferred_backward_config(128)
+    plain = BackwardKey("bfloat16", 128, 1, 1, True, True, 0.125, cfg)
+    capped = BackwardKey("bfloat16", 128, 1, 1, True, True, 0.125, cfg, softcap=30.0)
+    assert plain.target_name.endswith("_dkvt_wl1024_3fc0000000000000")
+    assert capped.target_name.startswith(plain.target_name) and capped.target_name != plain.target_name
+    d256 = BackwardKey("bfloat16", 256, 1, 1, True, True, 0.0625, preferred_backward_config(256))
+    assert preferred_backward_config(128, softcap=True).column_registers == 2
+    assert preferred_backward_config(128) == BackwardConfig(work_list=True, dkv_tma_store=True)
+    assert "_t64x64_s1_" in d256.target_name and "_sdkv" in d256.target_name
+    assert preferred_backward_tiles(128) == (64, 128) and preferred_backward_tiles(64) == (64, 128)
+    assert preferred_backward_tiles(256) == (64, 64)
+    assert preferred_backward_tiles(192, head_dim_v=128) == (64, 64)
+    d192 = BackwardKey("bfloat16", 192, 1, 1, True, True, 0.07, preferred_backward_config(192),
+                       head_dim_v=128)
+    assert "_d192x128_" in d192.target_name and "_t64x64_s2_" in d192.target_name
+    with pytest.raises(ValueError, match="Dv != D"):
+        BackwardKey("bfloat16", 128, 1, 1, True, True, 0.1, preferred_backward_config(128), head_dim_v=64)
+    with pytest.raises(ValueError, match="split_dkv"):
+        BackwardKey("bfloat16", 192, 1, 1, True, True, 0.1, head_dim_v=128)
+    assert backward_smem_bytes(192, preferred_backward_config(192), head_dim_v=128) <= 232448
+    assert backward_smem_bytes(256, preferred_backward_config(256)) <= 232448
+    import dataclasses
+    two_stages = dataclasses.replace(preferred_backward_config(256), num_stages=2)
+    assert backward_smem_bytes(256, two_stages) > 232448   # why D 256 runs one stage
+
+
+def test_experimental_configs_are_opt_in(monkeypatch):
+    """Soft cap, D 256 and 192 / 128 reach the CuTe backward only with the opt-in, and the
+    descriptor's backward tiles follow (64 x 64 for D 256 / 192 only when opted in)."""
+    monkeypatch.delenv(backends.CUTE_BACKWARD_ENV, raising=False)
+    monkeypatch.delenv(backends.CUTE_EXPERIMENTAL_ENV, raising=False)
+    plan = backends.cute_backward_plan
+    assert plan(128, 128, None, (64, 128)) is None and plan(64, 64, None, (64, 128)) is None
+    for args in ((128, 128, 5.0, (64, 128)), (256, 256, None, (64, 64)), (192, 128, None, (64, 64))):
+        why = plan(*args)
+        assert "awaiting validation on the GPU" in why and backends.CUTE_EXPERIMENTAL_ENV in why
+    cute = backends.get("cute")
+
+    def call(d, dv, cap=False):
+        return backends.Call(dtype="bfloat16", head_dim=d, head_dim_v=dv, num_heads=4,
+                             num_kv_heads=2, softcap=cap, has_fallback=False)
+    assert "awaiting validation" in cute.supports(call(192, 128))
+    assert cute.tiles(call(256, 256)).bwd_block_kv == 128          # validated default tiles
+    assert "awaiting validation" in backends._cute_backward_note()
+    monkeypatch.setenv(backends.CUTE_EXPERIMENTAL_ENV, "1")
+    assert plan(128, 128, 5.0, (64, 128)) is None
+    assert plan(256, 256, None, (64, 64)) is None and plan(192, 128, None, (64, 64)) is None
+    assert "backward tiles 64x128" in plan(256, 256, None, (64, 128))
+    assert cute.supports(call(192, 128)) is None
+    t = cute.tiles(call(256, 256))
+    assert (t.block_q, t.block_kv, t.bwd_block_q, t.bwd_block_kv) == (128, 80, 64, 64)
+    assert cute.tiles(call(192, 128)).bwd_block_kv == 64
+    assert cute.tiles(call(128, 128, True)).bwd_block_kv == 128
+    assert "opted in" in backends._cute_backward_note()
 
 
 def _fragment_order_reference(dq, bq=64):
@@ -132,7 +222,13 @@ def test_backward_config_env(monkeypatch):
 def test_backward_key_rejects_unsupported():
     from jcompilemask.kernels.cute.api import BackwardConfig, BackwardKey
     with pytest.raises(ValueError, match="head dims"):
-        BackwardKey("bfloat16", 256, 1, 1, True, True, 0.1)
+        BackwardKey("bfloat16", 96, 1, 1, True, True, 0.1)
+    with pytest.raises(ValueError, match="split_dkv"):
+        BackwardKey("bfloat16", 256, 1, 1, True, True, 0.1)       # 64 x 128 at D 256: no room
+    with pytest.raises(ValueError, match="64x64 backward tiles with split_dkv"):
+        BackwardConfig(split_dkv=True)                             # split_dkv needs 64 keys
+    with pytest.raises(ValueError, match="softcap"):
+        BackwardKey("bfloat16", 128, 1, 1, True, True, 0.1, softcap=-1.0)
     with pytest.raises(ValueError, match="backward tiles"):
         BackwardConfig(block_q=128)
     with pytest.raises(ValueError, match="Kc="):
@@ -158,10 +254,14 @@ def test_backward_selection_reasons(monkeypatch):
     assert "turned off" in backends.cute_backward_reason(x, x, desc, None)
     assert "turned the CuTe backward off" in backends.get("cute").backward_note()  # asked afresh
     monkeypatch.setenv(backends.CUTE_BACKWARD_ENV, "1")
+    monkeypatch.delenv(backends.CUTE_EXPERIMENTAL_ENV, raising=False)
     assert backends.cute_backward_reason(x, x, desc, None) is None
-    assert "soft cap" in backends.cute_backward_reason(x, x, desc, 5.0)
+    assert "soft cap at D 128" in backends.cute_backward_reason(x, x, desc, 5.0)
+    assert "awaiting validation" in backends.cute_backward_reason(x, x, desc, 5.0)
     x256 = jnp.zeros((1, 256, 2, 256), jnp.bfloat16)
-    assert "head dims" in backends.cute_backward_reason(x256, x256, desc, None)
+    assert "D 256 backward" in backends.cute_backward_reason(x256, x256, desc, None)
+    x96 = jnp.zeros((1, 256, 2, 96), jnp.bfloat16)
+    assert "head dims 96/96" in backends.cute_backward_reason(x96, x96, desc, None)
     other = jcm.compile(jcm.masks.causal()).instantiate(None, 256, 256, block_q=128,
                                                          block_kv=128, bwd_block_q=128,
                                                          bwd_block_kv=128, preprocess="jnp")
@@ -272,3 +372,30 @@ def test_repeated_gradients_are_identical(deterministic, cute_backward_on):
             np.testing.assert_array_equal(again[2], first[2])
             if deterministic:
                 np.testing.assert_array_equal(again[0], first[0])
+
+
+def test_explain_says_which_backward_runs(monkeypatch):
+    """explain(call) names the backward and why (checked with the cute backend marked
+    available, which this machine may not be)."""
+    import dataclasses
+    real = backends.get("cute")
+    backends.register(dataclasses.replace(real, available=lambda: None))
+    try:
+        monkeypatch.delenv(backends.CUTE_BACKWARD_ENV, raising=False)
+        monkeypatch.delenv(backends.CUTE_EXPERIMENTAL_ENV, raising=False)
+
+        def call(d, dv, cap=False):
+            return backends.Call(dtype="bfloat16", head_dim=d, head_dim_v=dv, num_heads=4,
+                                 num_kv_heads=2, softcap=cap, has_fallback=False)
+        assert "backward: the CuTe backward kernel" in backends.explain(call(128, 128))
+        text = backends.explain(call(256, 256))
+        assert "chosen: cute" in text and "backward: xla on the CuTe forward's residuals" in text
+        assert "D 256 backward: compiled, awaiting validation on the GPU" in text
+        assert "soft cap at D 128" in backends.explain(call(128, 128, True))
+        monkeypatch.setenv(backends.CUTE_EXPERIMENTAL_ENV, "1")
+        for c in (call(256, 256), call(128, 128, True), call(192, 128)):
+            assert "backward: the CuTe backward kernel (opted in" in backends.explain(c)
+        fallback = dataclasses.replace(call(128, 128), has_fallback=True)
+        assert "backward: xla (the backend that runs the forward)" in backends.explain(fallback)
+    finally:
+        backends.register(real)

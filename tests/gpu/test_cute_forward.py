@@ -180,6 +180,33 @@ def test_variant_compiles_for_sm90(head_dim, dtype, softcap, num_intervals):
 
 
 @needs_cutlass
+@pytest.mark.parametrize("dtype,softcap,num_intervals", [("bfloat16", None, 1), ("float16", None, 2),
+                                                        ("bfloat16", 30.0, 6)])
+def test_head_dim_192_128_compiles_for_sm90(dtype, softcap, num_intervals):
+    """DeepSeek-style D 192 / Dv 128 (compiled; the registry runs it only with the opt-in)."""
+    from jcompilemask.kernels.cute.api import (ForwardKey, compile_forward, preferred_forward_stages,
+                                               preferred_forward_tiles)
+
+    bq, bk = preferred_forward_tiles(192, dtype)
+    key = ForwardKey(dtype, 192, 128, num_intervals, bq, bk, *_BROADCAST_OF_K[num_intervals],
+                     192**-0.5, num_stages=preferred_forward_stages(192, dtype), softcap=softcap)
+    assert compile_forward(key) is not None
+    assert "_d192x128_" in key.target_name
+
+
+def test_head_dim_192_128_key():
+    from jcompilemask.kernels.cute.api import ForwardKey, forward_smem_bytes, preferred_forward_tiles
+
+    assert preferred_forward_tiles(192) == (128, 128)
+    # Q 48 KB + 2 x (K 48 KB + V 32 KB) + barriers: fits; a third stage would not.
+    assert forward_smem_bytes(192, 128, 128, 2, head_dim_v=128) == 1024 + 212992
+    assert forward_smem_bytes(192, 128, 128, 3, head_dim_v=128) > 232448
+    ForwardKey("bfloat16", 192, 128, 1, 128, 128, True, True, 0.1)
+    with pytest.raises(ValueError, match="head dims"):
+        ForwardKey("bfloat16", 192, 192, 1, 128, 128, True, True, 0.1)
+
+
+@needs_cutlass
 def test_fast_tanh_softcap_compiles_for_sm90():
     from jcompilemask.kernels.cute.api import ForwardKey, compile_forward
 

@@ -109,6 +109,27 @@ def main():
                 assert got[0].sharding.spec[:3] == ("data", None, "model"), got[0].sharding
         n += 1
 
+    # The preprocess inside the sharded jit (the training step builds its descriptor
+    # there): metadata sharded on the batch, the descriptor is built per device with no
+    # collective (the jnp preprocess's scatters carry the batch as a batching dim).
+    for name, spec, md in cases(np.random.default_rng(1)):
+        if md is None or name not in ("hstu", "document", "shared_prompt", "prefix_lm"):
+            continue
+        cm = jcm.compile(spec)
+
+        def step(q, k, v, do, md):
+            return attend_and_grad(q, k, v, cm.instantiate(md, N, N, **TILES), do)
+        put = lambda x: jax.device_put(x, NamedSharding(mesh, LAYOUTS["batch_x_heads"]))  # noqa: E731
+        mdp = {key: jax.device_put(jnp.asarray(val), NamedSharding(mesh, P("data")))
+               for key, val in md.items()}
+        args = (put(qx), put(kx), put(vx), put(do), mdp)
+        compiled = jax.jit(step).lower(*args).compile()
+        found = sorted(set(COLLECTIVE.findall(compiled.as_text())))
+        assert not found, f"{name}, preprocess in the jit: collectives in the compiled HLO: {found}"
+        for a, b in zip(compiled(*args), jax.jit(step)(qx, kx, vx, do, md)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=2e-5)
+        n += 1
+
     # An additive bias per sequence, shared by the heads: it shards with the batch, its
     # gradient is summed over the head devices (an all-reduce of the bias, nothing else).
     desc = jcm.compile(jcm.masks.causal()).instantiate(None, N, N, **TILES)

@@ -20,7 +20,10 @@ import jax.numpy as jnp
 import numpy as np
 
 _DTYPES = ("bfloat16", "float16")
-HEAD_DIMS = (64, 128, 256)
+HEAD_DIMS = (64, 128, 256)          # Dv == D; validated on the H200 (NOTES.md)
+# (D, Dv) pairs with Dv != D: compiled, not yet run on a GPU (the registry uses them only
+# with $JCOMPILEMASK_CUTE_BWD_EXPERIMENTAL=1).
+HEAD_DIM_PAIRS_EXPERIMENTAL = ((192, 128),)
 # Dynamic shared memory one CTA may opt into on SM90 (227 KB).
 _SMEM_LIMIT = 232448
 
@@ -39,10 +42,14 @@ def preferred_forward_tiles(head_dim: int, dtype: str = "bfloat16") -> tuple[int
       256. Shared memory binds: Q (64 KB) + 2 stages of K and V at 80 keys (160 KB) is
       224 KB of the 227 available; 96 keys would need 256 KB, i.e. a single stage and
       no load/compute overlap.
+    - D = 192 / Dv = 128 (DeepSeek-style): 128 keys (S 64 + P 32 + O 64 registers, as at
+      D = 128); shared memory Q 48 KB + 2 stages of K (2 x 48 KB) and V (2 x 32 KB) =
+      208 KB + 1 KB, O staged in Q's buffer. Chosen by arithmetic (FlashAttention's SM90
+      forward also runs 128 x 128 at 192 / 128); to be measured on the H200.
     bf16 and fp16 share the shapes (same element size, same wgmma shapes).
     """
     del dtype
-    if head_dim <= 128:
+    if head_dim <= 128 or head_dim == 192:
         return (128, 128)
     return (128, 80)
 
@@ -57,10 +64,12 @@ def preferred_forward_stages(head_dim: int, dtype: str = "bfloat16") -> int:
 
 
 def forward_smem_bytes(head_dim: int, block_q: int, block_kv: int, num_stages: int,
-                       elem_bytes: int = 2) -> int:
+                       elem_bytes: int = 2, head_dim_v: int | None = None) -> int:
     """Shared memory of FlashForwardSm90: barriers (padded to the 1 KB swizzle
-    alignment), Q, and `num_stages` K and V tiles (Dv == D)."""
-    return 1024 + elem_bytes * head_dim * (block_q + 2 * num_stages * block_kv)
+    alignment), Q (O is staged in it), and `num_stages` K and V tiles."""
+    dv = head_dim if head_dim_v is None else head_dim_v
+    return 1024 + elem_bytes * (head_dim * (block_q + num_stages * block_kv)
+                                + dv * num_stages * block_kv)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,10 +94,13 @@ class ForwardKey:
     def __post_init__(self):
         if self.dtype not in _DTYPES:
             raise ValueError(f"cute forward supports {_DTYPES}, got dtype {self.dtype!r}")
-        if self.head_dim not in HEAD_DIMS or self.head_dim_v != self.head_dim:
+        pair = (self.head_dim, self.head_dim_v)
+        if not ((self.head_dim in HEAD_DIMS and self.head_dim_v == self.head_dim)
+                or pair in HEAD_DIM_PAIRS_EXPERIMENTAL):
             raise ValueError(
-                f"cute forward is built for head dims {HEAD_DIMS} with Dv == D, got "
-                f"{self.head_dim}/{self.head_dim_v}; use the xla backend for other head dims"
+                f"cute forward is built for head dims {HEAD_DIMS} with Dv == D and (D, Dv) in "
+                f"{HEAD_DIM_PAIRS_EXPERIMENTAL}, got {self.head_dim}/{self.head_dim_v}; use the "
+                "xla backend for other head dims"
             )
         want = preferred_forward_tiles(self.head_dim, self.dtype)
         if (self.block_q, self.block_kv) != want:
@@ -99,7 +111,8 @@ class ForwardKey:
             )
         if not 1 <= self.num_intervals <= 8:
             raise ValueError(f"interval count K must be in 1..8, got {self.num_intervals}")
-        smem = forward_smem_bytes(self.head_dim, self.block_q, self.block_kv, self.num_stages)
+        smem = forward_smem_bytes(self.head_dim, self.block_q, self.block_kv, self.num_stages,
+                                  head_dim_v=self.head_dim_v)
         if self.num_stages < 1 or smem > _SMEM_LIMIT:
             raise ValueError(
                 f"num_stages={self.num_stages} at head dim {self.head_dim} needs {smem} bytes of "
@@ -283,8 +296,13 @@ def cute_forward(q, k, v, fwd_intervals, fwd_tiles, *, scale=None, softcap=None,
 
 
 # ---------------------------------------------------------------------------- backward
-BWD_HEAD_DIMS = (64, 128)
+BWD_HEAD_DIMS = (64, 128)           # validated on the H200 (NOTES.md "Backward v1")
+# Compiled (sm_90a, CuTe DSL 4.8.1) but not yet run on a GPU: the registry uses them only
+# with $JCOMPILEMASK_CUTE_BWD_EXPERIMENTAL=1 (backends.cute_backward_reason says so).
+BWD_HEAD_DIMS_EXPERIMENTAL = (256,)
+BWD_HEAD_DIM_PAIRS_EXPERIMENTAL = ((192, 128),)     # (D, Dv), Dv != D: split_dkv
 BWD_TILES = (64, 128)       # (bwd_block_q, bwd_block_kv): the descriptor's backward tiles
+BWD_TILES_SPLIT = (64, 64)  # ... with BackwardConfig.split_dkv (D 256: preferred_backward_config)
 BWD_CONFIG_ENV = "JCOMPILEMASK_CUTE_BWD_CONFIG"
 
 
@@ -328,6 +346,13 @@ class BackwardConfig:
       walking every tile's bits (so their tile counts cannot diverge). Not yet run on the
       H200.
 
+    - ``split_dkv``: both consumer warpgroups own the same ``block_kv`` = 64 keys; each
+      computes the whole 64 x 64 S^T and dP^T of them (twice the S / dP tensor work: 7
+      GEMM units per tile instead of 5) and the half of dK / dV / dQ's head dims that is
+      its own, so dK + dV take D registers per thread instead of 2 D (D 256: 128 instead of
+      an impossible 256). dS^T is written to shared memory by the first warpgroup alone.
+      Needs 64 x 64 backward tiles (``BWD_TILES_SPLIT``). Not yet run on a GPU.
+
     ``preferred_backward_config`` picks the default per head dim; ``JCOMPILEMASK_CUTE_BWD_CONFIG``
     (e.g. ``ds_stages=1,stats_early=0``) overrides fields at trace time for benchmarks.
     """
@@ -344,11 +369,14 @@ class BackwardConfig:
     dkv_tma_store: bool = False
     work_list: bool = False
     list_chunk: int = 1024
+    split_dkv: bool = False
 
     def __post_init__(self):
-        if (self.block_q, self.block_kv) != BWD_TILES:
-            raise ValueError(f"cute backward runs {BWD_TILES[0]}x{BWD_TILES[1]} backward tiles; the "
-                             f"descriptor was built for {self.block_q}x{self.block_kv}")
+        want = BWD_TILES_SPLIT if self.split_dkv else BWD_TILES
+        if (self.block_q, self.block_kv) != want:
+            raise ValueError(f"cute backward runs {want[0]}x{want[1]} backward tiles"
+                             f"{' with split_dkv' if self.split_dkv else ''}; the descriptor was "
+                             f"built for {self.block_q}x{self.block_kv}")
         if self.list_chunk < 16 or self.list_chunk % 16:
             raise ValueError(f"list_chunk={self.list_chunk} must be a positive multiple of 16 "
                              "(whole tile-state words)")
@@ -362,15 +390,60 @@ class BackwardConfig:
                 f"{'_se' if self.stats_early else ''}{'_le' if self.lse_early else ''}"
                 f"{'_rd' if self.release_do_early else ''}_cr{self.column_registers}"
                 f"{'_det' if self.deterministic else ''}{'_dkvt' if self.dkv_tma_store else ''}"
-                f"{f'_wl{self.list_chunk}' if self.work_list else ''}")
+                f"{f'_wl{self.list_chunk}' if self.work_list else ''}{'_sdkv' if self.split_dkv else ''}")
 
 
-def preferred_backward_config(head_dim: int, dtype: str = "bfloat16") -> BackwardConfig:
+def preferred_backward_config(head_dim: int, dtype: str = "bfloat16",
+                              softcap: bool = False) -> BackwardConfig:
     """The backward config the registry uses. D 64 and 128 share it: 64 x 128 tiles, a
     2-stage Q / dO ring, two dS buffers, statistics read where used (NOTES.md, "Backward
-    v1": the run that compared ds_stages 1 / 2 and stats_early on / off)."""
-    del head_dim, dtype
-    return BackwardConfig()
+    v1": the run that compared ds_stages 1 / 2 and stats_early on / off).
+
+    D 256 is CHOSEN BY ARITHMETIC ON A MACHINE WITHOUT A GPU and must be re-chosen by
+    measurement on the H200 (h200.sh hdims) before the registry uses it by default:
+    - registers (240 per consumer thread): the 64 x 128 layout gives each warpgroup 64 keys
+      x D of dK and of dV, 2 x 64 x 256 / 128 = 256 fp32 registers: it cannot exist. With
+      ``split_dkv`` (both warpgroups on the same 64 keys, D split) dK + dV take 128, S^T and
+      dP^T 32 each, the dQ half 64 (64 x 128 / 128) while dS^T's 16 live: ~240 at the dQ
+      step before addresses, hence the spill figures in NOTES.md.
+    - shared memory (232448 bytes): K and V at 64 keys 2 x 32 KB, one Q and one dO stage
+      2 x 32 KB, two 8 KB dS^T buffers, the float32 dQ tile 64 KB, the work list 8 KB:
+      ~217 KB; a second Q / dO stage (+64 KB) does not fit, nor 128 keys (K + V 128 KB +
+      dQ 64 KB + one stage 64 KB = 256 KB). So 64 x 64 tiles, one stage — the shape
+      FlashAttention's SM90 backward uses at hdim 256 (64 x 64, one Q / dO / dS stage),
+      which keeps S^T split by keys across warpgroups and stages P through shared memory
+      instead of computing S^T twice; which is faster here is the measurement to make.
+
+    The new configs (D 256, and a soft cap at D 64 / 128) re-read Kc > 2 column intervals
+    per masked tile (``column_registers=2``): ptxas stack bytes, D 128 fp16 cap K 6 / Kc 7
+    272 held -> 96; D 256 K 6 / Kc 7 136 -> 40; D 256 cap K 2 / Kc 4 128 -> 72 (NOTES.md,
+    "Issue 15"). The validated D 64 / 128 no-cap config keeps holding them (16).
+    """
+    del dtype
+    if head_dim == 192:
+        # D 192 / Dv 128 (the only Dv != D pair): split_dkv with 64B-swizzled Q / K (halves
+        # of 96 columns); registers dK 48 + dV 32 + S^T 32 + dP^T 32 + dQ half 48; shared
+        # memory K 24 KB + V 16 KB + 2 x (Q 24 KB + dO 16 KB) + dS 16 KB + dQ 48 KB + list
+        # 8 KB = ~193 KB, so two stages fit. By arithmetic, like D 256 (see above).
+        return BackwardConfig(block_q=64, block_kv=64, num_stages=2, split_dkv=True,
+                              work_list=True, dkv_tma_store=True, column_registers=2)
+    if head_dim == 256:
+        return BackwardConfig(block_q=64, block_kv=64, num_stages=1, split_dkv=True,
+                              work_list=True, dkv_tma_store=True, column_registers=2)
+    if softcap:
+        return BackwardConfig(work_list=True, dkv_tma_store=True, column_registers=2)
+    # work_list and dkv_tma_store: causal 32K bwd 38.85 / 40.44 ms vs 40.66 without
+    # (run 2026-12-01T13:50:48Z, h200.sh v1prof; NOTES.md "Backward v1, session 5").
+    return BackwardConfig(work_list=True, dkv_tma_store=True)
+
+
+def preferred_backward_tiles(head_dim: int, dtype: str = "bfloat16",
+                             head_dim_v: int | None = None) -> tuple[int, int]:
+    """(bwd_block_q, bwd_block_kv) the descriptor's backward view must be built at for
+    ``preferred_backward_config`` of the kernel that serves (head_dim, head_dim_v)."""
+    del head_dim_v      # Dv != D (192 / 128) shares D's config
+    cfg = preferred_backward_config(head_dim, dtype)
+    return cfg.block_q, cfg.block_kv
 
 
 def _config_from_env(config: BackwardConfig) -> BackwardConfig:
@@ -392,11 +465,13 @@ def _config_from_env(config: BackwardConfig) -> BackwardConfig:
     return dataclasses.replace(config, **changes)
 
 
-def backward_smem_bytes(head_dim: int, config: BackwardConfig, elem_bytes: int = 2) -> int:
+def backward_smem_bytes(head_dim: int, config: BackwardConfig, elem_bytes: int = 2,
+                        head_dim_v: int | None = None) -> int:
     """Shared memory of FlashBackwardSm90: barriers, K and V, the Q / dO ring with its
     lse / delta, the dS^T buffers and one float32 dQ tile."""
     bq, bk = config.block_q, config.block_kv
-    return (1024 + elem_bytes * (2 * bk * head_dim + 2 * config.num_stages * bq * head_dim
+    dd = head_dim + (head_dim if head_dim_v is None else head_dim_v)     # D + Dv
+    return (1024 + elem_bytes * (bk * dd + config.num_stages * bq * dd
                                  + config.ds_stages * bq * bk)
             + 2 * 4 * bq * config.num_stages + 4 * bq * head_dim
             + (2 * 4 * config.list_chunk if config.work_list else 16) + 8)
@@ -415,27 +490,51 @@ class BackwardKey:
     broadcast_head: bool
     scale: float
     config: BackwardConfig = BackwardConfig()
+    # logits = cap * tanh(scale * q.k / cap); P recomputed from them and dS times (1 - t^2).
+    # Static per model, like the forward's. Awaiting validation on the H200 (backends.py).
+    softcap: float | None = None
+    head_dim_v: int | None = None   # None: Dv == D; (192, 128) runs split_dkv (64B-swizzled Q / K)
 
     def __post_init__(self):
         if self.dtype not in _DTYPES:
             raise ValueError(f"cute backward supports {_DTYPES}, got dtype {self.dtype!r}")
-        if self.head_dim not in BWD_HEAD_DIMS:
-            raise ValueError(f"cute backward is built for head dims {BWD_HEAD_DIMS} (Dv == D), "
+        if self.head_dim_v is not None and self.head_dim_v != self.head_dim:
+            if (self.head_dim, self.head_dim_v) not in BWD_HEAD_DIM_PAIRS_EXPERIMENTAL:
+                raise ValueError(f"cute backward head dims {self.head_dim}/{self.head_dim_v}: Dv != D "
+                                 f"only as {BWD_HEAD_DIM_PAIRS_EXPERIMENTAL}")
+            if not (self.config.split_dkv and self.config.dkv_tma_store):
+                raise ValueError("Dv != D needs BackwardConfig(split_dkv=True, dkv_tma_store=True); "
+                                 "use preferred_backward_config(D)")
+        if self.softcap is not None and not (math.isfinite(self.softcap) and self.softcap > 0):
+            raise ValueError(f"softcap must be None or a positive finite float, got {self.softcap!r}")
+        dims = BWD_HEAD_DIMS + BWD_HEAD_DIMS_EXPERIMENTAL
+        if self.head_dim not in dims and self.dv == self.head_dim:
+            raise ValueError(f"cute backward is built for head dims {dims} (Dv == D), "
                              f"got {self.head_dim}; the xla backward serves the others")
+        if self.head_dim == 256 and not self.config.split_dkv:
+            raise ValueError("cute backward at head dim 256 needs BackwardConfig(split_dkv=True, "
+                             "block_kv=64): dK + dV of 64 keys x 256 do not fit in registers; "
+                             "use preferred_backward_config(256)")
         if not 1 <= self.num_intervals <= 8 or not 0 <= self.num_bwd_intervals <= 16:
             raise ValueError(f"interval counts K={self.num_intervals} (1..8), "
                              f"Kc={self.num_bwd_intervals} (0..16) out of range")
-        smem = backward_smem_bytes(self.head_dim, self.config)
+        smem = backward_smem_bytes(self.head_dim, self.config, head_dim_v=self.dv)
         if smem > _SMEM_LIMIT:
             raise ValueError(f"{self.config} needs {smem} bytes of shared memory at head dim "
                              f"{self.head_dim} (SM90 allows {_SMEM_LIMIT})")
 
     @property
+    def dv(self) -> int:
+        return self.head_dim if self.head_dim_v is None else self.head_dim_v
+
+    @property
     def target_name(self) -> str:
         scale_bits = np.float64(self.scale).view(np.uint64)
-        return (f"jcompilemask_cute_bwd_{self.dtype}_d{self.head_dim}_k{self.num_intervals}"
+        dims = f"{self.head_dim}" + ("" if self.dv == self.head_dim else f"x{self.dv}")
+        return (f"jcompilemask_cute_bwd_{self.dtype}_d{dims}_k{self.num_intervals}"
                 f"c{self.num_bwd_intervals}_b{int(self.broadcast_batch)}h{int(self.broadcast_head)}"
-                f"_{self.config.tag}_{scale_bits:016x}")
+                f"_{self.config.tag}_{scale_bits:016x}"
+                + ("" if self.softcap is None else f"_c{np.float64(self.softcap).view(np.uint64):016x}"))
 
 
 def dq_warpgroups(head_dim: int, num_consumer_wgs: int = 2) -> int:
@@ -458,10 +557,10 @@ def compile_backward(key: BackwardKey):
         b, nq, nk, hq, hkv = sym(), sym(), sym(), sym(), sym()
         d = key.head_dim
 
-        def bshd(el, seqlen, heads, align=16, div=8):
+        def bshd(el, seqlen, heads, align=16, div=8, dim=d):
             return cute.runtime.make_fake_tensor(
-                el, (b, seqlen, heads, d),
-                stride=(sym64(divisibility=div), sym64(divisibility=div), d, 1), assumed_align=align)
+                el, (b, seqlen, heads, dim),
+                stride=(sym64(divisibility=div), sym64(divisibility=div), dim, 1), assumed_align=align)
 
         bm = 1 if key.broadcast_batch else b
         hm = 1 if key.broadcast_head else hq
@@ -484,7 +583,8 @@ def compile_backward(key: BackwardKey):
             assumed_align=16)
         kernel = FlashBackwardSm90(
             dtype, d, key.num_intervals, key.num_bwd_intervals, key.scale, cfg,
-            broadcast_batch=key.broadcast_batch, broadcast_head=key.broadcast_head)
+            broadcast_batch=key.broadcast_batch, broadcast_head=key.broadcast_head,
+            softcap=key.softcap, head_dim_v=key.dv)
         # [B, Hq, Tq, block_q * D]: one contiguous slot per query tile (fragment order).
         tile = cfg.block_q * d
         dq_acc = lambda: cute.runtime.make_fake_tensor(  # noqa: E731
@@ -497,10 +597,11 @@ def compile_backward(key: BackwardKey):
             cutlass.Int32, (sym(), sym(), sym()), stride=(sym64(), sym64(), 1), assumed_align=4)
         fn = cute.compile(
             kernel,
-            bshd(dtype, nq, hq), bshd(dtype, nk, hkv), bshd(dtype, nk, hkv), bshd(dtype, nq, hq),
+            bshd(dtype, nq, hq), bshd(dtype, nk, hkv), bshd(dtype, nk, hkv, dim=key.dv),
+            bshd(dtype, nq, hq, dim=key.dv),
             rows(), rows(), bwd_iv, tiles, fwd_iv, exact, rank,
             dq_acc(), sem(), dq_acc(), sem(),
-            bshd(dtype, nk, hkv), bshd(dtype, nk, hkv),
+            bshd(dtype, nk, hkv), bshd(dtype, nk, hkv, dim=key.dv),
             cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
             options=_options(),
         )
@@ -538,7 +639,7 @@ def dq_turns(bwd_tiles, num_q_tiles: int):
 
 def cute_backward(q, k, v, out, lse, do, bwd_intervals, bwd_tiles, fwd_intervals, bwd_exact, *,
                   scale=None, dlse=None, block_q=BWD_TILES[0], block_kv=BWD_TILES[1],
-                  deterministic=False):
+                  deterministic=False, softcap=None):
     """Masked attention backward on SM90 from an Execution Descriptor's column view.
 
     Args:
@@ -549,7 +650,10 @@ def cute_backward(q, k, v, out, lse, do, bwd_intervals, bwd_tiles, fwd_intervals
         (checked instead of the column view for sequences where ``bwd_exact`` is False).
       dlse: optional cotangent of lse [B, Hq, Nq].
       deterministic: add dQ contributions in a fixed order (``BackwardConfig.deterministic``).
+      softcap: the forward's soft cap (None: none); P is recomputed from the capped logits.
     Returns (dq, dk, dv) in the input dtype.
+
+    (D, Dv) = (192, 128): v, out, do and dv are [.., 128] (``BWD_HEAD_DIM_PAIRS_EXPERIMENTAL``).
     """
     B, Nq, Hq, D = q.shape
     Nk, Hkv = k.shape[1], k.shape[2]
@@ -558,9 +662,12 @@ def cute_backward(q, k, v, out, lse, do, bwd_intervals, bwd_tiles, fwd_intervals
                         f"{do.dtype}")
     if k.shape[0] != B or v.shape[:3] != k.shape[:3] or Hq % Hkv:
         raise ValueError(f"incompatible shapes q{q.shape} k{k.shape} v{v.shape}")
-    if v.shape[-1] != D or out.shape != q.shape or do.shape != q.shape:
-        raise ValueError(f"cute backward needs Dv == D and out/do shaped like q; got q{q.shape} "
-                         f"v{v.shape} out{out.shape} do{do.shape}")
+    Dv = v.shape[-1]
+    if ((Dv != D and (D, Dv) not in BWD_HEAD_DIM_PAIRS_EXPERIMENTAL)
+            or out.shape != q.shape[:3] + (Dv,) or do.shape != out.shape):
+        raise ValueError(f"cute backward needs Dv == D or (D, Dv) in {BWD_HEAD_DIM_PAIRS_EXPERIMENTAL}, "
+                         f"and out / do shaped [B, Nq, Hq, Dv]; got q{q.shape} v{v.shape} "
+                         f"out{out.shape} do{do.shape}")
     if scale is None:
         scale = 1.0 / math.sqrt(D)
     Bm, Hm, _, K, _ = fwd_intervals.shape
@@ -571,11 +678,12 @@ def cute_backward(q, k, v, out, lse, do, bwd_intervals, bwd_tiles, fwd_intervals
                          f"backward tiles of Nq={Nq}, Nk={Nk}")
     dtype_name = jnp.dtype(q.dtype).name
     config = _config_from_env(dataclasses.replace(
-        preferred_backward_config(D, dtype_name), block_q=block_q, block_kv=block_kv,
+        preferred_backward_config(D, dtype_name, softcap is not None), block_q=block_q, block_kv=block_kv,
         deterministic=bool(deterministic)))
     key = BackwardKey(
         dtype=dtype_name, head_dim=D, num_intervals=K, num_bwd_intervals=Kc,
-        broadcast_batch=(Bm == 1), broadcast_head=(Hm == 1), scale=float(scale), config=config)
+        broadcast_batch=(Bm == 1), broadcast_head=(Hm == 1), scale=float(scale), config=config,
+        softcap=None if softcap is None else float(softcap), head_dim_v=None if Dv == D else Dv)
     name = _ensure_registered(key)
     f32 = jnp.float32
     lse = lse.astype(f32)

@@ -43,6 +43,13 @@ walks of the tile words, dK / dV by TMA store, ...) are `api.BackwardConfig`.
 Validated on the H200 (tests/gpu/test_cute_backward.py); the cute backend uses it by
 default for D 64/128 without soft cap (`backends.cute_backward_reason` says why not
 otherwise; JCOMPILEMASK_CUTE_BACKWARD=0 turns it off).
+
+Compiled, not yet run on a GPU (the registry uses them only with
+JCOMPILEMASK_CUTE_BWD_EXPERIMENTAL=1; NOTES.md "Issue 15"): a soft cap (P recomputed from
+t = tanh(scale s / cap), dS^T multiplied by 1 - t^2 in registers; `softcap_tanh`,
+`softcap_probs`), and D 256 through `BackwardConfig.split_dkv`: 64 x 64 tiles whose 64 keys
+both consumer warpgroups own, each computing the whole S^T / dP^T and its half of D for
+dK, dV and dQ (dK + dV of 64 keys x 256 would not fit one warpgroup's registers).
 """
 
 from __future__ import annotations
@@ -114,18 +121,32 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         *,
         broadcast_batch: bool = False,
         broadcast_head: bool = False,
+        softcap: float | None = None,
+        head_dim_v: int | None = None,
     ):
         assert dtype in (cutlass.BFloat16, cutlass.Float16), dtype
-        assert config.block_kv == 64 * self.num_consumer_wgs, "each consumer warpgroup owns 64 keys"
+        assert softcap is None or softcap > 0
+        # split_dkv: both consumer warpgroups own the same 64 keys (each computes all of S^T
+        # and dP^T, and half of dK / dV's head dims); else each owns 64 of the tile's keys.
+        self.split_dkv = config.split_dkv
+        assert config.block_kv == (64 if self.split_dkv else 64 * self.num_consumer_wgs), \
+            "each consumer warpgroup owns 64 keys (split_dkv: the same 64)"
         assert config.block_q == 64, "dQ leaves in the fragment order of one m64 wgmma per warpgroup"
         assert head_dim % 64 == 0
         assert 1 <= num_intervals <= 8 and 0 <= num_bwd_intervals <= 16
         self.dtype = dtype
         self.head_dim = head_dim
+        # Dv != D (192 / 128): V, dO and dV are (rows, Dv) buffers and dV its own tiled MMA.
+        self.head_dim_v = head_dim if head_dim_v is None else head_dim_v
+        assert self.head_dim_v == head_dim or (config.split_dkv and config.dkv_tma_store), \
+            "Dv != D runs split_dkv with the TMA epilogue"
         self.num_intervals = num_intervals
         self.num_bwd_intervals = num_bwd_intervals
         self.scale = float(scale)
         self.scale_log2 = float(scale) * _LOG2_E
+        # Soft cap: logit = cap * t, t = tanh(scale * s / cap); P = exp2(t * cap log2 e - lse2)
+        # and dlogit / ds = scale * (1 - t^2) (the scale is applied to dQ / dK at the end).
+        self.softcap = None if softcap is None else float(softcap)
         self.config = config
         self.block_q = config.block_q
         self.block_kv = config.block_kv
@@ -133,6 +154,22 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         self.broadcast_batch = broadcast_batch
         self.broadcast_head = broadcast_head
         self.dq_wgs = dq_warpgroups(head_dim, self.num_consumer_wgs)
+        # Warpgroups that tile S^T / dP^T (split_dkv: one tile, computed by both), and the
+        # dK / dV tiling: along keys (64 per warpgroup) or, with split_dkv, along D.
+        self.sdp_wgs = 1 if self.split_dkv else self.num_consumer_wgs
+        # The halves of D (dK, dQ) and of Dv (dV) start at a column of K's / Q's / dO's
+        # buffers seen MN-major, which must begin a swizzle atom: 128B atoms (64 elements)
+        # when the half is a multiple of 64, else (D 192: halves of 96) 64B atoms for Q and K.
+        self.qk_sw64 = False
+        if self.split_dkv:
+            half, half_v = head_dim // self.num_consumer_wgs, self.head_dim_v // self.num_consumer_wgs
+            assert half_v % 64 == 0 and half % 32 == 0, "D / Dv halves must start swizzle atoms"
+            self.qk_sw64 = half % 64 != 0
+            self.dkv_atoms, self.dkv_tile = (1, self.num_consumer_wgs, 1), (64, half)
+            self.dv_tile = (64, half_v)
+        else:
+            self.dkv_atoms, self.dkv_tile = (self.num_consumer_wgs, 1, 1), (64, head_dim)
+            self.dv_tile = self.dkv_tile
         self.dq_single_wg = self.dq_wgs == 1
         # Floats of one dQ warpgroup's tile (block_q x D / dq_wgs) and its float4 chunks.
         self.dq_wg_floats = self.block_q * head_dim // self.dq_wgs
@@ -178,14 +215,15 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         K_MAJOR, MN_MAJOR = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
         # S^T = K Q^T and dP^T = V dO^T: (keys, queries), contraction over D.
         tiled_mma_sdp = sm90_helpers.make_trivial_tiled_mma(
-            self.dtype, self.dtype, K_MAJOR, K_MAJOR, Float32, (self.num_consumer_wgs, 1, 1), (64, bq),
+            self.dtype, self.dtype, K_MAJOR, K_MAJOR, Float32, (self.sdp_wgs, 1, 1), (64, bq),
         )
         # dV += P^T dO and dK += dS^T Q: (keys, D), contraction over the queries; the
         # left operand comes from registers, dO and Q are their buffers seen transposed.
         tiled_mma_dkv = sm90_helpers.make_trivial_tiled_mma(
-            self.dtype, self.dtype, K_MAJOR, MN_MAJOR, Float32, (self.num_consumer_wgs, 1, 1), (64, d),
+            self.dtype, self.dtype, K_MAJOR, MN_MAJOR, Float32, self.dkv_atoms, self.dkv_tile,
             warpgroup.OperandSource.RMEM,
         )
+
         # dQ = dS K: (queries, D), contraction over the keys; dS (queries-major in shared
         # memory) and K seen transposed; the dQ warpgroups split D (see dq_warpgroups).
         tiled_mma_dq = sm90_helpers.make_trivial_tiled_mma(
@@ -193,21 +231,29 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         )
         sK_layout = sm90_helpers.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (bk, bq, d), self.dtype, 1)
         sQ_layout = sm90_helpers.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (bk, bq, d), self.dtype, self.num_stages)
+        if const_expr(self.qk_sw64):
+            sK_layout = self.k_major_sw64((bk, d, 1))
+            sQ_layout = self.k_major_sw64((bq, d, self.num_stages))
+        sV_layout, sdO_layout = sK_layout, sQ_layout
+        if const_expr(self.head_dim_v != d):
+            sV_layout, sdO_layout = self.v_do_layouts()
         sdS_layout = sm90_helpers.make_smem_layout_a(LayoutEnum.COL_MAJOR, (bq, d, bk), self.dtype,
                                                      self.config.ds_stages)
         tma_atom_q, mQ_tma = self.tma_load_atom(mQt, sQ_layout, (bq, d))
-        tma_atom_do, mdO_tma = self.tma_load_atom(mdOt, sQ_layout, (bq, d))
+        tma_atom_do, mdO_tma = self.tma_load_atom(mdOt, sdO_layout, (bq, self.head_dim_v))
         tma_atom_k, mK_tma = self.tma_load_atom(mKt, sK_layout, (bk, d))
-        tma_atom_v, mV_tma = self.tma_load_atom(mVt, sK_layout, (bk, d))
+        tma_atom_v, mV_tma = self.tma_load_atom(mVt, sV_layout, (bk, self.head_dim_v))
         # dK / dV leave through K's and V's buffers and one TMA store each (rows past Nk
         # clipped), like the forward's O; else element stores from registers.
         tma_atom_dk, tma_atom_dv = tma_atom_k, tma_atom_v      # placeholders when unused
         if const_expr(self.config.dkv_tma_store):
             s2g = cpasync.CopyBulkTensorTileS2GOp()
             tma_atom_dk, mdK = cpasync.make_tiled_tma_atom(s2g, rows_first(mdK), cute.slice_(sK_layout, (None, None, 0)), (bk, d))
-            tma_atom_dv, mdV = cpasync.make_tiled_tma_atom(s2g, rows_first(mdV), cute.slice_(sK_layout, (None, None, 0)), (bk, d))
+            tma_atom_dv, mdV = cpasync.make_tiled_tma_atom(s2g, rows_first(mdV), cute.slice_(sV_layout, (None, None, 0)), (bk, self.head_dim_v))
         self.bytes_q = self.stage_bytes(sQ_layout)
         self.bytes_k = self.stage_bytes(sK_layout)
+        self.bytes_do = self.stage_bytes(sdO_layout)
+        self.bytes_v = self.stage_bytes(sV_layout)
         # lse / delta: (B, H, Nq') -> (Nq', H, B); one TMA box of block_q floats per tile.
         stats_first = lambda t: cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 1, 0]))  # noqa: E731
         g2s = cpasync.CopyBulkTensorTileG2SOp()
@@ -221,9 +267,9 @@ class FlashBackwardSm90(WarpSpecializedSm90):
             mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
             mbar_do: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
-            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdO_layout)], 1024]
             sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], 1024]
             sLSE: cute.struct.Align[cute.struct.MemRange[Float32, bq * self.num_stages], 128]
             sDelta: cute.struct.Align[cute.struct.MemRange[Float32, bq * self.num_stages], 128]
@@ -289,16 +335,23 @@ class FlashBackwardSm90(WarpSpecializedSm90):
                 cpasync.prefetch_descriptor(atom)
 
         storage = cutlass_memory.SmemAllocator().allocate(self.shared_storage)
-        pipeline_kv = self.tma_pipeline(storage.mbar_kv, 1, 2 * self.bytes_k)   # K and V together
+        pipeline_kv = self.tma_pipeline(storage.mbar_kv, 1, self.bytes_k + self.bytes_v)   # K and V together
         # The Q (dO) barrier also counts the tile's lse (delta) bytes.
         pipeline_q = self.tma_pipeline(storage.mbar_q, self.num_stages, self.bytes_q + self.bytes_stat)
-        pipeline_do = self.tma_pipeline(storage.mbar_do, self.num_stages, self.bytes_q + self.bytes_stat)
+        pipeline_do = self.tma_pipeline(storage.mbar_do, self.num_stages, self.bytes_do + self.bytes_stat)
         pipeline.pipeline_init_arrive()
 
         sK = smem_tensor(storage.sK, sK_layout)
-        sV = smem_tensor(storage.sV, sK_layout)
+        sV_layout, sdO_layout = sK_layout, sQ_layout
+        tiled_mma_dv = tiled_mma_dkv
+        if const_expr(self.head_dim_v != self.head_dim):
+            # Rebuilt here, not passed in: IR values stay in their region (and the kernel's
+            # parameters, so the Dv == D kernels' PTX, stay as they were).
+            sV_layout, sdO_layout = self.v_do_layouts()
+            tiled_mma_dv = self.dv_tiled_mma()
+        sV = smem_tensor(storage.sV, sV_layout)
         sQ = smem_tensor(storage.sQ, sQ_layout)
-        sdO = smem_tensor(storage.sdO, sQ_layout)
+        sdO = smem_tensor(storage.sdO, sdO_layout)
         sdS = smem_tensor(storage.sdS, sdS_layout)
         sLSE = storage.sLSE.get_tensor(cute.make_layout((self.block_q, self.num_stages)))
         sDelta = storage.sDelta.get_tensor(cute.make_layout((self.block_q, self.num_stages)))
@@ -327,9 +380,9 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self.consume(
-                storage, sQ_layout, sK_layout, sQ, sK, sV, sdO, sdS, sLSE, sDelta, sdQ,
+                storage, (sQ_layout, sdO_layout), sK_layout, sQ, sK, sV, sdO, sdS, sLSE, sDelta, sdQ,
                 mBwdIntervals, mBwdTiles, mFwdIntervals, mBwdExact, mdK, mdV, tiled_mma_sdp,
-                tiled_mma_dkv, tiled_mma_dq, pipeline_kv, pipeline_q, pipeline_do, n_q_tiles,
+                (tiled_mma_dkv, tiled_mma_dv), tiled_mma_dq, pipeline_kv, pipeline_q, pipeline_do, n_q_tiles,
                 seqlen_q, mK.shape[0], k_tile, head_kv, batch, mask_batch, group,
                 tidx - self.threads_per_wg, (tma_atom_dk, tma_atom_dv), work)
 
@@ -347,7 +400,7 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_do, tma_atom_lse, tma_atom_delta = atoms
         d, bq, bk = self.head_dim, self.block_q, self.block_kv
         gK = cute.local_tile(mK[None, None, head_kv, batch], (bk, d), (k_tile, 0))
-        gV = cute.local_tile(mV[None, None, head_kv, batch], (bk, d), (k_tile, 0))
+        gV = cute.local_tile(mV[None, None, head_kv, batch], (bk, self.head_dim_v), (k_tile, 0))
         tKsK, tKgK = tma_tiles(tma_atom_k, sK, gK)
         tVsV, tVgV = tma_tiles(tma_atom_v, sV, gV)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
@@ -361,7 +414,7 @@ class FlashBackwardSm90(WarpSpecializedSm90):
             head = head_kv * group + g
             gTiles = mBwdTiles[mask_batch, self.mask_head(head), k_tile, None]
             gQ = cute.local_tile(mQ[None, None, head, batch], (bq, d), (None, 0))
-            gdO = cute.local_tile(mdO[None, None, head, batch], (bq, d), (None, 0))
+            gdO = cute.local_tile(mdO[None, None, head, batch], (bq, self.head_dim_v), (None, 0))
             gL = cute.local_tile(mLSE2[None, head, batch], (bq,), (None,))
             gD = cute.local_tile(mDelta[None, head, batch], (bq,), (None,))
             tQsQ, tQgQ = tma_tiles(tma_atom_q, sQ, gQ)
@@ -530,19 +583,25 @@ class FlashBackwardSm90(WarpSpecializedSm90):
 
     # ------------------------------------------------------------------ consumers
     @cute.jit
-    def consume(self, storage, sQ_layout, sK_layout, sQ, sK, sV, sdO, sdS, sLSE, sDelta, sdQ,
+    def consume(self, storage, q_do_layouts, sK_layout, sQ, sK, sV, sdO, sdS, sLSE, sDelta, sdQ,
                 mBwdIntervals, mBwdTiles, mFwdIntervals, mBwdExact, mdK, mdV,
-                tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, pipeline_kv, pipeline_q, pipeline_do,
+                tiled_mma_sdp, tiled_mmas_dkv, tiled_mma_dq, pipeline_kv, pipeline_q, pipeline_do,
                 n_q_tiles, seqlen_q, seqlen_k, k_tile, head_kv, batch, mask_batch, group, tidx,
                 tma_store_atoms, work):
         d, bq, bk = self.head_dim, self.block_q, self.block_kv
+        sQ_layout, sdO_layout = q_do_layouts
+        tiled_mma_dkv, tiled_mma_dv = tiled_mmas_dkv
         wg = tidx // self.threads_per_wg
         wg_slice = cute.make_layout(self.num_consumer_wgs, stride=self.threads_per_wg)
-        mma_sdp = tiled_mma_sdp.get_slice(wg_slice(wg))
+        # split_dkv: both warpgroups take the one S^T / dP^T tile (thread t and t + 128 hold
+        # the same elements), so dK / dV's register A operand is whole in each.
+        sdp_tidx = tidx % self.threads_per_wg if const_expr(self.split_dkv) else tidx
+        mma_sdp = tiled_mma_sdp.get_slice(wg_slice(0) if const_expr(self.split_dkv) else wg_slice(wg))
         mma_dkv = tiled_mma_dkv.get_slice(wg_slice(wg))
+        mma_dv = tiled_mma_dv.get_slice(wg_slice(wg))
         # With a single dQ warpgroup, the second one builds (and never uses) its fragments.
         mma_dq = tiled_mma_dq.get_slice(wg_slice(0) if const_expr(self.dq_single_wg) else wg_slice(wg))
-        thr_sdp = tiled_mma_sdp.get_slice(tidx)
+        thr_sdp = tiled_mma_sdp.get_slice(sdp_tidx)
 
         # Operand fragments (shared-memory descriptors) of the five products.
         frags = _Fragments()
@@ -551,17 +610,17 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         frags.tSrQ = mma_sdp.make_fragment_B(mma_sdp.partition_B(sQ))
         frags.tSrdO = mma_sdp.make_fragment_B(mma_sdp.partition_B(sdO))
         sQt = smem_tensor(storage.sQ, sQ_layout, [1, 0, 2])     # (D, queries, stage)
-        sdOt = smem_tensor(storage.sdO, sQ_layout, [1, 0, 2])
+        sdOt = smem_tensor(storage.sdO, sdO_layout, [1, 0, 2])  # (Dv, queries, stage)
         sKt = smem_tensor(storage.sK, sK_layout, [1, 0, 2])     # (D, keys, 1)
         frags.tKVrQt = mma_dkv.make_fragment_B(mma_dkv.partition_B(sQt))
-        frags.tKVrdOt = mma_dkv.make_fragment_B(mma_dkv.partition_B(sdOt))
+        frags.tKVrdOt = mma_dv.make_fragment_B(mma_dv.partition_B(sdOt))
         frags.tQrdS = mma_dq.make_fragment_A(mma_dq.partition_A(sdS))
         frags.tQrKt = mma_dq.make_fragment_B(mma_dq.partition_B(sKt))
-        frags.mma_sdp, frags.mma_dkv, frags.mma_dq = mma_sdp, mma_dkv, mma_dq
+        frags.mma_sdp, frags.mma_dkv, frags.mma_dq, frags.mma_dv = mma_sdp, mma_dkv, mma_dq, mma_dv
         frags.mBwdIntervals = mBwdIntervals
 
         acc_dK = cute.make_rmem_tensor(mma_dkv.partition_shape_C((bk, d)), Float32)
-        acc_dV = cute.make_rmem_tensor(mma_dkv.partition_shape_C((bk, d)), Float32)
+        acc_dV = cute.make_rmem_tensor(mma_dv.partition_shape_C((bk, self.head_dim_v)), Float32)
         acc_dK.fill(0.0)
         acc_dV.fill(0.0)
         frags.acc_dK, frags.acc_dV = acc_dK, acc_dV
@@ -577,7 +636,7 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         ds_copy = cute.make_tiled_copy_C(
             cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype),
             tiled_mma_sdp,
-        ).get_slice(tidx)
+        ).get_slice(sdp_tidx)
         frags.ds_copy = ds_copy
         frags.tdSsdS = ds_copy.partition_D(sdS_t)
         # This thread's float4 chunks of its warpgroup's dQ tile in shared memory: chunk g
@@ -634,7 +693,7 @@ class FlashBackwardSm90(WarpSpecializedSm90):
             else:
                 self.dq_buffer_wait(tidx)
         if const_expr(self.config.dkv_tma_store):
-            self.epilogue_tma(acc_dK, acc_dV, mdK, mdV, sK, sV, tma_store_atoms, tiled_mma_dkv, tidx,
+            self.epilogue_tma(acc_dK, acc_dV, mdK, mdV, sK, sV, tma_store_atoms, tiled_mmas_dkv, tidx,
                               k_tile, head_kv, batch)
         else:
             self.epilogue(acc_dK, acc_dV, mdK, mdV, tiled_mma_dkv, tidx, seqlen_k, k_tile, head_kv, batch)
@@ -673,16 +732,27 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         if const_expr(not lse_early):
             for c in cutlass.range_constexpr(n_cols):
                 lse[c] = sLSE[f.tScS[0, c][1], state.index]
-        scale_log2 = Float32(self.scale_log2)
-        for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
-            for c in cutlass.range_constexpr(n_cols):
-                S[r, c] = cute.math.exp2(S[r, c] * scale_log2 - lse[c], fastmath=True)
+        if const_expr(self.softcap is None):
+            scale_log2 = Float32(self.scale_log2)
+            for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
+                for c in cutlass.range_constexpr(n_cols):
+                    S[r, c] = cute.math.exp2(S[r, c] * scale_log2 - lse[c], fastmath=True)
+        else:
+            self.softcap_tanh(S)                # S^T -> t = tanh(scale S^T / cap)
         if const_expr(masked):
+            # With a cap the mask writes t = -inf: exp2 then gives P = 0.
             self.apply_mask(S, f.tScS, q_tile, col_starts, col_lengths, exact, mFwdIntervals,
-                            f.mBwdIntervals, seqlen_q, seqlen_k, k_tile, mh, mask_batch)
+                            f.mBwdIntervals, seqlen_q, seqlen_k, k_tile, mh, mask_batch,
+                            0.0 if const_expr(self.softcap is None) else -math.inf)
+        if const_expr(self.softcap is not None):
+            # P^T for dV (bf16 / fp16 registers) and, in S, P^T (1 - t^2): the gradient of
+            # the capped logits is that times (dP^T - delta).
+            rP = cute.make_rmem_tensor_like(acc_S, self.dtype)
+            self.softcap_probs(S, _rows_view(rP), lse)
         if const_expr(not self.config.stats_early):
             for c in cutlass.range_constexpr(n_cols):
                 delta[c] = sDelta[f.tScS[0, c][1], state.index]
+
 
         # -- dS^T = P^T (dP^T - delta)
         warpgroup.wait_group(0)
@@ -697,9 +767,10 @@ class FlashBackwardSm90(WarpSpecializedSm90):
                     dP[r, c] = S[r, c] * (dP[r, c] - delta[c])
 
         # -- dV += P^T dO (P^T from registers)
-        rP = cute.make_rmem_tensor_like(acc_S, self.dtype)
-        rP.store(acc_S.load().to(self.dtype))
-        issue_wgmma(f.mma_dkv, f.acc_dV, _as_a_operand(rP), f.tKVrdOt[None, None, None, state.index], False)
+        if const_expr(self.softcap is None):
+            rP = cute.make_rmem_tensor_like(acc_S, self.dtype)
+            rP.store(acc_S.load().to(self.dtype))
+        issue_wgmma(f.mma_dv, f.acc_dV, _as_a_operand(rP), f.tKVrdOt[None, None, None, state.index], False)
 
         # -- dS^T: converted once; to shared memory for dQ, from registers for dK
         rdS = cute.make_rmem_tensor_like(acc_dP, self.dtype)
@@ -709,8 +780,12 @@ class FlashBackwardSm90(WarpSpecializedSm90):
             cute.arch.barrier(barrier_id=int(Bar.DS_FREE), number_of_threads=both)
         else:
             ds_stage = state.count % 2
-        cute.copy(f.ds_copy, f.ds_copy.retile(rdS), f.tdSsdS[None, None, None, ds_stage])
-        cute.arch.fence_view_async_shared()
+        if const_expr(self.split_dkv):
+            if tidx // self.threads_per_wg == 0:      # both hold the same dS^T: one writes it
+                self.store_ds(f, rdS, ds_stage)
+        else:
+            cute.copy(f.ds_copy, f.ds_copy.retile(rdS), f.tdSsdS[None, None, None, ds_stage])
+            cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=int(Bar.DS_READY), number_of_threads=both)
 
         # -- dQ_tile[:, this warpgroup's D part] = dS K; dK += dS^T Q
@@ -728,6 +803,56 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         pipeline_q.consumer_release(state)
         if const_expr(not self.config.release_do_early):
             pipeline_do.consumer_release(state)
+
+    def k_major_sw64(self, shape):
+        """A K-major buffer of `shape` (rows, cols, stages) in 64B-swizzle atoms (8 x 32
+        elements): D 192's halves of 96 columns then start an atom (128B atoms: 64)."""
+        atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW64, self.dtype)
+        return cute.tile_to_shape(atom, shape, order=(0, 1, 2))
+
+    def dv_tiled_mma(self):
+        """dV += P^T dO when Dv != D: the dK tiling with Dv / 2 columns per warpgroup."""
+        return sm90_helpers.make_trivial_tiled_mma(
+            self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN,
+            Float32, self.dkv_atoms, self.dv_tile, warpgroup.OperandSource.RMEM)
+
+    def v_do_layouts(self):
+        """(V, dO) buffers when Dv != D: (block_kv, Dv) and (block_q, Dv, stages)."""
+        bq, bk, dv = self.block_q, self.block_kv, self.head_dim_v
+        return (sm90_helpers.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (bk, bq, dv), self.dtype, 1),
+                sm90_helpers.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (bk, bq, dv), self.dtype, self.num_stages))
+
+    @cute.jit
+    def store_ds(self, f, rdS, ds_stage):
+        """dS^T registers -> this tile's dS^T buffer (stmatrix), fenced for the wgmma reads."""
+        cute.copy(f.ds_copy, f.ds_copy.retile(rdS), f.tdSsdS[None, None, None, ds_stage])
+        cute.arch.fence_view_async_shared()
+
+    @cute.jit
+    def softcap_tanh(self, S):
+        """S^T -> t = tanh(scale S^T / cap) in place, as the forward's default tanh
+        (``FlashForwardSm90.apply_softcap``): 1 - 2 rcp(ex2(2 log2 e scale / cap * s) + 1),
+        |t error| < ~4e-7, saturating to +-1 without NaN; P is then recomputed from the
+        same capped logits the forward's lse saw. 2 MUFU ops per score."""
+        pre = Float32(2.0 * _LOG2_E * self.scale / self.softcap)
+        for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
+            for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
+                e = cute.math.exp2(S[r, c] * pre, fastmath=True)
+                S[r, c] = Float32(1.0) - Float32(2.0) * cute.arch.rcp_approx(e + Float32(1.0))
+
+    @cute.jit
+    def softcap_probs(self, S, rP_rows, lse):
+        """t (S^T after softcap_tanh and the mask; -inf where masked) -> P^T = exp2(t cap
+        log2 e - lse2) into rP_rows (the dV operand, input dtype) and P^T (1 - t^2) into S
+        (0 where P^T is 0: a masked t of -inf would give 0 * -inf). One live fp32 tile, as
+        without a cap; the (1 - t^2) factor costs no registers beyond the early rP."""
+        cap_log2 = Float32(self.softcap * _LOG2_E)
+        for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
+            for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
+                t = S[r, c]
+                p = cute.math.exp2(t * cap_log2 - lse[c], fastmath=True)
+                rP_rows[r, c] = p.to(self.dtype)
+                S[r, c] = Float32(0.0) if p == Float32(0.0) else p * (Float32(1.0) - t * t)
 
     @cute.jit
     def dq_and_dk(self, f, rdS, ds_stage, state, pipeline_do, tidx):
@@ -771,8 +896,10 @@ class FlashBackwardSm90(WarpSpecializedSm90):
 
     @cute.jit
     def apply_mask(self, P, tScS, q_tile, col_starts, col_lengths, exact, mFwdIntervals,
-                   mBwdIntervals, seqlen_q, seqlen_k, k_tile, mh, mask_batch):
-        """Zero P^T where the (key, query) pair is not visible (or out of range)."""
+                   mBwdIntervals, seqlen_q, seqlen_k, k_tile, mh, mask_batch,
+                   fill: cutlass.Constexpr[float] = 0.0):
+        """Set P^T to `fill` (0; -inf for the soft cap's t) where the (key, query) pair is
+        not visible (or out of range)."""
         bq, bk = self.block_q, self.block_kv
         row0, col0 = k_tile * bk, q_tile * bq
         if exact:
@@ -787,7 +914,7 @@ class FlashBackwardSm90(WarpSpecializedSm90):
                     for m in cutlass.range_constexpr(self.num_bwd_intervals):
                         vis = vis | _unsigned_lt(i - col_starts[r, m], col_lengths[r, m])
                     keep = vis & key_ok & (i < seqlen_q)
-                    P[r, c] = P[r, c] if keep else Float32(0.0)
+                    P[r, c] = P[r, c] if keep else Float32(fill)
         else:
             # Forward row intervals of each query column (K per query).
             for c in cutlass.range_constexpr(cute.size(P, mode=[1])):
@@ -805,7 +932,7 @@ class FlashBackwardSm90(WarpSpecializedSm90):
                     for m in cutlass.range_constexpr(self.num_intervals):
                         vis = vis | _unsigned_lt(j - starts[m], lengths[m])
                     keep = vis & q_ok & (j < seqlen_k)
-                    P[r, c] = P[r, c] if keep else Float32(0.0)
+                    P[r, c] = P[r, c] if keep else Float32(fill)
 
     @cute.jit
     def epilogue(self, acc_dK, acc_dV, mdK, mdV, tiled_mma_dkv, tidx, seqlen_k, k_tile, head_kv, batch):
@@ -824,7 +951,7 @@ class FlashBackwardSm90(WarpSpecializedSm90):
                     mdV[batch, row, head_kv, col] = dV[r, c].to(self.dtype)
 
     @cute.jit
-    def epilogue_tma(self, acc_dK, acc_dV, mdK, mdV, sK, sV, atoms, tiled_mma_dkv, tidx, k_tile,
+    def epilogue_tma(self, acc_dK, acc_dV, mdK, mdV, sK, sV, atoms, tiled_mmas_dkv, tidx, k_tile,
                      head_kv, batch):
         """dK (times the softmax scale) and dV: registers -> K's and V's buffers (stmatrix)
         -> one TMA store each; the TMA clips rows past Nk."""
@@ -832,23 +959,26 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         both = self.num_consumer_wgs * self.threads_per_wg
         # The other warpgroup's last dQ product reads all of K: wait for it.
         cute.arch.barrier(barrier_id=int(Bar.EPILOGUE), number_of_threads=both)
-        smem_store = cute.make_tiled_copy_C(
-            cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype),
-            tiled_mma_dkv,
-        ).get_slice(tidx)
+        tiled_mma_dkv, tiled_mma_dv = tiled_mmas_dkv
+        stmatrix = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4),
+                                       self.dtype)
+        smem_store = cute.make_tiled_copy_C(stmatrix, tiled_mma_dkv).get_slice(tidx)
+        smem_store_v = smem_store
+        if const_expr(self.head_dim_v != self.head_dim):
+            smem_store_v = cute.make_tiled_copy_C(stmatrix, tiled_mma_dv).get_slice(tidx)
         rdK = cute.make_rmem_tensor_like(acc_dK, self.dtype)
         rdK.store((acc_dK.load() * Float32(self.scale)).to(self.dtype))
         cute.copy(smem_store, smem_store.retile(rdK), smem_store.partition_D(sK[None, None, 0]))
         rdV = cute.make_rmem_tensor_like(acc_dV, self.dtype)
         rdV.store(acc_dV.load().to(self.dtype))
-        cute.copy(smem_store, smem_store.retile(rdV), smem_store.partition_D(sV[None, None, 0]))
+        cute.copy(smem_store_v, smem_store_v.retile(rdV), smem_store_v.partition_D(sV[None, None, 0]))
         # Generic-proxy smem writes are fenced before the TMA (async proxy) reads them.
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=int(Bar.EPILOGUE), number_of_threads=both)
         if tidx // 32 == 0:
             d, bk = self.head_dim, self.block_kv
             gdK = cute.local_tile(mdK[None, None, head_kv, batch], (bk, d), (k_tile, 0))
-            gdV = cute.local_tile(mdV[None, None, head_kv, batch], (bk, d), (k_tile, 0))
+            gdV = cute.local_tile(mdV[None, None, head_kv, batch], (bk, self.head_dim_v), (k_tile, 0))
             tKsK, tKgK = tma_tiles(tma_atom_dk, sK, gdK)
             tVsV, tVgV = tma_tiles(tma_atom_dv, sV, gdV)
             cute.copy(tma_atom_dk, tKsK[None, 0], tKgK)

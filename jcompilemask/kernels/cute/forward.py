@@ -27,8 +27,9 @@ are then kept as t = tanh(...) in [-1, 1] and the whole factor cap * log2(e) mov
 the exp2 scale: the running max, the softmax and the LSE see t exactly as they see raw
 scores without a cap, so there is still one FFMA per element ahead of the exp2.
 
-Head dims 64, 128 and 256 (Dv == D: O is staged through Q's shared buffer). Tile shapes
-come from `api.preferred_forward_tiles`: 128 x 128 for D <= 128; 128 x 80 for D = 256,
+Head dims 64, 128 and 256 with Dv == D, and 192 with Dv 128 (O is staged through Q's
+shared buffer, which is at least as large). Tile shapes come from
+`api.preferred_forward_tiles`: 128 x 128 for D <= 128 and 192 / 128; 128 x 80 for D = 256,
 where O alone takes 128 fp32 registers per consumer thread.
 
 Measured (H200, causal, bf16, D = 128, 8 heads, 128K tokens): 440 / 544 / 582 TF/s at
@@ -90,8 +91,9 @@ class FlashForwardSm90(WarpSpecializedSm90):
         assert block_q == 64 * self.num_consumer_wgs, "each consumer warpgroup owns 64 rows"
         assert block_kv % 16 == 0 and head_dim % 16 == 0 and head_dim_v % 16 == 0
         assert 1 <= num_intervals <= 8
-        # O goes out through Q's shared buffer (same shape and swizzle).
-        assert head_dim_v == head_dim, "the epilogue reuses Q's buffer for O: needs Dv == D"
+        # O goes out through Q's shared buffer: the same layout when Dv == D, else (192 / 128)
+        # a (block_q, Dv) layout over the first bytes of the (larger) Q buffer.
+        assert head_dim_v <= head_dim, "the epilogue stages O in Q's buffer: needs Dv <= D"
         assert softcap is None or softcap > 0
         self.dtype = dtype
         self.head_dim = head_dim
@@ -160,8 +162,11 @@ class FlashForwardSm90(WarpSpecializedSm90):
         tma_atom_v, mV_tma = self.tma_load_atom(mVt, sV_layout, (self.head_dim_v, self.block_kv))
         # O leaves through shared memory and one TMA store: it reuses Q's buffer (same
         # shape and swizzle when Dv == D) and TMA clips the rows past Nq for us.
+        sO_layout = sQ_layout
+        if const_expr(self.head_dim_v != self.head_dim):
+            sO_layout = self.o_smem_layout()
         tma_atom_o, mO_tma = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileS2GOp(), mOt, cute.slice_(sQ_layout, (None, None, 0)),
+            cpasync.CopyBulkTensorTileS2GOp(), mOt, cute.slice_(sO_layout, (None, None, 0)),
             (self.block_q, self.head_dim_v),
         )
         self.bytes_q = self.stage_bytes(sQ_layout)
@@ -191,6 +196,11 @@ class FlashForwardSm90(WarpSpecializedSm90):
             stream=stream,
             min_blocks_per_mp=1,
         )
+
+    def o_smem_layout(self):
+        """O's (block_q, Dv) staging layout when Dv < D (over the start of Q's buffer)."""
+        return sm90_helpers.make_smem_layout_a(
+            LayoutEnum.ROW_MAJOR, (self.block_q, self.block_kv, self.head_dim_v), self.dtype, 1)
 
     # ---------------------------------------------------------------- device entry
     @cute.kernel
@@ -228,6 +238,10 @@ class FlashForwardSm90(WarpSpecializedSm90):
         pipeline.pipeline_init_arrive()
 
         sQ = smem_tensor(storage.sQ, sQ_layout)
+        sO = sQ
+        if const_expr(self.head_dim_v != self.head_dim):
+            # The host's sO_layout is rebuilt here (IR values do not cross into the kernel).
+            sO = smem_tensor(storage.sQ, self.o_smem_layout())
         sK = smem_tensor(storage.sK, sK_layout)
         sV = smem_tensor(storage.sV, sV_layout)
 
@@ -257,7 +271,7 @@ class FlashForwardSm90(WarpSpecializedSm90):
                 mO, mLSE, mIntervals, sQ, sK, sV, tma_atom_o, tiled_mma_qk, tiled_mma_pv,
                 pipeline_q, pipeline_k, pipeline_v, gTiles, n_k_tiles,
                 mQ.shape[0], mK.shape[0], q_tile, head, batch, mask_batch, mask_head,
-                tidx - self.threads_per_wg,
+                tidx - self.threads_per_wg, sO,
             )
 
     # ------------------------------------------------------------------ producer
@@ -292,7 +306,7 @@ class FlashForwardSm90(WarpSpecializedSm90):
     def consume(
         self, mO, mLSE, mIntervals, sQ, sK, sV, tma_atom_o, tiled_mma_qk, tiled_mma_pv,
         pipeline_q, pipeline_k, pipeline_v, gTiles, n_k_tiles,
-        seqlen_q, seqlen_k, q_tile, head, batch, mask_batch, mask_head, tidx,
+        seqlen_q, seqlen_k, q_tile, head, batch, mask_batch, mask_head, tidx, sO,
     ):
         wg = tidx // self.threads_per_wg  # 0 or 1 among the consumers
         wg_slice = cute.make_layout(self.num_consumer_wgs, stride=self.threads_per_wg)
@@ -357,7 +371,7 @@ class FlashForwardSm90(WarpSpecializedSm90):
             warpgroup.wait_group(0)
             pipeline_v.consumer_release(kv_state)
 
-        self.epilogue(acc_O, row_max, row_sum, mO, mLSE, sQ, tma_atom_o, tiled_mma_pv, tidx, seqlen_q,
+        self.epilogue(acc_O, row_max, row_sum, mO, mLSE, sO, tma_atom_o, tiled_mma_pv, tidx, seqlen_q,
                       q_tile, head, batch)
 
     @cute.jit

@@ -155,6 +155,28 @@ class _Indent:
         self.w.ind -= 1
 
 
+class _OnHeads:
+    """``if h in heads:`` around a block (no condition when ``heads`` is None)."""
+
+    def __init__(self, w: _Lines, heads):
+        self.w, self.heads = w, heads
+
+    def __enter__(self):
+        if self.heads is not None:
+            cond = f"h == T.int32({self.heads[0]})"
+            for x in self.heads[1:]:
+                cond = f"T.Or({cond}, h == T.int32({x}))"
+            self.w(f"if {cond}:")
+            self.w.ind += 1
+
+    def __exit__(self, *a):
+        if self.heads is not None:
+            self.w.ind -= 1
+
+
+_on_heads = _OnHeads
+
+
 class _Gen:
     """Builds the kernel bodies for one (mask, tiles, config)."""
 
@@ -250,14 +272,20 @@ class _Gen:
             w(f"if reg == {g}:")
             with w.block():
                 for m, iv in enumerate(lr.intervals):
+                    slots = self.cm.fwd_slots[g, m]
+                    if not slots:
+                        continue
                     w.set("lo", E.clamp(iv.lo, "kv_len"))
                     w.set("hi", E.clamp(iv.hi, "kv_len"))
                     span = "T.max(hi - lo, T.int32(0))"
                     if isinstance(iv.cond, BoolConst) and iv.cond.value:
-                        w(f"LN_{m} = {span}")
+                        w.set("ln", span)
                     else:
-                        w(f"LN_{m} = T.if_then_else({E.pred(iv.cond)}, {span}, T.int32(0))")
-                    w(f"ST_{m} = T.if_then_else(LN_{m} > 0, lo, T.int32(0))")
+                        w.set("ln", f"T.if_then_else({E.pred(iv.cond)}, {span}, T.int32(0))")
+                    for s, heads in slots:        # per-head slots (lower/slots.py)
+                        with _on_heads(w, heads):
+                            w(f"LN_{s} = ln")
+                            w(f"ST_{s} = T.if_then_else(ln > 0, lo, T.int32(0))")
 
     def runs(self, w: _Lines, bk: int, atomic):
         """Merge the row's K intervals into runs; add them to the chunk's diff arrays."""
@@ -468,6 +496,11 @@ class _Gen:
         with w.block():
             c = 0
             E = self.E
+            if any(h is not None for sl in self.cm.bwd_slots.values() for _, h in sl) or \
+                    any(not sl for sl in self.cm.bwd_slots.values()):
+                for x in range(self.KC):      # slots some heads leave unused
+                    w(f"bwd_iv[b, h, j, {x}, 0] = T.int32(0)")
+                    w(f"bwd_iv[b, h, j, {x}, 1] = T.int32(0)")
             for g, lr in self.lowered:
                 for m, iv in enumerate(lr.intervals):
                     a = f"EA_{g}"
@@ -488,10 +521,11 @@ class _Gen:
                     else:
                         w.set("cl", f"T.if_then_else({E.pred(iv.row_flag)}, "
                               f"{span}, T.int32(0))")
-                    w(f"bwd_iv[b, h, j, {c}, 0] = T.if_then_else(cl > 0, q0, "
-                      "T.int32(0))")
-                    w(f"bwd_iv[b, h, j, {c}, 1] = cl")
-                    c += 1
+                    for c, heads in self.cm.bwd_slots[g, m]:
+                        with _on_heads(w, heads):
+                            w(f"bwd_iv[b, h, j, {c}, 0] = T.if_then_else(cl > 0, q0, "
+                              "T.int32(0))")
+                            w(f"bwd_iv[b, h, j, {c}, 1] = cl")
             w("if T.And(j == 0, h == 0):")
             with w.block():
                 w('bwd_exact[b] = T.Cast("uint8", T.if_then_else(nest > 0, T.int32(0), '

@@ -9,14 +9,15 @@ the position to ``[0, N)``.
 Leaf names used by the generated code:
 
 * ``q`` (or another name, for binary searches), ``h``, ``q_len``, ``kv_len``;
-* ``S_<name>`` a scalar, ``V_<name>_<i>`` a vector entry (loaded once per block);
+* ``S_<name>`` a scalar, ``V_<name>_<i>`` a vector entry (loaded once per block),
+  ``M_<name>[b, i]`` a vector entry at a run-time index (``vec[seg.id(q)]``);
 * ``G_<name>_<field>[b, pos]`` a segment run table, ``NT_<name>`` its length.
 """
 from __future__ import annotations
 
 from ...spec.expr import (And, BinOp, BoolConst, Cmp, Const, Expr, Index, Length, Not, Or,
                           Pred, walk)
-from ...spec.metadata import Scalar, SegRead, VectorElem
+from ...spec.metadata import Scalar, SegRead, VectorElem, VectorRead
 
 __all__ = ["ExprEmitter", "leaves_of", "uses_q"]
 
@@ -68,6 +69,11 @@ class ExprEmitter:
             return f"S_{e.name}"
         if isinstance(e, VectorElem):
             return f"V_{e.decl.name}_{e.index}"
+        if isinstance(e, VectorRead):      # vec[e]: the entry clamp(e, 0, R - 1)
+            idx = self.expr(e.index)
+            top = e.decl.size - 1
+            return (f"M_{e.decl.name}[b, T.min(T.max({idx}, T.int32(0)), "
+                    f"T.int32({top}))]")
         if isinstance(e, SegRead):
             pos = self.expr(e.pos)
             n = f"NT_{e.decl.name}"

@@ -39,7 +39,10 @@ def sample_metadata(spec, batch, q_len, kv_len, rng, *, ordered=True):
         if d.kind == "tokens":
             n = max(q_len, kv_len)
             ids = np.cumsum(rng.random((batch, n)) < 0.15, axis=1).astype(np.int32)
-            ids[rng.random((batch, n)) < 0.05] = -1
+            if d.contiguous:            # each id one run: padding only at the end
+                ids[np.arange(n)[None, :] >= rng.integers(n // 2, n + 1, (batch, 1))] = -1
+            else:
+                ids[rng.random((batch, n)) < 0.05] = -1
             out[name] = ids
             continue
         lo = _eval_static(d.min, lens) if d.min is not None else 0

@@ -1,0 +1,138 @@
+"""Issue 15 on the H200: the CuTe configs compiled but not yet run on a GPU — the backward
+with a soft cap (D 64 / 128), the backward at D 256 (``split_dkv``, 64 x 64 tiles) and at
+D 192 / Dv 128 (split_dkv with 64B-swizzled Q / K), and the forward at 192 / 128.
+
+Every test opts in with ``JCOMPILEMASK_CUTE_BWD_EXPERIMENTAL=1`` (the registry uses these
+configs only then), checks that the CuTe backward really serves the call
+(``backends.cute_backward_plan``), and compares dq / dk / dv of
+``mask_attention(implementation="cute")`` with ``jcompilemask.testing.reference_gradients``
+under the tolerance policy: built-in masks (ragged lengths), random lowered specs, fully
+masked rows, a mask with no column view, GQA / MQA, bf16 and fp16.
+
+They need an SM90 GPU with the CUDA extras and skip elsewhere (CI: "cute backend
+unavailable: ..."); the compile-only checks of the same configs are in
+test_cute_backward.py / test_cute_forward.py and run on CI. ``scripts/h200.sh hdims`` runs
+this file on the device.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jcompilemask as jcm
+from jcompilemask import backends
+from jcompilemask.spec import MaskSpec, Region, Scalar, k, q, q_len
+from jcompilemask.testing import assert_within_policy, reference_attention, reference_gradients
+from gpu_cases import SPECS, metadata, random_spec_case  # tests/gpu is on sys.path under pytest
+
+_why = backends.get("cute").available()
+pytestmark = pytest.mark.skipif(_why is not None, reason=f"cute backend unavailable: {_why}")
+
+# (name, D, Dv, soft cap): the configs of issue 15.
+CONFIGS = {
+    "cap128": (128, 128, 5.0),
+    "cap64": (64, 64, 5.0),
+    "d256": (256, 256, None),
+    "d256cap": (256, 256, 5.0),
+    "d192": (192, 128, None),
+}
+
+
+@pytest.fixture(autouse=True)
+def experimental(monkeypatch):
+    monkeypatch.setenv(backends.CUTE_BACKWARD_ENV, "1")
+    monkeypatch.setenv(backends.CUTE_EXPERIMENTAL_ENV, "1")
+
+
+def _grads(spec, md, b, n, hq, hkv, config, dtype=jnp.bfloat16, seed=0):
+    d, dv, cap = CONFIGS[config]
+    from jcompilemask.kernels.cute.api import preferred_backward_tiles
+    assert backends.cute_backward_plan(d, dv, cap, preferred_backward_tiles(d, "bfloat16", dv)) is None
+    ks = jax.random.split(jax.random.key(seed), 4)
+    gain = 1.0 if cap is None else 3.0        # with a cap: logits wide enough to saturate tanh
+    qx = (gain * jax.random.normal(ks[0], (b, n, hq, d), jnp.float32)).astype(dtype)
+    kx = jax.random.normal(ks[1], (b, n, hkv, d), jnp.float32).astype(dtype)
+    vx = jax.random.normal(ks[2], (b, n, hkv, dv), jnp.float32).astype(dtype)
+    do = jax.random.normal(ks[3], (b, n, hq, dv), jnp.float32).astype(dtype)
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+
+    def loss(a, b_, c):
+        o = jcm.mask_attention(a, b_, c, spec, metadata=md, implementation="cute",
+                               logits_soft_cap=cap)
+        return jnp.sum(f32(o) * f32(do))
+
+    g = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(qx, kx, vx)
+    g_hi, g_lo = reference_gradients(qx, kx, vx, do, spec.as_dense(md, n, n), softcap=cap)
+    problems = []
+    for name, a, h, lo in zip(("dq", "dk", "dv"), g, g_hi, g_lo):
+        assert a.dtype == dtype and a.shape == h.shape
+        try:
+            assert_within_policy(a, h, lo, name)
+        except AssertionError as err:
+            diff = np.abs(np.asarray(a, np.float32) - np.asarray(h, np.float32))
+            worst = np.unravel_index(np.nanargmax(np.where(np.isnan(diff), np.inf, diff)), diff.shape)
+            problems.append(f"{err} at {tuple(int(i) for i in worst)} of {diff.shape}")
+    assert not problems, f"{config}: " + "; ".join(problems)
+
+
+BUILTINS = ("causal", "hstu", "shared_prompt", "clear", "document", "sliding_window")
+
+
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+@pytest.mark.parametrize("name", BUILTINS)
+def test_builtin_grads(name, config):
+    rng = np.random.default_rng(2)
+    n = 1000 if name != "clear" else 1100              # ragged: not a multiple of 64 / 128
+    _grads(SPECS[name], metadata(name, 2, n, rng), 2, n, 4, 2, config)
+
+
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+def test_fp16_mqa(config):
+    rng = np.random.default_rng(3)
+    _grads(SPECS["hstu"], metadata("hstu", 2, 900, rng), 2, 900, 4, 1, config, dtype=jnp.float16)
+
+
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+def test_fully_masked_rows(config):
+    s = Scalar("start", max=q_len)
+    spec = MaskSpec([Region((s, q_len), k <= q)])
+    _grads(spec, {"start": np.array([300, 900])}, 2, 900, 2, 2, config)
+
+
+@pytest.mark.parametrize("config", ["cap128", "d256", "d192"])
+def test_no_column_view_uses_row_intervals(config):
+    spec = MaskSpec([Region((0, q_len), (k <= q) & (k >= q % 97 * 3))])
+    _grads(spec, None, 1, 700, 2, 2, config)
+
+
+@pytest.mark.parametrize("config", ["cap128", "d256", "d192"])
+@pytest.mark.parametrize("seed", range(3))
+def test_random_lowered_specs(seed, config):
+    rng = np.random.default_rng(300 + seed)
+    n, b = 700, 2
+    spec, md = random_spec_case(rng, n, b)
+    assert not jcm.compile(spec).fallback_regions
+    _grads(spec, md, b, n, 2, 2, config, seed=seed)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("name", ["causal", "hstu", "clear"])
+def test_forward_192_128(name, dtype):
+    """The forward at D 192 / Dv 128 (O staged in Q's buffer): out and lse."""
+    rng = np.random.default_rng(4)
+    n, b = 1000, 2
+    md = metadata(name, b, n, rng)
+    ks = jax.random.split(jax.random.key(5), 3)
+    qx = jax.random.normal(ks[0], (b, n, 4, 192), jnp.float32).astype(dtype)
+    kx = jax.random.normal(ks[1], (b, n, 2, 192), jnp.float32).astype(dtype)
+    vx = jax.random.normal(ks[2], (b, n, 2, 128), jnp.float32).astype(dtype)
+    out, lse = jax.jit(lambda a, b_, c: jcm.mask_attention(
+        a, b_, c, SPECS[name], metadata=md, implementation="cute", return_residuals=True))(qx, kx, vx)
+    dense = SPECS[name].as_dense(md, n, n)
+    hi = reference_attention(qx, kx, vx, dense, precision="high")
+    lo = reference_attention(qx, kx, vx, dense, precision="input")
+    assert out.shape == (b, n, 4, 128)
+    assert_within_policy(out, hi[0], lo[0], "out")
+    assert_within_policy(lse, hi[1], lo[1], "lse")
