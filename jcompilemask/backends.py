@@ -10,7 +10,7 @@ raises with its reason when it cannot run the call.
 backends, best first:
   cute: ...
   xla: available
-preprocess, best first (instantiate runs the first available; fallback masks take jnp):
+preprocess, best first (instantiate runs the first available; residual masks take jnp):
   tilelang: ...
   jnp: available (the reference; every platform; preprocess='jnp' selects it)
 
@@ -32,7 +32,7 @@ import jax
 from ._install import missing, missing_hint, no_gpu_hint, pip_hint
 from ._progress import log_once, slow_step
 from .lower import compiled as _compiled
-from .lower.compiled import DEFAULT_TILES
+from .lower.compiled import DEFAULT_TILES, RESIDUAL_REASON
 from .lower.descriptor import TileConfig
 
 __all__ = ["Backend", "Call", "register", "select", "explain", "preferred_tiles",
@@ -54,7 +54,7 @@ class Call:
     num_heads: int
     num_kv_heads: int
     softcap: bool
-    has_fallback: bool
+    has_fallback: bool                     # residual predicates (the interval tables are hulls)
     num_intervals: int = 1
     tiles: Optional[TileConfig] = None     # of a prebuilt descriptor, if one was passed
     bias: bool = False                     # an additive bias (or a dense mask) on the logits
@@ -158,9 +158,37 @@ def _on_gpu() -> bool:
         return False
 
 
-def explain(call: Call | None = None) -> str:
-    """Each backend, best first, and whether it would run ``call`` (or is available)."""
+def explain(call: Call | None = None, mask=None) -> str:
+    """Each backend, best first, and whether it would run ``call`` (or is available).
+
+    ``mask`` (a MaskSpec or CompiledMask, optional) adds, per region, its interval count,
+    its residual predicate if any, and which backend runs it and why; with ``mask`` and
+    no ``call``, the call is a bfloat16 one (head dim 128, 8 heads) of that mask.
+
+    >>> import jcompilemask as jcm
+    >>> from jcompilemask.spec import MaskSpec, Region, q, k, q_len
+    >>> dilated = MaskSpec([Region((0, q_len), (k <= q) & (k >= q - 8) & ((q - k) % 2 == 0))])
+    >>> print(explain(mask=jcm.compile(dilated, warn=False)))   # doctest: +ELLIPSIS
+    backends, best first:
+      cute: skipped: ...
+      xla: available
+    chosen: xla
+    backward: xla (the backend that runs the forward)
+    mask regions:
+      region 0: 1 interval(s), residual predicate: (q - k) % 2 == 0
+        runs on: xla (residual predicate: cute kernels do not evaluate residuals yet (issue 16))
+    preprocess, ...
+    """
     _ensure_builtin()
+    cm = None
+    if mask is not None:
+        cm = _compiled.compile(mask, warn=False)
+        if call is None:
+            call = Call(dtype="bfloat16", head_dim=128, head_dim_v=128, num_heads=8,
+                        num_kv_heads=8, softcap=False,
+                        has_fallback=bool(cm.fallback_regions),
+                        num_intervals=cm.num_intervals,
+                        dense_bitmap=getattr(cm, "layout", None) == "bitmap")
     lines = ["backends, best first:"]
     chosen = None
     for b in backends():
@@ -176,8 +204,33 @@ def explain(call: Call | None = None) -> str:
         lines.append(f"chosen: {chosen}")
         if chosen is not None:
             lines.append(explain_backward(call))
+    if cm is not None:
+        lines += _explain_regions(cm, chosen)
     lines += _explain_preprocess()
     return "\n".join(lines)
+
+
+def _explain_regions(cm, chosen) -> list[str]:
+    """Per region of ``cm``: intervals, residual, the backend that runs it and why."""
+    from .lower.compiled import region_backend
+    regions = getattr(cm, "regions", ())
+    if not regions:
+        return ["mask: " + cm.explain().splitlines()[0]]
+    lines = ["mask regions:"]
+    for g, lr in enumerate(regions):
+        name = cm.spec.regions[g].name
+        head = f"  region {g}{f' {name!r}' if name else ''}: {cm.region_num_slots[g]} interval(s)"
+        res = [str(lr.slot_residual(m)) for m in range(lr.num_slots)
+               if lr.slot_residual(m).key() != ("bool", True)]
+        if res:
+            head += ", residual predicate: " + "; ".join(res)
+        lines.append(head)
+        why = region_backend(cm, g)
+        if why.startswith("cute") and chosen is not None:
+            why = (f"{chosen} (the interval tables serve it; {chosen} is the backend this "
+                   "call takes)" if chosen != "cute" else "cute (interval tables only)")
+        lines.append(f"    runs on: {why}")
+    return lines
 
 
 def preferred_tiles(call: Call | None = None) -> TileConfig:
@@ -225,8 +278,8 @@ def _cute_backend() -> Backend:
             return ("a dense mask with more than 8 runs per row, kept as a bitmap (the CuTe "
                     "kernels read interval tables); the xla backend checks the bitmap")
         if call.has_fallback:
-            return ("the mask has fallback regions (predicates the interval tables cannot "
-                    "hold); the xla backend evaluates them")
+            return (f"{RESIDUAL_REASON}; the xla backend evaluates them per element in "
+                    "partial tiles")
         if call.dtype not in ("bfloat16", "float16"):
             return f"dtype {call.dtype} (the CuTe kernels take bfloat16 and float16)"
         from .kernels.cute.api import HEAD_DIM_PAIRS_EXPERIMENTAL, HEAD_DIMS
@@ -256,7 +309,18 @@ def _cute_backend() -> Backend:
                 bwd = preferred_backward_tiles(call.head_dim, call.dtype, call.head_dim_v)
         return TileConfig(bq, bk, *bwd)
 
+    def refuse_residuals(desc):
+        # Defence in depth: the tables of a residual mask hold hulls, which the kernels
+        # would take for the mask itself. supports() refuses such calls; a Call built by
+        # hand with has_fallback=False must not run them silently either.
+        res = getattr(desc.mask, "residual_regions", ())
+        if res:
+            raise BackendUnavailable(f"the cute backend cannot run this mask: regions "
+                                     f"{list(res)} have a {RESIDUAL_REASON}; use "
+                                     "implementation='xla'")
+
     def forward(q, k, v, desc, scale, softcap):
+        refuse_residuals(desc)
         from .kernels.cute import cute_forward
         with slow_step(f"jcompilemask: building the CuTe forward kernel ({q.dtype}, D "
                        f"{q.shape[-1]}, K {desc.num_intervals}, tiles {desc.tiles.block_q}x"
@@ -268,6 +332,7 @@ def _cute_backend() -> Backend:
     from .attention import xla
 
     def backward(q, k, v, desc, scale, softcap, out, lse, do, dlse=None, deterministic=False):
+        refuse_residuals(desc)
         why = cute_backward_reason(q, v, desc, softcap)
         if why is not None:
             log_once(("cute-backward", why), "jcompilemask: gradients come from the xla "
@@ -462,7 +527,7 @@ def select_preprocess(cm, name: Optional[str] = None) -> Preprocess:
 
 
 def _explain_preprocess() -> list[str]:
-    lines = ["preprocess, best first (instantiate runs the first available; fallback masks "
+    lines = ["preprocess, best first (instantiate runs the first available; residual masks "
              "take jnp):"]
     for p in preprocesses():
         why = p.available()

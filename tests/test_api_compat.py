@@ -237,32 +237,31 @@ def test_messages_name_the_argument_and_the_fix():
 
 
 # -- masks that lose the fast path ------------------------------------------------------
-def test_compile_warns_once_on_fallback_with_a_rewrite():
-    spec = MaskSpec([Region((0, q_len), k // 64 <= q // 64, name="blocks")],
-                    name="block_causal_test")
-    with pytest.warns(jcm.MaskFallbackWarning) as rec:
-        jcm.compile(spec)
-    text = str(rec[0].message)
-    assert "region 0 'blocks'" in text and "`k // 64 <= q // 64`" in text
-    assert "`k < (q // 64 + 1) * 64`" in text
-    # The rewrite really lowers.
-    assert not jcm.compile(MaskSpec([Region((0, q_len), k < (q // 64 + 1) * 64)])).fallback_regions
+def test_compile_warns_once_on_residual_predicates():
+    # k // 64 <= q // 64 is solved exactly (issue 16): no warning, one interval
+    blocks = MaskSpec([Region((0, q_len), k // 64 <= q // 64, name="blocks")],
+                      name="block_causal_test")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        jcm.compile(spec)                                     # cached: no second warning
+        cm = jcm.compile(blocks)
         jcm.compile(jcm.masks.hstu())                         # lowers: no warning
-    modulo = MaskSpec([Region((0, q_len), (k % 4 == 0) & (k <= q))], name="mod_test")
-    with pytest.warns(jcm.MaskFallbackWarning, match="`k % 4 <= 0`.*k alone on one side"):
+    assert not cm.fallback_regions and cm.num_intervals == 1
+    assert str(cm.regions[0].intervals[0]) == "[0, 64 * (q // 64) + 64)"
+    modulo = MaskSpec([Region((0, q_len), (k % 4 == 0) & (k <= q), name="stride")],
+                      name="mod_test")
+    with pytest.warns(jcm.MaskFallbackWarning) as rec:
         jcm.compile(modulo)
-    quiet = MaskSpec([Region((0, q_len), k // 16 <= q // 16)], name="quiet_test")
+    text = str(rec[0].message)
+    assert "region 0 'stride'" in text and "`k % 4 == 0`" in text
+    assert "residual predicate" in text and "k alone (or k // c)" in text
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        jcm.compile(modulo)                                   # cached: no second warning
+    quiet = MaskSpec([Region((0, q_len), k % 16 <= q % 16)], name="quiet_test")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert jcm.compile(quiet, warn=False).fallback_regions    # the caller handles it
         jcm.compile(quiet)
-    chunks = MaskSpec([Region((0, q_len), k // 8 == q // 8)], name="eq_test")
-    with pytest.warns(jcm.MaskFallbackWarning, match=r"the whole rule: `\(k >= q // 8 \* 8\) "
-                      r"& \(k < \(q // 8 \+ 1\) \* 8\)`"):
-        jcm.compile(chunks)
 
 
 def test_registry_says_once_when_a_faster_backend_is_passed_over(caplog):

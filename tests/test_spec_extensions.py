@@ -375,6 +375,34 @@ def test_per_head_spec_on_the_tilelang_program():
         assert not descriptors_equal(ref, got)
 
 
+def test_per_head_slots_over_residual_slot_groups():
+    # The two slot systems composed: per head, a residual rule, a shared-slot group (the
+    # row conditions q < 4 / q >= 4 exclude each other: one run) and two intervals. The
+    # groups are assigned per head, so K is 2 (head 2), not 1 + 1 + 2; Kc likewise.
+    rules = [(k <= q) & ((q - k) % 2 == 0),
+             ((q < 4) & (k < 4)) | ((q >= 4) & (k <= q)),
+             (k < 3) | ((k >= q - 1) & (k <= q))]
+    spec = _per_head_spec(rules)
+    cm = jcm.compile(spec, warn=False)
+    assert cm.residual_regions == (0,) and cm.shares_slots
+    assert cm.num_intervals == 2 and cm.num_bwd_intervals == 2, cm.explain()
+    assert cm.regions[0].num_slots == 4            # four slot groups, two per head at most
+    res0 = [cm.residual(0, s) for s in range(cm.num_intervals)]
+    assert any("% 2" in str(r) and "h ==" in str(r) for r in res0), res0
+    from jcompilemask.kernels.tilelang.codegen import unsupported_reason
+    assert unsupported_reason(cm)                  # residual + shared slots: jnp preprocess
+    n = 13
+    want = np.asarray(spec.as_dense(None, n, n))
+    for tiles in TILE_CONFIGS[:2]:
+        desc = cm.instantiate(None, n, n, **_tile_kwargs(tiles))
+        # (both dense views, residuals applied; the raw column intervals are hulls)
+        check_descriptor(desc, np.broadcast_to(want, desc.as_dense().shape), n, n)
+        assert np.asarray(desc.bwd_exact).all()
+    desc = cm.instantiate(None, 16, 16, **TILES)
+    qx, kx, vx, do = _inputs(jax.random.key(3), 1, 16, 16, 3, 3, 16)
+    check_xla_against_reference(desc, spec.as_dense(None, 16, 16), qx, kx, vx, do)
+
+
 def test_per_head_spec_gradients_on_xla():
     spec = _per_head_spec(HEAD_RULES[:4])
     n = 32

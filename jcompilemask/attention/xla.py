@@ -7,7 +7,10 @@ so it mirrors their structure and math:
   (batch, head) are visited (a compacted tile list per query tile, walked by a
   ``while_loop``); a tile that is full for every (batch, head) is computed without the
   interval check (only the ragged-edge and empty-head masks apply); partial tiles use the
-  unsigned interval check, and rows of fallback regions evaluate their predicate.
+  unsigned interval check, AND-ed per interval with its residual predicate where the
+  lowering kept one (``k % 2 == 0``: the tables hold the hulls, and a tile a residual may
+  cut is never full, so full tiles stay check-free). Bitmap masks (``from_dense`` past 8
+  runs per row) read their bits there.
   Online softmax with running max / sum; output 0 and lse -inf for rows that see nothing.
   NaN / Inf in q, k or v reach every output, lse and gradient that they reach through a
   visible pair, as in ``jax.nn.dot_product_attention``; masked pairs carry nothing (jax's

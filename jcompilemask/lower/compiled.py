@@ -7,6 +7,7 @@ from typing import Mapping, Optional, Protocol
 import jax.numpy as jnp
 
 from ..spec.evaluate import Env, evaluate
+from ..spec.expr import And, BoolConst, Or
 from ..spec.maskspec import MaskSpec
 from .analyze import LoweredRegion, lower_region
 from .descriptor import ExecutionDescriptor, TileConfig
@@ -80,20 +81,59 @@ def planner() -> Planner:
     return _PLANNER
 
 
+# The CuTe kernels unroll up to this many forward intervals (jcompilemask.backends).
+CUTE_MAX_INTERVALS = 8
+RESIDUAL_REASON = "residual predicate: cute kernels do not evaluate residuals yet (issue 16)"
+
+
+def region_backend(cm, g: int) -> str:
+    """Which attention backend serves region ``g`` of ``cm`` as far as the mask decides
+    it, and why (the call's dtype, head dims and device decide the rest: see
+    ``jcompilemask.backends.explain``). A mask runs on one backend: a region that needs
+    ``xla`` takes the whole mask there."""
+    lr = cm.regions[g]
+    if lr.has_residual:
+        return f"xla ({RESIDUAL_REASON})"
+    k_g = cm.region_num_slots[g]
+    if k_g > CUTE_MAX_INTERVALS:
+        return (f"xla (K = {k_g} intervals per row: the cute kernels unroll up to "
+                f"{CUTE_MAX_INTERVALS})")
+    others = [i for i in cm.residual_regions if i != g]
+    if others:
+        return (f"xla: the interval tables serve this region, but regions {others} have "
+                "residual predicates and a mask runs on one backend")
+    if cm.num_intervals > CUTE_MAX_INTERVALS:
+        return (f"xla (the mask has K = {cm.num_intervals} > {CUTE_MAX_INTERVALS} intervals "
+                "per row)")
+    return "cute on an SM90 GPU (interval tables only), else xla"
+
+
 class CompiledMask:
     """A MaskSpec lowered to interval expressions, ready to instantiate descriptors.
 
     Attributes:
       spec: the source :class:`MaskSpec`.
-      regions: one :class:`LoweredRegion` per region (intervals, or a fallback reason).
-      num_intervals: K, forward intervals per row (max over regions and mask heads, at
-        least 1): the most ranges of keys one query row sees.
+      regions: one :class:`LoweredRegion` per region: its intervals (hull + residual
+        predicate each) and their slot groups (``lr.slots``).
+      residual_regions: the regions whose intervals keep a residual predicate (atoms that
+        are not intervals in ``k``, e.g. ``k % 2 == 0``); ``fallback_regions`` is the
+        same tuple under its former name. Their hulls are in the interval tables, the
+        residuals are evaluated per element in partial tiles by the ``xla`` backend; the
+        CuTe kernels and the TileLang preprocess refuse such masks.
+      num_intervals: K, forward intervals (slots) per row (max over regions and mask
+        heads, at least 1): the most ranges of keys one query row sees. Intervals whose
+        row conditions exclude each other, or that overlap, form one slot group; a group
+        takes a table slot only in the heads where some member can hold.
       num_bwd_intervals: Kc, backward intervals per key column (0: no column view): the
-        most ranges of query rows that see one key (max over mask heads).
+        most ranges of query rows that see one key (max over mask heads). The *column
+        view* is that table, per key instead of per row; the backward pass, which holds
+        a key tile and streams query tiles, reads it. Every lowered interval has its own
+        column interval (residuals are applied to it as to rows).
       fwd_slots, bwd_slots: ``{(region, interval): ((slot, heads or None), ...)}``, the
-        table slot each lowered interval writes, per head (:mod:`.slots`). The *column view* is that table, per
-        key instead of per row; the backward pass, which holds a key tile and streams
-        query tiles, reads it.
+        table slot each lowered interval writes, per head (:mod:`.slots`). In
+        ``fwd_slots`` the members of one slot group have their group's assignment (the
+        group writes the union of its active members there).
+      region_num_slots: per region, the forward slots it uses (max over heads).
 
     >>> import jcompilemask as jcm
     >>> cm = jcm.compile(jcm.masks.causal())
@@ -107,29 +147,65 @@ class CompiledMask:
     full 1, partial 2, empty 1
     """
 
+    residual_regions: tuple = ()     # defaults for subclasses (DenseMask) without regions
+    shares_slots = False
+
     def __init__(self, spec: MaskSpec, regions: tuple[LoweredRegion, ...]):
         self.spec = spec
         self.regions = regions
-        lowered = [r for r in regions if r.fallback is None]
-        self.fallback_regions = tuple(i for i, r in enumerate(regions) if r.fallback)
-        self.has_column_view = bool(lowered) and all(r.bwd_ok for r in lowered)
-        # Slots per head (lower/slots.py): K and Kc are maxima over heads, not sums.
+        self.residual_regions = tuple(i for i, r in enumerate(regions) if r.has_residual)
+        # The former name: regions not served by the interval tables alone (the GPU
+        # kernels and the TileLang preprocess refuse them; the xla backend serves them).
+        self.fallback_regions = self.residual_regions
+        self.shares_slots = any(r.shares_slots for r in regions)
+        self.has_column_view = bool(regions) and all(r.bwd_ok for r in regions)
+        # Two slot systems composed: a region's slot groups (lr.slots: intervals that
+        # exclude each other or touch, one run per row) are the units of the per-head
+        # assignment (lower/slots.py): a group is live on the union of its members' head
+        # supports, so K is the max over regions and heads of the groups live there.
         hm = spec.mask_heads
-        support = {(g, m): head_support(iv.cond, hm) for g, r in enumerate(regions)
-                   if r.fallback is None for m, iv in enumerate(r.intervals)}
-        self.fwd_slots, k_max = {}, 1
+        support = {(g, i): head_support(iv.cond, hm) for g, r in enumerate(regions)
+                   for i, iv in enumerate(r.intervals)}
+        self.fwd_slots, k_max, self.region_num_slots = {}, 1, []
         for g, r in enumerate(regions):
-            if r.fallback is None:
-                n, slots = assign_slots([support[g, m] for m in range(len(r.intervals))], hm)
-                k_max = max(k_max, n)
-                self.fwd_slots.update({(g, m): sl for m, sl in enumerate(slots)})
+            units = [tuple(sorted(set().union(*[support[g, i] for i in members])))
+                     for members in r.slots]
+            n, slots = assign_slots(units, hm)
+            k_max = max(k_max, n)
+            self.region_num_slots.append(n)
+            for members, sl in zip(r.slots, slots):
+                self.fwd_slots.update({(g, i): sl for i in members})
+        self.region_num_slots = tuple(self.region_num_slots)
         self.num_intervals = k_max
+        # The column view: one column interval per lowered interval (residual or not),
+        # per head over all regions: Kc is the max over heads, not the sum.
         keys = sorted(support)
         n, slots = assign_slots([support[x] for x in keys], hm)
         self.bwd_slots = dict(zip(keys, slots))
         self.num_bwd_intervals = n if self.has_column_view else 0
         if self.has_column_view and self.num_bwd_intervals == 0:
             self.has_column_view = False
+
+    def residual(self, region: int, slot: int):
+        """The residual predicate (a :class:`~jcompilemask.spec.expr.Pred` tree over
+        ``q``, ``k``, ``h`` and metadata) that the forward-table slot ``slot`` of region
+        ``region`` is AND-ed with; ``TRUE`` where the slot is exact. A code generator
+        emits it as it is; :meth:`residual_visibility` evaluates it with jnp.
+
+        >>> import jcompilemask as jcm
+        >>> from jcompilemask.spec import MaskSpec, Region, q, k, q_len
+        >>> cm = jcm.compile(MaskSpec([Region((0, q_len), (k <= q) & ((q - k) % 2 == 0))]),
+        ...                  warn=False)
+        >>> print(cm.residual(0, 0))
+        (q - k) % 2 == 0
+        """
+        lr = self.regions[region]
+        units = []                  # (slot group, heads or None) written to this slot
+        for m, members in enumerate(lr.slots):
+            for s, heads in self.fwd_slots[region, members[0]]:
+                if s == slot:
+                    units.append((lr.slot_residual(m), heads))
+        return _per_head_residual(units)
 
     # -- identity (static data of jit / descriptor aux) ---------------------------------
     def key(self):
@@ -159,7 +235,21 @@ class CompiledMask:
 
     # -- reporting ------------------------------------------------------------------------
     def explain(self) -> str:
-        """Every region's interval expressions (or fallback reason) and column view."""
+        """Per region: its forward intervals (hull expressions and slots), the residual
+        predicate if any, and which backend runs it and why; then the column view.
+
+        >>> import jcompilemask as jcm
+        >>> from jcompilemask.spec import MaskSpec, Region, q, k, q_len
+        >>> spec = MaskSpec([Region((0, q_len), (k <= q) & (k % 2 == 0), name="even")])
+        >>> print(jcm.compile(spec, warn=False).explain())   # doctest: +ELLIPSIS
+        CompiledMask : K = 1 forward interval(s) per row, Kc = 1 backward ...
+        ...
+          region 0 'even': rows [0, q_len): 1 interval(s) in 1 slot(s)
+            interval 0: k in [0, q + 1)  and residual k % 2 == 0
+            residual predicate: k % 2 == 0
+            backend: xla (residual predicate: cute kernels do not evaluate residuals yet (issue 16))
+        ...
+        """
         s = self.spec
         lines = [f"CompiledMask {s.name or ''}: K = {self.num_intervals} forward interval(s) "
                  f"per row, Kc = {self.num_bwd_intervals} backward interval(s) per column",
@@ -168,15 +258,28 @@ class CompiledMask:
                  "which the backward pass walks key by key)"]
         for i, (r, lr) in enumerate(zip(s.regions, self.regions)):
             label = f" {r.name!r}" if r.name else ""
-            lines.append(f"  region {i}{label}: rows [{r.rows[0]}, {r.rows[1]})")
-            if lr.fallback:
-                lines.append(f"    FALLBACK (predicate evaluated per element): {lr.fallback}")
-                lines.append(f"      visible: {r.visible}")
-                continue
+            nk = self.region_num_slots[i]
+            lines.append(f"  region {i}{label}: rows [{r.rows[0]}, {r.rows[1]}): "
+                         f"{len(lr.intervals)} interval(s) in {nk} slot(s)")
             if not lr.intervals:
                 lines.append("    sees nothing")
+            per_head = any(hd is not None for m in range(len(lr.intervals))
+                           for _, hd in self.fwd_slots[i, m])
             for m, iv in enumerate(lr.intervals):
-                lines.append(f"    interval {m}: k in {iv}")
+                where = f"  (slot {_slot_label(self.fwd_slots[i, m])})" if per_head else ""
+                lines.append(f"    interval {m}: k in {iv}{where}")
+            for m, members in enumerate(lr.slots):
+                if len(members) > 1:
+                    lines.append(f"    slot {_slot_label(self.fwd_slots[i, members[0]])} "
+                                 f"holds intervals {list(members)} (their row "
+                                 "conditions exclude each other, or they overlap: one run)")
+            for m, members in enumerate(lr.slots):
+                res = lr.slot_residual(m)
+                if not (isinstance(res, BoolConst) and res.value):
+                    where = ("" if nk == 1 and not per_head else
+                             f" (slot {_slot_label(self.fwd_slots[i, members[0]])})")
+                    lines.append(f"    residual predicate{where}: {res}")
+            lines.append(f"    backend: {region_backend(self, i)}")
             if lr.bwd_reason:
                 lines.append(f"    no column view: {lr.bwd_reason}")
         if self.has_column_view:
@@ -186,6 +289,9 @@ class CompiledMask:
             lines.append("  column view: none (the rows that see a key are not known to form "
                          "ranges); the backward pass checks row intervals")
         lines.append("  intervals are clamped to [0, kv_len); empty ones are (0, 0)")
+        if self.residual_regions:
+            lines.append("  residual predicates are evaluated per element in partial tiles; "
+                         "a tile that a hull covers but its residual may cut is partial")
         return "\n".join(lines)
 
     def __str__(self):
@@ -193,14 +299,15 @@ class CompiledMask:
 
     def __repr__(self):
         return (f"<CompiledMask {self.spec.name or ''} K={self.num_intervals} "
-                f"Kc={self.num_bwd_intervals} fallback={list(self.fallback_regions)}>")
+                f"Kc={self.num_bwd_intervals} residual={list(self.residual_regions)}>")
 
     # -- instantiation -------------------------------------------------------------------
     def default_preprocess(self) -> str:
         """The preprocess ``instantiate(preprocess=None)`` runs, as the backend registry
         chooses it (``jcm.backends.explain()`` lists the candidates and why each is
         skipped): ``$JCOMPILEMASK_PREPROCESS`` if set, else "tilelang" on an SM90 GPU with
-        the ``tilelang`` extra for a mask without fallback regions, else "jnp".
+        the ``tilelang`` extra for a mask without residual predicates (or shared slots),
+        else "jnp".
 
         >>> import jcompilemask as jcm
         >>> jcm.compile(jcm.masks.causal()).default_preprocess() in ("jnp", "tilelang")
@@ -216,8 +323,8 @@ class CompiledMask:
 
         Tile sizes left as None take the preferred tiles of the backend that will run.
         ``preprocess``: ``"jnp"`` (every platform; the reference) or ``"tilelang"`` (the
-        generated GPU kernel, SM90, bit-identical output, for masks without fallback
-        regions, needs the ``tilelang`` extra; compiled once per mask structure and tile
+        generated GPU kernel, SM90, bit-identical output, for masks without residual
+        predicates, needs the ``tilelang`` extra; compiled once per mask structure and tile
         shape, cached on disk). None asks the backend registry
         (:meth:`default_preprocess`).
         """
@@ -242,27 +349,86 @@ class CompiledMask:
             for m, iv in enumerate(lr.intervals):
                 what = f"region {g} lowered interval {m}"
                 items += [(what + " lo", iv.lo), (what + " hi", iv.hi), (what, iv.cond),
-                          (what, iv.row_flag)]
+                          (what, iv.row_flag), (what + " residual", iv.residual)]
                 items += [(what + " row bound", b) for b in (iv.q_lo, iv.q_hi)
                           if b is not None]
         check_int32(items, q_len, kv_len, self.spec.mask_heads)
         done.add((q_len, kv_len))
 
-    # -- element-wise fallback ------------------------------------------------------------
+    # -- residual predicates -------------------------------------------------------------
     def fallback_visibility(self, desc: ExecutionDescriptor, rows, cols):
-        """bool [B, Hm, R, C] for rows of fallback regions (False when there are none)."""
-        if not self.fallback_regions:
-            return jnp.zeros((), bool)
+        """Visibility OR-ed over the interval check (False: a lowered MaskSpec has no
+        region outside its interval tables; residuals are AND-ed per slot instead, see
+        :meth:`slot_residuals`). ``DenseMask`` in bitmap layout overrides it."""
+        return jnp.zeros((), bool)
+
+    def residual_visibility(self, pred, desc: ExecutionDescriptor, rows, cols):
+        """The jnp evaluator of a residual predicate: bool [B|1, Hm|1, R, C] for the query
+        rows ``rows`` [R] and keys ``cols`` [C] (int32), reading the descriptor's
+        metadata (kept in ``desc.metadata`` for masks with residuals)."""
         hm = self.spec.mask_heads
-        r = jnp.clip(rows, 0, desc.q_len - 1)
         idx = {"q": rows.reshape(1, 1, -1, 1), "k": cols.reshape(1, 1, 1, -1),
                "h": jnp.arange(hm, dtype=jnp.int32).reshape(1, hm, 1, 1)}
         env = Env(4, idx, desc.q_len, desc.kv_len, desc.metadata)
-        region = desc.row_region[:, r][:, None, :, None]
-        out = jnp.zeros((), bool)
-        for g in self.fallback_regions:
-            out = out | ((region == g) & evaluate(self.spec.regions[g].visible, env))
-        return out
+        out = evaluate(pred, env)
+        return jnp.broadcast_to(out, out.shape[:2] + (rows.shape[0], cols.shape[0]))
+
+    def column_residual(self, slot: int):
+        """The residual predicate of column-view slot ``slot`` (per head, that of the
+        interval written there: ``bwd_slots``); ``TRUE`` where it is exact."""
+        units = [(self.regions[g].intervals[i].residual, heads)
+                 for (g, i), sl in self.bwd_slots.items() for c, heads in sl if c == slot]
+        return _per_head_residual(units)
+
+    def slot_residuals(self, desc: ExecutionDescriptor, rows, cols, view: str = "fwd"):
+        """None when no slot has a residual; else bool [B|1, Hm|1, R, C, S] to AND with
+        the per-slot interval check: S = K forward slots (``view`` "fwd": per row, the
+        residual of its region's slot, :meth:`residual`) or Kc column slots ("bwd":
+        :meth:`column_residual`)."""
+        if not self.residual_regions:
+            return None
+        r = jnp.clip(rows, 0, desc.q_len - 1)
+        region = desc.row_region[:, r][:, None, :, None]             # [B, 1, R, 1]
+        one = jnp.ones((1, 1, rows.shape[0], cols.shape[0]), bool)
+        out = []
+        if view == "fwd":
+            for m in range(self.num_intervals):
+                acc = one
+                for g, lr in enumerate(self.regions):
+                    res = self.residual(g, m)
+                    if isinstance(res, BoolConst) and res.value:
+                        continue
+                    acc = acc & ((region != g) | self.residual_visibility(res, desc, rows,
+                                                                          cols))
+                out.append(acc)
+        else:
+            for c in range(self.num_bwd_intervals):
+                res = self.column_residual(c)
+                out.append(one if isinstance(res, BoolConst) and res.value else
+                           self.residual_visibility(res, desc, rows, cols))
+        shape = jnp.broadcast_shapes(*[x.shape for x in out])
+        return jnp.stack([jnp.broadcast_to(x, shape) for x in out], -1)
+
+
+def _slot_label(sl) -> str:
+    """A slot assignment ((slot, heads or None), ...) as text: "0", "1 (heads [2, 3])"."""
+    if not sl:
+        return "none (no head can see it)"
+    return ", ".join(f"{c}" if hd is None else f"{c} (heads {list(hd)})" for c, hd in sl)
+
+
+def _per_head_residual(units):
+    """The residual of one table slot written by ``units`` ((residual, heads or None),
+    at most one unit per head): ``TRUE`` when every unit is exact, a unit's residual
+    when it holds the slot on every head, else per head ``(h == x) & residual``."""
+    from ..spec.expr import TRUE, Index
+    if all(isinstance(r, BoolConst) and r.value for r, _ in units):
+        return TRUE
+    if len(units) == 1 and units[0][1] is None:
+        return units[0][0]
+    h = Index("h")
+    return Or.of(*[And.of(Or.of(*[h == x for x in heads]) if heads is not None else TRUE, r)
+                   for r, heads in units])
 
 
 @functools.lru_cache(maxsize=256)
@@ -282,11 +448,12 @@ _quiet: set = set()       # spec keys a caller compiled with warn=False
 def compile(spec, *, warn: bool = True) -> CompiledMask:  # noqa: A001 - the public name
     """Lower a :class:`MaskSpec` to interval expressions (cached per spec structure).
 
-    A region whose rule cannot be lowered keeps its predicate (evaluated per element:
-    correct, slower, and not run by the GPU kernels); the first compile of such a spec
+    Atoms that are not intervals in ``k`` (``k % 2 == 0``, ``k * k <= q``) stay as a
+    residual predicate of their interval's hull (evaluated per element in partial tiles:
+    correct, slower, and not run by the GPU kernels yet); the first compile of such a spec
     issues a :class:`~jcompilemask.lower.hints.MaskFallbackWarning` naming the region, the
     atom, and a rewrite that lowers where one is known. ``warn=False`` is for code that
-    checks ``fallback_regions`` itself: no warning for that spec, now or later. A lowering
+    checks ``residual_regions`` itself: no warning for that spec, now or later. A lowering
     that takes more than a second says so through ``logging`` while it runs.
 
     >>> import jcompilemask as jcm

@@ -33,15 +33,19 @@ field               dtype   shape                       meaning
                                                         (regions without a column view,
                                                         or run-time nested regions).
 ``metadata``        int32   dict                        normalised metadata, kept only for
-                                                        masks with fallback regions.
+                                                        masks with residual predicates.
 ==================  ======  ==========================  ===================================
 
 Tile state, 2 bits: bit 0 (``COMPUTE``) = some in-range element of the tile is visible;
 bit 1 (``MASKED``) = some in-range element is masked. So ``0b10`` = empty (skip: no K/V
 load, no MMA), ``0b01`` = full (no masking), ``0b11`` = partial (element checks). Only
 elements with i < Nq and j < Nk count: kernels bound-check ragged last tiles themselves.
-Rows of fallback regions are not in the interval tables: their visibility is the region's
-predicate (evaluated element-wise), and the tile states include them.
+Masks with residual predicates (atoms that are not intervals in ``k``): the tables hold
+each interval's *hull*, and row i sees j iff for some m j is in slot m and that slot's
+residual holds at (i, j) (``CompiledMask.slot_residuals``; per column interval likewise in
+the backward view). Their tile states are safe rather than exact: EMPTY and FULL are
+exact claims, but a tile the hulls touch is never EMPTY and a tile a residual may cut is
+never FULL, so PARTIAL may hold a tile whose residual leaves it all visible or all masked.
 
 Static (aux) data: the compiled mask, ``q_len``, ``kv_len`` and the :class:`TileConfig`.
 """
@@ -77,13 +81,18 @@ class TileConfig:
                 raise ValueError(f"{f.name} must be a positive int, got {v!r}")
 
 
-def interval_check(j, starts, lens):
+def interval_check(j, starts, lens, residual=None):
     """``OR_m uint32(j - start_m) < uint32(len_m)`` -- the kernels' visibility test.
 
     ``j`` broadcasts against ``starts[..., m]``; the interval axis is the last one.
+    ``residual`` (bool, broadcasting the same way, or None) is AND-ed per interval: the
+    test of a mask whose intervals are hulls with residual predicates.
     """
     d = (j[..., None] - starts).astype(jnp.uint32)
-    return jnp.any(d < lens.astype(jnp.uint32), axis=-1)
+    inside = d < lens.astype(jnp.uint32)
+    if residual is not None:
+        inside = inside & residual
+    return jnp.any(inside, axis=-1)
 
 
 def pack_tiles(states):
@@ -198,13 +207,16 @@ class ExecutionDescriptor:
         r = jnp.clip(rows, 0, self.q_len - 1)
         c = jnp.clip(cols, 0, self.kv_len - 1)
         fwd = self.fwd_intervals[:, :, r]                        # [B, Hm, R, K, 2]
+        res_f = self.mask.slot_residuals(self, rows, cols, "fwd")
         row_vis = interval_check(cols[None, None, None, :],
-                                 fwd[:, :, :, None, :, 0], fwd[:, :, :, None, :, 1])
+                                 fwd[:, :, :, None, :, 0], fwd[:, :, :, None, :, 1], res_f)
         vis = row_vis
         if view == "bwd" and self.num_bwd_intervals > 0:
             bwd = self.bwd_intervals[:, :, c]                    # [B, Hm, C, Kc, 2]
+            res_b = self.mask.slot_residuals(self, rows, cols, "bwd")
             col_vis = interval_check(rows[None, None, :, None],
-                                     bwd[:, :, None, :, :, 0], bwd[:, :, None, :, :, 1])
+                                     bwd[:, :, None, :, :, 0], bwd[:, :, None, :, :, 1],
+                                     res_b)
             vis = jnp.where(self.bwd_exact[:, None, None, None], col_vis, row_vis)
         vis = vis | self.mask.fallback_visibility(self, rows, cols)
         inside = (rows >= 0) & (rows < self.q_len)

@@ -1,12 +1,11 @@
-"""Why a region falls back to its per-element predicate, and a rewrite that lowers.
+"""Why a region keeps a residual predicate, and a rewrite that lowers where one is known.
 
-A fallback region is correct but slow (every element of its partial tiles evaluates the
-predicate) and the GPU kernels do not take it, so :func:`jcompilemask.compile` warns once
-per mask with :func:`fallback_message`. The rewrites cover the common way to end up
-there: ``k`` inside a floor division by a positive constant, as in the block-causal
-``k // 64 <= q // 64``. For an integer ``e`` and ``c > 0``, ``k // c <= e`` holds exactly
-when ``k < (e + 1) * c`` (and likewise for the other comparisons), which is linear in
-``k`` and lowers to one interval bound.
+A region whose atoms are not all intervals in ``k`` keeps the rest as a *residual*
+predicate of its intervals' hulls: correct, slower (every element of its partial tiles
+evaluates the residual) and not run by the GPU kernels yet, so
+:func:`jcompilemask.compile` warns once per mask with :func:`fallback_message`.
+``k // c`` atoms are solved by the lowering itself (``k // c <= e`` holds exactly when
+``k < (e + 1) * c``); :func:`rewrite_atom` shows that rewrite by hand.
 
 >>> from jcompilemask.spec import q, k
 >>> print(rewrite_atom(k // 64 <= q // 64))
@@ -22,7 +21,8 @@ __all__ = ["MaskFallbackWarning", "rewrite_atom", "fallback_message", "warn_fall
 
 
 class MaskFallbackWarning(UserWarning):
-    """A region of a MaskSpec keeps its predicate (the slow path; not on the GPU kernels)."""
+    """A region of a MaskSpec keeps a residual predicate (evaluated per element in partial
+    tiles by the xla backend; not on the GPU kernels yet)."""
 
 
 _FLIP = {"<": ">", "<=": ">=", ">": "<", ">=": "<=", "==": "==", "!=": "!="}
@@ -91,23 +91,25 @@ def fallback_message(spec, index: int, reason: str) -> str:
     r = spec.regions[index]
     label = f" {r.name!r}" if r.name else ""
     where = f"mask {spec.name!r}: " if spec.name else ""
-    msg = (f"{where}region {index}{label} (rows [{r.rows[0]}, {r.rows[1]})) falls back to "
-           f"evaluating its predicate per element: {reason}. This is slower, and the GPU "
-           "kernels do not run such masks (the xla backend does).")
+    msg = (f"{where}region {index}{label} (rows [{r.rows[0]}, {r.rows[1]})) keeps a residual "
+           f"predicate, evaluated per element in partial tiles: {reason}. This is slower, "
+           "and the GPU kernels do not run such masks yet (the xla backend does; "
+           "cute kernels do not evaluate residuals yet, issue 16).")
     atom = _offending_atom(reason, r.visible)
     fixed = rewrite_atom(atom) if atom is not None else None
     if fixed is not None:
         rule = _rewrite_pred(r.visible)
         trial = type(r)(r.rows, rule, r.name)
-        if lower_region(trial, spec).fallback is None:
+        if not lower_region(trial, spec).has_residual:
             whole = "" if rule.key() == fixed.key() else f" (the whole rule: `{rule}`)"
             return msg + f" Rewrite `{atom}` as `{fixed}`{whole}: it lowers to intervals."
         return msg + f" `{atom}` can be written `{fixed}`, but the rule still falls back."
     seg_hint = _key_id_hint(spec, atom)
     if seg_hint:
         return msg + seg_hint
-    return msg + (" Write the rule with k alone on one side of each comparison, against "
-                  "bounds of q and metadata (floor division and % of q are fine).")
+    return msg + (" To stay on the interval path, write the rule with k alone (or k // c) "
+                  "on one side of each comparison, against bounds of q and metadata "
+                  "(floor division and % of q are fine).")
 
 
 def _key_id_hint(spec, atom) -> str:
@@ -137,7 +139,7 @@ def _key_id_hint(spec, atom) -> str:
 
 
 def warn_fallbacks(cm, stacklevel: int = 3):
-    """Issue one :class:`MaskFallbackWarning` per fallback region of ``cm``."""
+    """Issue one :class:`MaskFallbackWarning` per region of ``cm`` with a residual."""
     for i in cm.fallback_regions:
         warnings.warn(fallback_message(cm.spec, i, cm.regions[i].fallback),
                       MaskFallbackWarning, stacklevel=stacklevel)

@@ -3,8 +3,9 @@
 "Generated" in the JAX sense: the lowered interval expressions are evaluated while
 tracing, so the jaxpr holds exactly the arithmetic of this mask's endpoints and nothing
 per-mask is hand-written. Everything here is jit-able and shape-static: metadata values
-never retrace. Work is O(B * Hm * (Nq * K + Nk * Kc + tiles)), no O(Nq * Nk) term, except
-for masks with fallback regions whose tiles are classified by evaluating the predicate.
+never retrace. Work is O(B * Hm * (Nq * K + Nk * Kc + tiles)), no O(Nq * Nk) term, for
+every MaskSpec: residual predicates are not evaluated here (their hulls give safe tile
+states: see :func:`tile_states_from_intervals`).
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ..spec.evaluate import Env, evaluate
+from ..spec.expr import BoolConst
 from .descriptor import (COMPUTE, MASKED, ExecutionDescriptor, TileConfig, pack_tiles)
 
 __all__ = ["build_descriptor", "tile_states_from_intervals"]
@@ -51,14 +53,23 @@ def region_row_ranges(spec, meta, q_len, kv_len):
     return lo, hi, eff_lo, eff_hi, nested
 
 
-def tile_states_from_intervals(starts, lens, q_len, kv_len, bq, bk):
+def tile_states_from_intervals(starts, lens, q_len, kv_len, bq, bk, exact=None):
     """2-bit tile states uint8 [B, Hm, Tq, Tk] from row intervals [B, Hm, Nq, K].
 
     Per row, the K intervals are merged into disjoint runs; a run adds +1 over the tile
     columns it touches and over those it covers entirely (difference arrays, one
     scatter-add each). A tile is visible if any row touches it and full if every one of
     its in-range rows covers it: O(Nq * K + Tq * Tk) work.
+
+    ``exact`` (bool [B, Hm, Nq, K], or None: all): which intervals are exact. Hulls of
+    residual predicates (``exact`` False) make the tiles they touch visible but never
+    cover one: such a tile is partial (the residual may cut it).
     """
+    if exact is not None:
+        touched = tile_states_from_intervals(starts, lens, q_len, kv_len, bq, bk)
+        covered = tile_states_from_intervals(starts, jnp.where(exact, lens, 0), q_len,
+                                             kv_len, bq, bk)
+        return (touched & COMPUTE) | (covered & MASKED)
     b, hm, nq, kk = starts.shape
     tq, tk = -(-q_len // bq), -(-kv_len // bk)
     big = jnp.asarray(kv_len + 1, I32)
@@ -140,21 +151,45 @@ def build_descriptor(cm, metadata, q_len: int, kv_len: int, tiles: TileConfig):
     region3 = row_region[:, None, :]
     zero = jnp.zeros(shape, I32)
     starts, lens = [zero] * kk, [zero] * kk
-    endpoints = {}                                   # (g, m) -> (lo, hi) clamped
+    exact = [jnp.ones(shape, bool)] * kk            # per row: slot m has no residual
+    endpoints = {}                                   # (g, i) -> (lo, hi) clamped
+    big = jnp.asarray(kv_len + 1, I32)
     for g, lr in enumerate(cm.regions):
-        if lr.fallback is not None:
-            continue
         mine = region3 == g
-        for m, iv in enumerate(lr.intervals):
+        for i, iv in enumerate(lr.intervals):
             lo = jnp.clip(_bcast(evaluate(iv.lo, env), shape), 0, kv_len)
             hi = jnp.clip(_bcast(evaluate(iv.hi, env), shape), 0, kv_len)
-            endpoints[g, m] = (lo, hi)
-            ok = mine & _bcast(evaluate(iv.cond, env), shape).astype(bool)
-            ln = jnp.where(ok, jnp.maximum(hi - lo, 0), 0)
-            for s, heads in cm.fwd_slots[g, m]:
+            endpoints[g, i] = (lo, hi)
+        for m, members in enumerate(lr.slots):
+            # One slot group (lr.slots[m]): a single interval, or intervals whose row
+            # conditions exclude each other or that touch wherever both hold.
+            if len(members) == 1:
+                lo, hi = endpoints[g, members[0]]
+                ok = mine & _bcast(evaluate(lr.intervals[members[0]].cond, env),
+                                   shape).astype(bool)
+                ln = jnp.where(ok, jnp.maximum(hi - lo, 0), 0)
+                st_m = jnp.where(ln > 0, lo, 0)
+            else:
+                # The union of the active non-empty members is one run.
+                s_lo, s_hi = big, jnp.zeros(shape, I32)
+                for i in members:
+                    lo, hi = endpoints[g, i]
+                    act = (_bcast(evaluate(lr.intervals[i].cond, env), shape).astype(bool)
+                           & (hi > lo))
+                    s_lo = jnp.minimum(s_lo, jnp.where(act, lo, big))
+                    s_hi = jnp.maximum(s_hi, jnp.where(act, hi, 0))
+                ln = jnp.where(mine, jnp.maximum(s_hi - s_lo, 0), 0)
+                st_m = jnp.where(ln > 0, s_lo, 0)
+            res = lr.slot_residual(m)
+            inexact = not (isinstance(res, BoolConst) and res.value)
+            # The group's table slot per head (lower/slots.py; every member has the
+            # group's assignment).
+            for s, heads in cm.fwd_slots[g, members[0]]:
                 sel = mine & _heads_mask(heads, hm)
-                starts[s] = jnp.where(sel, jnp.where(ln > 0, lo, 0), starts[s])
+                starts[s] = jnp.where(sel, st_m, starts[s])
                 lens[s] = jnp.where(sel, ln, lens[s])
+                if inexact:
+                    exact[s] = exact[s] & ~sel
     st = jnp.stack(starts, -1)
     ln = jnp.stack(lens, -1)
     fwd_intervals = jnp.stack([st, ln], -1)                           # [B, Hm, Nq, K, 2]
@@ -168,18 +203,15 @@ def build_descriptor(cm, metadata, q_len: int, kv_len: int, tiles: TileConfig):
         bwd_intervals = jnp.zeros((b, hm, kv_len, 0, 2), I32)
         bwd_exact = jnp.zeros((b,), bool)
 
-    keep_meta = meta if cm.fallback_regions else {}
+    keep_meta = meta if cm.residual_regions else {}
     desc = ExecutionDescriptor(fwd_intervals, bwd_intervals, None, None, row_region,
                                bwd_exact, keep_meta, mask=cm, q_len=q_len, kv_len=kv_len,
                                tiles=tiles)
-    if cm.fallback_regions:
-        fwd_states = tile_states_dense(desc, tiles.block_q, tiles.block_kv)
-        bwd_states = tile_states_dense(desc, tiles.bwd_block_q, tiles.bwd_block_kv)
-    else:
-        fwd_states = tile_states_from_intervals(st, ln, q_len, kv_len, tiles.block_q,
-                                                tiles.block_kv)
-        bwd_states = tile_states_from_intervals(st, ln, q_len, kv_len, tiles.bwd_block_q,
-                                                tiles.bwd_block_kv)
+    ex = jnp.stack(exact, -1) if cm.residual_regions else None
+    fwd_states = tile_states_from_intervals(st, ln, q_len, kv_len, tiles.block_q,
+                                            tiles.block_kv, ex)
+    bwd_states = tile_states_from_intervals(st, ln, q_len, kv_len, tiles.bwd_block_q,
+                                            tiles.bwd_block_kv, ex)
     desc.fwd_tiles = pack_tiles(fwd_states)
     desc.bwd_tiles = pack_tiles(jnp.swapaxes(bwd_states, -1, -2))
     return desc
@@ -208,8 +240,6 @@ def _column_intervals(cm, env, meta, endpoints, q_len, kv_len, b, hm):
     shape3 = (b, hm, 1)
     out = [jnp.zeros((b, hm, kv_len, 2), I32)] * cm.num_bwd_intervals
     for g, lr in enumerate(cm.regions):
-        if lr.fallback is not None:
-            continue
         for m, iv in enumerate(lr.intervals):
             lo, hi = endpoints[g, m]
             a = _bcast(eff_lo[g][:, None, None], shape3)

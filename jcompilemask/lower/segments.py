@@ -5,8 +5,8 @@ id at ``e``. When ``seg`` is declared ``SegmentIds(name, contiguous=True)`` (eve
 one run of tokens), those keys are exactly the run of ``e``:
 ``[seg.run_start(e), seg.run_end(e))``, padding included (a negative id's run is a run
 like any other), and ``!=`` is the complement of that interval. Without the declaration
-the atom stays as written and the region falls back to its per-element predicate (the
-fallback warning says which declaration would lower it).
+the atom stays as written, as a residual predicate of its interval's hull (the
+warning says which declaration would lower it).
 
 >>> from jcompilemask.spec import SegmentIds, k, q
 >>> docs = SegmentIds("doc", contiguous=True)

@@ -15,7 +15,7 @@ interval tables plus the tile bitmaps, small next to q, k, v, and every device n
 rows x columns of every step anyway. Each step cuts from it the intervals of the local
 rows clipped to the held key chunks (re-based to local columns), the column intervals of
 the held keys clipped to the local rows, and the matching blocks of both tile-state
-maps. Masks with fallback regions (an element predicate over absolute indices) are not
+maps. Masks with residual predicates (an element predicate over absolute indices) are not
 supported here.
 
 Layout. The sequence is cut into C chunks (whole tiles of both passes); a layout (a

@@ -106,8 +106,12 @@ def unsupported_reason(cm) -> Optional[str]:
     if isinstance(cm, DenseMask):
         return "from_dense masks have constant descriptors (nothing to preprocess)"
     if cm.fallback_regions:
-        return (f"regions {list(cm.fallback_regions)} fall back to their predicate; their "
-                "tile states need element-wise evaluation (jnp preprocess)")
+        return (f"regions {list(cm.fallback_regions)} keep a residual predicate (their "
+                "intervals are hulls); the generated kernels write exact tables only (jnp "
+                "preprocess)")
+    if getattr(cm, "shares_slots", False):
+        return ("intervals share forward-table slots (row conditions that exclude each "
+                "other); the generated kernels write one interval per slot (jnp preprocess)")
     return None
 
 

@@ -127,7 +127,8 @@ def random_specs(n=20, start=0):
         spec = random_spec(seed)
         seed += 1
         cm = jcm.compile(spec)
-        if cm.fallback_regions:
+        from .codegen import unsupported_reason
+        if unsupported_reason(cm):        # residual predicates, shared slots
             continue
         out.append(spec)
     return out
