@@ -652,3 +652,17 @@ def test_symbolic_proofs():
     assert _num_intervals(M.prefix_lm()) == 1
     assert monotone(q // 3 * 3 + a) == "inc" and monotone(a - q) == "dec"
     assert monotone(q % 3) is None and monotone(SEG.start(q)) == "inc"
+
+
+def test_compile_cache_keeps_the_callers_names():
+    """compile() caches by structure; a structurally equal spec with other names must
+    still be explained (and warned about) under its own names."""
+    from jcompilemask.spec import MaskSpec, Region, k, q, q_len
+    rule = (k <= q) & (k % 3 == 0)
+    plain = jcm.compile(MaskSpec([Region((0, q_len), rule)]), warn=False)
+    named = jcm.compile(MaskSpec([Region((0, q_len), rule, name="every_third")], name="thirds"),
+                        warn=False)
+    assert "region 0 'every_third'" in named.explain()
+    assert named.explain().startswith("CompiledMask thirds:")
+    assert "every_third" not in plain.explain()
+    assert plain == named and hash(plain) == hash(named)

@@ -1,6 +1,7 @@
 """``compile(spec) -> CompiledMask``: the lowered form of a MaskSpec and its preprocess."""
 from __future__ import annotations
 
+import copy
 import functools
 from typing import Mapping, Optional, Protocol
 
@@ -465,6 +466,12 @@ def compile(spec, *, warn: bool = True) -> CompiledMask:  # noqa: A001 - the pub
     if not isinstance(spec, MaskSpec):
         raise TypeError(f"compile() takes a MaskSpec, got {type(spec).__name__}")
     cm = _compile_cached(spec)
+    names = lambda x: (x.name, tuple(r.name for r in x.regions))  # noqa: E731
+    if cm.spec is not spec and names(cm.spec) != names(spec):
+        # The cache is keyed by structure; names (the spec's, its regions') are the
+        # caller's: explain() and the warnings must name this spec's regions.
+        cm = copy.copy(cm)
+        cm.spec = spec
     key = spec.key()
     if not warn:
         _quiet.add(key)
