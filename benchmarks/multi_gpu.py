@@ -91,14 +91,12 @@ def permute_bytes(hlo: str) -> int:
 
 
 def _close(a, b) -> tuple[bool, float]:
-    """(within two ulps of the largest |b| in a's dtype, max |a - b|)."""
-    import jax.numpy as jnp
+    """(within two ulps, in a's dtype, of the largest |b| — the tolerance policy's floor;
+    1e-6 for float32 —, max |a - b|)."""
+    from jcompilemask.testing import _ulp_of_max
     a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
     err = float(np.max(np.abs(a64 - b64), initial=0.0))
-    m = float(np.max(np.abs(b64), initial=0.0))
-    eps = float(jnp.finfo(jnp.asarray(a).dtype).eps) if jnp.asarray(a).dtype != jnp.float32 else 1e-6
-    ulp = eps * 2.0 ** np.floor(np.log2(m)) if m > 0 else 0.0
-    return bool(err <= 2 * ulp + 1e-6), err
+    return bool(err <= 2 * _ulp_of_max(a, b64) + 1e-6), err
 
 
 def _sizes(mask, n, smoke):

@@ -56,3 +56,20 @@ def random_spec_case(rng, n=700, b=2):
     if "seg" in spec.metadata:
         md["seg"] = np.sort(rng.integers(-1, 6, (b, n)), axis=1)
     return spec, md or None
+
+
+def gradient_problems(grads, g_hi, g_lo, dtype):
+    """The tolerance-policy failures of (dq, dk, dv), each with where its worst error sits
+    (batch, position, head, dim): all three are checked, so one device run says which
+    product is wrong and where. Empty when all pass."""
+    from jcompilemask.testing import assert_within_policy
+    problems = []
+    for name, a, h, lo in zip(("dq", "dk", "dv"), grads, g_hi, g_lo):
+        assert a.dtype == dtype and a.shape == h.shape, (name, a.dtype, a.shape, h.shape)
+        try:
+            assert_within_policy(a, h, lo, name)
+        except AssertionError as err:
+            diff = np.abs(np.asarray(a, np.float32) - np.asarray(h, np.float32))
+            worst = np.unravel_index(np.nanargmax(np.where(np.isnan(diff), np.inf, diff)), diff.shape)
+            problems.append(f"{err} at {tuple(int(i) for i in worst)} of {diff.shape}")
+    return problems

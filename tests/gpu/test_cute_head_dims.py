@@ -25,7 +25,7 @@ import jcompilemask as jcm
 from jcompilemask import backends
 from jcompilemask.spec import MaskSpec, Region, Scalar, k, q, q_len
 from jcompilemask.testing import assert_within_policy, reference_attention, reference_gradients
-from gpu_cases import SPECS, metadata, random_spec_case  # tests/gpu is on sys.path under pytest
+from gpu_cases import SPECS, gradient_problems, metadata, random_spec_case  # tests/gpu is on sys.path under pytest
 
 _why = backends.get("cute").available()
 pytestmark = pytest.mark.skipif(_why is not None, reason=f"cute backend unavailable: {_why}")
@@ -65,15 +65,7 @@ def _grads(spec, md, b, n, hq, hkv, config, dtype=jnp.bfloat16, seed=0):
 
     g = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(qx, kx, vx)
     g_hi, g_lo = reference_gradients(qx, kx, vx, do, spec.as_dense(md, n, n), softcap=cap)
-    problems = []
-    for name, a, h, lo in zip(("dq", "dk", "dv"), g, g_hi, g_lo):
-        assert a.dtype == dtype and a.shape == h.shape
-        try:
-            assert_within_policy(a, h, lo, name)
-        except AssertionError as err:
-            diff = np.abs(np.asarray(a, np.float32) - np.asarray(h, np.float32))
-            worst = np.unravel_index(np.nanargmax(np.where(np.isnan(diff), np.inf, diff)), diff.shape)
-            problems.append(f"{err} at {tuple(int(i) for i in worst)} of {diff.shape}")
+    problems = gradient_problems(g, g_hi, g_lo, dtype)
     assert not problems, f"{config}: " + "; ".join(problems)
 
 
