@@ -81,7 +81,7 @@ def builtin_case(draw, names=None, sizes=None, params=None, batch=(1, 3)):
         md = {"context_len": _ints(draw, 0, nq, b), "history_end": _ints(draw, 0, nq, b),
               "group_size": _ints(draw, 1, nq, b)}
         if draw(st.booleans()):   # the paper's layout: a <= b, b = N - g * G
-            g = _ints(draw, 1, 3, b)
+            g = _ints(draw, 1, min(3, nq), b)   # declared [1, q_len]
             cnt = _ints(draw, 0, 3, b)
             md["group_size"] = g
             md["history_end"] = np.maximum(nq - g * cnt, 0).astype(np.int32)

@@ -143,7 +143,7 @@ def builtin_spec(rng):
             out = {"context_len": _ints(r, 0, nq, b), "history_end": _ints(r, 0, nq, b),
                    "group_size": _ints(r, 1, nq, b)}
             if r.integers(2):          # the paper's layout: a <= b, b = N - g * G
-                g, cnt = _ints(r, 1, 3, b), _ints(r, 0, 3, b)
+                g, cnt = _ints(r, 1, min(3, nq), b), _ints(r, 0, 3, b)   # declared [1, q_len]
                 out["group_size"] = g
                 out["history_end"] = np.maximum(nq - g * cnt, 0).astype(np.int32)
                 out["context_len"] = np.minimum(out["context_len"], out["history_end"])
