@@ -16,6 +16,7 @@
 #   bwdv1d       those configs timed at 32K beside the default and FA4 native
 #   v1prof       ncu (per-instruction stalls) on one v1 backward launch + config timings at causal 32K
 #   v5tests      the default backward config through every GPU backward test (+ non-finite, list chunks)
+#   s6a          column_bits (Kc > 2 intervals re-read into a bit mask): its tests, then timed at 32K
 #   v5bench      bench_total 32K + 8K: default vs FA4 native and Flex+FA4 (JCM_BENCH_S seconds)
 #   hdims        issue 15 (opt-in configs: soft cap in the backward, D 256, 192/128): a hang-guarded
 #                smoke per config, a subset of tests/gpu/test_cute_head_dims.py, then
@@ -149,6 +150,23 @@ case $stage in
     JCOMPILEMASK_CUTE_BWD_CONFIG=list_chunk=16 timeout -k 5 70 python3 -m pytest -q -rs -p no:cacheprovider \
       "$t::test_builtin_grads[causal]" "$t::test_builtin_grads[clear]" "$t::test_builtin_grads[hstu]" \
       > "$OUT/pytest-v5-chunk16.log" 2>&1; echo "chunk16 rc $?"; tail -3 "$OUT/pytest-v5-chunk16.log"
+    ;;
+  s6a)
+    # Session 6: Kc > 2 column intervals re-read per masked tile into a bit mask
+    # (column_bits; ptxas D 128 K 2 / Kc 13: 656 B of stack held -> 0): its gradient tests,
+    # then shared_prompt / hstu / clear at 32K timed as held (base), re-read (cr2) and
+    # re-read into bits (cb), same run.
+    export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
+    t=tests/gpu/test_cute_backward.py
+    JCOMPILEMASK_CUTE_BWD_CONFIG=column_registers=2,column_bits=1 timeout -k 5 230 python3 -m pytest -q -rs \
+      -p no:cacheprovider "$t::test_builtin_grads" "$t::test_random_lowered_specs" "$t::test_fully_masked_rows" \
+      "$t::test_no_column_view_uses_row_intervals" --junitxml="$OUT/junit-s6a.xml" > "$OUT/pytest-s6a.log" 2>&1
+    echo "pytest rc $? ($SECONDS s)"; pkill -9 -f pytest; tail -8 "$OUT/pytest-s6a.log"
+    b=$(( 560 - SECONDS )); (( b > 300 )) && b=300
+    timeout -k 5 $b python3 benchmarks/bench_total.py --ns 32768 --masks shared_prompt,hstu,clear --impls jcm \
+      --jcm-variants "base=;cr2=JCOMPILEMASK_CUTE_BWD_CONFIG=column_registers=2;cb=JCOMPILEMASK_CUTE_BWD_CONFIG=column_registers=2,column_bits=1" \
+      --min-repeat-s 0.25 --budget-s $(( b - 30 )) --out "$OUT/h200-bwd-s6a.json" > "$OUT/bench-s6a.log" 2>&1
+    echo "bench rc $? ($SECONDS s)"; pkill -9 -f bench_total; grep -E '^\||budget' "$OUT/bench-s6a.log" | tail -14
     ;;
   v5bench)
     # bench_total at 32K then 8K: the default beside FA4 native (causal) and Flex+FA4.

@@ -49,6 +49,19 @@ def test_backward_compiles_for_sm90(dtype, d, kk, kc, bb, bh):
 
 
 @needs_cutlass
+@pytest.mark.parametrize("d,kk,kc", [(128, 2, 13), (64, 6, 7)])
+def test_column_bits_compiles_for_sm90(d, kk, kc):
+    """Re-read column intervals tested one at a time into a bit mask (shared_prompt with
+    6 responses is Kc 13; clear K 6 / Kc 7)."""
+    import dataclasses
+    from jcompilemask.kernels.cute.api import BackwardKey, compile_backward, preferred_backward_config
+    cfg = dataclasses.replace(preferred_backward_config(d), column_registers=2, column_bits=True)
+    key = BackwardKey("bfloat16", d, kk, kc, False, False, d ** -0.5, cfg)
+    assert compile_backward(key) is not None
+    assert "_cr2_cb" in key.target_name
+
+
+@needs_cutlass
 @pytest.mark.parametrize("d,changes", [(128, dict(ds_stages=1)), (128, dict(stats_early=True)),
                                        (128, dict(lse_early=True, release_do_early=True)),
                                        (64, dict(ds_stages=1, release_do_early=True)),

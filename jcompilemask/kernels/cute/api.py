@@ -331,6 +331,12 @@ class BackwardConfig:
       (ptxas, D 128, K 6 / Kc 7: 280 B of stack held, 48 B re-read). 16 (always hold) is
       the behaviour validated on the H200; 2 is the candidate, to validate
       (``test_builtin_grads[clear]``) and time (``h200.sh bwdv1c``).
+    - ``column_bits``: with re-read intervals (Kc > ``column_registers``), load each
+      (start, length) pair once per key row and test it against all of the row's query
+      columns, gathering visibility in a 32-bit mask, instead of loading all Kc pairs of
+      the row first (2 x Kc live registers). ptxas, D 128 K 2 / Kc 13 (shared_prompt with
+      6 responses; work list + dK/dV TMA store): held 656 B of stack, re-read 128 B,
+      re-read with bits: see NOTES.md ("Session 6").
     - ``deterministic``: dQ contributions added to each query tile in key-tile order
       (per-query-tile semaphores; see ``FlashBackwardSm90.write_dq``), so gradients are
       bit-identical across runs. dK and dV are deterministic either way (one CTA owns a
@@ -365,6 +371,7 @@ class BackwardConfig:
     lse_early: bool = False
     release_do_early: bool = False
     column_registers: int = 16
+    column_bits: bool = False
     deterministic: bool = False
     dkv_tma_store: bool = False
     work_list: bool = False
@@ -389,6 +396,7 @@ class BackwardConfig:
         return (f"t{self.block_q}x{self.block_kv}_s{self.num_stages}_ds{self.ds_stages}"
                 f"{'_se' if self.stats_early else ''}{'_le' if self.lse_early else ''}"
                 f"{'_rd' if self.release_do_early else ''}_cr{self.column_registers}"
+                f"{'_cb' if self.column_bits else ''}"
                 f"{'_det' if self.deterministic else ''}{'_dkvt' if self.dkv_tma_store else ''}"
                 f"{f'_wl{self.list_chunk}' if self.work_list else ''}{'_sdkv' if self.split_dkv else ''}")
 

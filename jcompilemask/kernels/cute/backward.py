@@ -179,6 +179,9 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         # pairs every tile) in each masked tile. At Kc = 7 (clear) holding them makes the
         # masked tile body spill (280 B of stack at D = 128; re-read: 48 B).
         self.hold_columns = num_bwd_intervals <= config.column_registers
+        # config.column_bits: re-read intervals tested one at a time against all of a row's
+        # columns, visibility gathered in a bit mask (2 live values instead of 2 x Kc).
+        self.column_bits = config.column_bits and not self.hold_columns
         # work_list: the query tiles a key column visits, built once per (head, chunk of
         # list_chunk query tiles) by the producer warp into one of two shared buffers.
         self.list_chunk = config.list_chunk
@@ -902,7 +905,28 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         not visible (or out of range)."""
         bq, bk = self.block_q, self.block_kv
         row0, col0 = k_tile * bk, q_tile * bq
-        if exact:
+        if exact and const_expr(self.column_bits):
+            # Interval-outer: each of the row's Kc (start, length) pairs is loaded once
+            # and tested against the row's columns; bit c of `seen` says column c is
+            # visible (the row holds at most 32 columns: asserted at trace time).
+            ncols = cute.size(P, mode=[1])
+            assert ncols <= 32, f"column_bits needs <= 32 columns per thread row, got {ncols}"
+            for r in cutlass.range_constexpr(cute.size(P, mode=[0])):
+                key = row0 + tScS[r, 0][0]
+                key_ok = key < seqlen_k
+                safe = key if key_ok else 0
+                seen = Uint32(0)
+                for m in cutlass.range_constexpr(self.num_bwd_intervals):
+                    start = mBwdIntervals[mask_batch, mh, safe, m, 0]
+                    length = mBwdIntervals[mask_batch, mh, safe, m, 1]
+                    for c in cutlass.range_constexpr(ncols):
+                        if _unsigned_lt(col0 + tScS[r, c][1] - start, length):
+                            seen = seen | Uint32(1 << c)
+                for c in cutlass.range_constexpr(ncols):
+                    i = col0 + tScS[r, c][1]
+                    keep = (seen & Uint32(1 << c) != Uint32(0)) & key_ok & (i < seqlen_q)
+                    P[r, c] = P[r, c] if keep else Float32(fill)
+        elif exact:
             for r in cutlass.range_constexpr(cute.size(P, mode=[0])):
                 key_ok = row0 + tScS[r, 0][0] < seqlen_k
                 if const_expr(not self.hold_columns):     # this row's Kc intervals, re-read
