@@ -17,6 +17,7 @@
 #   v1prof       ncu (per-instruction stalls) on one v1 backward launch + config timings at causal 32K
 #   v5tests      the default backward config through every GPU backward test (+ non-finite, list chunks)
 #   s6a          column_bits (Kc > 2 intervals re-read into a bit mask): its tests, then timed at 32K
+#   s6b          session 6's default through the GPU backward tests + compute-sanitizer (3 tools)
 #   v5bench      bench_total 32K + 8K: default vs FA4 native and Flex+FA4 (JCM_BENCH_S seconds)
 #   hdims        issue 15 (opt-in configs: soft cap in the backward, D 256, 192/128): a hang-guarded
 #                smoke per config, a subset of tests/gpu/test_cute_head_dims.py, then
@@ -168,11 +169,31 @@ case $stage in
       --min-repeat-s 0.25 --budget-s $(( b - 30 )) --out "$OUT/h200-bwd-s6a.json" > "$OUT/bench-s6a.log" 2>&1
     echo "bench rc $? ($SECONDS s)"; pkill -9 -f bench_total; grep -E '^\||budget' "$OUT/bench-s6a.log" | tail -14
     ;;
+  s6b)
+    # Session 6's default (column_registers=2, column_bits=8) through the GPU backward
+    # tests, then compute-sanitizer memcheck / racecheck / synccheck on the small run, then
+    # list chunks of 16 on hstu, each capped by what is left of the call (570 s).
+    left() { local l=$(( 570 - SECONDS )); (( l < $1 )) && echo $(( l > 5 ? l : 5 )) || echo $1; }
+    t=tests/gpu/test_cute_backward.py
+    timeout -k 5 $(left 230) python3 -m pytest -q -rs -p no:cacheprovider "$t::test_builtin_grads" \
+      "$t::test_random_lowered_specs" "$t::test_fully_masked_rows" "$t::test_head_dim_64_fp16_mqa" \
+      "tests/gpu/test_cute_attention.py::test_builtin[hstu]" "tests/gpu/test_cute_attention.py::test_builtin[shared_prompt]" \
+      --junitxml="$OUT/junit-s6b.xml" > "$OUT/pytest-s6b.log" 2>&1
+    echo "pytest rc $? ($SECONDS s)"; pkill -9 -f pytest; tail -6 "$OUT/pytest-s6b.log"
+    for tool in memcheck racecheck synccheck; do
+      timeout -k 5 $(left 110) compute-sanitizer --tool $tool --print-limit 20 python3 tests/scripts/gpu_backward_small.py \
+        > "$OUT/sanitize-$tool.log" 2>&1; echo "$tool rc $? ($SECONDS s)"; pkill -9 -f gpu_backward_small
+      grep -v Warning "$OUT/sanitize-$tool.log" | tail -5
+    done
+    JCOMPILEMASK_CUTE_BWD_CONFIG=list_chunk=16 timeout -k 5 $(left 120) python3 -m pytest -q -rs -p no:cacheprovider \
+      "$t::test_builtin_grads[hstu]" > "$OUT/pytest-s6b-chunk16.log" 2>&1; echo "chunk16 rc $? ($SECONDS s)"
+    tail -3 "$OUT/pytest-s6b-chunk16.log"
+    ;;
   v5bench)
     # bench_total at 32K then 8K: the default beside FA4 native (causal) and Flex+FA4.
     export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
     timeout -k 5 ${JCM_BENCH_S:-300} python3 benchmarks/bench_total.py --ns 32768,8192 \
-      --masks causal,hstu,shared_prompt,clear --impls jcm,fa4-native,flex-fa4 --min-repeat-s 0.25 \
+      --masks causal,hstu,shared_prompt,clear --impls jcm,fa4-native,flex-fa4 --min-repeat-s 0.25 ${JCM_BENCH_CHECK:+--check} \
       --budget-s $(( ${JCM_BENCH_S:-300} - 50 )) --out "$OUT/h200-total-v5.json" > "$OUT/bench-v5.log" 2>&1
     echo "bench rc $?"; pkill -9 -f bench_total; grep -E '^\||FAILED|budget' "$OUT/bench-v5.log" | tail -22
     ;;

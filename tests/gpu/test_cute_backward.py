@@ -55,10 +55,10 @@ def test_column_bits_compiles_for_sm90(d, kk, kc):
     6 responses is Kc 13; clear K 6 / Kc 7)."""
     import dataclasses
     from jcompilemask.kernels.cute.api import BackwardKey, compile_backward, preferred_backward_config
-    cfg = dataclasses.replace(preferred_backward_config(d), column_registers=2, column_bits=True)
+    cfg = dataclasses.replace(preferred_backward_config(d), column_registers=2, column_bits=0)
     key = BackwardKey("bfloat16", d, kk, kc, False, False, d ** -0.5, cfg)
     assert compile_backward(key) is not None
-    assert "_cr2_cb" in key.target_name
+    assert "_cr2_cb0" in key.target_name
 
 
 @needs_cutlass
@@ -119,7 +119,8 @@ def test_backward_key_names_of_new_configs():
     assert capped.target_name.startswith(plain.target_name) and capped.target_name != plain.target_name
     d256 = BackwardKey("bfloat16", 256, 1, 1, True, True, 0.0625, preferred_backward_config(256))
     assert preferred_backward_config(128, softcap=True).column_registers == 2
-    assert preferred_backward_config(128) == BackwardConfig(work_list=True, dkv_tma_store=True)
+    assert preferred_backward_config(128) == BackwardConfig(work_list=True, dkv_tma_store=True,
+                                                            column_registers=2, column_bits=8)
     assert "_t64x64_s1_" in d256.target_name and "_sdkv" in d256.target_name
     assert preferred_backward_tiles(128) == (64, 128) and preferred_backward_tiles(64) == (64, 128)
     assert preferred_backward_tiles(256) == (64, 64)

@@ -331,12 +331,16 @@ class BackwardConfig:
       (ptxas, D 128, K 6 / Kc 7: 280 B of stack held, 48 B re-read). 16 (always hold) is
       the behaviour validated on the H200; 2 is the candidate, to validate
       (``test_builtin_grads[clear]``) and time (``h200.sh bwdv1c``).
-    - ``column_bits``: with re-read intervals (Kc > ``column_registers``), load each
-      (start, length) pair once per key row and test it against all of the row's query
-      columns, gathering visibility in a 32-bit mask, instead of loading all Kc pairs of
-      the row first (2 x Kc live registers). ptxas, D 128 K 2 / Kc 13 (shared_prompt with
-      6 responses; work list + dK/dV TMA store): held 656 B of stack, re-read 128 B,
-      re-read with bits: see NOTES.md ("Session 6").
+    - ``column_bits``: re-read intervals (Kc > ``column_registers``) of masks with Kc >
+      ``column_bits`` are loaded one (start, length) pair at a time and tested against all
+      of the key row's query columns, visibility gathered in a 32-bit mask, instead of all
+      2 x Kc values of the row first. ptxas, D 128, work list + dK/dV TMA store, stack
+      bytes held / re-read / re-read into bits: K 2 / Kc 13 (shared_prompt, 6 responses)
+      656 / 128 / 0; K 6 / Kc 7 (clear) 288 / 32 / 0. H200, 32K bwd ms (run
+      2026-12-01T17:31Z, NOTES.md "Session 6"): shared_prompt 38.44 / 34.13 / 32.90; clear
+      15.13 / 7.29 / 7.66 (most of its tiles are masked: the bit loop costs more there);
+      hstu (Kc 4) 45.16 / 44.45 / 44.66. Hence the default: re-read above Kc 2, into bits
+      above Kc 8.
     - ``deterministic``: dQ contributions added to each query tile in key-tile order
       (per-query-tile semaphores; see ``FlashBackwardSm90.write_dq``), so gradients are
       bit-identical across runs. dK and dV are deterministic either way (one CTA owns a
@@ -371,7 +375,7 @@ class BackwardConfig:
     lse_early: bool = False
     release_do_early: bool = False
     column_registers: int = 16
-    column_bits: bool = False
+    column_bits: int = 16
     deterministic: bool = False
     dkv_tma_store: bool = False
     work_list: bool = False
@@ -396,7 +400,7 @@ class BackwardConfig:
         return (f"t{self.block_q}x{self.block_kv}_s{self.num_stages}_ds{self.ds_stages}"
                 f"{'_se' if self.stats_early else ''}{'_le' if self.lse_early else ''}"
                 f"{'_rd' if self.release_do_early else ''}_cr{self.column_registers}"
-                f"{'_cb' if self.column_bits else ''}"
+                f"{f'_cb{self.column_bits}' if self.column_bits != 16 else ''}"
                 f"{'_det' if self.deterministic else ''}{'_dkvt' if self.dkv_tma_store else ''}"
                 f"{f'_wl{self.list_chunk}' if self.work_list else ''}{'_sdkv' if self.split_dkv else ''}")
 
@@ -425,7 +429,8 @@ def preferred_backward_config(head_dim: int, dtype: str = "bfloat16",
     The new configs (D 256, and a soft cap at D 64 / 128) re-read Kc > 2 column intervals
     per masked tile (``column_registers=2``): ptxas stack bytes, D 128 fp16 cap K 6 / Kc 7
     272 held -> 96; D 256 K 6 / Kc 7 136 -> 40; D 256 cap K 2 / Kc 4 128 -> 72 (NOTES.md,
-    "Issue 15"). The validated D 64 / 128 no-cap config keeps holding them (16).
+    "Issue 15"); since session 6 the D 64 / 128 no-cap config does too (measured), and
+    all of them test Kc > 8 intervals one at a time into a bit mask (``column_bits=8``).
     """
     del dtype
     if head_dim == 192:
@@ -434,15 +439,19 @@ def preferred_backward_config(head_dim: int, dtype: str = "bfloat16",
         # memory K 24 KB + V 16 KB + 2 x (Q 24 KB + dO 16 KB) + dS 16 KB + dQ 48 KB + list
         # 8 KB = ~193 KB, so two stages fit. By arithmetic, like D 256 (see above).
         return BackwardConfig(block_q=64, block_kv=64, num_stages=2, split_dkv=True,
-                              work_list=True, dkv_tma_store=True, column_registers=2)
+                              work_list=True, dkv_tma_store=True, column_registers=2,
+                              column_bits=8)
     if head_dim == 256:
         return BackwardConfig(block_q=64, block_kv=64, num_stages=1, split_dkv=True,
-                              work_list=True, dkv_tma_store=True, column_registers=2)
+                              work_list=True, dkv_tma_store=True, column_registers=2,
+                              column_bits=8)
     if softcap:
-        return BackwardConfig(work_list=True, dkv_tma_store=True, column_registers=2)
+        return BackwardConfig(work_list=True, dkv_tma_store=True, column_registers=2,
+                              column_bits=8)
     # work_list and dkv_tma_store: causal 32K bwd 38.85 / 40.44 ms vs 40.66 without
     # (run 2026-12-01T13:50:48Z, h200.sh v1prof; NOTES.md "Backward v1, session 5").
-    return BackwardConfig(work_list=True, dkv_tma_store=True)
+    # column_registers / column_bits: see their entries in BackwardConfig.
+    return BackwardConfig(work_list=True, dkv_tma_store=True, column_registers=2, column_bits=8)
 
 
 def preferred_backward_tiles(head_dim: int, dtype: str = "bfloat16",

@@ -179,9 +179,9 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         # pairs every tile) in each masked tile. At Kc = 7 (clear) holding them makes the
         # masked tile body spill (280 B of stack at D = 128; re-read: 48 B).
         self.hold_columns = num_bwd_intervals <= config.column_registers
-        # config.column_bits: re-read intervals tested one at a time against all of a row's
-        # columns, visibility gathered in a bit mask (2 live values instead of 2 x Kc).
-        self.column_bits = config.column_bits and not self.hold_columns
+        # Above config.column_bits, re-read intervals are tested one at a time against all
+        # of a row's columns, visibility gathered in a bit mask (2 live values, not 2 x Kc).
+        self.column_bits = not self.hold_columns and num_bwd_intervals > config.column_bits
         # work_list: the query tiles a key column visits, built once per (head, chunk of
         # list_chunk query tiles) by the producer warp into one of two shared buffers.
         self.list_chunk = config.list_chunk
