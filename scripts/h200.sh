@@ -189,6 +189,17 @@ case $stage in
       "$t::test_builtin_grads[hstu]" > "$OUT/pytest-s6b-chunk16.log" 2>&1; echo "chunk16 rc $? ($SECONDS s)"
     tail -3 "$OUT/pytest-s6b-chunk16.log"
     ;;
+  sanitize1)
+    # memcheck of one small case (JCM_SANITIZE_CASE, default hstu), host API errors off (the
+    # driver bindings probe optional entry points: CUDA_ERROR_INVALID_VALUE from
+    # cuGetProcAddress filled the print limit) and XLA command buffers off.
+    export XLA_FLAGS="--xla_gpu_enable_command_buffer="
+    for tool in ${JCM_SANITIZE_TOOLS:-memcheck}; do
+      timeout -k 5 ${JCM_SANITIZE_S:-150} compute-sanitizer --tool $tool --report-api-errors no --print-limit 20 \
+        python3 tests/scripts/gpu_backward_small.py ${JCM_SANITIZE_CASE:-hstu} > "$OUT/sanitize-$tool.log" 2>&1
+      echo "$tool rc $? ($SECONDS s)"; pkill -9 -f gpu_backward_small; grep -v Warning "$OUT/sanitize-$tool.log" | tail -8
+    done
+    ;;
   v5bench)
     # bench_total at 32K then 8K: the default beside FA4 native (causal) and Flex+FA4.
     export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}

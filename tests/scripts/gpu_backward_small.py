@@ -20,7 +20,9 @@ import jcompilemask as jcm  # noqa: E402
 from gpu_cases import SPECS, metadata  # noqa: E402
 
 rng = np.random.default_rng(0)
-for name, d, n in (("causal", 128, 200), ("clear", 64, 260), ("hstu", 128, 333)):
+CASES = (("causal", 128, 200), ("clear", 64, 260), ("hstu", 128, 333))
+only = sys.argv[1:]                         # e.g. `gpu_backward_small.py hstu`: that case alone
+for name, d, n in (c for c in CASES if not only or c[0] in only):
     spec, md = SPECS[name], metadata(name, 1, n, rng)
     ks = jax.random.split(jax.random.key(0), 4)
     q = jax.random.normal(ks[0], (1, n, 4, d), jnp.float32).astype(jnp.bfloat16)
