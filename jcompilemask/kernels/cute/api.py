@@ -337,7 +337,7 @@ class BackwardConfig:
       2 x Kc values of the row first. ptxas, D 128, work list + dK/dV TMA store, stack
       bytes held / re-read / re-read into bits: K 2 / Kc 13 (shared_prompt, 6 responses)
       656 / 128 / 0; K 6 / Kc 7 (clear) 288 / 32 / 0. H200, 32K bwd ms (run
-      2026-12-01T17:31Z, NOTES.md "Session 6"): shared_prompt 38.44 / 34.13 / 32.90; clear
+      2026-12-01T17:02:17Z, NOTES.md "Session 6"): shared_prompt 38.44 / 34.13 / 32.90; clear
       15.13 / 7.29 / 7.66 (most of its tiles are masked: the bit loop costs more there);
       hstu (Kc 4) 45.16 / 44.45 / 44.66. Hence the default: re-read above Kc 2, into bits
       above Kc 8.
