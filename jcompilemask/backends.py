@@ -292,9 +292,8 @@ def _cute_backend() -> Backend:
             return (f"head dims {call.head_dim}/{call.head_dim_v} (built: D in {HEAD_DIMS} "
                     f"with Dv == D, and {HEAD_DIM_PAIRS_EXPERIMENTAL} with "
                     f"{CUTE_EXPERIMENTAL_ENV}=1)")
-        if call.num_intervals > 8:
-            return f"K = {call.num_intervals} intervals per row (the kernel unrolls up to 8)"
-        return None
+        from .lower.compiled import cute_k_reason
+        return cute_k_reason(call.num_intervals)
 
     def tiles(call):
         from .kernels.cute import preferred_forward_tiles
@@ -409,8 +408,10 @@ def cute_backward_plan(d: int, dv: int, softcap, bwd_tiles=None, num_bwd_interva
     if bwd_tiles is not None and tuple(bwd_tiles) != want:
         return (f"backward tiles {bwd_tiles[0]}x{bwd_tiles[1]} (the kernel for head dims "
                 f"{d}/{dv} runs {want[0]}x{want[1]})")
-    if num_bwd_intervals > 16:
-        return f"Kc = {num_bwd_intervals} column intervals (the kernel unrolls up to 16)"
+    from .kernels.cute.limits import COLUMNS_UNROLLED
+    if num_bwd_intervals > COLUMNS_UNROLLED and not _cute_experimental_enabled():
+        return (f"Kc = {num_bwd_intervals} column intervals: the CuTe backward loops over Kc > "
+                f"{COLUMNS_UNROLLED}, compiled, awaiting validation on the GPU; {opt_in}")
     return None
 
 

@@ -18,6 +18,7 @@
 #   v5tests      the default backward config through every GPU backward test (+ non-finite, list chunks)
 #   s6a          column_bits (Kc > 2 intervals re-read into a bit mask): its tests, then timed at 32K
 #   s6b          session 6's default through the GPU backward tests + compute-sanitizer (3 tools)
+#   anyk         issue 16: K > 8 / Kc > 16 intervals on the CuTe kernels (tests/gpu/test_cute_any_k.py)
 #   v5bench      bench_total 32K + 8K: default vs FA4 native and Flex+FA4 (JCM_BENCH_S seconds)
 #   hdims        issue 15 (opt-in configs: soft cap in the backward, D 256, 192/128): a hang-guarded
 #                smoke per config, a subset of tests/gpu/test_cute_head_dims.py, then
@@ -199,6 +200,14 @@ case $stage in
         python3 tests/scripts/gpu_backward_small.py ${JCM_SANITIZE_CASE:-hstu} > "$OUT/sanitize-$tool.log" 2>&1
       echo "$tool rc $? ($SECONDS s)"; pkill -9 -f gpu_backward_small; grep -v Warning "$OUT/sanitize-$tool.log" | tail -8
     done
+    ;;
+  anyk)
+    # Issue 16 item 1 (compiled on a machine without a GPU): K > 8 row / Kc > 16 column
+    # intervals on the CuTe forward and backward (opt-in JCOMPILEMASK_CUTE_BWD_EXPERIMENTAL=1,
+    # which the tests set) against the dense oracle.
+    timeout -k 5 400 python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_cute_any_k.py \
+      --junitxml="$OUT/junit-anyk.xml" > "$OUT/pytest-anyk.log" 2>&1
+    echo "pytest rc $? ($SECONDS s)"; pkill -9 -f test_cute_any_k; tail -12 "$OUT/pytest-anyk.log"
     ;;
   v5bench)
     # bench_total at 32K then 8K: the default beside FA4 native (causal) and Flex+FA4.

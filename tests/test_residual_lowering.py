@@ -13,6 +13,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -402,3 +403,26 @@ def test_residual_tree_and_evaluator():
     np.testing.assert_array_equal(got, want)
     assert cm.slot_residuals(desc, rows, rows, "fwd").shape == (1, 1, 8, 8, 1)
     assert _cm(k <= q).slot_residuals(desc, rows, rows) is None
+
+
+def test_cute_takes_any_k_only_with_the_opt_in(monkeypatch):
+    """K > 8 (global tokens + a window lower to many runs per row): the CuTe kernels loop
+    over the intervals, compiled but not yet validated on the GPU, so the registry sends
+    such masks to them only with the opt-in; explain() says which and why."""
+    from jcompilemask.lower.compiled import CUTE_ANY_K_ENV, region_backend
+    cute = backends.get("cute")
+    call = backends.Call(dtype="bfloat16", head_dim=128, head_dim_v=128, num_heads=8,
+                         num_kv_heads=8, softcap=False, has_fallback=False, num_intervals=25)
+    monkeypatch.delenv(CUTE_ANY_K_ENV, raising=False)
+    why = cute.supports(call)
+    assert why is not None and "K = 25" in why and CUTE_ANY_K_ENV in why
+    assert cute.supports(dataclasses.replace(call, num_intervals=8)) is None
+    rule = functools.reduce(lambda a, b: a | b, [(k >= 8 * i) & (k < 8 * i + 2) for i in range(12)])
+    many = _cm(rule & (k <= q))
+    assert many.num_intervals > 8
+    assert region_backend(many, 0).startswith("xla (K = ")
+    assert "awaiting validation" in backends.cute_backward_plan(128, 128, None, (64, 128), 17)
+    monkeypatch.setenv(CUTE_ANY_K_ENV, "1")
+    assert cute.supports(call) is None
+    assert region_backend(many, 0).startswith("cute")
+    assert backends.cute_backward_plan(128, 128, None, (64, 128), 17) is None

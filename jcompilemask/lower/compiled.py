@@ -82,8 +82,25 @@ def planner() -> Planner:
     return _PLANNER
 
 
-# The CuTe kernels unroll up to this many forward intervals (jcompilemask.backends).
+# The CuTe kernels unroll up to this many forward intervals (validated on the H200); past it
+# they loop over any K, compiled but awaiting validation on the GPU, so the registry runs
+# such masks on the CuTe kernels only with $JCOMPILEMASK_CUTE_BWD_EXPERIMENTAL=1
+# (jcompilemask.backends).
 CUTE_MAX_INTERVALS = 8
+CUTE_ANY_K_ENV = "JCOMPILEMASK_CUTE_BWD_EXPERIMENTAL"
+
+
+def cute_any_k_enabled() -> bool:
+    import os
+    return os.environ.get(CUTE_ANY_K_ENV, "0") == "1"
+
+
+def cute_k_reason(k: int, what: str = "intervals per row") -> str | None:
+    """None when the CuTe kernels take K = ``k`` by default or by the opt-in, else why not."""
+    if k <= CUTE_MAX_INTERVALS or cute_any_k_enabled():
+        return None
+    return (f"K = {k} {what}: the cute kernels loop over K > {CUTE_MAX_INTERVALS} intervals, "
+            f"compiled, awaiting validation on the GPU; set {CUTE_ANY_K_ENV}=1 to use them")
 RESIDUAL_REASON = "residual predicate: cute kernels do not evaluate residuals yet (issue 16)"
 
 
@@ -96,16 +113,16 @@ def region_backend(cm, g: int) -> str:
     if lr.has_residual:
         return f"xla ({RESIDUAL_REASON})"
     k_g = cm.region_num_slots[g]
-    if k_g > CUTE_MAX_INTERVALS:
-        return (f"xla (K = {k_g} intervals per row: the cute kernels unroll up to "
-                f"{CUTE_MAX_INTERVALS})")
+    why = cute_k_reason(k_g)
+    if why:
+        return f"xla ({why})"
     others = [i for i in cm.residual_regions if i != g]
     if others:
         return (f"xla: the interval tables serve this region, but regions {others} have "
                 "residual predicates and a mask runs on one backend")
-    if cm.num_intervals > CUTE_MAX_INTERVALS:
-        return (f"xla (the mask has K = {cm.num_intervals} > {CUTE_MAX_INTERVALS} intervals "
-                "per row)")
+    why = cute_k_reason(cm.num_intervals, "intervals per row in the whole mask")
+    if why:
+        return f"xla ({why})"
     return "cute on an SM90 GPU (interval tables only), else xla"
 
 

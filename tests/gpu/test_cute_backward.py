@@ -49,6 +49,16 @@ def test_backward_compiles_for_sm90(dtype, d, kk, kc, bb, bh):
 
 
 @needs_cutlass
+@pytest.mark.parametrize("d,kk,kc", [(128, 25, 26), (128, 25, 0), (64, 32, 33)])
+def test_any_k_backward_compiles_for_sm90(d, kk, kc):
+    """K > 8 row intervals (the no-column-view path, Kc 0) and Kc > 16 column intervals:
+    masked tiles loop over them without unrolling (ptxas, D 128 K 25 / Kc 26: no stack)."""
+    from jcompilemask.kernels.cute.api import BackwardKey, compile_backward, preferred_backward_config
+    key = BackwardKey("bfloat16", d, kk, kc, False, False, d ** -0.5, preferred_backward_config(d))
+    assert compile_backward(key) is not None
+
+
+@needs_cutlass
 @pytest.mark.parametrize("d,kk,kc", [(128, 2, 13), (64, 6, 7)])
 def test_column_bits_compiles_for_sm90(d, kk, kc):
     """Re-read column intervals tested one at a time into a bit mask (shared_prompt with
@@ -246,7 +256,10 @@ def test_backward_key_rejects_unsupported():
     with pytest.raises(ValueError, match="backward tiles"):
         BackwardConfig(block_q=128)
     with pytest.raises(ValueError, match="Kc="):
-        BackwardKey("bfloat16", 128, 1, 17, True, True, 0.1)
+        BackwardKey("bfloat16", 128, 1, -1, True, True, 0.1)
+    with pytest.raises(ValueError, match="K=0"):
+        BackwardKey("bfloat16", 128, 0, 1, True, True, 0.1)
+    BackwardKey("bfloat16", 128, 25, 40, True, True, 0.1)             # any K (loops past 8 / 16)
     with pytest.raises(ValueError, match="supports"):
         BackwardKey("float32", 128, 1, 1, True, True, 0.1)
     with pytest.raises(ValueError, match="ds_stages"):

@@ -60,6 +60,9 @@ def test_key_rejects_unsupported():
         ForwardKey("bfloat16", 128, 128, 1, 128, 128, True, True, 0.1, softcap=-1.0)
     with pytest.raises(ValueError, match="softcap"):
         ForwardKey("bfloat16", 128, 128, 1, 128, 128, True, True, 0.1, softcap_fast_tanh=True)
+    with pytest.raises(ValueError, match="K must be >= 1"):
+        ForwardKey("bfloat16", 128, 128, 0, 128, 128, True, True, 0.1)
+    ForwardKey("bfloat16", 128, 128, 25, 128, 128, True, True, 0.1)   # any K (loops past 8)
 
 
 def test_key_of_softcap_and_head_dims():
@@ -155,6 +158,20 @@ def test_compiles_for_sm90(num_intervals, broadcast_batch, broadcast_head):
     from jcompilemask.kernels.cute.api import ForwardKey, compile_forward
 
     key = ForwardKey("bfloat16", 128, 128, num_intervals, 128, 128, broadcast_batch, broadcast_head, 128**-0.5)
+    assert compile_forward(key) is not None
+
+
+@needs_cutlass
+@pytest.mark.parametrize("head_dim,num_intervals,softcap", [(128, 25, None), (64, 9, 30.0), (256, 32, None)])
+def test_any_k_compiles_for_sm90(head_dim, num_intervals, softcap):
+    """K > 8: a masked tile loops over the row's intervals (not unrolled), skipping those
+    that miss the tile (ptxas, D 128 / 64 / 256 at K 25: no stack)."""
+    from jcompilemask.kernels.cute.api import (ForwardKey, compile_forward, preferred_forward_stages,
+                                               preferred_forward_tiles)
+
+    bq, bk = preferred_forward_tiles(head_dim)
+    key = ForwardKey("bfloat16", head_dim, head_dim, num_intervals, bq, bk, False, False,
+                     head_dim**-0.5, num_stages=preferred_forward_stages(head_dim), softcap=softcap)
     assert compile_forward(key) is not None
 
 

@@ -67,7 +67,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
 from .api import BackwardConfig, dq_warpgroups
-from .common import (WarpSpecializedSm90, _as_a_operand, _rows_view, _unsigned_lt,
+from .common import (COLUMNS_UNROLLED, INTERVALS_UNROLLED, WarpSpecializedSm90, _as_a_operand, _rows_view, _unsigned_lt,
                      bulk_reduce_add_f32, issue_wgmma, ld_acquire_s32, nanosleep,
                      red_release_add_s32, smem_tensor, tile_bits, tma_tiles)
 
@@ -133,7 +133,7 @@ class FlashBackwardSm90(WarpSpecializedSm90):
             "each consumer warpgroup owns 64 keys (split_dkv: the same 64)"
         assert config.block_q == 64, "dQ leaves in the fragment order of one m64 wgmma per warpgroup"
         assert head_dim % 64 == 0
-        assert 1 <= num_intervals <= 8 and 0 <= num_bwd_intervals <= 16
+        assert num_intervals >= 1 and num_bwd_intervals >= 0
         self.dtype = dtype
         self.head_dim = head_dim
         # Dv != D (192 / 128): V, dO and dV are (rows, Dv) buffers and dV its own tiled MMA.
@@ -181,7 +181,13 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         self.hold_columns = num_bwd_intervals <= config.column_registers
         # Above config.column_bits, re-read intervals are tested one at a time against all
         # of a row's columns, visibility gathered in a bit mask (2 live values, not 2 x Kc).
-        self.column_bits = not self.hold_columns and num_bwd_intervals > config.column_bits
+        # Any K: past COLUMNS_UNROLLED re-read column intervals (INTERVALS_UNROLLED row
+        # intervals in the no-column-view path) the masked tile loops over them without
+        # unrolling and skips those that miss the tile. (Held intervals: unrolled at any Kc.)
+        self.column_bits = not self.hold_columns and (
+            num_bwd_intervals > config.column_bits or num_bwd_intervals > COLUMNS_UNROLLED)
+        self.columns_looped = self.column_bits and num_bwd_intervals > COLUMNS_UNROLLED
+        self.rows_looped = num_intervals > INTERVALS_UNROLLED
         # work_list: the query tiles a key column visits, built once per (head, chunk of
         # list_chunk query tiles) by the producer warp into one of two shared buffers.
         self.list_chunk = config.list_chunk
@@ -911,17 +917,31 @@ class FlashBackwardSm90(WarpSpecializedSm90):
             # visible (the row holds at most 32 columns: asserted at trace time).
             ncols = cute.size(P, mode=[1])
             assert ncols <= 32, f"column_bits needs <= 32 columns per thread row, got {ncols}"
+            seen_t = cute.make_rmem_tensor(1, Uint32)
             for r in cutlass.range_constexpr(cute.size(P, mode=[0])):
                 key = row0 + tScS[r, 0][0]
                 key_ok = key < seqlen_k
                 safe = key if key_ok else 0
                 seen = Uint32(0)
-                for m in cutlass.range_constexpr(self.num_bwd_intervals):
-                    start = mBwdIntervals[mask_batch, mh, safe, m, 0]
-                    length = mBwdIntervals[mask_batch, mh, safe, m, 1]
-                    for c in cutlass.range_constexpr(ncols):
-                        if _unsigned_lt(col0 + tScS[r, c][1] - start, length):
-                            seen = seen | Uint32(1 << c)
+                if const_expr(self.columns_looped):
+                    # Any Kc: a loop that is not unrolled; intervals that miss this tile's
+                    # queries [col0, col0 + bq) are skipped.
+                    seen_t[0] = Uint32(0)
+                    for m in cutlass.range(self.num_bwd_intervals, unroll=1):
+                        start = mBwdIntervals[mask_batch, mh, safe, m, 0]
+                        length = mBwdIntervals[mask_batch, mh, safe, m, 1]
+                        if (length > 0) & (start < col0 + bq) & (start + length > col0):
+                            for c in cutlass.range_constexpr(ncols):
+                                if _unsigned_lt(col0 + tScS[r, c][1] - start, length):
+                                    seen_t[0] = seen_t[0] | Uint32(1 << c)
+                    seen = seen_t[0]
+                else:
+                    for m in cutlass.range_constexpr(self.num_bwd_intervals):
+                        start = mBwdIntervals[mask_batch, mh, safe, m, 0]
+                        length = mBwdIntervals[mask_batch, mh, safe, m, 1]
+                        for c in cutlass.range_constexpr(ncols):
+                            if _unsigned_lt(col0 + tScS[r, c][1] - start, length):
+                                seen = seen | Uint32(1 << c)
                 for c in cutlass.range_constexpr(ncols):
                     i = col0 + tScS[r, c][1]
                     keep = (seen & Uint32(1 << c) != Uint32(0)) & key_ok & (i < seqlen_q)
@@ -938,6 +958,30 @@ class FlashBackwardSm90(WarpSpecializedSm90):
                     for m in cutlass.range_constexpr(self.num_bwd_intervals):
                         vis = vis | _unsigned_lt(i - col_starts[r, m], col_lengths[r, m])
                     keep = vis & key_ok & (i < seqlen_q)
+                    P[r, c] = P[r, c] if keep else Float32(fill)
+        elif const_expr(self.rows_looped):
+            # Forward row intervals of each query column, K > INTERVALS_UNROLLED: a loop
+            # over them (not unrolled), skipping those that miss this tile's keys; bit r of
+            # the mask says key row r is visible.
+            nrows = cute.size(P, mode=[0])
+            assert nrows <= 32, f"the row-interval loop needs <= 32 key rows per thread, got {nrows}"
+            seen_t = cute.make_rmem_tensor(1, Uint32)
+            for c in cutlass.range_constexpr(cute.size(P, mode=[1])):
+                i = col0 + tScS[0, c][1]
+                q_ok = i < seqlen_q
+                safe = i if q_ok else 0
+                seen_t[0] = Uint32(0)
+                for m in cutlass.range(self.num_intervals, unroll=1):
+                    start = mFwdIntervals[mask_batch, mh, safe, m, 0]
+                    length = mFwdIntervals[mask_batch, mh, safe, m, 1]
+                    if (length > 0) & (start < row0 + bk) & (start + length > row0):
+                        for r in cutlass.range_constexpr(nrows):
+                            if _unsigned_lt(row0 + tScS[r, c][0] - start, length):
+                                seen_t[0] = seen_t[0] | Uint32(1 << r)
+                seen = seen_t[0]
+                for r in cutlass.range_constexpr(nrows):
+                    j = row0 + tScS[r, c][0]
+                    keep = (seen & Uint32(1 << r) != Uint32(0)) & q_ok & (j < seqlen_k)
                     P[r, c] = P[r, c] if keep else Float32(fill)
         else:
             # Forward row intervals of each query column (K per query).

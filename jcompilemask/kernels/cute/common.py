@@ -13,6 +13,8 @@ from cutlass._mlir.dialects import arith, llvm
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.cutlass_dsl import dsl_user_op
 
+from .limits import COLUMNS_UNROLLED, INTERVALS_UNROLLED  # noqa: F401  (the kernels' unroll bounds)
+
 
 @dsl_user_op
 def _unsigned_lt(a, b, *, loc=None, ip=None) -> Boolean:

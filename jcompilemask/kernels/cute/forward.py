@@ -50,8 +50,8 @@ from cutlass import Boolean, Float32, Int32, Uint32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-from .common import (WarpSpecializedSm90, _as_a_operand, _rows_view, _tree, _unsigned_lt, issue_wgmma,
-                     smem_tensor, tile_bits, tma_tiles)
+from .common import (INTERVALS_UNROLLED, WarpSpecializedSm90, _as_a_operand, _rows_view, _tree,
+                     _unsigned_lt, issue_wgmma, smem_tensor, tile_bits, tma_tiles)
 
 # Named barrier ids. 0 is __syncthreads; the two consumer warpgroups each own one
 # scheduling barrier that the other one arrives on (tensor-core ping-pong).
@@ -90,7 +90,7 @@ class FlashForwardSm90(WarpSpecializedSm90):
         assert dtype in (cutlass.BFloat16, cutlass.Float16), dtype
         assert block_q == 64 * self.num_consumer_wgs, "each consumer warpgroup owns 64 rows"
         assert block_kv % 16 == 0 and head_dim % 16 == 0 and head_dim_v % 16 == 0
-        assert 1 <= num_intervals <= 8
+        assert num_intervals >= 1
         # O goes out through Q's shared buffer: the same layout when Dv == D, else (192 / 128)
         # a (block_q, Dv) layout over the first bytes of the (larger) Q buffer.
         assert head_dim_v <= head_dim, "the epilogue stages O in Q's buffer: needs Dv <= D"
@@ -115,7 +115,12 @@ class FlashForwardSm90(WarpSpecializedSm90):
         # The intervals take 4 K registers per consumer thread (2 rows x start, length).
         # Beside D = 256's 128-register O they fit up to K = 4; K = 6 spilled 48 bytes
         # (cuobjdump, NOTES.md), so above that they are reloaded per masked tile.
-        self.intervals_in_registers = head_dim_v < 256 or num_intervals <= 4
+        # Above INTERVALS_UNROLLED (K > 8: e.g. global tokens + a window) a masked tile tests
+        # the row's intervals one at a time from the table in a loop that is not unrolled,
+        # skipping those that miss the tile, and gathers visibility in bit masks.
+        self.intervals_as_bits = num_intervals > INTERVALS_UNROLLED
+        self.intervals_in_registers = not self.intervals_as_bits and (
+            head_dim_v < 256 or num_intervals <= 4)
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -480,6 +485,9 @@ class FlashForwardSm90(WarpSpecializedSm90):
         covers start <= j < start + length, and a zero length never matches.
         `row_intervals` is (starts, lengths) in registers, or the table to load them from.
         """
+        if const_expr(self.intervals_as_bits):
+            self.apply_mask_bits(acc_S_rows, tScS, k_tile, row_intervals, seqlen_k)
+            return
         if const_expr(self.intervals_in_registers):
             starts, lengths = row_intervals
         else:
@@ -492,6 +500,35 @@ class FlashForwardSm90(WarpSpecializedSm90):
                 for m in cutlass.range_constexpr(self.num_intervals):
                     visible = visible | _unsigned_lt(col - starts[r, m], lengths[r, m])
                 keep = visible & (col < seqlen_k)
+                acc_S_rows[r, c] = acc_S_rows[r, c] if keep else -Float32.inf
+
+    @cute.jit
+    def apply_mask_bits(self, acc_S_rows, tScS, k_tile, row_intervals, seqlen_k):
+        """apply_mask for any K: per row, a loop (not unrolled) over its K intervals read
+        from the table; an interval that misses this key tile is skipped, one that reaches
+        into it sets the bits of the columns it covers. Rows past Nq see nothing."""
+        mIntervals, q_tile, seqlen_q, mask_batch, mask_head = row_intervals
+        col0 = k_tile * self.block_kv
+        col_end = col0 + self.block_kv
+        ncols = cute.size(acc_S_rows, mode=[1])
+        nwords = (ncols + 31) // 32
+        seen = cute.make_rmem_tensor(nwords, Uint32)
+        for r in cutlass.range_constexpr(cute.size(acc_S_rows, mode=[0])):
+            row = q_tile * self.block_q + tScS[r, 0][0]
+            in_range = row < seqlen_q
+            safe_row = row if in_range else 0
+            for w in cutlass.range_constexpr(nwords):
+                seen[w] = Uint32(0)
+            for m in cutlass.range(self.num_intervals, unroll=1):
+                start = mIntervals[mask_batch, mask_head, safe_row, m, 0]
+                length = mIntervals[mask_batch, mask_head, safe_row, m, 1]
+                if (length > 0) & (start < col_end) & (start + length > col0):
+                    for c in cutlass.range_constexpr(ncols):
+                        if _unsigned_lt(col0 + tScS[r, c][1] - start, length):
+                            seen[c // 32] = seen[c // 32] | Uint32(1 << (c % 32))
+            for c in cutlass.range_constexpr(ncols):
+                col = col0 + tScS[r, c][1]
+                keep = (seen[c // 32] & Uint32(1 << (c % 32)) != Uint32(0)) & in_range & (col < seqlen_k)
                 acc_S_rows[r, c] = acc_S_rows[r, c] if keep else -Float32.inf
 
     @cute.jit

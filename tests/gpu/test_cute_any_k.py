@@ -1,0 +1,126 @@
+"""Any K on the CuTe kernels (issue 16, item 1): masks with more than 8 row intervals (and
+more than 16 column intervals) through the CuTe forward and backward, against the dense
+oracle under the tolerance policy.
+
+Past 8 row intervals the forward's masked tile loops over the row's intervals from the
+table (not unrolled) and skips those that miss the tile; past 16 re-read column intervals
+the backward does the same. Compiled on a machine without a GPU; the registry uses it only
+with ``JCOMPILEMASK_CUTE_BWD_EXPERIMENTAL=1`` until these tests pass on the H200, so each
+test sets it. On a machine without the cute backend they skip with its reason; the
+compile-only twins are in test_cute_forward.py / test_cute_backward.py (CI), the registry's
+gate in tests/test_residual_lowering.py.
+
+    python3 -m pytest -q tests/gpu/test_cute_any_k.py        # on the H200
+"""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+import jcompilemask as jcm
+from jcompilemask import backends
+from jcompilemask.lower.compiled import CUTE_ANY_K_ENV, region_backend
+from jcompilemask.spec import MaskSpec, Region, Scalar, k, q, q_len
+from jcompilemask.testing import assert_within_policy, reference_attention, reference_gradients
+from gpu_cases import gradient_problems  # noqa: E402  (tests/gpu is on sys.path under pytest)
+
+import os
+
+IMPL = os.environ.get("JCM_ANY_K_IMPL", "cute")    # "xla": the same checks on CPU (test logic)
+_why = None if IMPL == "xla" else backends.get("cute").available()
+needs_gpu = pytest.mark.skipif(_why is not None, reason=f"cute backend unavailable: {_why}")
+
+
+def _any(rules):
+    return functools.reduce(lambda a, b: a | b, rules)
+
+
+def striped(bands: int, every: int = 40, width: int = 3):
+    """`bands` key stripes of `width` keys every `every` keys, causal: K = bands."""
+    return MaskSpec([Region((0, q_len), _any([(k >= every * i) & (k < every * i + width)
+                                               for i in range(bands)]) & (k <= q))])
+
+
+def global_tokens_window(tokens=(0, 37, 90, 151, 260, 333, 480, 512, 600, 777, 801, 950,
+                                 1001, 1100, 1201, 1299), window=64):
+    """16 scattered global keys + a causal window: K up to 17 per row."""
+    return MaskSpec([Region((0, q_len), (_any([k == t for t in tokens]) & (k <= q))
+                            | ((k <= q) & (k > q - window)))])
+
+
+def per_batch_stripes():
+    """Stripes whose period is metadata (per batch): K from the declared range."""
+    p = Scalar("period", min=16, max=64)
+    return MaskSpec([Region((0, q_len), _any([(k >= p * i) & (k < p * i + 5) for i in range(20)])
+                            & (k <= q))])
+
+
+CASES = {
+    "stripes12": (striped(12), None),
+    "stripes30": (striped(30, every=35), None),
+    "global16+window": (global_tokens_window(), None),
+    "stripes20-metadata": (per_batch_stripes(), {"period": np.array([16, 51], np.int32)}),
+}
+
+
+def _inputs(b, n, hq, hkv, d, dtype, seed=0):
+    ks = jax.random.split(jax.random.key(seed), 4)
+    mk = lambda kk, h: jax.random.normal(kk, (b, n, h, d), jnp.float32).astype(dtype)  # noqa: E731
+    return mk(ks[0], hq), mk(ks[1], hkv), mk(ks[2], hkv), mk(ks[3], hq)
+
+
+@pytest.fixture
+def any_k_on(monkeypatch):
+    monkeypatch.setenv(CUTE_ANY_K_ENV, "1")
+    monkeypatch.setenv(backends.CUTE_BACKWARD_ENV, "1")
+
+
+@needs_gpu
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_any_k_forward_and_gradients(name, any_k_on):
+    spec, md = CASES[name]
+    cm = jcm.compile(spec)
+    assert cm.num_intervals > 8, (name, cm.num_intervals)
+    b, n, d, dtype = 2, 1300, 128, jnp.bfloat16          # ragged: not a multiple of 64 / 128
+    qx, kx, vx, do = _inputs(b, n, 4, 2, d, dtype)
+    call_md = md
+    assert region_backend(cm, 0).startswith("cute"), region_backend(cm, 0)
+    mask = spec.as_dense(call_md, n, n)
+    out, lse = jax.jit(lambda a, b_, c: jcm.mask_attention(
+        a, b_, c, spec, metadata=call_md, implementation=IMPL, return_residual=True))(qx, kx, vx)
+    lse = jnp.swapaxes(lse, 1, 2)                      # [B, Nq, Hq] -> the references' [B, Hq, Nq]
+    hi = reference_attention(qx, kx, vx, mask, precision="high")
+    lo = reference_attention(qx, kx, vx, mask, precision="input")
+    assert_within_policy(out, hi[0], lo[0], "out")
+    assert_within_policy(lse, hi[1], lo[1], "lse")
+
+    def loss(a, b_, c):
+        o = jcm.mask_attention(a, b_, c, spec, metadata=call_md, implementation=IMPL)
+        return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32))
+
+    g = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(qx, kx, vx)
+    g_hi, g_lo = reference_gradients(qx, kx, vx, do, mask)
+    problems = gradient_problems(g, g_hi, g_lo, dtype)
+    assert not problems, "; ".join(problems)
+
+
+@needs_gpu
+def test_any_k_head_dim_64_fp16(any_k_on):
+    spec, _ = CASES["global16+window"]
+    n = 1100
+    qx, kx, vx, do = _inputs(1, n, 2, 1, 64, jnp.float16, seed=3)
+    mask = spec.as_dense(None, n, n)
+
+    def loss(a, b_, c):
+        o = jcm.mask_attention(a, b_, c, spec, implementation=IMPL)
+        return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32))
+
+    g = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(qx, kx, vx)
+    g_hi, g_lo = reference_gradients(qx, kx, vx, do, mask)
+    problems = gradient_problems(g, g_hi, g_lo, jnp.float16)
+    assert not problems, "; ".join(problems)
