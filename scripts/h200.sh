@@ -19,6 +19,7 @@
 #   s6a          column_bits (Kc > 2 intervals re-read into a bit mask): its tests, then timed at 32K
 #   s6b          session 6's default through the GPU backward tests + compute-sanitizer (3 tools)
 #   anyk         issue 16: K > 8 / Kc > 16 intervals on the CuTe kernels (tests/gpu/test_cute_any_k.py)
+#   sanitize2    compute-sanitizer (3 tools) on the CuTe kernels without JAX in the process
 #   v5bench      bench_total 32K + 8K: default vs FA4 native and Flex+FA4 (JCM_BENCH_S seconds)
 #   hdims        issue 15 (opt-in configs: soft cap in the backward, D 256, 192/128): a hang-guarded
 #                smoke per config, a subset of tests/gpu/test_cute_head_dims.py, then
@@ -208,6 +209,25 @@ case $stage in
     timeout -k 5 400 python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_cute_any_k.py \
       --junitxml="$OUT/junit-anyk.xml" > "$OUT/pytest-anyk.log" 2>&1
     echo "pytest rc $? ($SECONDS s)"; pkill -9 -f test_cute_any_k; tail -12 "$OUT/pytest-anyk.log"
+    ;;
+  sanitize2)
+    # compute-sanitizer on the CuTe kernels with no JAX GPU client in the process
+    # (tests/scripts/gpu_kernels_standalone.py: torch tensors through the kernels' TVM-FFI
+    # functions; under the sanitizer JAX's runtime segfaulted it). Per case: prepare (jax on
+    # CPU), a plain run (errors vs a float32 torch reference), then each tool.
+    left() { local l=$(( 570 - SECONDS )); (( l < $1 )) && echo $(( l > 5 ? l : 5 )) || echo $1; }
+    s=tests/scripts/gpu_kernels_standalone.py
+    for c in ${JCM_SANITIZE_CASES:-hstu stripes clear}; do
+      timeout -k 5 $(left 60) python3 $s prepare /tmp/$c.npz $c > "$OUT/prepare-$c.log" 2>&1; tail -1 "$OUT/prepare-$c.log"
+      timeout -k 5 $(left 90) python3 $s run /tmp/$c.npz > "$OUT/run-$c.log" 2>&1
+      echo "plain $c rc $? ($SECONDS s)"; grep -v Warning "$OUT/run-$c.log" | tail -3
+      for tool in ${JCM_SANITIZE_TOOLS:-memcheck racecheck synccheck}; do
+        timeout -k 5 $(left 120) compute-sanitizer --tool $tool --report-api-errors no --print-limit 20 \
+          python3 $s run /tmp/$c.npz > "$OUT/sanitize2-$c-$tool.log" 2>&1
+        echo "$tool $c rc $? ($SECONDS s)"; pkill -9 -f gpu_kernels_standalone
+        grep -E "ERROR SUMMARY|RACECHECK SUMMARY|hazard|Invalid|max \|o" "$OUT/sanitize2-$c-$tool.log" | head -4
+      done
+    done
     ;;
   v5bench)
     # bench_total at 32K then 8K: the default beside FA4 native (causal) and Flex+FA4.
