@@ -20,6 +20,7 @@
 #   s6b          session 6's default through the GPU backward tests + compute-sanitizer (3 tools)
 #   anyk         issue 16: K > 8 / Kc > 16 intervals on the CuTe kernels (tests/gpu/test_cute_any_k.py)
 #   sanitize2    compute-sanitizer (3 tools) on the CuTe kernels without JAX in the process
+#   shfl         stats_shfl (lse / delta by shfl): its tests, then timed at causal / hstu 32K
 #   v5bench      bench_total 32K + 8K: default vs FA4 native and Flex+FA4 (JCM_BENCH_S seconds)
 #   hdims        issue 15 (opt-in configs: soft cap in the backward, D 256, 192/128): a hang-guarded
 #                smoke per config, a subset of tests/gpu/test_cute_head_dims.py, then
@@ -228,6 +229,21 @@ case $stage in
         grep -E "ERROR SUMMARY|RACECHECK SUMMARY|hazard|Invalid|max \|o" "$OUT/sanitize2-$c-$tool.log" | head -4
       done
     done
+    ;;
+  shfl)
+    # stats_shfl (lse / delta as 2 values per lane + shfl at use; compile-checked in session
+    # 6): its gradient tests, then causal / hstu 32K timed beside the default and FA4 native.
+    export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
+    t=tests/gpu/test_cute_backward.py
+    JCOMPILEMASK_CUTE_BWD_CONFIG=stats_shfl=1 timeout -k 5 230 python3 -m pytest -q -rs -p no:cacheprovider \
+      "$t::test_builtin_grads" "$t::test_random_lowered_specs" "$t::test_fully_masked_rows" "$t::test_head_dim_64_fp16_mqa" \
+      --junitxml="$OUT/junit-shfl.xml" > "$OUT/pytest-shfl.log" 2>&1
+    echo "pytest rc $? ($SECONDS s)"; pkill -9 -f pytest; tail -6 "$OUT/pytest-shfl.log"
+    b=$(( 560 - SECONDS )); (( b > 300 )) && b=300
+    timeout -k 5 $b python3 benchmarks/bench_total.py --ns 32768 --masks causal,hstu --impls jcm,fa4-native \
+      --jcm-variants "base=;sh=JCOMPILEMASK_CUTE_BWD_CONFIG=stats_shfl=1" \
+      --min-repeat-s 0.25 --budget-s $(( b - 30 )) --out "$OUT/h200-bwd-shfl.json" > "$OUT/bench-shfl.log" 2>&1
+    echo "bench rc $? ($SECONDS s)"; pkill -9 -f bench_total; grep -E '^\||budget' "$OUT/bench-shfl.log" | tail -10
     ;;
   v5bench)
     # bench_total at 32K then 8K: the default beside FA4 native (causal) and Flex+FA4.

@@ -326,6 +326,12 @@ class BackwardConfig:
     - ``release_do_early``: dO's ring stage freed as soon as dV (its last reader) is done,
       between the dQ and dK issues, instead of with Q's at the end of the tile. Not yet
       measured.
+    - ``stats_shfl``: lse and delta as 2 values per lane (queries 2 lane, 2 lane + 1 of the
+      64-query tile), read right after the S^T / dP^T issue, and handed to the lanes that
+      need them by ``shfl`` where used (FA4's SM90 order), instead of 16 shared-memory loads
+      each queued behind the GEMMs' operand reads (ncu, causal 32K: the exp2 FFMA waiting on
+      the lse load was ~13% of consumer stalls). Overrides ``stats_early`` / ``lse_early``.
+      Compile-checked only.
     - ``column_registers``: the largest Kc whose column intervals each thread holds in
       registers for the whole pass; above it they are re-read in each masked tile
       (ptxas, D 128, K 6 / Kc 7: 280 B of stack held, 48 B re-read). 16 (always hold) is
@@ -374,6 +380,7 @@ class BackwardConfig:
     stats_early: bool = False
     lse_early: bool = False
     release_do_early: bool = False
+    stats_shfl: bool = False
     column_registers: int = 16
     column_bits: int = 16
     deterministic: bool = False
@@ -399,7 +406,8 @@ class BackwardConfig:
     def tag(self) -> str:
         return (f"t{self.block_q}x{self.block_kv}_s{self.num_stages}_ds{self.ds_stages}"
                 f"{'_se' if self.stats_early else ''}{'_le' if self.lse_early else ''}"
-                f"{'_rd' if self.release_do_early else ''}_cr{self.column_registers}"
+                f"{'_rd' if self.release_do_early else ''}{'_sh' if self.stats_shfl else ''}"
+                f"_cr{self.column_registers}"
                 f"{f'_cb{self.column_bits}' if self.column_bits != 16 else ''}"
                 f"{'_det' if self.deterministic else ''}{'_dkvt' if self.dkv_tma_store else ''}"
                 f"{f'_wl{self.list_chunk}' if self.work_list else ''}{'_sdkv' if self.split_dkv else ''}")

@@ -728,7 +728,17 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         n_cols = cute.size(S, mode=[1])
         lse = cute.make_rmem_tensor(n_cols, Float32)
         delta = cute.make_rmem_tensor(n_cols, Float32)
-        lse_early = self.config.stats_early or self.config.lse_early
+        lse_early = (self.config.stats_early or self.config.lse_early) and not self.config.stats_shfl
+        if const_expr(self.config.stats_shfl):
+            # Each lane holds 2 of the tile's 64 queries (2 lane, 2 lane + 1) of lse and
+            # delta, read before any wait; at use, column c of the accumulator (query
+            # 8 (c // 2) + 2 (lane % 4) + c % 2, the m64nN layout) comes from lane
+            # 4 (c // 2) + lane % 4 by shfl — no shared-memory load queued behind the GEMMs'
+            # operand traffic where exp2 waits for it (FA4's SM90 backward does the same).
+            assert bq == 64 and n_cols == 16, "stats_shfl: 64-query tiles, 16 columns per thread"
+            lane = cute.arch.lane_idx()
+            own_lse = (sLSE[2 * lane, state.index], sLSE[2 * lane + 1, state.index])
+            own_delta = (sDelta[2 * lane, state.index], sDelta[2 * lane + 1, state.index])
         if const_expr(lse_early):
             for c in cutlass.range_constexpr(n_cols):
                 lse[c] = sLSE[f.tScS[0, c][1], state.index]
@@ -738,7 +748,10 @@ class FlashBackwardSm90(WarpSpecializedSm90):
 
         # -- P^T = exp2(S^T * scale log2 e - lse log2 e); masked elements 0
         warpgroup.wait_group(1)
-        if const_expr(not lse_early):
+        if const_expr(self.config.stats_shfl):
+            for c in cutlass.range_constexpr(n_cols):
+                lse[c] = cute.arch.shuffle_sync(own_lse[c % 2], 4 * (c // 2) + lane % 4)
+        elif const_expr(not lse_early):
             for c in cutlass.range_constexpr(n_cols):
                 lse[c] = sLSE[f.tScS[0, c][1], state.index]
         if const_expr(self.softcap is None):
@@ -758,7 +771,10 @@ class FlashBackwardSm90(WarpSpecializedSm90):
             # the capped logits is that times (dP^T - delta).
             rP = cute.make_rmem_tensor_like(acc_S, self.dtype)
             self.softcap_probs(S, _rows_view(rP), lse)
-        if const_expr(not self.config.stats_early):
+        if const_expr(self.config.stats_shfl):
+            for c in cutlass.range_constexpr(n_cols):
+                delta[c] = cute.arch.shuffle_sync(own_delta[c % 2], 4 * (c // 2) + lane % 4)
+        elif const_expr(not self.config.stats_early):
             for c in cutlass.range_constexpr(n_cols):
                 delta[c] = sDelta[f.tScS[0, c][1], state.index]
 
