@@ -59,6 +59,9 @@ class Call:
     tiles: Optional[TileConfig] = None     # of a prebuilt descriptor, if one was passed
     bias: bool = False                     # an additive bias (or a dense mask) on the logits
     dense_bitmap: bool = False             # a from_dense mask kept as a bitmap (> 8 runs/row)
+    # With has_fallback: None when every residual predicate can be emitted as kernel code
+    # (lower/residual_program.py), else why not.
+    residual_reason: Optional[str] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,7 +179,7 @@ def explain(call: Call | None = None, mask=None) -> str:
     backward: xla (the backend that runs the forward)
     mask regions:
       region 0: 1 interval(s), residual predicate: (q - k) % 2 == 0
-        runs on: xla (residual predicate: cute kernels do not evaluate residuals yet (issue 16))
+        runs on: xla (residual predicate: the cute forward evaluates residuals only with ...
     preprocess, ...
     """
     _ensure_builtin()
@@ -188,7 +191,8 @@ def explain(call: Call | None = None, mask=None) -> str:
                         num_kv_heads=8, softcap=False,
                         has_fallback=bool(cm.fallback_regions),
                         num_intervals=cm.num_intervals,
-                        dense_bitmap=getattr(cm, "layout", None) == "bitmap")
+                        dense_bitmap=getattr(cm, "layout", None) == "bitmap",
+                        residual_reason=residual_reason_of(cm))
     lines = ["backends, best first:"]
     chosen = None
     for b in backends():
@@ -278,8 +282,12 @@ def _cute_backend() -> Backend:
             return ("a dense mask with more than 8 runs per row, kept as a bitmap (the CuTe "
                     "kernels read interval tables); the xla backend checks the bitmap")
         if call.has_fallback:
-            return (f"{RESIDUAL_REASON}; the xla backend evaluates them per element in "
-                    "partial tiles")
+            if call.residual_reason:
+                return (f"residual predicate: {call.residual_reason}; the xla backend evaluates "
+                        "it per element in partial tiles")
+            if not _cute_experimental_enabled():
+                return (f"{RESIDUAL_REASON}; the xla backend evaluates them per element in "
+                        "partial tiles")
         if call.dtype not in ("bfloat16", "float16"):
             return f"dtype {call.dtype} (the CuTe kernels take bfloat16 and float16)"
         from .kernels.cute.api import HEAD_DIM_PAIRS_EXPERIMENTAL, HEAD_DIMS
@@ -308,31 +316,49 @@ def _cute_backend() -> Backend:
                 bwd = preferred_backward_tiles(call.head_dim, call.dtype, call.head_dim_v)
         return TileConfig(bq, bk, *bwd)
 
-    def refuse_residuals(desc):
+    def residual_program(desc):
         # Defence in depth: the tables of a residual mask hold hulls, which the kernels
-        # would take for the mask itself. supports() refuses such calls; a Call built by
+        # would take for the mask itself. supports() refuses such calls unless the
+        # residuals can be emitted into the kernel (and the opt-in is set); a Call built by
         # hand with has_fallback=False must not run them silently either.
         res = getattr(desc.mask, "residual_regions", ())
-        if res:
+        if not res:
+            return None
+        why = residual_reason_of(desc.mask)
+        if why:
+            why = f"a residual predicate that cannot run in a kernel: {why}"
+        elif not _cute_experimental_enabled():
+            why = f"a {RESIDUAL_REASON}"
+        if why:
             raise BackendUnavailable(f"the cute backend cannot run this mask: regions "
-                                     f"{list(res)} have a {RESIDUAL_REASON}; use "
-                                     "implementation='xla'")
+                                     f"{list(res)} have {why}; use implementation='xla'")
+        from .lower.residual_program import ResidualProgram
+        return ResidualProgram.forward(desc.mask)
 
     def forward(q, k, v, desc, scale, softcap):
-        refuse_residuals(desc)
+        import jax.numpy as jnp
+        prog = residual_program(desc)
         from .kernels.cute import cute_forward
+        extra = {}
+        if prog is not None:
+            bm = desc.fwd_intervals.shape[0]
+            extra = dict(residual=prog, row_region=jnp.broadcast_to(
+                desc.row_region, (bm,) + desc.row_region.shape[1:]),
+                residual_params=prog.table(desc.metadata or {}, bm, xp=jnp))
         with slow_step(f"jcompilemask: building the CuTe forward kernel ({q.dtype}, D "
                        f"{q.shape[-1]}, K {desc.num_intervals}, tiles {desc.tiles.block_q}x"
-                       f"{desc.tiles.block_kv})"):
+                       f"{desc.tiles.block_kv}{', residual predicates' if prog else ''})"):
             return cute_forward(q, k, v, desc.fwd_intervals, desc.fwd_tiles, scale=scale,
                                 softcap=softcap, block_q=desc.tiles.block_q,
-                                block_kv=desc.tiles.block_kv)
+                                block_kv=desc.tiles.block_kv, **extra)
 
     from .attention import xla
 
     def backward(q, k, v, desc, scale, softcap, out, lse, do, dlse=None, deterministic=False):
-        refuse_residuals(desc)
+        residual_program(desc)
         why = cute_backward_reason(q, v, desc, softcap)
+        if why is None and getattr(desc.mask, "residual_regions", ()):
+            why = "the CuTe backward does not evaluate residual predicates yet (issue 16)"
         if why is not None:
             log_once(("cute-backward", why), "jcompilemask: gradients come from the xla "
                      "backward, not the CuTe backward kernel: %s", why)
@@ -349,6 +375,15 @@ def _cute_backend() -> Backend:
     return Backend(name="cute", priority=10, tiles=tiles, available=available,
                    supports=supports, forward=forward, backward=backward,
                    backward_note=_cute_backward_note, own_bwd_tile_check=True)
+
+
+def residual_reason_of(cm) -> Optional[str]:
+    """Why ``cm``'s residual predicates cannot be emitted into the CuTe forward (None when
+    they can, or when there are none)."""
+    if not getattr(cm, "residual_regions", ()):
+        return None
+    from .lower.residual_program import mask_kernel_reason
+    return mask_kernel_reason(cm)
 
 
 CUTE_BACKWARD_ENV = "JCOMPILEMASK_CUTE_BACKWARD"
@@ -435,6 +470,8 @@ def explain_backward(call: Call) -> str:
         return f"backward: {chosen} (the backend that runs the forward)"
     bwd_tiles = None if call.tiles is None else (call.tiles.bwd_block_q, call.tiles.bwd_block_kv)
     why = cute_backward_plan(call.head_dim, call.head_dim_v, call.softcap or None, bwd_tiles)
+    if why is None and call.has_fallback:
+        why = "the CuTe backward does not evaluate residual predicates yet (issue 16)"
     if why is None:
         extra = ("" if (call.head_dim in (64, 128) and call.head_dim_v == call.head_dim
                         and not call.softcap)

@@ -18,7 +18,7 @@
 #   v5tests      the default backward config through every GPU backward test (+ non-finite, list chunks)
 #   s6a          column_bits (Kc > 2 intervals re-read into a bit mask): its tests, then timed at 32K
 #   s6b          session 6's default through the GPU backward tests + compute-sanitizer (3 tools)
-#   anyk         issue 16: K > 8 / Kc > 16 intervals on the CuTe kernels (tests/gpu/test_cute_any_k.py)
+#   anyk         issue 16: K > 8 / Kc > 16 intervals and residual predicates on the CuTe kernels
 #   sanitize2    compute-sanitizer (3 tools) on the CuTe kernels without JAX in the process
 #   shfl         stats_shfl (lse / delta by shfl): its tests, then timed at causal / hstu 32K
 #   v5bench      bench_total 32K + 8K: default vs FA4 native and Flex+FA4 (JCM_BENCH_S seconds)
@@ -204,10 +204,12 @@ case $stage in
     done
     ;;
   anyk)
-    # Issue 16 item 1 (compiled on a machine without a GPU): K > 8 row / Kc > 16 column
-    # intervals on the CuTe forward and backward (opt-in JCOMPILEMASK_CUTE_BWD_EXPERIMENTAL=1,
-    # which the tests set) against the dense oracle.
+    # Issue 16 items 1-2 (compiled on a machine without a GPU): K > 8 row / Kc > 16 column
+    # intervals on the CuTe forward and backward, and residual predicates emitted into the
+    # CuTe forward (opt-in JCOMPILEMASK_CUTE_BWD_EXPERIMENTAL=1, which the tests set),
+    # against the dense oracle.
     timeout -k 5 400 python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_cute_any_k.py \
+      tests/gpu/test_cute_residual.py \
       --junitxml="$OUT/junit-anyk.xml" > "$OUT/pytest-anyk.log" 2>&1
     echo "pytest rc $? ($SECONDS s)"; pkill -9 -f test_cute_any_k; tail -12 "$OUT/pytest-anyk.log"
     ;;

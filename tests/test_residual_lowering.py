@@ -378,10 +378,42 @@ def test_cute_kernels_never_take_a_residual_descriptor():
     desc = cm.instantiate(None, 8, 8, block_q=4, block_kv=4, bwd_block_q=4, bwd_block_kv=4)
     x = jnp.zeros((1, 8, 1, 64), jnp.bfloat16)
     cute = backends.get("cute")
-    with pytest.raises(backends.BackendUnavailable, match="issue 16"):
+    with pytest.raises(backends.BackendUnavailable, match="evaluates residuals only with "
+                       "JCOMPILEMASK_CUTE_BWD_EXPERIMENTAL=1"):
         cute.forward(x, x, x, desc, 1.0, None)
-    with pytest.raises(backends.BackendUnavailable, match="issue 16"):
+    with pytest.raises(backends.BackendUnavailable, match="residual predicate"):
         cute.backward(x, x, x, desc, 1.0, None, x, None, x)
+
+
+def test_cute_forward_takes_kernel_residuals_only_with_the_opt_in(monkeypatch):
+    """Residuals emitted into the CuTe forward: the registry accepts a residual mask on
+    cute only with the opt-in, never one that reads per-token segment ids; explain says
+    which and why."""
+    from jcompilemask.lower.compiled import CUTE_ANY_K_ENV, region_backend
+    cute = backends.get("cute")
+    cm = _cm((k <= q) & ((q - k) % 2 == 0))
+    seg = SegmentIds("seg")
+    cm_seg = _cm((k <= q) & (seg.id(k) % 2 == seg.id(q) % 2))
+    mk = lambda c: backends.Call(  # noqa: E731
+        dtype="bfloat16", head_dim=128, head_dim_v=128, num_heads=8, num_kv_heads=8,
+        softcap=False, has_fallback=bool(c.residual_regions), num_intervals=c.num_intervals,
+        residual_reason=backends.residual_reason_of(c))
+    monkeypatch.delenv(CUTE_ANY_K_ENV, raising=False)
+    assert RESIDUAL_REASON in cute.supports(mk(cm))
+    assert region_backend(cm, 0) == f"xla ({RESIDUAL_REASON})"
+    monkeypatch.setenv(CUTE_ANY_K_ENV, "1")
+    assert cute.supports(mk(cm)) is None
+    assert region_backend(cm, 0).startswith("cute forward on an SM90 GPU")
+    assert "segment ids 'seg'" in cute.supports(mk(cm_seg))
+    assert "segment ids 'seg'" in region_backend(cm_seg, 0)
+    # the backward of a residual mask is xla's (on the CuTe forward's residuals)
+    desc = cm.instantiate(None, 8, 8, block_q=4, block_kv=4, bwd_block_q=4, bwd_block_kv=4)
+    x = jnp.zeros((1, 8, 1, 64), jnp.bfloat16)
+    with pytest.raises(backends.BackendUnavailable, match="segment ids"):
+        cute.forward(x, x, x, cm_seg.instantiate({"seg": np.zeros((1, 8), np.int32)}, 8, 8,
+                                                  block_q=4, block_kv=4, bwd_block_q=4,
+                                                  bwd_block_kv=4), 1.0, None)
+    del desc
 
 
 def test_tilelang_refuses_residuals_and_shared_slots():

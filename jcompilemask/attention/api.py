@@ -231,7 +231,8 @@ def mask_attention(query, key, value, mask=None, *, bias=None,
         num_kv_heads=hkv, softcap=logits_soft_cap is not None,
         has_fallback=bool(cm.fallback_regions), num_intervals=cm.num_intervals,
         dense_bitmap=getattr(cm, "layout", None) == "bitmap",
-        tiles=None if desc is None else desc.tiles, bias=bias is not None)
+        tiles=None if desc is None else desc.tiles, bias=bias is not None,
+        residual_reason=_backends.residual_reason_of(cm))
     impl = _compat.implementation_name(implementation)
     try:
         backend = _backends.select(impl, call)

@@ -101,7 +101,16 @@ def cute_k_reason(k: int, what: str = "intervals per row") -> str | None:
         return None
     return (f"K = {k} {what}: the cute kernels loop over K > {CUTE_MAX_INTERVALS} intervals, "
             f"compiled, awaiting validation on the GPU; set {CUTE_ANY_K_ENV}=1 to use them")
-RESIDUAL_REASON = "residual predicate: cute kernels do not evaluate residuals yet (issue 16)"
+
+
+RESIDUAL_REASON = ("residual predicate: the cute forward evaluates residuals only with "
+                   f"{CUTE_ANY_K_ENV}=1 (compiled, awaiting validation on the GPU; the "
+                   "backward is xla's either way)")
+
+
+def _mask_reason(cm):
+    from .residual_program import mask_kernel_reason
+    return mask_kernel_reason(cm)
 
 
 def region_backend(cm, g: int) -> str:
@@ -111,13 +120,21 @@ def region_backend(cm, g: int) -> str:
     ``xla`` takes the whole mask there."""
     lr = cm.regions[g]
     if lr.has_residual:
-        return f"xla ({RESIDUAL_REASON})"
+        from .residual_program import mask_kernel_reason
+        why = mask_kernel_reason(cm)
+        if why:
+            return f"xla (residual predicate: {why})"
+        if not cute_any_k_enabled():
+            return f"xla ({RESIDUAL_REASON})"
     k_g = cm.region_num_slots[g]
     why = cute_k_reason(k_g)
     if why:
         return f"xla ({why})"
     others = [i for i in cm.residual_regions if i != g]
-    if others:
+    if lr.has_residual:
+        return ("cute forward on an SM90 GPU (hull intervals, the residual predicate emitted "
+                "into partial tiles; opted in), xla backward; else xla")
+    if others and (not cute_any_k_enabled() or _mask_reason(cm)):
         return (f"xla: the interval tables serve this region, but regions {others} have "
                 "residual predicates and a mask runs on one backend")
     why = cute_k_reason(cm.num_intervals, "intervals per row in the whole mask")
@@ -265,7 +282,7 @@ class CompiledMask:
           region 0 'even': rows [0, q_len): 1 interval(s) in 1 slot(s)
             interval 0: k in [0, q + 1)  and residual k % 2 == 0
             residual predicate: k % 2 == 0
-            backend: xla (residual predicate: cute kernels do not evaluate residuals yet (issue 16))
+            backend: xla (residual predicate: the cute forward evaluates residuals only with ...
         ...
         """
         s = self.spec

@@ -93,8 +93,9 @@ def fallback_message(spec, index: int, reason: str) -> str:
     where = f"mask {spec.name!r}: " if spec.name else ""
     msg = (f"{where}region {index}{label} (rows [{r.rows[0]}, {r.rows[1]})) keeps a residual "
            f"predicate, evaluated per element in partial tiles: {reason}. This is slower, "
-           "and the GPU kernels do not run such masks yet (the xla backend does; "
-           "cute kernels do not evaluate residuals yet, issue 16).")
+           "and by default the GPU kernels do not run such masks (the xla backend does; "
+           "the cute forward evaluates residuals only with "
+           "JCOMPILEMASK_CUTE_BWD_EXPERIMENTAL=1 until validated on the GPU, issue 16).")
     atom = _offending_atom(reason, r.visible)
     fixed = rewrite_atom(atom) if atom is not None else None
     if fixed is not None:

@@ -43,7 +43,7 @@ import numpy as np
 from ..spec.expr import And, BinOp, BoolConst, Cmp, Const, Index, Length, Not, Or, walk
 from ..spec.metadata import Scalar, SegRead, VectorElem, VectorRead
 
-__all__ = ["ResidualProgram", "NumpyOps", "kernel_reason", "Param"]
+__all__ = ["ResidualProgram", "NumpyOps", "kernel_reason", "mask_kernel_reason", "Param"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +68,17 @@ def kernel_reason(pred) -> Optional[str]:
     return None
 
 
+def mask_kernel_reason(cm) -> Optional[str]:
+    """None when every residual predicate of ``cm``'s forward slots can run in a kernel
+    (or there are none); else the first reason one cannot."""
+    for g in getattr(cm, "residual_regions", ()):
+        for m in range(cm.num_intervals):
+            why = kernel_reason(cm.residual(g, m))
+            if why:
+                return why
+    return None
+
+
 class ResidualProgram:
     """Per table slot, the residual predicate of each region (see the module doc).
 
@@ -81,6 +92,28 @@ class ResidualProgram:
         self.params = tuple(params)
         self.view = view
         self._offsets = {p.name: p for p in self.params}
+
+    def key(self):
+        """Structural identity (what a compiled kernel depends on)."""
+        return (self.view, tuple(tuple((g, p.key()) for g, p in s) for s in self.slots),
+                tuple(dataclasses.astuple(p) for p in self.params))
+
+    def __eq__(self, other):
+        return isinstance(other, ResidualProgram) and self.key() == other.key()
+
+    def __hash__(self):
+        return hash(self.key())
+
+    @property
+    def tag(self) -> str:
+        """A short stable hash of :meth:`key` for kernel names."""
+        import hashlib
+        return hashlib.sha1(repr(self.key()).encode()).hexdigest()[:12]
+
+    def __repr__(self):
+        body = "; ".join(f"slot {m}: " + ", ".join(f"region {g}: {p}" for g, p in s)
+                         for m, s in enumerate(self.slots) if s)
+        return f"ResidualProgram({self.view}, {body or 'exact'}, params={[p.name for p in self.params]})"
 
     # -- construction ---------------------------------------------------------------------
     @classmethod

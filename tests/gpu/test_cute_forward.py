@@ -175,6 +175,34 @@ def test_any_k_compiles_for_sm90(head_dim, num_intervals, softcap):
     assert compile_forward(key) is not None
 
 
+@needs_cutlass
+@pytest.mark.parametrize("case", ["dilated", "divisor", "two_regions", "per_head"])
+def test_residual_forward_compiles_for_sm90(case):
+    """Residual predicates emitted into the forward's partial tiles (issue 16 item 2):
+    a constant modulus, a metadata divisor (parameter table), two regions with different
+    residuals in one slot (row regions), a per-head residual; ptxas: no stack."""
+    import jcompilemask as jcm
+    from jcompilemask.kernels.cute.api import ForwardKey, compile_forward
+    from jcompilemask.lower.residual_program import ResidualProgram
+    from jcompilemask.spec import MaskSpec, Region, Scalar, h, k, q, q_len
+
+    d = Scalar("d", min=1, max=9)
+    specs = {
+        "dilated": MaskSpec([Region((0, q_len), (k <= q) & ((q - k) % 2 == 0))]),
+        "divisor": MaskSpec([Region((0, q_len), (k <= q) & ((q - k) % d == 0))]),
+        "two_regions": MaskSpec([Region((0, 10), (k <= q) & (k % 2 == 0)),
+                                 Region((10, q_len), (k <= q) & (k % 3 == 0))]),
+        "per_head": MaskSpec([Region((0, q_len), (k <= q) & ((q + h) % 2 == k % 2))], num_heads=2),
+    }
+    cm = jcm.compile(specs[case], warn=False)
+    prog = ResidualProgram.forward(cm)
+    assert not prog.exact
+    key = ForwardKey("bfloat16", 128, 128, cm.num_intervals, 128, 128, False, case != "per_head",
+                     128**-0.5, residual=prog)
+    assert compile_forward(key) is not None
+    assert f"_r{prog.tag}" in key.target_name
+
+
 # Step 2 variants: every head dim x dtype x soft cap; the interval counts cycle through
 # 1, 2 and 6 so that each head dim sees all three (K = 6 at D = 256 reloads the intervals
 # per masked tile instead of keeping them in registers), with the broadcast flags varied.

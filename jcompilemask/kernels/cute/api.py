@@ -90,8 +90,14 @@ class ForwardKey:
     # tanh.approx instead of the exact (error < ~4e-7) form (see FlashForwardSm90.apply_softcap);
     # misses the LSE tolerance policy, so only benchmarks set it.
     softcap_fast_tanh: bool = False
+    # Residual predicates per forward slot (jcompilemask.lower.residual_program), evaluated
+    # in partial tiles; the kernel then also reads the row regions and a parameter table.
+    residual: Any = None
 
     def __post_init__(self):
+        if self.residual is not None and (self.residual.view != "fwd"
+                                          or len(self.residual.slots) != self.num_intervals):
+            raise ValueError(f"residual program {self.residual!r} does not fit K={self.num_intervals}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"cute forward supports {_DTYPES}, got dtype {self.dtype!r}")
         pair = (self.head_dim, self.head_dim_v)
@@ -132,6 +138,7 @@ class ForwardKey:
             f"_s{self.num_stages}_{scale_bits:016x}"
             + ("" if self.softcap is None else
                f"_c{np.float64(self.softcap).view(np.uint64):016x}{'f' if self.softcap_fast_tanh else ''}")
+            + ("" if self.residual is None else f"_r{self.residual.tag}")
         )
 
 
@@ -210,11 +217,20 @@ def compile_forward(key: ForwardKey):
             block_q=key.block_q, block_kv=key.block_kv,
             broadcast_batch=key.broadcast_batch, broadcast_head=key.broadcast_head,
             num_stages=key.num_stages, softcap=key.softcap, softcap_fast_tanh=key.softcap_fast_tanh,
+            residual=key.residual,
         )
+        args = [bhsd(nq, hq, key.head_dim), bhsd(nk, hkv, key.head_dim), bhsd(nk, hkv, key.head_dim_v),
+                intervals, tiles, bhsd(nq, hq, key.head_dim_v), lse]
+        entry = kernel
+        if key.residual is not None:
+            # The rows' regions [Bm, Nq] and the residual parameter table [Bm, max(W, 1)].
+            entry = kernel.with_residual
+            args += [cute.runtime.make_fake_tensor(cutlass.Int32, (bm, nq), stride=(sym64(), 1),
+                                                   assumed_align=4),
+                     cute.runtime.make_fake_tensor(cutlass.Int32, (bm, max(key.residual.width, 1)),
+                                                   stride=(sym64(), 1), assumed_align=4)]
         fn = cute.compile(
-            kernel,
-            bhsd(nq, hq, key.head_dim), bhsd(nk, hkv, key.head_dim), bhsd(nk, hkv, key.head_dim_v),
-            intervals, tiles, bhsd(nq, hq, key.head_dim_v), lse,
+            entry, *args,
             cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
             options=_options(),
         )
@@ -240,7 +256,8 @@ def _ensure_registered(key) -> str:
 
 
 def cute_forward(q, k, v, fwd_intervals, fwd_tiles, *, scale=None, softcap=None, block_q=128, block_kv=128,
-                 num_stages=None, softcap_fast_tanh=False):
+                 num_stages=None, softcap_fast_tanh=False, residual=None, row_region=None,
+                 residual_params=None):
     """Masked attention forward on SM90 from an Execution Descriptor's forward view.
 
     Args:
@@ -252,6 +269,10 @@ def cute_forward(q, k, v, fwd_intervals, fwd_tiles, *, scale=None, softcap=None,
       block_q, block_kv: the tiles fwd_tiles was built at; must be preferred_forward_tiles(D).
       num_stages, softcap_fast_tanh: benchmark overrides (default: preferred_forward_stages,
         exact tanh; the fast tanh misses the LSE tolerance policy).
+      residual: a forward ``ResidualProgram`` (lower/residual_program.py) when the tables
+        hold hulls: its predicates are checked per element in partial tiles, reading
+        ``row_region`` int32 [Bm, Nq] (the descriptor's) and ``residual_params`` int32
+        [Bm, max(W, 1)] (``residual.table(desc.metadata, Bm, jnp)``).
     Returns:
       o [B, Nq, Hq, Dv] (q.dtype) and lse float32 [B, Hq, Nq] (natural log; -inf for empty rows).
     """
@@ -280,7 +301,16 @@ def cute_forward(q, k, v, fwd_intervals, fwd_tiles, *, scale=None, softcap=None,
         broadcast_head=(Hm == 1 and Hq > 1), scale=float(scale),
         num_stages=num_stages or preferred_forward_stages(D, jnp.dtype(q.dtype).name),
         softcap=None if softcap is None else float(softcap), softcap_fast_tanh=softcap_fast_tanh,
+        residual=None if residual is None or residual.exact else residual,
     )
+    extra = ()
+    if key.residual is not None:
+        if row_region is None or residual_params is None:
+            raise ValueError("cute_forward with a residual program needs row_region and residual_params")
+        if row_region.shape != (Bm, Nq) or residual_params.shape != (Bm, max(residual.width, 1)):
+            raise ValueError(f"row_region {row_region.shape} / residual_params {residual_params.shape} "
+                             f"must be {(Bm, Nq)} / {(Bm, max(residual.width, 1))}")
+        extra = (row_region.astype(jnp.int32), residual_params.astype(jnp.int32))
     if Bm == 1 and B == 1:
         key = dataclasses.replace(key, broadcast_batch=True)
     if Hm == 1 and Hq == 1:
@@ -291,7 +321,7 @@ def cute_forward(q, k, v, fwd_intervals, fwd_tiles, *, scale=None, softcap=None,
         jax.ShapeDtypeStruct((B, Hq, Nq), jnp.float32),
     )
     call = jax.ffi.ffi_call(name, out_types, vmap_method="sequential")
-    o, lse = call(q, k, v, fwd_intervals.astype(jnp.int32), fwd_tiles.astype(jnp.uint32))
+    o, lse = call(q, k, v, fwd_intervals.astype(jnp.int32), fwd_tiles.astype(jnp.uint32), *extra)
     return o, lse
 
 

@@ -40,6 +40,7 @@ N = 2K / 8K / 32K against FlashAttention-4's native kernel at 491 / 600 / 625
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import cutlass
 import cutlass.cute as cute
@@ -50,6 +51,7 @@ from cutlass import Boolean, Float32, Int32, Uint32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
+from .residual_ops import CuteOps
 from .common import (INTERVALS_UNROLLED, WarpSpecializedSm90, _as_a_operand, _rows_view, _tree,
                      _unsigned_lt, issue_wgmma, smem_tensor, tile_bits, tma_tiles)
 
@@ -86,6 +88,7 @@ class FlashForwardSm90(WarpSpecializedSm90):
         num_stages: int = 2,
         softcap: float | None = None,
         softcap_fast_tanh: bool = False,
+        residual=None,
     ):
         assert dtype in (cutlass.BFloat16, cutlass.Float16), dtype
         assert block_q == 64 * self.num_consumer_wgs, "each consumer warpgroup owns 64 rows"
@@ -119,6 +122,13 @@ class FlashForwardSm90(WarpSpecializedSm90):
         # the row's intervals one at a time from the table in a loop that is not unrolled,
         # skipping those that miss the tile, and gathers visibility in bit masks.
         self.intervals_as_bits = num_intervals > INTERVALS_UNROLLED
+        # Residual predicates (lower/residual_program.py: per slot, per region) are checked
+        # with the interval in partial tiles, on the bit-mask path with the slots unrolled;
+        # the kernel then also reads the rows' regions and the parameter table.
+        self.residual = residual if residual is not None and not residual.exact else None
+        if self.residual is not None:
+            assert len(self.residual.slots) == num_intervals
+            self.intervals_as_bits = True
         self.intervals_in_registers = not self.intervals_as_bits and (
             head_dim_v < 256 or num_intervals <= 4)
 
@@ -135,6 +145,28 @@ class FlashForwardSm90(WarpSpecializedSm90):
         mLSE: cute.Tensor,
         stream,
     ):
+        self._launch(mQ, mK, mV, mIntervals, mTiles, mO, mLSE, None, None, stream)
+
+    @cute.jit
+    def with_residual(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mIntervals: cute.Tensor,
+        mTiles: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        mRegion: cute.Tensor,
+        mParams: cute.Tensor,
+        stream,
+    ):
+        """The entry of a residual mask: also the rows' regions int32 [Bm, Nq] and the
+        residual parameter table int32 [Bm, W]."""
+        self._launch(mQ, mK, mV, mIntervals, mTiles, mO, mLSE, mRegion, mParams, stream)
+
+    @cute.jit
+    def _launch(self, mQ, mK, mV, mIntervals, mTiles, mO, mLSE, mRegion, mParams, stream):
         # (B, N, H, D) -> (N, D, H, B): row, contraction dim, then the batch modes.
         mQt = cute.make_tensor(mQ.iterator, cute.select(mQ.layout, mode=[1, 3, 2, 0]))
         mKt = cute.make_tensor(mK.iterator, cute.select(mK.layout, mode=[1, 3, 2, 0]))
@@ -191,10 +223,11 @@ class FlashForwardSm90(WarpSpecializedSm90):
         self.shared_storage = SharedStorage
 
         num_q_tiles = cute.ceil_div(mQ.shape[1], self.block_q)
+        residual_args = () if const_expr(self.residual is None) else (mRegion, mParams)
         self.kernel(
             mQ_tma, mK_tma, mV_tma, mO_tma, mLSE, mIntervals, mTiles,
             tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_o,
-            tiled_mma_qk, tiled_mma_pv, sQ_layout, sK_layout, sV_layout,
+            tiled_mma_qk, tiled_mma_pv, sQ_layout, sK_layout, sV_layout, *residual_args,
         ).launch(
             grid=[num_q_tiles, mQ.shape[2], mQ.shape[0]],
             block=[self.num_threads, 1, 1],
@@ -227,6 +260,8 @@ class FlashForwardSm90(WarpSpecializedSm90):
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout,
+        mRegion: Optional[cute.Tensor] = None,
+        mParams: Optional[cute.Tensor] = None,
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
@@ -276,7 +311,7 @@ class FlashForwardSm90(WarpSpecializedSm90):
                 mO, mLSE, mIntervals, sQ, sK, sV, tma_atom_o, tiled_mma_qk, tiled_mma_pv,
                 pipeline_q, pipeline_k, pipeline_v, gTiles, n_k_tiles,
                 mQ.shape[0], mK.shape[0], q_tile, head, batch, mask_batch, mask_head,
-                tidx - self.threads_per_wg, sO,
+                tidx - self.threads_per_wg, sO, mRegion, mParams,
             )
 
     # ------------------------------------------------------------------ producer
@@ -312,6 +347,7 @@ class FlashForwardSm90(WarpSpecializedSm90):
         self, mO, mLSE, mIntervals, sQ, sK, sV, tma_atom_o, tiled_mma_qk, tiled_mma_pv,
         pipeline_q, pipeline_k, pipeline_v, gTiles, n_k_tiles,
         seqlen_q, seqlen_k, q_tile, head, batch, mask_batch, mask_head, tidx, sO,
+        mRegion=None, mParams=None,
     ):
         wg = tidx // self.threads_per_wg  # 0 or 1 among the consumers
         wg_slice = cute.make_layout(self.num_consumer_wgs, stride=self.threads_per_wg)
@@ -337,6 +373,8 @@ class FlashForwardSm90(WarpSpecializedSm90):
         # The row's K intervals, loaded once, when registers allow (see __init__);
         # otherwise apply_mask reloads them from the (L1-resident) table per masked tile.
         row_intervals = (mIntervals, q_tile, seqlen_q, mask_batch, mask_head)
+        if const_expr(self.residual is not None):
+            row_intervals = row_intervals + (mRegion, mParams)
         if const_expr(self.intervals_in_registers):
             row_intervals = self.load_intervals(tScS, *row_intervals)
 
@@ -507,7 +545,7 @@ class FlashForwardSm90(WarpSpecializedSm90):
         """apply_mask for any K: per row, a loop (not unrolled) over its K intervals read
         from the table; an interval that misses this key tile is skipped, one that reaches
         into it sets the bits of the columns it covers. Rows past Nq see nothing."""
-        mIntervals, q_tile, seqlen_q, mask_batch, mask_head = row_intervals
+        mIntervals, q_tile, seqlen_q, mask_batch, mask_head = row_intervals[:5]
         col0 = k_tile * self.block_kv
         col_end = col0 + self.block_kv
         ncols = cute.size(acc_S_rows, mode=[1])
@@ -519,17 +557,43 @@ class FlashForwardSm90(WarpSpecializedSm90):
             safe_row = row if in_range else 0
             for w in cutlass.range_constexpr(nwords):
                 seen[w] = Uint32(0)
-            for m in cutlass.range(self.num_intervals, unroll=1):
-                start = mIntervals[mask_batch, mask_head, safe_row, m, 0]
-                length = mIntervals[mask_batch, mask_head, safe_row, m, 1]
-                if (length > 0) & (start < col_end) & (start + length > col0):
-                    for c in cutlass.range_constexpr(ncols):
-                        if _unsigned_lt(col0 + tScS[r, c][1] - start, length):
-                            seen[c // 32] = seen[c // 32] | Uint32(1 << (c % 32))
+            if const_expr(self.residual is not None):
+                self.residual_bits(seen, acc_S_rows, tScS, r, row, safe_row, col0, col_end,
+                                   row_intervals, seqlen_k)
+            else:
+                for m in cutlass.range(self.num_intervals, unroll=1):
+                    start = mIntervals[mask_batch, mask_head, safe_row, m, 0]
+                    length = mIntervals[mask_batch, mask_head, safe_row, m, 1]
+                    if (length > 0) & (start < col_end) & (start + length > col0):
+                        for c in cutlass.range_constexpr(ncols):
+                            if _unsigned_lt(col0 + tScS[r, c][1] - start, length):
+                                seen[c // 32] = seen[c // 32] | Uint32(1 << (c % 32))
             for c in cutlass.range_constexpr(ncols):
                 col = col0 + tScS[r, c][1]
                 keep = (seen[c // 32] & Uint32(1 << (c % 32)) != Uint32(0)) & in_range & (col < seqlen_k)
                 acc_S_rows[r, c] = acc_S_rows[r, c] if keep else -Float32.inf
+
+    @cute.jit
+    def residual_bits(self, seen, acc_S_rows, tScS, r, row, safe_row, col0, col_end,
+                      row_intervals, seqlen_k):
+        """Row r's visibility bits of a residual mask: slot m's interval and, where the
+        row's region has one there, its residual predicate (unrolled over the K slots; the
+        predicate is emitted from its expression tree, lower/residual_program.py)."""
+        mIntervals, _, seqlen_q, mask_batch, mask_head, mRegion, mParams = row_intervals
+        ops = CuteOps(mParams, mask_batch, seqlen_q, seqlen_k)
+        region = mRegion[mask_batch, safe_row]
+        for m in cutlass.range_constexpr(self.num_intervals):
+            start = mIntervals[mask_batch, mask_head, safe_row, m, 0]
+            length = mIntervals[mask_batch, mask_head, safe_row, m, 1]
+            if (length > 0) & (start < col_end) & (start + length > col0):
+                for c in cutlass.range_constexpr(cute.size(acc_S_rows, mode=[1])):
+                    col = col0 + tScS[r, c][1]
+                    hit = _unsigned_lt(col - start, length)
+                    if const_expr(len(self.residual.slots[m]) > 0):
+                        hit = hit & self.residual.emit_slot(ops, m, q=row, k=col, h=mask_head,
+                                                            region=region)
+                    if hit:
+                        seen[c // 32] = seen[c // 32] | Uint32(1 << (c % 32))
 
     @cute.jit
     def online_softmax(self, acc_S_rows, row_max, row_sum, row_scale):

@@ -1,0 +1,109 @@
+"""Residual predicates in the CuTe forward (issue 16, item 2), against the dense oracle.
+
+The tables of a residual mask hold interval hulls; the forward's partial tiles evaluate
+each slot's residual predicate, emitted as kernel code from its expression tree
+(lower/residual_program.py, kernels/cute/residual_ops.py), reading the rows' regions and
+a per-batch parameter table. Gradients come from the xla backward on the CuTe forward's
+residuals (the CuTe backward does not evaluate residuals yet). Compiled on a machine
+without a GPU, so the registry uses it only with ``JCOMPILEMASK_CUTE_BWD_EXPERIMENTAL=1``,
+which these tests set. Without the cute backend they skip with its reason; the emission
+logic is checked on CI by tests/test_residual_program.py (numpy twin vs the jnp
+evaluator), the compile by test_cute_forward.py::test_residual_forward_compiles_for_sm90.
+
+    python3 -m pytest -q tests/gpu/test_cute_residual.py        # on the H200
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+import jcompilemask as jcm
+from jcompilemask import backends
+from jcompilemask.lower.compiled import CUTE_ANY_K_ENV, region_backend
+from jcompilemask.spec import MaskSpec, Region, Scalar, Vector, h, k, q, q_len
+from jcompilemask.testing import assert_within_policy, reference_attention, reference_gradients
+from gpu_cases import gradient_problems  # noqa: E402  (tests/gpu is on sys.path under pytest)
+
+IMPL = os.environ.get("JCM_RESIDUAL_IMPL", "cute")    # "xla": the same checks on CPU
+_why = None if IMPL == "xla" else backends.get("cute").available()
+needs_gpu = pytest.mark.skipif(_why is not None, reason=f"cute backend unavailable: {_why}")
+
+D = Scalar("d", min=1, max=9)
+V = Vector("v", 3, min=1, max=5)
+A = Scalar("a", max=q_len)
+
+CASES = {
+    # a dilated causal window: window 128, dilation 2
+    "dilated_window": (MaskSpec([Region((0, q_len), (k <= q) & (k > q - 128) & ((q - k) % 2 == 0))]), None),
+    # a metadata dilation (the parameter table), 1 in batch 0, 3 in batch 1
+    "metadata_dilation": (MaskSpec([Region((0, q_len), (k <= q) & ((q - k) % D == 0))]),
+                          {"d": np.array([1, 3], np.int32)}),
+    # a per-query stride read from a vector
+    "vector_stride": (MaskSpec([Region((0, q_len), (k <= q) & (k % V[q % 3] == 0))]),
+                      {"v": np.array([[1, 2, 5], [3, 1, 4]], np.int32)}),
+    # two regions with different residuals (the rows' regions pick them)
+    "two_regions": (MaskSpec([Region((0, A), (k <= q) & (k % 2 == 0), name="even"),
+                              Region((A, q_len), (k <= q) & ((q - k) % 3 != 1), name="thirds")]),
+                    {"a": np.array([300, 777], np.int32)}),
+    # a per-head residual
+    "per_head": (MaskSpec([Region((0, q_len), (k <= q) & ((q + h) % 2 == k % 2))], num_heads=4), None),
+    # a quadratic atom (k * k <= q: no interval): the full-row hull, residual everywhere
+    "quadratic": (MaskSpec([Region((0, q_len), (k * k <= q) | ((k <= q) & (k > q - 64)))]), None),
+}
+
+
+@pytest.fixture
+def residual_on(monkeypatch):
+    monkeypatch.setenv(CUTE_ANY_K_ENV, "1")
+
+
+def _inputs(b, n, hq, hkv, d, dtype, seed=0):
+    ks = jax.random.split(jax.random.key(seed), 4)
+    mk = lambda kk, hh: jax.random.normal(kk, (b, n, hh, d), jnp.float32).astype(dtype)  # noqa: E731
+    return mk(ks[0], hq), mk(ks[1], hkv), mk(ks[2], hkv), mk(ks[3], hq)
+
+
+@needs_gpu
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_residual_forward_and_gradients(name, residual_on):
+    spec, md = CASES[name]
+    cm = jcm.compile(spec, warn=False)
+    assert cm.residual_regions, name
+    assert all(region_backend(cm, g).startswith("cute forward") for g in cm.residual_regions)
+    b, n, dtype = 2, 1100, jnp.bfloat16                 # ragged: not a multiple of 128
+    qx, kx, vx, do = _inputs(b, n, 4, 2, 128, dtype)
+    mask = spec.as_dense(md, n, n)
+    out, lse = jax.jit(lambda a, b_, c: jcm.mask_attention(
+        a, b_, c, spec, metadata=md, implementation=IMPL, return_residual=True))(qx, kx, vx)
+    lse = jnp.swapaxes(lse, 1, 2)
+    hi = reference_attention(qx, kx, vx, mask, precision="high")
+    lo = reference_attention(qx, kx, vx, mask, precision="input")
+    assert_within_policy(out, hi[0], lo[0], "out")
+    assert_within_policy(lse, hi[1], lo[1], "lse")
+
+    def loss(a, b_, c):
+        o = jcm.mask_attention(a, b_, c, spec, metadata=md, implementation=IMPL)
+        return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32))
+
+    g = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(qx, kx, vx)
+    g_hi, g_lo = reference_gradients(qx, kx, vx, do, mask)
+    problems = gradient_problems(g, g_hi, g_lo, dtype)
+    assert not problems, "; ".join(problems)
+
+
+@needs_gpu
+def test_block_causal_spellings_agree(residual_on):
+    """k // 64 <= q // 64 lowers exactly (no residual) and matches its interval spelling."""
+    natural = MaskSpec([Region((0, q_len), k // 64 <= q // 64)])
+    assert not jcm.compile(natural).residual_regions
+    n = 1000
+    qx, kx, vx, _ = _inputs(1, n, 2, 2, 128, jnp.bfloat16, seed=1)
+    a = jcm.mask_attention(qx, kx, vx, natural, implementation=IMPL)
+    b = jcm.mask_attention(qx, kx, vx, MaskSpec([Region((0, q_len), k < (q // 64 + 1) * 64)]),
+                           implementation=IMPL)
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
