@@ -179,7 +179,7 @@ def explain(call: Call | None = None, mask=None) -> str:
     backward: xla (the backend that runs the forward)
     mask regions:
       region 0: 1 interval(s), residual predicate: (q - k) % 2 == 0
-        runs on: xla (residual predicate: the cute forward evaluates residuals only with ...
+        runs on: xla (residual predicate: the cute kernels evaluate residuals only with ...
     preprocess, ...
     """
     _ensure_builtin()
@@ -355,22 +355,29 @@ def _cute_backend() -> Backend:
     from .attention import xla
 
     def backward(q, k, v, desc, scale, softcap, out, lse, do, dlse=None, deterministic=False):
-        residual_program(desc)
+        import jax.numpy as jnp
+        prog = residual_program(desc)
         why = cute_backward_reason(q, v, desc, softcap)
-        if why is None and getattr(desc.mask, "residual_regions", ()):
-            why = "the CuTe backward does not evaluate residual predicates yet (issue 16)"
         if why is not None:
             log_once(("cute-backward", why), "jcompilemask: gradients come from the xla "
                      "backward, not the CuTe backward kernel: %s", why)
             return xla.backward(q, k, v, desc, scale, softcap, out, lse, do, dlse)
         from .kernels.cute.api import cute_backward
+        extra = {}
+        if prog is not None:
+            from .lower.residual_program import ResidualProgram
+            bm = desc.fwd_intervals.shape[0]
+            extra = dict(residual=ResidualProgram.pair(desc.mask), row_region=jnp.broadcast_to(
+                desc.row_region, (bm,) + desc.row_region.shape[1:]),
+                residual_params=prog.table(desc.metadata or {}, bm, xp=jnp))
         with slow_step(f"jcompilemask: building the CuTe backward kernel ({q.dtype}, D "
-                       f"{q.shape[-1]}, Kc {desc.num_bwd_intervals})"):
+                       f"{q.shape[-1]}, Kc {desc.num_bwd_intervals}"
+                       f"{', residual predicates' if prog else ''})"):
             return cute_backward(q, k, v, out, lse, do, desc.bwd_intervals, desc.bwd_tiles,
                                  desc.fwd_intervals, desc.bwd_exact, scale=scale, dlse=dlse,
                                  block_q=desc.tiles.bwd_block_q,
                                  block_kv=desc.tiles.bwd_block_kv, deterministic=deterministic,
-                                 softcap=softcap)
+                                 softcap=softcap, **extra)
 
     return Backend(name="cute", priority=10, tiles=tiles, available=available,
                    supports=supports, forward=forward, backward=backward,
@@ -470,8 +477,6 @@ def explain_backward(call: Call) -> str:
         return f"backward: {chosen} (the backend that runs the forward)"
     bwd_tiles = None if call.tiles is None else (call.tiles.bwd_block_q, call.tiles.bwd_block_kv)
     why = cute_backward_plan(call.head_dim, call.head_dim_v, call.softcap or None, bwd_tiles)
-    if why is None and call.has_fallback:
-        why = "the CuTe backward does not evaluate residual predicates yet (issue 16)"
     if why is None:
         extra = ("" if (call.head_dim in (64, 128) and call.head_dim_v == call.head_dim
                         and not call.softcap)

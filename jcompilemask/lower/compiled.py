@@ -103,9 +103,8 @@ def cute_k_reason(k: int, what: str = "intervals per row") -> str | None:
             f"compiled, awaiting validation on the GPU; set {CUTE_ANY_K_ENV}=1 to use them")
 
 
-RESIDUAL_REASON = ("residual predicate: the cute forward evaluates residuals only with "
-                   f"{CUTE_ANY_K_ENV}=1 (compiled, awaiting validation on the GPU; the "
-                   "backward is xla's either way)")
+RESIDUAL_REASON = ("residual predicate: the cute kernels evaluate residuals only with "
+                   f"{CUTE_ANY_K_ENV}=1 (compiled, awaiting validation on the GPU)")
 
 
 def _mask_reason(cm):
@@ -132,8 +131,8 @@ def region_backend(cm, g: int) -> str:
         return f"xla ({why})"
     others = [i for i in cm.residual_regions if i != g]
     if lr.has_residual:
-        return ("cute forward on an SM90 GPU (hull intervals, the residual predicate emitted "
-                "into partial tiles; opted in), xla backward; else xla")
+        return ("cute on an SM90 GPU (hull intervals, the residual predicate emitted into "
+                "partial tiles of the forward and backward; opted in), else xla")
     if others and (not cute_any_k_enabled() or _mask_reason(cm)):
         return (f"xla: the interval tables serve this region, but regions {others} have "
                 "residual predicates and a mask runs on one backend")
@@ -282,7 +281,7 @@ class CompiledMask:
           region 0 'even': rows [0, q_len): 1 interval(s) in 1 slot(s)
             interval 0: k in [0, q + 1)  and residual k % 2 == 0
             residual predicate: k % 2 == 0
-            backend: xla (residual predicate: the cute forward evaluates residuals only with ...
+            backend: xla (residual predicate: the cute kernels evaluate residuals only with ...
         ...
         """
         s = self.spec

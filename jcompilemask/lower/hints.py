@@ -94,7 +94,7 @@ def fallback_message(spec, index: int, reason: str) -> str:
     msg = (f"{where}region {index}{label} (rows [{r.rows[0]}, {r.rows[1]})) keeps a residual "
            f"predicate, evaluated per element in partial tiles: {reason}. This is slower, "
            "and by default the GPU kernels do not run such masks (the xla backend does; "
-           "the cute forward evaluates residuals only with "
+           "the cute kernels evaluate residuals only with "
            "JCOMPILEMASK_CUTE_BWD_EXPERIMENTAL=1 until validated on the GPU, issue 16).")
     atom = _offending_atom(reason, r.visible)
     fixed = rewrite_atom(atom) if atom is not None else None

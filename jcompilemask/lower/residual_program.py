@@ -119,27 +119,34 @@ class ResidualProgram:
     @classmethod
     def forward(cls, cm) -> "ResidualProgram":
         """The forward (row) view: slot m, region g -> ``cm.residual(g, m)``."""
-        slots = []
+        return cls.pair(cm)[0]
+
+    @classmethod
+    def backward(cls, cm) -> "ResidualProgram":
+        """The column view: slot c -> ``cm.column_residual(c)`` for every key."""
+        return cls.pair(cm)[1]
+
+    @classmethod
+    def pair(cls, cm) -> tuple:
+        """(forward, backward) programs over one parameter table layout (the union of the
+        metadata both views read), so one table serves both kernels."""
+        fwd = []
         for m in range(cm.num_intervals):
             entry = []
             for g in range(len(cm.regions)):
                 res = cm.residual(g, m)
                 if not (isinstance(res, BoolConst) and res.value):
                     entry.append((g, res))
-            slots.append(entry)
-        return cls._build(cm, slots, "fwd")
-
-    @classmethod
-    def backward(cls, cm) -> "ResidualProgram":
-        """The column view: slot c -> ``cm.column_residual(c)`` for every key."""
-        slots = []
+            fwd.append(entry)
+        bwd = []
         for c in range(cm.num_bwd_intervals):
             res = cm.column_residual(c)
-            slots.append([] if isinstance(res, BoolConst) and res.value else [(-1, res)])
-        return cls._build(cm, slots, "bwd")
+            bwd.append([] if isinstance(res, BoolConst) and res.value else [(-1, res)])
+        params = cls._layout(fwd + bwd)
+        return cls(fwd, params, "fwd"), cls(bwd, params, "bwd")
 
-    @classmethod
-    def _build(cls, cm, slots, view):
+    @staticmethod
+    def _layout(slots):
         for entry in slots:
             for _, pred in entry:
                 why = kernel_reason(pred)
@@ -158,7 +165,7 @@ class ResidualProgram:
                         params.append(Param(node.decl.name, "vector", off, size))
                         seen.add(node.decl.name)
                         off += size
-        return cls(slots, params, view)
+        return params
 
     @property
     def width(self) -> int:

@@ -49,6 +49,27 @@ def test_backward_compiles_for_sm90(dtype, d, kk, kc, bb, bh):
 
 
 @needs_cutlass
+@pytest.mark.parametrize("case", ["dilated", "divisor", "two_regions", "no_column_view"])
+def test_residual_backward_compiles_for_sm90(case):
+    """Residual predicates in the backward's partial tiles: the column program per key row,
+    or (no column view) the forward program per query column with its row's region."""
+    from jcompilemask.kernels.cute.api import BackwardKey, compile_backward, preferred_backward_config
+    from jcompilemask.lower.residual_program import ResidualProgram
+    d = Scalar("d", min=1, max=9)
+    rules = {"dilated": [Region((0, q_len), (k <= q) & ((q - k) % 2 == 0))],
+             "divisor": [Region((0, q_len), (k <= q) & ((q - k) % d == 0))],
+             "two_regions": [Region((0, 10), (k <= q) & (k % 2 == 0)),
+                             Region((10, q_len), (k <= q) & (k % 3 == 0))],
+             "no_column_view": [Region((0, q_len), (k <= q) & (k >= q % 97 * 3) & (k % 2 == 0))]}
+    cm = jcm.compile(MaskSpec(rules[case]), warn=False)
+    pair = ResidualProgram.pair(cm)
+    key = BackwardKey("bfloat16", 128, cm.num_intervals, cm.num_bwd_intervals, False, True,
+                      128 ** -0.5, preferred_backward_config(128), residual=pair)
+    assert compile_backward(key) is not None
+    assert f"_r{pair[0].tag}{pair[1].tag}" in key.target_name
+
+
+@needs_cutlass
 @pytest.mark.parametrize("d,kk,kc", [(128, 25, 26), (128, 25, 0), (64, 32, 33)])
 def test_any_k_backward_compiles_for_sm90(d, kk, kc):
     """K > 8 row intervals (the no-column-view path, Kc 0) and Kc > 16 column intervals:

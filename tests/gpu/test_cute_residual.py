@@ -3,8 +3,8 @@
 The tables of a residual mask hold interval hulls; the forward's partial tiles evaluate
 each slot's residual predicate, emitted as kernel code from its expression tree
 (lower/residual_program.py, kernels/cute/residual_ops.py), reading the rows' regions and
-a per-batch parameter table. Gradients come from the xla backward on the CuTe forward's
-residuals (the CuTe backward does not evaluate residuals yet). Compiled on a machine
+a per-batch parameter table; the CuTe backward does the same in its partial tiles (column
+view, or the forward program per query column without one). Compiled on a machine
 without a GPU, so the registry uses it only with ``JCOMPILEMASK_CUTE_BWD_EXPERIMENTAL=1``,
 which these tests set. Without the cute backend they skip with its reason; the emission
 logic is checked on CI by tests/test_residual_program.py (numpy twin vs the jnp
@@ -74,7 +74,7 @@ def test_residual_forward_and_gradients(name, residual_on):
     spec, md = CASES[name]
     cm = jcm.compile(spec, warn=False)
     assert cm.residual_regions, name
-    assert all(region_backend(cm, g).startswith("cute forward") for g in cm.residual_regions)
+    assert all(region_backend(cm, g).startswith("cute on an SM90 GPU (hull") for g in cm.residual_regions)
     b, n, dtype = 2, 1100, jnp.bfloat16                 # ragged: not a multiple of 128
     qx, kx, vx, do = _inputs(b, n, 4, 2, 128, dtype)
     mask = spec.as_dense(md, n, n)

@@ -219,16 +219,18 @@ def compile_forward(key: ForwardKey):
             num_stages=key.num_stages, softcap=key.softcap, softcap_fast_tanh=key.softcap_fast_tanh,
             residual=key.residual,
         )
-        args = [bhsd(nq, hq, key.head_dim), bhsd(nk, hkv, key.head_dim), bhsd(nk, hkv, key.head_dim_v),
-                intervals, tiles, bhsd(nq, hq, key.head_dim_v), lse]
+        inputs = [bhsd(nq, hq, key.head_dim), bhsd(nk, hkv, key.head_dim), bhsd(nk, hkv, key.head_dim_v),
+                  intervals, tiles]
         entry = kernel
         if key.residual is not None:
-            # The rows' regions [Bm, Nq] and the residual parameter table [Bm, max(W, 1)].
+            # The rows' regions [Bm, Nq] and the residual parameter table [Bm, max(W, 1)]
+            # (operands: before the results, as the FFI passes them).
             entry = kernel.with_residual
-            args += [cute.runtime.make_fake_tensor(cutlass.Int32, (bm, nq), stride=(sym64(), 1),
-                                                   assumed_align=4),
-                     cute.runtime.make_fake_tensor(cutlass.Int32, (bm, max(key.residual.width, 1)),
-                                                   stride=(sym64(), 1), assumed_align=4)]
+            inputs += [cute.runtime.make_fake_tensor(cutlass.Int32, (bm, nq), stride=(sym64(), 1),
+                                                     assumed_align=4),
+                       cute.runtime.make_fake_tensor(cutlass.Int32, (bm, max(key.residual.width, 1)),
+                                                     stride=(sym64(), 1), assumed_align=4)]
+        args = inputs + [bhsd(nq, hq, key.head_dim_v), lse]
         fn = cute.compile(
             entry, *args,
             cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
@@ -549,10 +551,18 @@ class BackwardKey:
     # Static per model, like the forward's. Awaiting validation on the H200 (backends.py).
     softcap: float | None = None
     head_dim_v: int | None = None   # None: Dv == D; (192, 128) runs split_dkv (64B-swizzled Q / K)
+    # (forward, column) ResidualProgram pair over one parameter table (residual masks).
+    residual: Any = None
 
     def __post_init__(self):
         if self.dtype not in _DTYPES:
             raise ValueError(f"cute backward supports {_DTYPES}, got dtype {self.dtype!r}")
+        if self.residual is not None:
+            f, b = self.residual
+            if (f.view, b.view) != ("fwd", "bwd") or len(f.slots) != self.num_intervals \
+                    or len(b.slots) != self.num_bwd_intervals or f.params != b.params:
+                raise ValueError(f"residual programs {self.residual!r} do not fit K="
+                                 f"{self.num_intervals}, Kc={self.num_bwd_intervals}")
         if self.head_dim_v is not None and self.head_dim_v != self.head_dim:
             if (self.head_dim, self.head_dim_v) not in BWD_HEAD_DIM_PAIRS_EXPERIMENTAL:
                 raise ValueError(f"cute backward head dims {self.head_dim}/{self.head_dim_v}: Dv != D "
@@ -589,7 +599,8 @@ class BackwardKey:
         return (f"jcompilemask_cute_bwd_{self.dtype}_d{dims}_k{self.num_intervals}"
                 f"c{self.num_bwd_intervals}_b{int(self.broadcast_batch)}h{int(self.broadcast_head)}"
                 f"_{self.config.tag}_{scale_bits:016x}"
-                + ("" if self.softcap is None else f"_c{np.float64(self.softcap).view(np.uint64):016x}"))
+                + ("" if self.softcap is None else f"_c{np.float64(self.softcap).view(np.uint64):016x}")
+                + ("" if self.residual is None else f"_r{self.residual[0].tag}{self.residual[1].tag}"))
 
 
 def dq_warpgroups(head_dim: int, num_consumer_wgs: int = 2) -> int:
@@ -639,7 +650,7 @@ def compile_backward(key: BackwardKey):
         kernel = FlashBackwardSm90(
             dtype, d, key.num_intervals, key.num_bwd_intervals, key.scale, cfg,
             broadcast_batch=key.broadcast_batch, broadcast_head=key.broadcast_head,
-            softcap=key.softcap, head_dim_v=key.dv)
+            softcap=key.softcap, head_dim_v=key.dv, residual=key.residual)
         # [B, Hq, Tq, block_q * D]: one contiguous slot per query tile (fragment order).
         tile = cfg.block_q * d
         dq_acc = lambda: cute.runtime.make_fake_tensor(  # noqa: E731
@@ -650,13 +661,21 @@ def compile_backward(key: BackwardKey):
             cutlass.Int32, (bm, hm, sym(), sym()), stride=(sym64(), sym64(), sym64(), 1), assumed_align=4)
         sem = lambda: cute.runtime.make_fake_tensor(  # noqa: E731
             cutlass.Int32, (sym(), sym(), sym()), stride=(sym64(), sym64(), 1), assumed_align=4)
+        args = [bshd(dtype, nq, hq), bshd(dtype, nk, hkv), bshd(dtype, nk, hkv, dim=key.dv),
+                bshd(dtype, nq, hq, dim=key.dv),
+                rows(), rows(), bwd_iv, tiles, fwd_iv, exact, rank, dq_acc(), sem()]
+        entry = kernel
+        if key.residual is not None:
+            # The rows' regions [Bm, Nq] and the residual parameter table [Bm, max(W, 1)]
+            # (operands: before the results, as the FFI passes them).
+            entry = kernel.with_residual
+            args += [cute.runtime.make_fake_tensor(cutlass.Int32, (bm, nq), stride=(sym64(), 1),
+                                                   assumed_align=4),
+                     cute.runtime.make_fake_tensor(cutlass.Int32, (bm, max(key.residual[0].width, 1)),
+                                                   stride=(sym64(), 1), assumed_align=4)]
+        args += [dq_acc(), sem(), bshd(dtype, nk, hkv), bshd(dtype, nk, hkv, dim=key.dv)]
         fn = cute.compile(
-            kernel,
-            bshd(dtype, nq, hq), bshd(dtype, nk, hkv), bshd(dtype, nk, hkv, dim=key.dv),
-            bshd(dtype, nq, hq, dim=key.dv),
-            rows(), rows(), bwd_iv, tiles, fwd_iv, exact, rank,
-            dq_acc(), sem(), dq_acc(), sem(),
-            bshd(dtype, nk, hkv), bshd(dtype, nk, hkv, dim=key.dv),
+            entry, *args,
             cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
             options=_options(),
         )
@@ -694,7 +713,8 @@ def dq_turns(bwd_tiles, num_q_tiles: int):
 
 def cute_backward(q, k, v, out, lse, do, bwd_intervals, bwd_tiles, fwd_intervals, bwd_exact, *,
                   scale=None, dlse=None, block_q=BWD_TILES[0], block_kv=BWD_TILES[1],
-                  deterministic=False, softcap=None):
+                  deterministic=False, softcap=None, residual=None, row_region=None,
+                  residual_params=None):
     """Masked attention backward on SM90 from an Execution Descriptor's column view.
 
     Args:
@@ -706,6 +726,9 @@ def cute_backward(q, k, v, out, lse, do, bwd_intervals, bwd_tiles, fwd_intervals
       dlse: optional cotangent of lse [B, Hq, Nq].
       deterministic: add dQ contributions in a fixed order (``BackwardConfig.deterministic``).
       softcap: the forward's soft cap (None: none); P is recomputed from the capped logits.
+      residual: the (forward, column) ``ResidualProgram`` pair of a residual mask
+        (``ResidualProgram.pair``), with ``row_region`` int32 [Bm, Nq] and
+        ``residual_params`` int32 [Bm, max(W, 1)], as for ``cute_forward``.
     Returns (dq, dk, dv) in the input dtype.
 
     (D, Dv) = (192, 128): v, out, do and dv are [.., 128] (``BWD_HEAD_DIM_PAIRS_EXPERIMENTAL``).
@@ -738,7 +761,17 @@ def cute_backward(q, k, v, out, lse, do, bwd_intervals, bwd_tiles, fwd_intervals
     key = BackwardKey(
         dtype=dtype_name, head_dim=D, num_intervals=K, num_bwd_intervals=Kc,
         broadcast_batch=(Bm == 1), broadcast_head=(Hm == 1), scale=float(scale), config=config,
-        softcap=None if softcap is None else float(softcap), head_dim_v=None if Dv == D else Dv)
+        softcap=None if softcap is None else float(softcap), head_dim_v=None if Dv == D else Dv,
+        residual=None if residual is None or (residual[0].exact and residual[1].exact) else
+        tuple(residual))
+    extra = ()
+    if key.residual is not None:
+        want = ((Bm, Nq), (Bm, max(residual[0].width, 1)))
+        if row_region is None or residual_params is None or \
+                (row_region.shape, residual_params.shape) != want:
+            raise ValueError(f"cute_backward with residual programs needs row_region / "
+                             f"residual_params shaped {want}")
+        extra = (row_region.astype(jnp.int32), residual_params.astype(jnp.int32))
     name = _ensure_registered(key)
     f32 = jnp.float32
     lse = lse.astype(f32)
@@ -768,7 +801,8 @@ def cute_backward(q, k, v, out, lse, do, bwd_intervals, bwd_tiles, fwd_intervals
                             input_output_aliases={11: 0, 12: 1})
     dq_acc, _, dk, dv = call(q, k, v, do, lse2, delta, bwd_intervals.astype(jnp.int32),
                              bwd_tiles.astype(jnp.uint32), fwd_intervals.astype(jnp.int32), exact,
-                             turns, jnp.zeros(acc_shape, f32), jnp.zeros(sem_shape, jnp.int32))
+                             turns, jnp.zeros(acc_shape, f32), jnp.zeros(sem_shape, jnp.int32),
+                             *extra)
     # One fused XLA pass: un-permute, scale, cast.
     dq = dq_fragment_unpermute(dq_acc, Nq, D, block_q)
     return (dq * np.float32(scale)).astype(q.dtype), dk, dv

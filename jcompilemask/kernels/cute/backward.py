@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import enum
 import math
+from typing import Optional
 
 import cutlass
 import cutlass.cute as cute
@@ -67,6 +68,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
 from .api import BackwardConfig, dq_warpgroups
+from .residual_ops import CuteOps
 from .common import (COLUMNS_UNROLLED, INTERVALS_UNROLLED, WarpSpecializedSm90, _as_a_operand, _rows_view, _unsigned_lt,
                      bulk_reduce_add_f32, issue_wgmma, ld_acquire_s32, nanosleep,
                      red_release_add_s32, smem_tensor, tile_bits, tma_tiles)
@@ -123,9 +125,16 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         broadcast_head: bool = False,
         softcap: float | None = None,
         head_dim_v: int | None = None,
+        residual=None,
     ):
         assert dtype in (cutlass.BFloat16, cutlass.Float16), dtype
         assert softcap is None or softcap > 0
+        # Residual predicates (lower/residual_program.py; (forward, column) programs over
+        # one parameter table): partial tiles AND each slot's interval with its residual,
+        # the slots unrolled; the kernel then also reads the rows' regions and the table.
+        self.residual = None
+        if residual is not None and not (residual[0].exact and residual[1].exact):
+            self.residual = residual
         # split_dkv: both consumer warpgroups own the same 64 keys (each computes all of S^T
         # and dP^T, and half of dK / dV's head dims); else each owns 64 of the tile's keys.
         self.split_dkv = config.split_dkv
@@ -216,6 +225,45 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         mdV: cute.Tensor,
         stream,
     ):
+        self._launch(mQ, mK, mV, mdO, mLSE2, mDelta, mBwdIntervals, mBwdTiles, mFwdIntervals,
+                     mBwdExact, mDqRank, mdQinit, mSemInit, mdQaccum, mSem, mdK, mdV, None, None,
+                     stream)
+
+    @cute.jit
+    def with_residual(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mdO: cute.Tensor,
+        mLSE2: cute.Tensor,
+        mDelta: cute.Tensor,
+        mBwdIntervals: cute.Tensor,
+        mBwdTiles: cute.Tensor,
+        mFwdIntervals: cute.Tensor,
+        mBwdExact: cute.Tensor,
+        mDqRank: cute.Tensor,
+        mdQinit: cute.Tensor,
+        mSemInit: cute.Tensor,
+        mRegion: cute.Tensor,
+        mParams: cute.Tensor,
+        mdQaccum: cute.Tensor,
+        mSem: cute.Tensor,
+        mdK: cute.Tensor,
+        mdV: cute.Tensor,
+        stream,
+    ):
+        """The entry of a residual mask: also the rows' regions int32 [Bm, Nq] and the
+        residual parameter table int32 [Bm, W] (the forward's; inputs, so before the
+        outputs: the FFI passes operands then results)."""
+        self._launch(mQ, mK, mV, mdO, mLSE2, mDelta, mBwdIntervals, mBwdTiles, mFwdIntervals,
+                     mBwdExact, mDqRank, mdQinit, mSemInit, mdQaccum, mSem, mdK, mdV, mRegion,
+                     mParams, stream)
+
+    @cute.jit
+    def _launch(self, mQ, mK, mV, mdO, mLSE2, mDelta, mBwdIntervals, mBwdTiles, mFwdIntervals,
+                mBwdExact, mDqRank, mdQinit, mSemInit, mdQaccum, mSem, mdK, mdV, mRegion, mParams,
+                stream):
         # mdQinit / mSemInit are the zero-filled inputs XLA aliases to mdQaccum / mSem.
         # (B, N, H, D) -> (N, D, H, B) for the TMA tiles.
         rows_first = lambda t: cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0]))  # noqa: E731
@@ -293,7 +341,7 @@ class FlashBackwardSm90(WarpSpecializedSm90):
             mFwdIntervals, mBwdExact, mdQaccum, mdK, mdV, mDqRank, mSem,
             tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_do, tma_atom_lse, tma_atom_delta,
             tma_atom_dk, tma_atom_dv, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, sQ_layout, sK_layout, sdS_layout,
-            mQ.shape[1], mQ.shape[2],
+            mQ.shape[1], mQ.shape[2], *(() if const_expr(self.residual is None) else (mRegion, mParams)),
         ).launch(
             grid=[num_k_tiles, mK.shape[2], mK.shape[0]],
             block=[self.num_threads, 1, 1],
@@ -336,6 +384,8 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         sdS_layout: cute.ComposedLayout,
         seqlen_q: Int32,
         num_heads: Int32,
+        mRegion: Optional[cute.Tensor] = None,
+        mParams: Optional[cute.Tensor] = None,
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
@@ -393,7 +443,7 @@ class FlashBackwardSm90(WarpSpecializedSm90):
                 mBwdIntervals, mBwdTiles, mFwdIntervals, mBwdExact, mdK, mdV, tiled_mma_sdp,
                 (tiled_mma_dkv, tiled_mma_dv), tiled_mma_dq, pipeline_kv, pipeline_q, pipeline_do, n_q_tiles,
                 seqlen_q, mK.shape[0], k_tile, head_kv, batch, mask_batch, group,
-                tidx - self.threads_per_wg, (tma_atom_dk, tma_atom_dv), work)
+                tidx - self.threads_per_wg, (tma_atom_dk, tma_atom_dv), work, mRegion, mParams)
 
     @cute.jit
     def mask_head(self, head):
@@ -596,7 +646,7 @@ class FlashBackwardSm90(WarpSpecializedSm90):
                 mBwdIntervals, mBwdTiles, mFwdIntervals, mBwdExact, mdK, mdV,
                 tiled_mma_sdp, tiled_mmas_dkv, tiled_mma_dq, pipeline_kv, pipeline_q, pipeline_do,
                 n_q_tiles, seqlen_q, seqlen_k, k_tile, head_kv, batch, mask_batch, group, tidx,
-                tma_store_atoms, work):
+                tma_store_atoms, work, mRegion=None, mParams=None):
         d, bq, bk = self.head_dim, self.block_q, self.block_kv
         sQ_layout, sdO_layout = q_do_layouts
         tiled_mma_dkv, tiled_mma_dv = tiled_mmas_dkv
@@ -627,6 +677,7 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         frags.tQrKt = mma_dq.make_fragment_B(mma_dq.partition_B(sKt))
         frags.mma_sdp, frags.mma_dkv, frags.mma_dq, frags.mma_dv = mma_sdp, mma_dkv, mma_dq, mma_dv
         frags.mBwdIntervals = mBwdIntervals
+        frags.residual_args = (mRegion, mParams)
 
         acc_dK = cute.make_rmem_tensor(mma_dkv.partition_shape_C((bk, d)), Float32)
         acc_dV = cute.make_rmem_tensor(mma_dv.partition_shape_C((bk, self.head_dim_v)), Float32)
@@ -764,7 +815,7 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         if const_expr(masked):
             # With a cap the mask writes t = -inf: exp2 then gives P = 0.
             self.apply_mask(S, f.tScS, q_tile, col_starts, col_lengths, exact, mFwdIntervals,
-                            f.mBwdIntervals, seqlen_q, seqlen_k, k_tile, mh, mask_batch,
+                            f.mBwdIntervals, seqlen_q, seqlen_k, k_tile, mh, mask_batch, f.residual_args,
                             0.0 if const_expr(self.softcap is None) else -math.inf)
         if const_expr(self.softcap is not None):
             # P^T for dV (bf16 / fp16 registers) and, in S, P^T (1 - t^2): the gradient of
@@ -921,13 +972,16 @@ class FlashBackwardSm90(WarpSpecializedSm90):
 
     @cute.jit
     def apply_mask(self, P, tScS, q_tile, col_starts, col_lengths, exact, mFwdIntervals,
-                   mBwdIntervals, seqlen_q, seqlen_k, k_tile, mh, mask_batch,
+                   mBwdIntervals, seqlen_q, seqlen_k, k_tile, mh, mask_batch, residual_args,
                    fill: cutlass.Constexpr[float] = 0.0):
         """Set P^T to `fill` (0; -inf for the soft cap's t) where the (key, query) pair is
         not visible (or out of range)."""
         bq, bk = self.block_q, self.block_kv
         row0, col0 = k_tile * bk, q_tile * bq
-        if exact and const_expr(self.column_bits):
+        if const_expr(self.residual is not None):
+            self.apply_mask_residual(P, tScS, exact, mFwdIntervals, mBwdIntervals, seqlen_q,
+                                     seqlen_k, row0, col0, mh, mask_batch, residual_args, fill)
+        elif exact and const_expr(self.column_bits):
             # Interval-outer: each of the row's Kc (start, length) pairs is loaded once
             # and tested against the row's columns; bit c of `seen` says column c is
             # visible (the row holds at most 32 columns: asserted at trace time).
@@ -1017,6 +1071,86 @@ class FlashBackwardSm90(WarpSpecializedSm90):
                         vis = vis | _unsigned_lt(j - starts[m], lengths[m])
                     keep = vis & q_ok & (j < seqlen_k)
                     P[r, c] = P[r, c] if keep else Float32(fill)
+
+    @cute.jit
+    def apply_mask_residual(self, P, tScS, exact, mFwdIntervals, mBwdIntervals, seqlen_q,
+                            seqlen_k, row0, col0, mh, mask_batch, residual_args,
+                            fill: cutlass.Constexpr[float]):
+        """apply_mask of a residual mask: each slot's interval AND its emitted residual
+        (column view: the column program per key row; no column view: the forward program
+        per query column, with the query row's region); slots unrolled, those that miss the
+        tile skipped; visibility gathered in bit masks."""
+        if exact:
+            self.residual_by_columns(P, tScS, mBwdIntervals, seqlen_q, seqlen_k, row0, col0,
+                                     mh, mask_batch, residual_args, fill)
+        else:
+            self.residual_by_rows(P, tScS, mFwdIntervals, seqlen_q, seqlen_k, row0, col0,
+                                  mh, mask_batch, residual_args, fill)
+
+    @cute.jit
+    def residual_by_columns(self, P, tScS, mBwdIntervals, seqlen_q, seqlen_k, row0, col0, mh,
+                            mask_batch, residual_args, fill: cutlass.Constexpr[float]):
+        """Column view: per key row r, its Kc intervals AND the column program's residuals."""
+        ops = CuteOps(residual_args[1], mask_batch, seqlen_q, seqlen_k)
+        nrows, ncols = cute.size(P, mode=[0]), cute.size(P, mode=[1])
+        assert ncols <= 32
+        seen_t = cute.make_rmem_tensor(1, Uint32)
+        for r in cutlass.range_constexpr(nrows):
+            key = row0 + tScS[r, 0][0]
+            key_ok = key < seqlen_k
+            safe = key if key_ok else 0
+            seen_t[0] = Uint32(0)
+            for m in cutlass.range_constexpr(self.num_bwd_intervals):
+                start = mBwdIntervals[mask_batch, mh, safe, m, 0]
+                length = mBwdIntervals[mask_batch, mh, safe, m, 1]
+                if (length > 0) & (start < col0 + self.block_q) & (start + length > col0):
+                    for c in cutlass.range_constexpr(ncols):
+                        i = col0 + tScS[r, c][1]
+                        hit = _unsigned_lt(i - start, length)
+                        if const_expr(len(self.residual[1].slots[m]) > 0):
+                            hit = hit & self.residual[1].emit_slot(ops, m, q=i, k=key, h=mh,
+                                                                   region=None)
+                        if hit:
+                            seen_t[0] = seen_t[0] | Uint32(1 << c)
+            seen = seen_t[0]
+            for c in cutlass.range_constexpr(ncols):
+                i = col0 + tScS[r, c][1]
+                keep = (seen & Uint32(1 << c) != Uint32(0)) & key_ok & (i < seqlen_q)
+                P[r, c] = P[r, c] if keep else Float32(fill)
+
+    @cute.jit
+    def residual_by_rows(self, P, tScS, mFwdIntervals, seqlen_q, seqlen_k, row0, col0, mh,
+                         mask_batch, residual_args, fill: cutlass.Constexpr[float]):
+        """No column view: per query column c, its K forward intervals AND the forward
+        program's residuals of the query row's region."""
+        mRegion, mParams = residual_args
+        ops = CuteOps(mParams, mask_batch, seqlen_q, seqlen_k)
+        nrows, ncols = cute.size(P, mode=[0]), cute.size(P, mode=[1])
+        assert nrows <= 32
+        seen_t = cute.make_rmem_tensor(1, Uint32)
+        for c in cutlass.range_constexpr(ncols):
+            i = col0 + tScS[0, c][1]
+            q_ok = i < seqlen_q
+            safe = i if q_ok else 0
+            region = mRegion[mask_batch, safe]
+            seen_t[0] = Uint32(0)
+            for m in cutlass.range_constexpr(self.num_intervals):
+                start = mFwdIntervals[mask_batch, mh, safe, m, 0]
+                length = mFwdIntervals[mask_batch, mh, safe, m, 1]
+                if (length > 0) & (start < row0 + self.block_kv) & (start + length > row0):
+                    for r in cutlass.range_constexpr(nrows):
+                        j = row0 + tScS[r, c][0]
+                        hit = _unsigned_lt(j - start, length)
+                        if const_expr(len(self.residual[0].slots[m]) > 0):
+                            hit = hit & self.residual[0].emit_slot(ops, m, q=i, k=j, h=mh,
+                                                                   region=region)
+                        if hit:
+                            seen_t[0] = seen_t[0] | Uint32(1 << r)
+            seen = seen_t[0]
+            for r in cutlass.range_constexpr(nrows):
+                j = row0 + tScS[r, c][0]
+                keep = (seen & Uint32(1 << r) != Uint32(0)) & q_ok & (j < seqlen_k)
+                P[r, c] = P[r, c] if keep else Float32(fill)
 
     @cute.jit
     def epilogue(self, acc_dK, acc_dV, mdK, mdV, tiled_mma_dkv, tidx, seqlen_k, k_tile, head_kv, batch):

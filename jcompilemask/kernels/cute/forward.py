@@ -155,14 +155,15 @@ class FlashForwardSm90(WarpSpecializedSm90):
         mV: cute.Tensor,
         mIntervals: cute.Tensor,
         mTiles: cute.Tensor,
-        mO: cute.Tensor,
-        mLSE: cute.Tensor,
         mRegion: cute.Tensor,
         mParams: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
         stream,
     ):
         """The entry of a residual mask: also the rows' regions int32 [Bm, Nq] and the
-        residual parameter table int32 [Bm, W]."""
+        residual parameter table int32 [Bm, W] (inputs, so before the outputs: the FFI
+        passes operands then results)."""
         self._launch(mQ, mK, mV, mIntervals, mTiles, mO, mLSE, mRegion, mParams, stream)
 
     @cute.jit
