@@ -248,7 +248,7 @@ def bench_flex(mask, n, md, backend, windows, min_repeat_s):
     dev = "cuda"
     L, b = W.seq_len(mask, n), W.batch_for(n)
     mm = W.torch_mask_mod(mask, n, md, torch, dev)
-    bsz = b if mask != "causal" else None
+    bsz = None if md is None else b            # metadata-free masks: one block mask for all
     cbm = W.torch_compile_fresh(torch, create_block_mask)
     pre = 1e3 * timing.torch_time(lambda: cbm(mm, bsz, None, L, L, device=dev), warmup=3,
                                   windows=windows, min_repeat_s=min_repeat_s)

@@ -13,6 +13,11 @@ import numpy as np
 import jcompilemask as jcm
 
 MASKS = ("causal", "hstu", "shared_prompt", "clear")
+# Issue 16's masks (benchmarks/results/h200-masks.json): one block-causal mask in its natural
+# spelling (k // 64 <= q // 64) and its interval spelling, a dilated causal window (128
+# wide, dilation 2: a residual predicate), 16 global tokens + a 256-wide causal window.
+MASKS_16 = ("block_causal", "block_causal_intervals", "dilated_window", "global_window")
+BLOCK, WINDOW, DILATION, GLOBALS, GLOBAL_WINDOW = 64, 128, 2, 16, 256
 HEADS, HEAD_DIM, TOKENS = 8, 128, 131072
 CLEAR_PAD = 384
 NUM_RESPONSES = 6
@@ -40,6 +45,17 @@ def spec_for(mask: str, n: int):
         return jcm.masks.shared_prompt(NUM_RESPONSES)
     if mask == "clear":
         return jcm.masks.clear(clear_width(n), 2)
+    from jcompilemask.spec import MaskSpec, Region, k, q, q_len
+    if mask == "block_causal":
+        return MaskSpec([Region((0, q_len), k // BLOCK <= q // BLOCK)], name=mask)
+    if mask == "block_causal_intervals":
+        return MaskSpec([Region((0, q_len), k < (q // BLOCK + 1) * BLOCK)], name=mask)
+    if mask == "dilated_window":
+        return MaskSpec([Region((0, q_len), (k <= q) & (k > q - WINDOW) & ((q - k) % DILATION == 0))],
+                        name=mask)
+    if mask == "global_window":
+        return MaskSpec([Region((0, q_len), (k <= q) & ((k < GLOBALS) | (k > q - GLOBAL_WINDOW)))],
+                        name=mask)
     raise ValueError(mask)
 
 
@@ -47,7 +63,7 @@ def metadata_for(mask: str, n: int, batch: int | None = None, seed: int = 0):
     """numpy metadata of docs/workloads.md (None for causal)."""
     b = batch_for(n) if batch is None else batch
     rng = np.random.default_rng(seed + n)
-    if mask == "causal":
+    if mask == "causal" or mask in MASKS_16:
         return None
     if mask == "hstu":
         a = rng.integers(n // 4, n // 2 + 1, b)
@@ -120,6 +136,12 @@ def torch_mask_mod(mask, n, md, torch, dev):
     turns such ints into symbols once it sees a second N, which breaks vmap'd adds."""
     if mask == "causal":
         return lambda b, h, q, k: q >= k
+    if mask in ("block_causal", "block_causal_intervals"):
+        return lambda b, h, q, k: k // BLOCK <= q // BLOCK
+    if mask == "dilated_window":
+        return lambda b, h, q, k: (k <= q) & (k > q - WINDOW) & ((q - k) % DILATION == 0)
+    if mask == "global_window":
+        return lambda b, h, q, k: (k <= q) & ((k < GLOBALS) | (k > q - GLOBAL_WINDOW))
     t = {k_: torch.as_tensor(v, device=dev) for k_, v in md.items()}
     if mask == "hstu":
         a, e, g = t["context_len"], t["history_end"], t["group_size"]

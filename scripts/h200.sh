@@ -21,6 +21,7 @@
 #   anyk         issue 16: K > 8 / Kc > 16 intervals and residual predicates on the CuTe kernels
 #   sanitize2    compute-sanitizer (3 tools) on the CuTe kernels without JAX in the process
 #   shfl         stats_shfl (lse / delta by shfl): its tests, then timed at causal / hstu 32K
+#   masks16      issue 16's timings: block-causal spellings, dilated window, global tokens + window vs Flex+FA4
 #   v5bench      bench_total 32K + 8K: default vs FA4 native and Flex+FA4 (JCM_BENCH_S seconds)
 #   hdims        issue 15 (opt-in configs: soft cap in the backward, D 256, 192/128): a hang-guarded
 #                smoke per config, a subset of tests/gpu/test_cute_head_dims.py, then
@@ -246,6 +247,18 @@ case $stage in
       --jcm-variants "base=;sh=JCOMPILEMASK_CUTE_BWD_CONFIG=stats_shfl=1" \
       --min-repeat-s 0.25 --budget-s $(( b - 30 )) --out "$OUT/h200-bwd-shfl.json" > "$OUT/bench-shfl.log" 2>&1
     echo "bench rc $? ($SECONDS s)"; pkill -9 -f bench_total; grep -E '^\||budget' "$OUT/bench-shfl.log" | tail -10
+    ;;
+  masks16)
+    # Issue 16's timing acceptance (after `anyk` passes): block-causal in its natural
+    # (k // 64 <= q // 64) and interval spellings, the dilated window (residual predicate in
+    # the CuTe kernels: the opt-in), 16 global tokens + a 256 window, 32K and 8K, beside
+    # Flex+FA4 on the same masks; --check compares each jcm record with the dense reference.
+    export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)} JCOMPILEMASK_CUTE_BWD_EXPERIMENTAL=1
+    timeout -k 5 ${JCM_BENCH_S:-540} python3 benchmarks/bench_total.py --ns 32768,8192 \
+      --masks block_causal,block_causal_intervals,dilated_window,global_window --impls jcm,flex-fa4 \
+      --check --min-repeat-s 0.25 --budget-s $(( ${JCM_BENCH_S:-540} - 50 )) \
+      --out "$OUT/h200-masks.json" > "$OUT/bench-masks16.log" 2>&1
+    echo "bench rc $?"; pkill -9 -f bench_total; grep -E '^\||FAILED|budget' "$OUT/bench-masks16.log" | tail -22
     ;;
   v5bench)
     # bench_total at 32K then 8K: the default beside FA4 native (causal) and Flex+FA4.

@@ -90,6 +90,18 @@ def test_bench_total_smoke_runs_on_cpu(tmp_path):
     assert rep.load(str(tmp_path))[3] == []  # total records
 
 
+def test_bench_total_smoke_runs_issue_16_masks(tmp_path):
+    """Issue 16's workloads (block-causal in both spellings, the dilated window with its
+    residual predicate, global tokens + window) through the same benchmark path."""
+    mod = _bench_module("bench_total")
+    import workloads as W
+    recs = mod.main(["--smoke", "--masks", ",".join(W.MASKS_16), "--out", str(tmp_path / "m.json")])
+    assert [r["mask"] for r in recs] == list(W.MASKS_16)
+    assert all("error" not in r and r["pairs"] > 0 for r in recs), recs
+    pairs = {r["mask"]: r["pairs"] for r in recs}
+    assert pairs["block_causal"] == pairs["block_causal_intervals"]
+
+
 def _bench_module(name):
     import sys
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
