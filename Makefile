@@ -9,7 +9,7 @@
 demo:
 	bash -c 'source scripts/env.sh && python examples/quickstart.py'
 test:
-	bash -c 'source scripts/env.sh test && python -m pytest tests jcompilemask -q --ignore=tests/gpu'
+	bash -c 'source scripts/env.sh test && python -m pytest tests jcompilemask -q --ignore=tests/gpu --durations=15'
 test-kernels:
 	bash -c 'source scripts/env.sh test,compile && python -m pytest tests/gpu -q -rs'
 ci: test test-kernels

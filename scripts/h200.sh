@@ -20,7 +20,7 @@
 #   s6b          session 6's default through the GPU backward tests + compute-sanitizer (3 tools)
 #   anyk         issue 16: K > 8 / Kc > 16 intervals and residual predicates on the CuTe kernels
 #   sanitize2    compute-sanitizer (3 tools) on the CuTe kernels without JAX in the process
-#   shfl         stats_shfl (lse / delta by shfl): its tests, then timed at causal / hstu 32K
+#   shfl         stats_shfl, column_skip, the forward's bits path for K <= 8: tests, then timed at 32K
 #   masks16      issue 16's timings: block-causal spellings, dilated window, global tokens + window vs Flex+FA4
 #   v5bench      bench_total 32K + 8K: default vs FA4 native and Flex+FA4 (JCM_BENCH_S seconds)
 #   hdims        issue 15 (opt-in configs: soft cap in the backward, D 256, 192/128): a hang-guarded
@@ -234,31 +234,27 @@ case $stage in
     done
     ;;
   shfl)
-    # stats_shfl (lse / delta as 2 values per lane + shfl at use; compile-checked in session
-    # 6): its gradient tests, then causal / hstu 32K timed beside the default and FA4 native.
+    # Session 6's compile-checked knobs, tested then timed: stats_shfl (lse / delta by shfl),
+    # column_skip (unrolled column bits skip intervals that miss the tile), the forward's
+    # bit-mask path for K <= 8 ($JCOMPILEMASK_CUTE_FWD_BITS_ABOVE=0; clear: K 6).
     export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
+    left() { local l=$(( 570 - SECONDS )); (( l < $1 )) && echo $(( l > 5 ? l : 5 )) || echo $1; }
     t=tests/gpu/test_cute_backward.py
-    JCOMPILEMASK_CUTE_BWD_CONFIG=stats_shfl=1 timeout -k 5 230 python3 -m pytest -q -rs -p no:cacheprovider \
+    JCOMPILEMASK_CUTE_BWD_CONFIG=stats_shfl=1,column_bits=0,column_skip=1 JCOMPILEMASK_CUTE_FWD_BITS_ABOVE=0 \
+      timeout -k 5 $(left 200) python3 -m pytest -q -rs -p no:cacheprovider \
       "$t::test_builtin_grads" "$t::test_random_lowered_specs" "$t::test_fully_masked_rows" "$t::test_head_dim_64_fp16_mqa" \
       --junitxml="$OUT/junit-shfl.xml" > "$OUT/pytest-shfl.log" 2>&1
     echo "pytest rc $? ($SECONDS s)"; pkill -9 -f pytest; tail -6 "$OUT/pytest-shfl.log"
-    b=$(( 560 - SECONDS )); (( b > 300 )) && b=300
+    b=$(left 170)
     timeout -k 5 $b python3 benchmarks/bench_total.py --ns 32768 --masks causal,hstu --impls jcm,fa4-native \
       --jcm-variants "base=;sh=JCOMPILEMASK_CUTE_BWD_CONFIG=stats_shfl=1" \
-      --min-repeat-s 0.25 --budget-s $(( b - 30 )) --out "$OUT/h200-bwd-shfl.json" > "$OUT/bench-shfl.log" 2>&1
-    echo "bench rc $? ($SECONDS s)"; pkill -9 -f bench_total; grep -E '^\||budget' "$OUT/bench-shfl.log" | tail -10
-    ;;
-  masks16)
-    # Issue 16's timing acceptance (after `anyk` passes): block-causal in its natural
-    # (k // 64 <= q // 64) and interval spellings, the dilated window (residual predicate in
-    # the CuTe kernels: the opt-in), 16 global tokens + a 256 window, 32K and 8K, beside
-    # Flex+FA4 on the same masks; --check compares each jcm record with the dense reference.
-    export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)} JCOMPILEMASK_CUTE_BWD_EXPERIMENTAL=1
-    timeout -k 5 ${JCM_BENCH_S:-540} python3 benchmarks/bench_total.py --ns 32768,8192 \
-      --masks block_causal,block_causal_intervals,dilated_window,global_window --impls jcm,flex-fa4 \
-      --check --min-repeat-s 0.25 --budget-s $(( ${JCM_BENCH_S:-540} - 50 )) \
-      --out "$OUT/h200-masks.json" > "$OUT/bench-masks16.log" 2>&1
-    echo "bench rc $?"; pkill -9 -f bench_total; grep -E '^\||FAILED|budget' "$OUT/bench-masks16.log" | tail -22
+      --min-repeat-s 0.25 --budget-s $(( b - 20 )) --out "$OUT/h200-bwd-shfl.json" > "$OUT/bench-shfl.log" 2>&1
+    echo "bench rc $? ($SECONDS s)"; pkill -9 -f bench_total; grep -E '^\||budget' "$OUT/bench-shfl.log" | tail -8
+    b=$(left 200)
+    timeout -k 5 $b python3 benchmarks/bench_total.py --ns 32768 --masks shared_prompt,clear --impls jcm \
+      --jcm-variants "base=;cs=JCOMPILEMASK_CUTE_BWD_CONFIG=column_bits=0,column_skip=1;fb=JCOMPILEMASK_CUTE_FWD_BITS_ABOVE=0" \
+      --min-repeat-s 0.25 --budget-s $(( b - 20 )) --out "$OUT/h200-bwd-shfl.json" > "$OUT/bench-cs.log" 2>&1
+    echo "bench rc $? ($SECONDS s)"; pkill -9 -f bench_total; grep -E '^\||budget' "$OUT/bench-cs.log" | tail -8
     ;;
   v5bench)
     # bench_total at 32K then 8K: the default beside FA4 native (causal) and Flex+FA4.

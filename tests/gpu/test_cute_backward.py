@@ -99,6 +99,7 @@ def test_column_bits_compiles_for_sm90(d, kk, kc):
                                        (128, dict(column_registers=2)),
                                        (128, dict(stats_shfl=True, work_list=True, dkv_tma_store=True)),
                                        (64, dict(stats_shfl=True)),
+                                       (128, dict(column_registers=0, column_bits=0, column_skip=True)),
                                        (128, dict(deterministic=True)), (64, dict(deterministic=True)),
                                        (128, dict(dkv_tma_store=True)), (128, dict(work_list=True)),
                                        (64, dict(work_list=True, list_chunk=16, deterministic=True)),

@@ -162,6 +162,25 @@ def test_compiles_for_sm90(num_intervals, broadcast_batch, broadcast_head):
 
 
 @needs_cutlass
+def test_bits_path_below_k8_compiles_for_sm90():
+    """The benchmark knob bits_above (clear's K 6 through the bit-mask path, slots unrolled)."""
+    from jcompilemask.kernels.cute.api import ForwardKey, compile_forward
+    key = ForwardKey("bfloat16", 128, 128, 6, 128, 128, False, False, 128**-0.5, bits_above=0)
+    assert compile_forward(key) is not None and key.target_name.endswith("_ba0")
+
+
+def test_bits_above_env(monkeypatch):
+    from jcompilemask.kernels.cute import api
+    monkeypatch.delenv(api.FWD_BITS_ABOVE_ENV, raising=False)
+    assert api._fwd_bits_above() == 8
+    monkeypatch.setenv(api.FWD_BITS_ABOVE_ENV, "0")
+    assert api._fwd_bits_above() == 0
+    monkeypatch.setenv(api.FWD_BITS_ABOVE_ENV, "-1")
+    with pytest.raises(ValueError, match=">= 0"):
+        api._fwd_bits_above()
+
+
+@needs_cutlass
 @pytest.mark.parametrize("head_dim,num_intervals,softcap", [(128, 25, None), (64, 9, 30.0), (256, 32, None)])
 def test_any_k_compiles_for_sm90(head_dim, num_intervals, softcap):
     """K > 8: a masked tile loops over the row's intervals (not unrolled), skipping those

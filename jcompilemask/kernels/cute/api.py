@@ -93,6 +93,10 @@ class ForwardKey:
     # Residual predicates per forward slot (jcompilemask.lower.residual_program), evaluated
     # in partial tiles; the kernel then also reads the row regions and a parameter table.
     residual: Any = None
+    # Masks with K > bits_above test a masked tile's intervals one at a time (those that miss
+    # the tile skipped) into bit masks; 8 is the validated default, lower values are a
+    # benchmark knob ($JCOMPILEMASK_CUTE_FWD_BITS_ABOVE; issue 14 item 3).
+    bits_above: int = 8
 
     def __post_init__(self):
         if self.residual is not None and (self.residual.view != "fwd"
@@ -139,6 +143,7 @@ class ForwardKey:
             + ("" if self.softcap is None else
                f"_c{np.float64(self.softcap).view(np.uint64):016x}{'f' if self.softcap_fast_tanh else ''}")
             + ("" if self.residual is None else f"_r{self.residual.tag}")
+            + ("" if self.bits_above == 8 else f"_ba{self.bits_above}")
         )
 
 
@@ -217,7 +222,7 @@ def compile_forward(key: ForwardKey):
             block_q=key.block_q, block_kv=key.block_kv,
             broadcast_batch=key.broadcast_batch, broadcast_head=key.broadcast_head,
             num_stages=key.num_stages, softcap=key.softcap, softcap_fast_tanh=key.softcap_fast_tanh,
-            residual=key.residual,
+            residual=key.residual, bits_above=key.bits_above,
         )
         inputs = [bhsd(nq, hq, key.head_dim), bhsd(nk, hkv, key.head_dim), bhsd(nk, hkv, key.head_dim_v),
                   intervals, tiles]
@@ -255,6 +260,25 @@ def _ensure_registered(key) -> str:
             jax_tvm_ffi.register_ffi_target(name, fn, ["args", "rets"], platform="gpu", allow_cuda_graph=True)
             _registered.add(name)
     return name
+
+
+FWD_BITS_ABOVE_ENV = "JCOMPILEMASK_CUTE_FWD_BITS_ABOVE"
+
+
+def _fwd_bits_above() -> int:
+    """``$JCOMPILEMASK_CUTE_FWD_BITS_ABOVE`` (read at trace time; benchmarks), default 8."""
+    import os
+    text = os.environ.get(FWD_BITS_ABOVE_ENV, "").strip()
+    if not text:
+        return 8
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"{FWD_BITS_ABOVE_ENV}={text!r}: an int >= 0 (K above it tests "
+                         "intervals one at a time into bit masks)") from None
+    if value < 0:
+        raise ValueError(f"{FWD_BITS_ABOVE_ENV}={value}: must be >= 0")
+    return value
 
 
 def cute_forward(q, k, v, fwd_intervals, fwd_tiles, *, scale=None, softcap=None, block_q=128, block_kv=128,
@@ -304,6 +328,7 @@ def cute_forward(q, k, v, fwd_intervals, fwd_tiles, *, scale=None, softcap=None,
         num_stages=num_stages or preferred_forward_stages(D, jnp.dtype(q.dtype).name),
         softcap=None if softcap is None else float(softcap), softcap_fast_tanh=softcap_fast_tanh,
         residual=None if residual is None or residual.exact else residual,
+        bits_above=_fwd_bits_above(),
     )
     extra = ()
     if key.residual is not None:
@@ -379,6 +404,9 @@ class BackwardConfig:
       15.13 / 7.29 / 7.66 (most of its tiles are masked: the bit loop costs more there);
       hstu (Kc 4) 45.16 / 44.45 / 44.66. Hence the default: re-read above Kc 2, into bits
       above Kc 8.
+    - ``column_skip``: in the unrolled bit-mask path, skip a column interval that misses
+      the tile's queries (one compare per interval and key row instead of ncols); the loop
+      past ``COLUMNS_UNROLLED`` always skips. Compile-checked only; timed by ``h200.sh shfl``.
     - ``deterministic``: dQ contributions added to each query tile in key-tile order
       (per-query-tile semaphores; see ``FlashBackwardSm90.write_dq``), so gradients are
       bit-identical across runs. dK and dV are deterministic either way (one CTA owns a
@@ -415,6 +443,7 @@ class BackwardConfig:
     stats_shfl: bool = False
     column_registers: int = 16
     column_bits: int = 16
+    column_skip: bool = False
     deterministic: bool = False
     dkv_tma_store: bool = False
     work_list: bool = False
@@ -441,6 +470,7 @@ class BackwardConfig:
                 f"{'_rd' if self.release_do_early else ''}{'_sh' if self.stats_shfl else ''}"
                 f"_cr{self.column_registers}"
                 f"{f'_cb{self.column_bits}' if self.column_bits != 16 else ''}"
+                f"{'_cs' if self.column_skip else ''}"
                 f"{'_det' if self.deterministic else ''}{'_dkvt' if self.dkv_tma_store else ''}"
                 f"{f'_wl{self.list_chunk}' if self.work_list else ''}{'_sdkv' if self.split_dkv else ''}")
 

@@ -1005,6 +1005,17 @@ class FlashBackwardSm90(WarpSpecializedSm90):
                                 if _unsigned_lt(col0 + tScS[r, c][1] - start, length):
                                     seen_t[0] = seen_t[0] | Uint32(1 << c)
                     seen = seen_t[0]
+                elif const_expr(self.config.column_skip):
+                    # Unrolled, but an interval that misses the tile's queries is skipped.
+                    seen_t[0] = Uint32(0)
+                    for m in cutlass.range_constexpr(self.num_bwd_intervals):
+                        start = mBwdIntervals[mask_batch, mh, safe, m, 0]
+                        length = mBwdIntervals[mask_batch, mh, safe, m, 1]
+                        if (length > 0) & (start < col0 + bq) & (start + length > col0):
+                            for c in cutlass.range_constexpr(ncols):
+                                if _unsigned_lt(col0 + tScS[r, c][1] - start, length):
+                                    seen_t[0] = seen_t[0] | Uint32(1 << c)
+                    seen = seen_t[0]
                 else:
                     for m in cutlass.range_constexpr(self.num_bwd_intervals):
                         start = mBwdIntervals[mask_batch, mh, safe, m, 0]

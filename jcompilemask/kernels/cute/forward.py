@@ -89,6 +89,7 @@ class FlashForwardSm90(WarpSpecializedSm90):
         softcap: float | None = None,
         softcap_fast_tanh: bool = False,
         residual=None,
+        bits_above: int = INTERVALS_UNROLLED,
     ):
         assert dtype in (cutlass.BFloat16, cutlass.Float16), dtype
         assert block_q == 64 * self.num_consumer_wgs, "each consumer warpgroup owns 64 rows"
@@ -121,7 +122,10 @@ class FlashForwardSm90(WarpSpecializedSm90):
         # Above INTERVALS_UNROLLED (K > 8: e.g. global tokens + a window) a masked tile tests
         # the row's intervals one at a time from the table in a loop that is not unrolled,
         # skipping those that miss the tile, and gathers visibility in bit masks.
-        self.intervals_as_bits = num_intervals > INTERVALS_UNROLLED
+        # bits_above < 8 (a benchmark knob, issue 14 item 3) takes that path for fewer
+        # intervals too, with the slots unrolled: only the intervals that reach into the
+        # tile are tested (clear: K 6, of which ~1-2 meet a 128-key tile).
+        self.intervals_as_bits = num_intervals > bits_above
         # Residual predicates (lower/residual_program.py: per slot, per region) are checked
         # with the interval in partial tiles, on the bit-mask path with the slots unrolled;
         # the kernel then also reads the rows' regions and the parameter table.
@@ -561,6 +565,14 @@ class FlashForwardSm90(WarpSpecializedSm90):
             if const_expr(self.residual is not None):
                 self.residual_bits(seen, acc_S_rows, tScS, r, row, safe_row, col0, col_end,
                                    row_intervals, seqlen_k)
+            elif const_expr(self.num_intervals <= INTERVALS_UNROLLED):
+                for m in cutlass.range_constexpr(self.num_intervals):
+                    start = mIntervals[mask_batch, mask_head, safe_row, m, 0]
+                    length = mIntervals[mask_batch, mask_head, safe_row, m, 1]
+                    if (length > 0) & (start < col_end) & (start + length > col0):
+                        for c in cutlass.range_constexpr(ncols):
+                            if _unsigned_lt(col0 + tScS[r, c][1] - start, length):
+                                seen[c // 32] = seen[c // 32] | Uint32(1 << (c % 32))
             else:
                 for m in cutlass.range(self.num_intervals, unroll=1):
                     start = mIntervals[mask_batch, mask_head, safe_row, m, 0]
