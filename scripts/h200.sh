@@ -22,6 +22,7 @@
 #   sanitize2    compute-sanitizer (3 tools) on the CuTe kernels without JAX in the process
 #   shfl         stats_shfl, column_skip, the forward's bits path for K <= 8: tests, then timed at 32K
 #   masks16      issue 16's timings: block-causal spellings, dilated window, global tokens + window vs Flex+FA4
+#   fwl          issue 14: the forward's work list (JCOMPILEMASK_CUTE_FWD_WORK_LIST=1): tests, then timed
 #   v5bench      bench_total 32K + 8K: default vs FA4 native and Flex+FA4 (JCM_BENCH_S seconds)
 #   hdims        issue 15 (opt-in configs: soft cap in the backward, D 256, 192/128): a hang-guarded
 #                smoke per config, a subset of tests/gpu/test_cute_head_dims.py, then
@@ -255,6 +256,22 @@ case $stage in
       --jcm-variants "base=;cs=JCOMPILEMASK_CUTE_BWD_CONFIG=column_bits=0,column_skip=1;fb=JCOMPILEMASK_CUTE_FWD_BITS_ABOVE=0" \
       --min-repeat-s 0.25 --budget-s $(( b - 20 )) --out "$OUT/h200-bwd-shfl.json" > "$OUT/bench-cs.log" 2>&1
     echo "bench rc $? ($SECONDS s)"; pkill -9 -f bench_total; grep -E '^\||budget' "$OUT/bench-cs.log" | tail -8
+    ;;
+  fwl)
+    # Issue 14 item 1 (compile-checked in session 6): the forward's compact work list
+    # ($JCOMPILEMASK_CUTE_FWD_WORK_LIST=1): the forward GPU tests and the gradient cases
+    # through it, then the forward timed beside the default and FA4 native (32K, 8K).
+    export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
+    left() { local l=$(( 570 - SECONDS )); (( l < $1 )) && echo $(( l > 5 ? l : 5 )) || echo $1; }
+    JCOMPILEMASK_CUTE_FWD_WORK_LIST=1 timeout -k 5 $(left 260) python3 -m pytest -q -rs -p no:cacheprovider \
+      tests/gpu/test_cute_forward.py tests/gpu/test_cute_attention.py -k "not compiles" \
+      --junitxml="$OUT/junit-fwl.xml" > "$OUT/pytest-fwl.log" 2>&1
+    echo "pytest rc $? ($SECONDS s)"; pkill -9 -f pytest; tail -6 "$OUT/pytest-fwl.log"
+    b=$(left 290)
+    timeout -k 5 $b python3 benchmarks/bench_total.py --ns 32768,8192 --masks causal,hstu,shared_prompt \
+      --impls jcm,fa4-native --jcm-variants "base=;fwl=JCOMPILEMASK_CUTE_FWD_WORK_LIST=1" \
+      --min-repeat-s 0.25 --budget-s $(( b - 20 )) --out "$OUT/h200-fwd-wl.json" > "$OUT/bench-fwl.log" 2>&1
+    echo "bench rc $? ($SECONDS s)"; pkill -9 -f bench_total; grep -E '^\||budget' "$OUT/bench-fwl.log" | tail -12
     ;;
   v5bench)
     # bench_total at 32K then 8K: the default beside FA4 native (causal) and Flex+FA4.

@@ -169,6 +169,29 @@ def test_bits_path_below_k8_compiles_for_sm90():
     assert compile_forward(key) is not None and key.target_name.endswith("_ba0")
 
 
+@needs_cutlass
+@pytest.mark.parametrize("head_dim,num_intervals", [(128, 1), (64, 6), (128, 25)])
+def test_work_list_forward_compiles_for_sm90(head_dim, num_intervals):
+    """The forward's compact work list (issue 14 item 1): the producer warp builds the row's
+    visited key tiles (common.build_tile_list) and both sides iterate it."""
+    from jcompilemask.kernels.cute.api import (ForwardKey, compile_forward, preferred_forward_stages,
+                                               preferred_forward_tiles)
+    bq, bk = preferred_forward_tiles(head_dim)
+    key = ForwardKey("bfloat16", head_dim, head_dim, num_intervals, bq, bk, False, True,
+                     head_dim**-0.5, num_stages=preferred_forward_stages(head_dim), work_list=True)
+    assert compile_forward(key) is not None and key.target_name.endswith("_wl")
+
+
+def test_work_list_env(monkeypatch):
+    from jcompilemask.kernels.cute import api
+    monkeypatch.delenv(api.FWD_WORK_LIST_ENV, raising=False)
+    assert not api._fwd_work_list(128, 128, 128, 128, 2)
+    monkeypatch.setenv(api.FWD_WORK_LIST_ENV, "1")
+    assert api._fwd_work_list(128, 128, 128, 128, 2)
+    bq, bk = api.preferred_forward_tiles(256)
+    assert not api._fwd_work_list(256, 256, bq, bk, 2)       # 2 KB more than D 256's 2 stages fit
+
+
 def test_bits_above_env(monkeypatch):
     from jcompilemask.kernels.cute import api
     monkeypatch.delenv(api.FWD_BITS_ABOVE_ENV, raising=False)

@@ -97,6 +97,10 @@ class ForwardKey:
     # the tile skipped) into bit masks; 8 is the validated default, lower values are a
     # benchmark knob ($JCOMPILEMASK_CUTE_FWD_BITS_ABOVE; issue 14 item 3).
     bits_above: int = 8
+    # The compact work list in the forward (issue 14 item 1; $JCOMPILEMASK_CUTE_FWD_WORK_LIST=1
+    # for benchmarks until measured): producer and consumers iterate the row's visited key
+    # tiles instead of walking every tile's bits.
+    work_list: bool = False
 
     def __post_init__(self):
         if self.residual is not None and (self.residual.view != "fwd"
@@ -122,7 +126,7 @@ class ForwardKey:
         if self.num_intervals < 1:
             raise ValueError(f"interval count K must be >= 1, got {self.num_intervals}")
         smem = forward_smem_bytes(self.head_dim, self.block_q, self.block_kv, self.num_stages,
-                                  head_dim_v=self.head_dim_v)
+                                  head_dim_v=self.head_dim_v) + (4 * 512 + 32 if self.work_list else 0)
         if self.num_stages < 1 or smem > _SMEM_LIMIT:
             raise ValueError(
                 f"num_stages={self.num_stages} at head dim {self.head_dim} needs {smem} bytes of "
@@ -144,6 +148,7 @@ class ForwardKey:
                f"_c{np.float64(self.softcap).view(np.uint64):016x}{'f' if self.softcap_fast_tanh else ''}")
             + ("" if self.residual is None else f"_r{self.residual.tag}")
             + ("" if self.bits_above == 8 else f"_ba{self.bits_above}")
+            + ("_wl" if self.work_list else "")
         )
 
 
@@ -222,7 +227,7 @@ def compile_forward(key: ForwardKey):
             block_q=key.block_q, block_kv=key.block_kv,
             broadcast_batch=key.broadcast_batch, broadcast_head=key.broadcast_head,
             num_stages=key.num_stages, softcap=key.softcap, softcap_fast_tanh=key.softcap_fast_tanh,
-            residual=key.residual, bits_above=key.bits_above,
+            residual=key.residual, bits_above=key.bits_above, work_list=key.work_list,
         )
         inputs = [bhsd(nq, hq, key.head_dim), bhsd(nk, hkv, key.head_dim), bhsd(nk, hkv, key.head_dim_v),
                   intervals, tiles]
@@ -263,6 +268,7 @@ def _ensure_registered(key) -> str:
 
 
 FWD_BITS_ABOVE_ENV = "JCOMPILEMASK_CUTE_FWD_BITS_ABOVE"
+FWD_WORK_LIST_ENV = "JCOMPILEMASK_CUTE_FWD_WORK_LIST"
 
 
 def _fwd_bits_above() -> int:
@@ -279,6 +285,16 @@ def _fwd_bits_above() -> int:
     if value < 0:
         raise ValueError(f"{FWD_BITS_ABOVE_ENV}={value}: must be >= 0")
     return value
+
+
+def _fwd_work_list(d, dv, block_q, block_kv, num_stages) -> bool:
+    """``$JCOMPILEMASK_CUTE_FWD_WORK_LIST=1`` (read at trace time; a benchmark knob until
+    measured), where the list's 2 KB fit beside the tiles (not D 256 at 2 stages)."""
+    import os
+    if os.environ.get(FWD_WORK_LIST_ENV, "0") != "1":
+        return False
+    return forward_smem_bytes(d, block_q, block_kv, num_stages, head_dim_v=dv) + 4 * 512 + 32 \
+        <= _SMEM_LIMIT
 
 
 def cute_forward(q, k, v, fwd_intervals, fwd_tiles, *, scale=None, softcap=None, block_q=128, block_kv=128,
@@ -329,6 +345,8 @@ def cute_forward(q, k, v, fwd_intervals, fwd_tiles, *, scale=None, softcap=None,
         softcap=None if softcap is None else float(softcap), softcap_fast_tanh=softcap_fast_tanh,
         residual=None if residual is None or residual.exact else residual,
         bits_above=_fwd_bits_above(),
+        work_list=_fwd_work_list(D, Dv, block_q, block_kv,
+                                 num_stages or preferred_forward_stages(D, jnp.dtype(q.dtype).name)),
     )
     extra = ()
     if key.residual is not None:

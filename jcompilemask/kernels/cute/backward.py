@@ -69,7 +69,8 @@ from cutlass.tensor_utils import LayoutEnum
 
 from .api import BackwardConfig, dq_warpgroups
 from .residual_ops import CuteOps
-from .common import (COLUMNS_UNROLLED, INTERVALS_UNROLLED, WarpSpecializedSm90, _as_a_operand, _rows_view, _unsigned_lt,
+from .common import (COLUMNS_UNROLLED, INTERVALS_UNROLLED, WarpSpecializedSm90, _as_a_operand,
+                     build_tile_list, _rows_view, _unsigned_lt,
                      bulk_reduce_add_f32, issue_wgmma, ld_acquire_s32, nanosleep,
                      red_release_add_s32, smem_tensor, tile_bits, tma_tiles)
 
@@ -552,37 +553,8 @@ class FlashBackwardSm90(WarpSpecializedSm90):
     @cute.jit
     def build_list(self, gTiles, n_q_tiles, first_tile, work, buf):
         """The producer warp: the visited query tiles of [first_tile, first_tile +
-        list_chunk) in order, as tile | masked << 16, and their count. Each lane takes one
-        16-tile word; a warp prefix sum of the words' compute-bit counts places them."""
-        sList, sCount = work
-        lane = cute.arch.lane_idx()
-        end = cutlass.min(first_tile + self.list_chunk, n_q_tiles)
-        w_end = cute.ceil_div(end, 16)
-        base = Int32(0)
-        for w0 in cutlass.range(first_tile // 16, w_end, 32, unroll=1):
-            w = w0 + lane
-            word = Uint32(0)
-            if w < w_end:
-                word = gTiles[w]
-                if (w + 1) * 16 > end:      # the last word: no tile at or past `end`
-                    word = word & ((Uint32(1) << Uint32(2 * (end - w * 16))) - Uint32(1))
-            compute = word & Uint32(0x55555555)
-            cnt = Int32(cute.arch.popc(compute))
-            incl = cnt
-            for off in cutlass.range_constexpr(5):
-                other = cute.arch.shuffle_sync_up(incl, 1 << off)
-                if lane >= (1 << off):
-                    incl = incl + other
-            pos = (buf * self.list_chunk) + base + incl - cnt
-            for t in cutlass.range_constexpr(16):
-                if (word >> Uint32(2 * t)) & Uint32(1) != Uint32(0):
-                    masked = Int32((word >> Uint32(2 * t + 1)) & Uint32(1))
-                    sList[pos] = (w * 16 + t) | (masked << Int32(16))
-                    pos = pos + 1
-            base = base + cute.arch.shuffle_sync(incl, 31)
-        if lane == 0:
-            sCount[buf] = base
-        cute.arch.sync_warp()
+        list_chunk) in order (common.build_tile_list)."""
+        build_tile_list(gTiles, n_q_tiles, first_tile, self.list_chunk, work[0], work[1], buf)
 
     # ------------------------------------------------------------------ dQ writer
     @cute.jit

@@ -153,6 +153,43 @@ def tile_bits(words: cute.Tensor, tile: Int32) -> Uint32:
     return (word >> Uint32(2 * (tile % 16))) & Uint32(3)
 
 
+@cute.jit
+def build_tile_list(gTiles: cute.Tensor, n_tiles: Int32, first_tile: Int32, chunk: cutlass.Constexpr[int],
+                    sList: cute.Tensor, sCount: cute.Tensor, buf: Int32):
+    """One warp: the visited tiles of [first_tile, first_tile + chunk) of a row (or column)
+    of packed tile words, in order, as tile | masked << 16 into sList[buf * chunk ...], and
+    their count into sCount[buf]. Each lane takes one 16-tile word; a warp prefix sum of
+    the words' compute-bit counts places them. (The compact work list of both kernels.)"""
+    lane = cute.arch.lane_idx()
+    end = cutlass.min(first_tile + chunk, n_tiles)
+    w_end = cute.ceil_div(end, 16)
+    base = Int32(0)
+    for w0 in cutlass.range(first_tile // 16, w_end, 32, unroll=1):
+        w = w0 + lane
+        word = Uint32(0)
+        if w < w_end:
+            word = gTiles[w]
+            if (w + 1) * 16 > end:      # the last word: no tile at or past `end`
+                word = word & ((Uint32(1) << Uint32(2 * (end - w * 16))) - Uint32(1))
+        compute = word & Uint32(0x55555555)
+        cnt = Int32(cute.arch.popc(compute))
+        incl = cnt
+        for off in cutlass.range_constexpr(5):
+            other = cute.arch.shuffle_sync_up(incl, 1 << off)
+            if lane >= (1 << off):
+                incl = incl + other
+        pos = (buf * chunk) + base + incl - cnt
+        for t in cutlass.range_constexpr(16):
+            if (word >> Uint32(2 * t)) & Uint32(1) != Uint32(0):
+                masked = Int32((word >> Uint32(2 * t + 1)) & Uint32(1))
+                sList[pos] = (w * 16 + t) | (masked << Int32(16))
+                pos = pos + 1
+        base = base + cute.arch.shuffle_sync(incl, 31)
+    if lane == 0:
+        sCount[buf] = base
+    cute.arch.sync_warp()
+
+
 class WarpSpecializedSm90:
     """What the forward and backward kernels share: one producer warpgroup (a single
     warp issues TMA loads) and `num_consumer_wgs` consumer warpgroups, FA3's register

@@ -53,12 +53,15 @@ from cutlass.tensor_utils import LayoutEnum
 
 from .residual_ops import CuteOps
 from .common import (INTERVALS_UNROLLED, WarpSpecializedSm90, _as_a_operand, _rows_view, _tree,
-                     _unsigned_lt, issue_wgmma, smem_tensor, tile_bits, tma_tiles)
+                     _unsigned_lt, build_tile_list, issue_wgmma, smem_tensor, tile_bits, tma_tiles)
 
 # Named barrier ids. 0 is __syncthreads; the two consumer warpgroups each own one
 # scheduling barrier that the other one arrives on (tensor-core ping-pong).
 _BARRIER_SCHED_WG1 = 1
 _BARRIER_EPILOGUE = 3  # both consumer warpgroups: O is in shared memory
+_BARRIER_LIST_READY = 4  # work_list: the producer warp built this chunk of the list
+_BARRIER_LIST_FREE = 5   # work_list: both consumer warpgroups are done with it
+FWD_LIST_CHUNK = 512     # work_list: key tiles per list chunk (2 KB of shared memory)
 _LOG2_E = math.log2(math.e)
 _LN_2 = math.log(2.0)
 
@@ -90,6 +93,7 @@ class FlashForwardSm90(WarpSpecializedSm90):
         softcap_fast_tanh: bool = False,
         residual=None,
         bits_above: int = INTERVALS_UNROLLED,
+        work_list: bool = False,
     ):
         assert dtype in (cutlass.BFloat16, cutlass.Float16), dtype
         assert block_q == 64 * self.num_consumer_wgs, "each consumer warpgroup owns 64 rows"
@@ -126,6 +130,11 @@ class FlashForwardSm90(WarpSpecializedSm90):
         # intervals too, with the slots unrolled: only the intervals that reach into the
         # tile are tested (clear: K 6, of which ~1-2 meet a 128-key tile).
         self.intervals_as_bits = num_intervals > bits_above
+        # work_list (issue 14 item 1): the producer warp turns the row's tile words into a
+        # list of visited key tiles (common.build_tile_list), chunks of FWD_LIST_CHUNK; it
+        # and the consumers iterate the list instead of walking every tile's bits.
+        self.work_list = work_list
+        self.list_meet = self.num_consumer_wgs * self.threads_per_wg + 32
         # Residual predicates (lower/residual_program.py: per slot, per region) are checked
         # with the interval in partial tiles, on the bit-mask path with the slots unrolled;
         # the kernel then also reads the rows' regions and the parameter table.
@@ -226,6 +235,19 @@ class FlashForwardSm90(WarpSpecializedSm90):
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
 
         self.shared_storage = SharedStorage
+        if const_expr(self.work_list):
+            @cute.struct
+            class SharedStorageList:
+                mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
+                mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
+                mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
+                sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+                sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+                sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
+                sList: cute.struct.Align[cute.struct.MemRange[Int32, FWD_LIST_CHUNK], 16]
+                sCount: cute.struct.MemRange[Int32, 2]
+
+            self.shared_storage = SharedStorageList
 
         num_q_tiles = cute.ceil_div(mQ.shape[1], self.block_q)
         residual_args = () if const_expr(self.residual is None) else (mRegion, mParams)
@@ -289,6 +311,10 @@ class FlashForwardSm90(WarpSpecializedSm90):
             sO = smem_tensor(storage.sQ, self.o_smem_layout())
         sK = smem_tensor(storage.sK, sK_layout)
         sV = smem_tensor(storage.sV, sV_layout)
+        work = None
+        if const_expr(self.work_list):
+            work = (storage.sList.get_tensor(cute.make_layout(FWD_LIST_CHUNK)),
+                    storage.sCount.get_tensor(cute.make_layout(2)))
 
         # Heaviest query tiles first: under a causal-like mask the last tile rows see
         # the most keys, and launching them first shortens the tail of the grid.
@@ -308,7 +334,7 @@ class FlashForwardSm90(WarpSpecializedSm90):
                 self.load(
                     mQ, mK, mV, sQ, sK, sV, tma_atom_q, tma_atom_k, tma_atom_v,
                     pipeline_q, pipeline_k, pipeline_v, gTiles, n_k_tiles,
-                    q_tile, head, head_kv, batch,
+                    q_tile, head, head_kv, batch, work,
                 )
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
@@ -316,14 +342,14 @@ class FlashForwardSm90(WarpSpecializedSm90):
                 mO, mLSE, mIntervals, sQ, sK, sV, tma_atom_o, tiled_mma_qk, tiled_mma_pv,
                 pipeline_q, pipeline_k, pipeline_v, gTiles, n_k_tiles,
                 mQ.shape[0], mK.shape[0], q_tile, head, batch, mask_batch, mask_head,
-                tidx - self.threads_per_wg, sO, mRegion, mParams,
+                tidx - self.threads_per_wg, sO, mRegion, mParams, work,
             )
 
     # ------------------------------------------------------------------ producer
     @cute.jit
     def load(
         self, mQ, mK, mV, sQ, sK, sV, tma_atom_q, tma_atom_k, tma_atom_v,
-        pipeline_q, pipeline_k, pipeline_v, gTiles, n_k_tiles, q_tile, head, head_kv, batch,
+        pipeline_q, pipeline_k, pipeline_v, gTiles, n_k_tiles, q_tile, head, head_kv, batch, work,
     ):
         gQ = cute.local_tile(mQ[None, None, head, batch], (self.block_q, self.head_dim), (q_tile, 0))
         gK = cute.local_tile(mK[None, None, head_kv, batch], (self.block_kv, self.head_dim), (None, 0))
@@ -336,15 +362,32 @@ class FlashForwardSm90(WarpSpecializedSm90):
         cute.copy(tma_atom_q, tQgQ, tQsQ[None, 0], tma_bar_ptr=pipeline_q.producer_get_barrier(q_state))
 
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
-        for k_tile in cutlass.range(n_k_tiles, unroll=1):
-            if tile_bits(gTiles, k_tile) & Uint32(1) != Uint32(0):
-                pipeline_k.producer_acquire(kv_state)
-                cute.copy(tma_atom_k, tKgK[None, k_tile], tKsK[None, kv_state.index],
-                          tma_bar_ptr=pipeline_k.producer_get_barrier(kv_state))
-                pipeline_v.producer_acquire(kv_state)
-                cute.copy(tma_atom_v, tVgV[None, k_tile], tVsV[None, kv_state.index],
-                          tma_bar_ptr=pipeline_v.producer_get_barrier(kv_state))
-                kv_state.advance()
+        if const_expr(self.work_list):
+            sList, sCount = work
+            for ch in cutlass.range(cute.ceil_div(n_k_tiles, FWD_LIST_CHUNK), unroll=1):
+                build_tile_list(gTiles, n_k_tiles, ch * FWD_LIST_CHUNK, FWD_LIST_CHUNK, sList, sCount, 0)
+                cute.arch.barrier_arrive(barrier_id=_BARRIER_LIST_READY, number_of_threads=self.list_meet)
+                for it in cutlass.range(sCount[0], unroll=1):
+                    k_tile = sList[it] & Int32(0xFFFF)
+                    pipeline_k.producer_acquire(kv_state)
+                    cute.copy(tma_atom_k, tKgK[None, k_tile], tKsK[None, kv_state.index],
+                              tma_bar_ptr=pipeline_k.producer_get_barrier(kv_state))
+                    pipeline_v.producer_acquire(kv_state)
+                    cute.copy(tma_atom_v, tVgV[None, k_tile], tVsV[None, kv_state.index],
+                              tma_bar_ptr=pipeline_v.producer_get_barrier(kv_state))
+                    kv_state.advance()
+                # Every load of the chunk is issued; rebuild only once both consumers are done.
+                cute.arch.barrier(barrier_id=_BARRIER_LIST_FREE, number_of_threads=self.list_meet)
+        else:
+            for k_tile in cutlass.range(n_k_tiles, unroll=1):
+                if tile_bits(gTiles, k_tile) & Uint32(1) != Uint32(0):
+                    pipeline_k.producer_acquire(kv_state)
+                    cute.copy(tma_atom_k, tKgK[None, k_tile], tKsK[None, kv_state.index],
+                              tma_bar_ptr=pipeline_k.producer_get_barrier(kv_state))
+                    pipeline_v.producer_acquire(kv_state)
+                    cute.copy(tma_atom_v, tVgV[None, k_tile], tVsV[None, kv_state.index],
+                              tma_bar_ptr=pipeline_v.producer_get_barrier(kv_state))
+                    kv_state.advance()
 
     # ------------------------------------------------------------------ consumers
     @cute.jit
@@ -352,7 +395,7 @@ class FlashForwardSm90(WarpSpecializedSm90):
         self, mO, mLSE, mIntervals, sQ, sK, sV, tma_atom_o, tiled_mma_qk, tiled_mma_pv,
         pipeline_q, pipeline_k, pipeline_v, gTiles, n_k_tiles,
         seqlen_q, seqlen_k, q_tile, head, batch, mask_batch, mask_head, tidx, sO,
-        mRegion=None, mParams=None,
+        mRegion=None, mParams=None, work=None,
     ):
         wg = tidx // self.threads_per_wg  # 0 or 1 among the consumers
         wg_slice = cute.make_layout(self.num_consumer_wgs, stride=self.threads_per_wg)
@@ -394,7 +437,29 @@ class FlashForwardSm90(WarpSpecializedSm90):
         # word. Jumping straight to the next compute tile (brev + clz over whole words)
         # measured 4-5% slower on the H200 (NOTES.md), so the plain walk stays.
         started = Boolean(False)
-        for k_tile in cutlass.range(n_k_tiles, unroll=1):
+        if const_expr(self.work_list):
+            sList, sCount = work
+            for ch in cutlass.range(cute.ceil_div(n_k_tiles, FWD_LIST_CHUNK), unroll=1):
+                cute.arch.barrier(barrier_id=_BARRIER_LIST_READY, number_of_threads=self.list_meet)
+                for it in cutlass.range(sCount[0], unroll=1):
+                    entry = sList[it]
+                    k_tile = entry & Int32(0xFFFF)
+                    needs_mask = (entry >> Int32(16) != Int32(0)) | (k_tile == ragged_tile)
+                    if started:
+                        if needs_mask:
+                            kv_state = self.mma_step(
+                                kv_state, k_tile, True, wg_mma_qk, wg_mma_pv, tSrQ, tSrK, tOrV, tOrP, acc_O,
+                                tScS, row_max, row_sum, row_intervals, seqlen_k, pipeline_k, pipeline_v, wg)
+                        else:
+                            kv_state = self.mma_step(
+                                kv_state, k_tile, False, wg_mma_qk, wg_mma_pv, tSrQ, tSrK, tOrV, tOrP, acc_O,
+                                tScS, row_max, row_sum, row_intervals, seqlen_k, pipeline_k, pipeline_v, wg)
+                    else:
+                        self.mma_first(kv_state, k_tile, wg_mma_qk, tSrQ, tSrK, tOrP, tScS, row_max, row_sum,
+                                       row_intervals, seqlen_k, pipeline_k)
+                    started = Boolean(True)
+                cute.arch.barrier_arrive(barrier_id=_BARRIER_LIST_FREE, number_of_threads=self.list_meet)
+        for k_tile in cutlass.range(0 if const_expr(self.work_list) else n_k_tiles, unroll=1):
             bits = tile_bits(gTiles, k_tile)
             if bits & Uint32(1) != Uint32(0):
                 needs_mask = (bits & Uint32(2) != Uint32(0)) | (k_tile == ragged_tile)
