@@ -455,8 +455,15 @@ class FlashForwardSm90(WarpSpecializedSm90):
                                 kv_state, k_tile, False, wg_mma_qk, wg_mma_pv, tSrQ, tSrK, tOrV, tOrP, acc_O,
                                 tScS, row_max, row_sum, row_intervals, seqlen_k, pipeline_k, pipeline_v, wg)
                     else:
-                        self.mma_first(kv_state, k_tile, wg_mma_qk, tSrQ, tSrK, tOrP, tScS, row_max, row_sum,
-                                       row_intervals, seqlen_k, pipeline_k)
+                        # With the list the first tile's mask bit is at hand: a full first
+                        # tile skips the mask (issue 14 item 1), at the cost of a third
+                        # copy of the softmax body.
+                        if needs_mask:
+                            self.mma_first(kv_state, k_tile, wg_mma_qk, tSrQ, tSrK, tOrP, tScS, row_max,
+                                           row_sum, row_intervals, seqlen_k, pipeline_k, True)
+                        else:
+                            self.mma_first(kv_state, k_tile, wg_mma_qk, tSrQ, tSrK, tOrP, tScS, row_max,
+                                           row_sum, row_intervals, seqlen_k, pipeline_k, False)
                     started = Boolean(True)
                 cute.arch.barrier_arrive(barrier_id=_BARRIER_LIST_FREE, number_of_threads=self.list_meet)
         for k_tile in cutlass.range(0 if const_expr(self.work_list) else n_k_tiles, unroll=1):
@@ -489,7 +496,7 @@ class FlashForwardSm90(WarpSpecializedSm90):
 
     @cute.jit
     def mma_first(self, kv_state, k_tile, wg_mma_qk, tSrQ, tSrK, tOrP, tScS, row_max, row_sum,
-                  row_intervals, seqlen_k, pipeline_k):
+                  row_intervals, seqlen_k, pipeline_k, masked: cutlass.Constexpr[bool] = True):
         """S of the first visited tile, softmax, P into registers; its P@V waits for the next step."""
         acc_S = cute.make_rmem_tensor(wg_mma_qk.partition_shape_C((self.block_q, self.block_kv)), Float32)
         pipeline_k.consumer_wait(kv_state)
@@ -499,7 +506,8 @@ class FlashForwardSm90(WarpSpecializedSm90):
         acc_S_rows = _rows_view(acc_S)
         if const_expr(self.softcap is not None):
             self.apply_softcap(acc_S)
-        self.apply_mask(acc_S_rows, tScS, k_tile, row_intervals, seqlen_k)
+        if const_expr(masked):
+            self.apply_mask(acc_S_rows, tScS, k_tile, row_intervals, seqlen_k)
         self.online_softmax(acc_S_rows, row_max, row_sum, None)
         tOrP.store(_as_a_operand(acc_S).load().to(self.dtype))
 
