@@ -479,7 +479,8 @@ def explain_backward(call: Call) -> str:
     why = cute_backward_plan(call.head_dim, call.head_dim_v, call.softcap or None, bwd_tiles)
     if why is None:
         extra = ("" if (call.head_dim in (64, 128) and call.head_dim_v == call.head_dim
-                        and not call.softcap)
+                        and not call.softcap and not call.has_fallback
+                        and call.num_intervals <= 8)
                  else f" (opted in with {CUTE_EXPERIMENTAL_ENV}=1: not yet validated on the GPU)")
         return "backward: the CuTe backward kernel" + extra
     return f"backward: xla on the CuTe forward's residuals, because {why}"
