@@ -73,3 +73,45 @@ def gradient_problems(grads, g_hi, g_lo, dtype):
             worst = np.unravel_index(np.nanargmax(np.where(np.isnan(diff), np.inf, diff)), diff.shape)
             problems.append(f"{err} at {tuple(int(i) for i in worst)} of {diff.shape}")
     return problems
+
+
+def random_residual_case(rng, n=700, b=2):
+    """(spec, metadata or None): a random two-region MaskSpec whose atoms mix intervals with
+    atoms that keep a residual predicate the kernels evaluate (a modulus, a metadata
+    divisor, a quadratic), so each region lowers to hull intervals + a residual."""
+    from jcompilemask.spec import MaskSpec, Region, Scalar, k, q, q_len
+    s, d = Scalar("s", max=q_len), Scalar("d", min=1, max=7)
+    exact = [k <= q, k >= q - 150, k < s, k >= s, k <= q + 40]
+    residual = [(q - k) % 2 == 0, k % d != 1, (k * 3 + q) % 5 < 3, k * k <= q * 7, k % 3 == q % 3]
+
+    def rule():
+        r = exact[rng.integers(len(exact))]
+        for _ in range(int(rng.integers(1, 3))):
+            a = residual[rng.integers(len(residual))] if rng.random() < 0.6 else exact[rng.integers(len(exact))]
+            r = (r & a) if rng.random() < 0.6 else (r | a)
+        return r
+    spec = MaskSpec([Region((0, s), rule()), Region((s, q_len), rule())])
+    md = {}
+    if "s" in spec.metadata:
+        md["s"] = rng.integers(0, n, b).astype(np.int32)
+    if "d" in spec.metadata:
+        md["d"] = rng.integers(1, 8, b).astype(np.int32)
+    return spec, md or None
+
+
+def random_many_intervals_case(rng, n=700, b=2):
+    """(spec, metadata or None): K up to 32 row intervals: a random union of key stripes
+    (some with a per-batch period) under a causal or windowed bound."""
+    import functools
+    from jcompilemask.spec import MaskSpec, Region, Scalar, k, q, q_len
+    p = Scalar("p", min=8, max=40)
+    count = int(rng.integers(9, 33))
+    width = int(rng.integers(1, 6))
+    use_p = bool(rng.integers(2))
+    step = p if use_p else int(rng.integers(width + 2, 40))
+    stripes = functools.reduce(lambda x, y: x | y,
+                               [(k >= step * i) & (k < step * i + width) for i in range(count)])
+    bound = (k <= q) if rng.integers(2) else (k <= q + 30)
+    spec = MaskSpec([Region((0, q_len), stripes & bound)])
+    md = {"p": rng.integers(8, 41, b).astype(np.int32)} if use_p else None
+    return spec, md

@@ -27,7 +27,7 @@ from jcompilemask import backends
 from jcompilemask.lower.compiled import CUTE_ANY_K_ENV, region_backend
 from jcompilemask.spec import MaskSpec, Region, Scalar, k, q, q_len
 from jcompilemask.testing import assert_within_policy, reference_attention, reference_gradients
-from gpu_cases import gradient_problems  # noqa: E402  (tests/gpu is on sys.path under pytest)
+from gpu_cases import gradient_problems, random_many_intervals_case  # noqa: E402  (tests/gpu is on sys.path under pytest)
 
 import os
 
@@ -123,4 +123,26 @@ def test_any_k_head_dim_64_fp16(any_k_on):
     g = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(qx, kx, vx)
     g_hi, g_lo = reference_gradients(qx, kx, vx, do, mask)
     problems = gradient_problems(g, g_hi, g_lo, jnp.float16)
+    assert not problems, "; ".join(problems)
+
+
+@needs_gpu
+@pytest.mark.parametrize("seed", range(6))
+def test_random_many_interval_specs(seed, any_k_on):
+    """K from 9 to 32 (random stripe unions, some with a per-batch period)."""
+    rng = np.random.default_rng(900 + seed)
+    spec, md = random_many_intervals_case(rng, 700, 2)
+    cm = jcm.compile(spec)
+    assert cm.num_intervals > 8, cm.num_intervals
+    n, b = 700, 2
+    qx, kx, vx, do = _inputs(b, n, 2, 1, 128, jnp.bfloat16, seed=seed)
+    mask = spec.as_dense(md, n, n)
+
+    def loss(a, b_, c):
+        o = jcm.mask_attention(a, b_, c, spec, metadata=md, implementation=IMPL)
+        return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32))
+
+    g = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(qx, kx, vx)
+    g_hi, g_lo = reference_gradients(qx, kx, vx, do, mask)
+    problems = gradient_problems(g, g_hi, g_lo, jnp.bfloat16)
     assert not problems, "; ".join(problems)

@@ -27,7 +27,7 @@ from jcompilemask import backends
 from jcompilemask.lower.compiled import CUTE_ANY_K_ENV, region_backend
 from jcompilemask.spec import MaskSpec, Region, Scalar, Vector, h, k, q, q_len
 from jcompilemask.testing import assert_within_policy, reference_attention, reference_gradients
-from gpu_cases import gradient_problems  # noqa: E402  (tests/gpu is on sys.path under pytest)
+from gpu_cases import gradient_problems, random_residual_case  # noqa: E402  (tests/gpu is on sys.path under pytest)
 
 IMPL = os.environ.get("JCM_RESIDUAL_IMPL", "cute")    # "xla": the same checks on CPU
 _why = None if IMPL == "xla" else backends.get("cute").available()
@@ -107,3 +107,32 @@ def test_block_causal_spellings_agree(residual_on):
     b = jcm.mask_attention(qx, kx, vx, MaskSpec([Region((0, q_len), k < (q // 64 + 1) * 64)]),
                            implementation=IMPL)
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+@needs_gpu
+@pytest.mark.parametrize("seed", range(6))
+def test_random_residual_specs(seed, residual_on):
+    """Random two-region specs mixing interval atoms with residual ones (a modulus, a
+    metadata divisor, a quadratic): forward and gradients vs the dense oracle."""
+    rng = np.random.default_rng(700 + seed)
+    spec, md = random_residual_case(rng, 700, 2)
+    cm = jcm.compile(spec, warn=False)
+    if not cm.residual_regions:
+        pytest.skip("this draw lowered exactly")
+    n, b = 700, 2
+    qx, kx, vx, do = _inputs(b, n, 2, 2, 128, jnp.bfloat16, seed=seed)
+    mask = spec.as_dense(md, n, n)
+    out = jax.jit(lambda a, b_, c: jcm.mask_attention(a, b_, c, spec, metadata=md,
+                                                      implementation=IMPL))(qx, kx, vx)
+    hi = reference_attention(qx, kx, vx, mask, precision="high")
+    lo = reference_attention(qx, kx, vx, mask, precision="input")
+    assert_within_policy(out, hi[0], lo[0], "out")
+
+    def loss(a, b_, c):
+        o = jcm.mask_attention(a, b_, c, spec, metadata=md, implementation=IMPL)
+        return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32))
+
+    g = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(qx, kx, vx)
+    g_hi, g_lo = reference_gradients(qx, kx, vx, do, mask)
+    problems = gradient_problems(g, g_hi, g_lo, jnp.bfloat16)
+    assert not problems, "; ".join(problems)
