@@ -436,7 +436,13 @@ def test_explain_says_which_backward_runs(monkeypatch):
         monkeypatch.setenv(backends.CUTE_EXPERIMENTAL_ENV, "1")
         for c in (call(256, 256), call(128, 128, True), call(192, 128)):
             assert "backward: the CuTe backward kernel (opted in" in backends.explain(c)
+        # Residual predicates: emitted into both CuTe kernels under the opt-in; one that
+        # cannot run in a kernel (per-token segment ids) keeps the mask on xla.
         fallback = dataclasses.replace(call(128, 128), has_fallback=True)
+        assert "backward: the CuTe backward kernel (opted in" in backends.explain(fallback)
+        segs = dataclasses.replace(fallback, residual_reason="the residual reads segment ids 'seg'")
+        assert "backward: xla (the backend that runs the forward)" in backends.explain(segs)
+        monkeypatch.setenv(backends.CUTE_EXPERIMENTAL_ENV, "0")
         assert "backward: xla (the backend that runs the forward)" in backends.explain(fallback)
     finally:
         backends.register(real)
