@@ -115,3 +115,33 @@ def random_many_intervals_case(rng, n=700, b=2):
     spec = MaskSpec([Region((0, q_len), stripes & bound)])
     md = {"p": rng.integers(8, 41, b).astype(np.int32)} if use_p else None
     return spec, md
+
+
+def check_attention(spec, md, b, n, hq, hkv, d, dtype, impl, seed=0, forward=True, lse=True):
+    """mask_attention with ``impl`` against the dense oracle under the tolerance policy:
+    out (and lse) when ``forward``, then dq, dk, dv (asserts; random normal inputs)."""
+    import jax
+    import jax.numpy as jnp
+    import jcompilemask as jcm
+    from jcompilemask.testing import assert_within_policy, reference_attention, reference_gradients
+    ks = jax.random.split(jax.random.key(seed), 4)
+    mk = lambda kk, h: jax.random.normal(kk, (b, n, h, d), jnp.float32).astype(dtype)  # noqa: E731
+    qx, kx, vx, do = mk(ks[0], hq), mk(ks[1], hkv), mk(ks[2], hkv), mk(ks[3], hq)
+    mask = spec.as_dense(md, n, n)
+    if forward:
+        out, res = jax.jit(lambda a, b_, c: jcm.mask_attention(
+            a, b_, c, spec, metadata=md, implementation=impl, return_residual=True))(qx, kx, vx)
+        hi = reference_attention(qx, kx, vx, mask, precision="high")
+        lo = reference_attention(qx, kx, vx, mask, precision="input")
+        assert_within_policy(out, hi[0], lo[0], "out")
+        if lse:
+            assert_within_policy(jnp.swapaxes(res, 1, 2), hi[1], lo[1], "lse")
+
+    def loss(a, b_, c):
+        o = jcm.mask_attention(a, b_, c, spec, metadata=md, implementation=impl)
+        return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32))
+
+    g = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(qx, kx, vx)
+    g_hi, g_lo = reference_gradients(qx, kx, vx, do, mask)
+    problems = gradient_problems(g, g_hi, g_lo, dtype)
+    assert not problems, "; ".join(problems)

@@ -26,8 +26,7 @@ import jcompilemask as jcm
 from jcompilemask import backends
 from jcompilemask.lower.compiled import CUTE_ANY_K_ENV, region_backend
 from jcompilemask.spec import MaskSpec, Region, Scalar, k, q, q_len
-from jcompilemask.testing import assert_within_policy, reference_attention, reference_gradients
-from gpu_cases import gradient_problems, random_many_intervals_case  # noqa: E402  (tests/gpu is on sys.path under pytest)
+from gpu_cases import check_attention, random_many_intervals_case  # noqa: E402  (tests/gpu is on sys.path under pytest)
 
 import os
 
@@ -68,12 +67,6 @@ CASES = {
 }
 
 
-def _inputs(b, n, hq, hkv, d, dtype, seed=0):
-    ks = jax.random.split(jax.random.key(seed), 4)
-    mk = lambda kk, h: jax.random.normal(kk, (b, n, h, d), jnp.float32).astype(dtype)  # noqa: E731
-    return mk(ks[0], hq), mk(ks[1], hkv), mk(ks[2], hkv), mk(ks[3], hq)
-
-
 @pytest.fixture
 def any_k_on(monkeypatch):
     monkeypatch.setenv(CUTE_ANY_K_ENV, "1")
@@ -86,44 +79,15 @@ def test_any_k_forward_and_gradients(name, any_k_on):
     spec, md = CASES[name]
     cm = jcm.compile(spec)
     assert cm.num_intervals > 8, (name, cm.num_intervals)
-    b, n, d, dtype = 2, 1300, 128, jnp.bfloat16          # ragged: not a multiple of 64 / 128
-    qx, kx, vx, do = _inputs(b, n, 4, 2, d, dtype)
-    call_md = md
     assert region_backend(cm, 0).startswith("cute"), region_backend(cm, 0)
-    mask = spec.as_dense(call_md, n, n)
-    out, lse = jax.jit(lambda a, b_, c: jcm.mask_attention(
-        a, b_, c, spec, metadata=call_md, implementation=IMPL, return_residual=True))(qx, kx, vx)
-    lse = jnp.swapaxes(lse, 1, 2)                      # [B, Nq, Hq] -> the references' [B, Hq, Nq]
-    hi = reference_attention(qx, kx, vx, mask, precision="high")
-    lo = reference_attention(qx, kx, vx, mask, precision="input")
-    assert_within_policy(out, hi[0], lo[0], "out")
-    assert_within_policy(lse, hi[1], lo[1], "lse")
-
-    def loss(a, b_, c):
-        o = jcm.mask_attention(a, b_, c, spec, metadata=call_md, implementation=IMPL)
-        return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32))
-
-    g = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(qx, kx, vx)
-    g_hi, g_lo = reference_gradients(qx, kx, vx, do, mask)
-    problems = gradient_problems(g, g_hi, g_lo, dtype)
-    assert not problems, "; ".join(problems)
+    # ragged: not a multiple of 64 / 128
+    check_attention(spec, md, 2, 1300, 4, 2, 128, jnp.bfloat16, IMPL)
 
 
 @needs_gpu
 def test_any_k_head_dim_64_fp16(any_k_on):
     spec, _ = CASES["global16+window"]
-    n = 1100
-    qx, kx, vx, do = _inputs(1, n, 2, 1, 64, jnp.float16, seed=3)
-    mask = spec.as_dense(None, n, n)
-
-    def loss(a, b_, c):
-        o = jcm.mask_attention(a, b_, c, spec, implementation=IMPL)
-        return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32))
-
-    g = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(qx, kx, vx)
-    g_hi, g_lo = reference_gradients(qx, kx, vx, do, mask)
-    problems = gradient_problems(g, g_hi, g_lo, jnp.float16)
-    assert not problems, "; ".join(problems)
+    check_attention(spec, None, 1, 1100, 2, 1, 64, jnp.float16, IMPL, seed=3, forward=False)
 
 
 @needs_gpu
@@ -132,17 +96,5 @@ def test_random_many_interval_specs(seed, any_k_on):
     """K from 9 to 32 (random stripe unions, some with a per-batch period)."""
     rng = np.random.default_rng(900 + seed)
     spec, md = random_many_intervals_case(rng, 700, 2)
-    cm = jcm.compile(spec)
-    assert cm.num_intervals > 8, cm.num_intervals
-    n, b = 700, 2
-    qx, kx, vx, do = _inputs(b, n, 2, 1, 128, jnp.bfloat16, seed=seed)
-    mask = spec.as_dense(md, n, n)
-
-    def loss(a, b_, c):
-        o = jcm.mask_attention(a, b_, c, spec, metadata=md, implementation=IMPL)
-        return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32))
-
-    g = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(qx, kx, vx)
-    g_hi, g_lo = reference_gradients(qx, kx, vx, do, mask)
-    problems = gradient_problems(g, g_hi, g_lo, jnp.bfloat16)
-    assert not problems, "; ".join(problems)
+    assert jcm.compile(spec).num_intervals > 8
+    check_attention(spec, md, 2, 700, 2, 1, 128, jnp.bfloat16, IMPL, seed=seed, forward=False)

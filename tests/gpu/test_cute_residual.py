@@ -26,8 +26,7 @@ import jcompilemask as jcm
 from jcompilemask import backends
 from jcompilemask.lower.compiled import CUTE_ANY_K_ENV, region_backend
 from jcompilemask.spec import MaskSpec, Region, Scalar, Vector, h, k, q, q_len
-from jcompilemask.testing import assert_within_policy, reference_attention, reference_gradients
-from gpu_cases import gradient_problems, random_residual_case  # noqa: E402  (tests/gpu is on sys.path under pytest)
+from gpu_cases import check_attention, random_residual_case  # noqa: E402  (tests/gpu is on sys.path under pytest)
 
 IMPL = os.environ.get("JCM_RESIDUAL_IMPL", "cute")    # "xla": the same checks on CPU
 _why = None if IMPL == "xla" else backends.get("cute").available()
@@ -75,25 +74,8 @@ def test_residual_forward_and_gradients(name, residual_on):
     cm = jcm.compile(spec, warn=False)
     assert cm.residual_regions, name
     assert all(region_backend(cm, g).startswith("cute on an SM90 GPU (hull") for g in cm.residual_regions)
-    b, n, dtype = 2, 1100, jnp.bfloat16                 # ragged: not a multiple of 128
-    qx, kx, vx, do = _inputs(b, n, 4, 2, 128, dtype)
-    mask = spec.as_dense(md, n, n)
-    out, lse = jax.jit(lambda a, b_, c: jcm.mask_attention(
-        a, b_, c, spec, metadata=md, implementation=IMPL, return_residual=True))(qx, kx, vx)
-    lse = jnp.swapaxes(lse, 1, 2)
-    hi = reference_attention(qx, kx, vx, mask, precision="high")
-    lo = reference_attention(qx, kx, vx, mask, precision="input")
-    assert_within_policy(out, hi[0], lo[0], "out")
-    assert_within_policy(lse, hi[1], lo[1], "lse")
-
-    def loss(a, b_, c):
-        o = jcm.mask_attention(a, b_, c, spec, metadata=md, implementation=IMPL)
-        return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32))
-
-    g = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(qx, kx, vx)
-    g_hi, g_lo = reference_gradients(qx, kx, vx, do, mask)
-    problems = gradient_problems(g, g_hi, g_lo, dtype)
-    assert not problems, "; ".join(problems)
+    # ragged: not a multiple of 128
+    check_attention(spec, md, 2, 1100, 4, 2, 128, jnp.bfloat16, IMPL)
 
 
 @needs_gpu
@@ -116,23 +98,6 @@ def test_random_residual_specs(seed, residual_on):
     metadata divisor, a quadratic): forward and gradients vs the dense oracle."""
     rng = np.random.default_rng(700 + seed)
     spec, md = random_residual_case(rng, 700, 2)
-    cm = jcm.compile(spec, warn=False)
-    if not cm.residual_regions:
+    if not jcm.compile(spec, warn=False).residual_regions:
         pytest.skip("this draw lowered exactly")
-    n, b = 700, 2
-    qx, kx, vx, do = _inputs(b, n, 2, 2, 128, jnp.bfloat16, seed=seed)
-    mask = spec.as_dense(md, n, n)
-    out = jax.jit(lambda a, b_, c: jcm.mask_attention(a, b_, c, spec, metadata=md,
-                                                      implementation=IMPL))(qx, kx, vx)
-    hi = reference_attention(qx, kx, vx, mask, precision="high")
-    lo = reference_attention(qx, kx, vx, mask, precision="input")
-    assert_within_policy(out, hi[0], lo[0], "out")
-
-    def loss(a, b_, c):
-        o = jcm.mask_attention(a, b_, c, spec, metadata=md, implementation=IMPL)
-        return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32))
-
-    g = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(qx, kx, vx)
-    g_hi, g_lo = reference_gradients(qx, kx, vx, do, mask)
-    problems = gradient_problems(g, g_hi, g_lo, jnp.bfloat16)
-    assert not problems, "; ".join(problems)
+    check_attention(spec, md, 2, 700, 2, 2, 128, jnp.bfloat16, IMPL, seed=seed, lse=False)
