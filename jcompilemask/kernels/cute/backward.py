@@ -87,8 +87,13 @@ class Bar(enum.IntEnum):
     DQ_EMPTY = 5    # 5, 6: the dQ warp's bulk reduce-add has read it (the dQ warp arrives)
     EPILOGUE = 7    # dkv_tma_store: both consumer warpgroups are done with K / V, then
                     # have written dK / dV into their buffers
-    LIST_READY = 8  # 8, 9 (per list buffer): the producer warp built the work list
+    LIST_READY = 8  # 8, 9 (per list buffer): the producer warp built the work list (for the
+                    # consumer warpgroups)
     LIST_FREE = 10  # 10, 11: every reader (consumers, dQ warp) is done with it
+    LIST_READY_DQ = 12  # 12, 13: the same list, for the dQ warp. A barrier generation is
+                        # waited on from one instruction only (bar.sync is .aligned): the
+                        # consumers' and the dQ warp's waits sit at different instructions,
+                        # which compute-sanitizer's synccheck reports as divergent.
 
 
 class FlashBackwardSm90(WarpSpecializedSm90):
@@ -201,7 +206,8 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         # work_list: the query tiles a key column visits, built once per (head, chunk of
         # list_chunk query tiles) by the producer warp into one of two shared buffers.
         self.list_chunk = config.list_chunk
-        self.list_meet = self.num_consumer_wgs * self.threads_per_wg + 64
+        self.list_meet = self.num_consumer_wgs * self.threads_per_wg + 64   # LIST_FREE
+        self.list_ready_meet = self.num_consumer_wgs * self.threads_per_wg + 32
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -488,7 +494,9 @@ class FlashBackwardSm90(WarpSpecializedSm90):
                 if seq >= 2:   # the readers are done with this buffer's list of seq - 2
                     cute.arch.barrier(barrier_id=int(Bar.LIST_FREE) + seq % 2, number_of_threads=self.list_meet)
                 self.build_list(gTiles, n_q_tiles, ch * self.list_chunk, work, seq % 2)
-                cute.arch.barrier_arrive(barrier_id=int(Bar.LIST_READY) + seq % 2, number_of_threads=self.list_meet)
+                cute.arch.barrier_arrive(barrier_id=int(Bar.LIST_READY) + seq % 2,
+                                         number_of_threads=self.list_ready_meet)
+                cute.arch.barrier_arrive(barrier_id=int(Bar.LIST_READY_DQ) + seq % 2, number_of_threads=64)
                 n_iter = work[1][seq % 2]
               for it in cutlass.range(n_iter, unroll=1):
                 q_tile, bits = self.visit(it, gTiles, work, seq)
@@ -535,12 +543,16 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         return q_tile, bits
 
     @cute.jit
-    def list_wait(self, n_q_tiles, work, seq):
+    def list_wait(self, n_q_tiles, work, seq, dq_warp=False):
         """A reader's iteration count for list `seq`: wait until it is built (work_list),
-        else every query tile of the walk."""
+        else every query tile of the walk. The dQ warp waits on its own barrier."""
         n = n_q_tiles
         if const_expr(self.config.work_list):
-            cute.arch.barrier(barrier_id=int(Bar.LIST_READY) + seq % 2, number_of_threads=self.list_meet)
+            if const_expr(dq_warp):
+                cute.arch.barrier(barrier_id=int(Bar.LIST_READY_DQ) + seq % 2, number_of_threads=64)
+            else:
+                cute.arch.barrier(barrier_id=int(Bar.LIST_READY) + seq % 2,
+                                  number_of_threads=self.list_ready_meet)
             n = work[1][seq % 2]
         return n
 
@@ -579,7 +591,7 @@ class FlashBackwardSm90(WarpSpecializedSm90):
             gTiles = mBwdTiles[mask_batch, mh, k_tile, None]
             for ch in cutlass.range(self.num_chunks(n_q_tiles), unroll=1):
               seq = g * self.num_chunks(n_q_tiles) + ch
-              n_iter = self.list_wait(n_q_tiles, work, seq)
+              n_iter = self.list_wait(n_q_tiles, work, seq, dq_warp=True)
               for it in cutlass.range(n_iter, unroll=1):
                 q_tile, bits = self.visit(it, gTiles, work, seq)
                 if bits & Uint32(1) != Uint32(0):
