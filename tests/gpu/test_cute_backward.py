@@ -49,6 +49,17 @@ def test_backward_compiles_for_sm90(dtype, d, kk, kc, bb, bh):
 
 
 @needs_cutlass
+def test_named_barrier_ids_are_distinct_and_fit():
+    """Every named barrier (ids + their per-warpgroup / per-buffer copies) is its own id in
+    1..15 (0 is __syncthreads), so no two protocols share a barrier generation."""
+    from jcompilemask.kernels.cute.backward import Bar
+    copies = {"DQ_FULL": 2, "DQ_EMPTY": 2, "LIST_READY": 2, "LIST_FREE": 2, "LIST_READY_DQ": 2}
+    ids = [b.value + i for b in Bar for i in range(copies.get(b.name, 1))]
+    assert len(ids) == len(set(ids)), sorted(ids)
+    assert min(ids) >= 1 and max(ids) <= 15, sorted(ids)
+
+
+@needs_cutlass
 @pytest.mark.parametrize("case", ["dilated", "divisor", "two_regions", "no_column_view"])
 def test_residual_backward_compiles_for_sm90(case):
     """Residual predicates in the backward's partial tiles: the column program per key row,
