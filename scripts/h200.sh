@@ -20,6 +20,8 @@
 #   s6b          session 6's default through the GPU backward tests + compute-sanitizer (3 tools)
 #   anyk         issue 16: K > 8 / Kc > 16 intervals and residual predicates on the CuTe kernels
 #   sanitize2    compute-sanitizer (3 tools) on the CuTe kernels without JAX in the process
+#   s8t / s8b    the next backward default candidate (JCM_S8_CONFIG): its GPU tests / timed beside
+#                the default and the peers at 32K + 8K
 #   shfl         stats_shfl, column_skip, the forward's bits path for K <= 8: tests, then timed at 32K
 #   masks16      issue 16's timings: block-causal spellings, dilated window, global tokens + window vs Flex+FA4
 #   fwl          issue 14: the forward's work list (JCOMPILEMASK_CUTE_FWD_WORK_LIST=1): tests, then timed
@@ -234,6 +236,31 @@ case $stage in
         python3 tests/scripts/sanitizer_summary.py "$OUT/sanitize2-$c-$tool.log" | head -12
       done
     done
+    ;;
+  s8t)
+    # Next default candidate for the backward (session 7's timings: stats_shfl -2% causal,
+    # column bits + skip -8% clear; NOTES.md "Session 7"): JCM_S8_CONFIG (default below)
+    # through the GPU backward tests, the 20-rerun stress and two attention gradient cases.
+    left() { local l=$(( 570 - SECONDS )); (( l < $1 )) && echo $(( l > 5 ? l : 5 )) || echo $1; }
+    t=tests/gpu/test_cute_backward.py
+    JCOMPILEMASK_CUTE_BWD_CONFIG=${JCM_S8_CONFIG:-stats_shfl=1,column_bits=0,column_skip=1} \
+      timeout -k 5 $(left 540) python3 -m pytest -q -rs -p no:cacheprovider "$t::test_builtin_grads" \
+      "$t::test_head_dim_64_fp16_mqa" "$t::test_fully_masked_rows" "$t::test_no_column_view_uses_row_intervals" \
+      "$t::test_random_lowered_specs" "$t::test_repeated_gradients_are_identical" \
+      "tests/gpu/test_cute_attention.py::test_builtin[hstu]" "tests/gpu/test_cute_attention.py::test_builtin[shared_prompt]" \
+      --junitxml="$OUT/junit-s8t.xml" > "$OUT/pytest-s8t.log" 2>&1
+    echo "pytest rc $? ($SECONDS s)"; pkill -9 -f pytest; tail -8 "$OUT/pytest-s8t.log"
+    ;;
+  s8b)
+    # The candidate beside the default and the peers, 32K then 8K, one run (issue 12's
+    # acceptance table when the candidate becomes the default).
+    export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
+    b=${JCM_BENCH_S:-560}
+    timeout -k 5 $b python3 benchmarks/bench_total.py --ns 32768,8192 --masks causal,hstu,shared_prompt,clear \
+      --impls jcm,fa4-native,flex-fa4 --min-repeat-s 0.25 ${JCM_BENCH_CHECK:+--check} \
+      --jcm-variants "base=;cand=JCOMPILEMASK_CUTE_BWD_CONFIG=${JCM_S8_CONFIG:-stats_shfl=1,column_bits=0,column_skip=1}" \
+      --budget-s $(( b - 40 )) --out "$OUT/h200-total-s8.json" > "$OUT/bench-s8.log" 2>&1
+    echo "bench rc $?"; pkill -9 -f bench_total; grep -E '^\||FAILED|budget' "$OUT/bench-s8.log" | tail -30
     ;;
   shfl)
     # Session 6's compile-checked knobs, tested then timed: stats_shfl (lse / delta by shfl),
