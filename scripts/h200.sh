@@ -22,6 +22,7 @@
 #   sanitize2    compute-sanitizer (3 tools) on the CuTe kernels without JAX in the process
 #   s8t / s8b    the next backward default candidate (JCM_S8_CONFIG): its GPU tests / timed beside
 #                the default and the peers at 32K + 8K
+#   prof8        ncu on one causal 32K backward of ours and one of FA4's, same call
 #   shfl         stats_shfl, column_skip, the forward's bits path for K <= 8: tests, then timed at 32K
 #   masks16      issue 16's timings: block-causal spellings, dilated window, global tokens + window vs Flex+FA4
 #   fwl          issue 14: the forward's work list (JCOMPILEMASK_CUTE_FWD_WORK_LIST=1): tests, then timed
@@ -261,6 +262,27 @@ case $stage in
       --jcm-variants "base=;cand=JCOMPILEMASK_CUTE_BWD_CONFIG=${JCM_S8_CONFIG:-stats_shfl=1,column_bits=0,column_skip=1}" \
       --budget-s $(( b - 40 )) --out "$OUT/h200-total-s8.json" > "$OUT/bench-s8.log" 2>&1
     echo "bench rc $?"; pkill -9 -f bench_total; grep -E '^\||FAILED|budget' "$OUT/bench-s8.log" | tail -30
+    ;;
+  prof8)
+    # ncu on one causal 32K backward launch of ours (the default, or JCOMPILEMASK_CUTE_BWD_CONFIG)
+    # and one of FA4's, same call: where the remaining ~9% goes (tensor busy, stalls,
+    # instruction mix side by side). Kernel-name regexes: ours FlashBackward, FA4's bwd
+    # class (FlashAttentionBackwardSm90). Reports stay on the device; text pages come back.
+    left() { local l=$(( 570 - SECONDS )); (( l < $1 )) && echo $(( l > 5 ? l : 5 )) || echo $1; }
+    sec="--section SpeedOfLight --section WarpStateStats --section LaunchStats --section Occupancy --section InstructionStats --section SourceCounters --section MemoryWorkloadAnalysis"
+    for who in jcm fa4; do
+      if [[ $who == jcm ]]; then re=regex:FlashBackward; script=tests/scripts/gpu_backward_profile.py
+      else re=regex:BackwardSm90; script=tests/scripts/fa4_backward_profile.py; fi
+      timeout -k 5 $(left 150) ncu --clock-control none --kernel-name $re --launch-skip 1 --launch-count 1 \
+        $sec -o /tmp/prof-$who python3 $script > "$OUT/ncu-run-$who.log" 2>&1
+      echo "ncu $who rc $? ($SECONDS s)"; pkill -9 -f _backward_profile; tail -2 "$OUT/ncu-run-$who.log"
+      if [[ -f /tmp/prof-$who.ncu-rep ]]; then
+        timeout 40 ncu -i /tmp/prof-$who.ncu-rep --page details > "$OUT/ncu-$who.txt" 2>&1
+        timeout 60 ncu -i /tmp/prof-$who.ncu-rep --page source --csv --print-source sass > /tmp/sass-$who.csv 2>&1
+        gzip -c /tmp/sass-$who.csv > "$OUT/ncu-$who-sass.csv.gz"
+        grep -E "Duration|Busy|Registers|Issued Ipc|Eligible|Stall|Spill|Local|Executed Instructions " "$OUT/ncu-$who.txt" | head -24
+      fi
+    done
     ;;
   shfl)
     # Session 6's compile-checked knobs, tested then timed: stats_shfl (lse / delta by shfl),
