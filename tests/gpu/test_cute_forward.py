@@ -379,3 +379,55 @@ def test_matches_reference_on_gpu(case):
     assert np.array_equal(np.isneginf(lse), empty)
     np.testing.assert_allclose(lse[~empty], lse_ref[~empty], atol=2e-2)
     assert np.all(np.transpose(o, (0, 2, 1, 3))[empty] == 0)
+
+
+@needs_cutlass
+@pytest.mark.parametrize("case", ["plain", "gqa_per_batch_k6", "residual"])
+def test_scheduled_forward_compiles_for_sm90(case):
+    """The forward on a 1-D grid in the host's work-unit order (issue 14 item 2): plain,
+    per-batch masks with K 6, and with a residual program (its own entry)."""
+    import jcompilemask as jcm
+    from jcompilemask.kernels.cute.api import ForwardKey, compile_forward
+    from jcompilemask.lower.residual_program import ResidualProgram
+    from jcompilemask.spec import MaskSpec, Region, k, q, q_len
+    residual, kk, bb = None, 1, True
+    if case == "gqa_per_batch_k6":
+        kk, bb = 6, False
+    if case == "residual":
+        cm = jcm.compile(MaskSpec([Region((0, q_len), (k <= q) & ((q - k) % 2 == 0))]), warn=False)
+        residual, kk = ResidualProgram.forward(cm), cm.num_intervals
+    key = ForwardKey("bfloat16", 128, 128, kk, 128, 128, bb, True, 128**-0.5, residual=residual,
+                     schedule=True)
+    assert compile_forward(key) is not None and key.target_name.endswith("_ls")
+
+
+@pytest.mark.parametrize("case", ["causal", "document", "random3"])
+def test_scheduled_forward_is_bit_identical_on_gpu(case, monkeypatch):
+    """The work-unit order changes which CTA runs a unit, never its arithmetic: o and lse
+    equal the default grid's bit for bit (and so the reference, by the test above)."""
+    reason = _sm90_gpu_reason()
+    if reason:
+        pytest.skip(reason)
+    import jax
+    import jax.numpy as jnp
+
+    from jcompilemask.kernels.cute import api
+    from jcompilemask.kernels.cute.testing import check_case_intervals, tiles_from_intervals
+
+    B, Nq, Nk, Hq, Hkv = 2, 700, 900, 4, 2
+    if case != "random3":
+        Nk = Nq
+    iv, _ = check_case_intervals(case, np.random.default_rng(2), B, Nq, Nk, Hq)
+    tiles = tiles_from_intervals(iv, Nk, 128, 128)
+    kq, kk, kv = jax.random.split(jax.random.PRNGKey(8), 3)
+    q = jax.random.normal(kq, (B, Nq, Hq, 128)).astype(jnp.bfloat16)
+    k = jax.random.normal(kk, (B, Nk, Hkv, 128)).astype(jnp.bfloat16)
+    v = jax.random.normal(kv, (B, Nk, Hkv, 128)).astype(jnp.bfloat16)
+    outs = []
+    for flag in ("0", "1"):
+        monkeypatch.setenv(api.FWD_SCHEDULE_ENV, flag)
+        f = jax.jit(lambda *a: api.cute_forward(*a))      # traced per flag (a new lambda)
+        outs.append([np.asarray(x) for x in f(q, k, v, jnp.asarray(iv), jnp.asarray(tiles))])
+    (o0, l0), (o1, l1) = outs
+    assert np.array_equal(o0.view(np.uint16), o1.view(np.uint16))
+    assert np.array_equal(l0, l1, equal_nan=True)

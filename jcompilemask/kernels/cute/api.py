@@ -101,6 +101,11 @@ class ForwardKey:
     # for benchmarks until measured): producer and consumers iterate the row's visited key
     # tiles instead of walking every tile's bits.
     work_list: bool = False
+    # A 1-D grid over work units in the host's order (issue 14 item 2;
+    # $JCOMPILEMASK_CUTE_FWD_SCHEDULE=1 for benchmarks until measured): longest first by the
+    # descriptor's visited-tile counts, heads grouped so their K / V fit in L2
+    # (forward_schedule); the kernel then also reads that order, int32 [B * Hq * Tq].
+    schedule: bool = False
 
     def __post_init__(self):
         if self.residual is not None and (self.residual.view != "fwd"
@@ -149,6 +154,7 @@ class ForwardKey:
             + ("" if self.residual is None else f"_r{self.residual.tag}")
             + ("" if self.bits_above == 8 else f"_ba{self.bits_above}")
             + ("_wl" if self.work_list else "")
+            + ("_ls" if self.schedule else "")
         )
 
 
@@ -228,6 +234,7 @@ def compile_forward(key: ForwardKey):
             broadcast_batch=key.broadcast_batch, broadcast_head=key.broadcast_head,
             num_stages=key.num_stages, softcap=key.softcap, softcap_fast_tanh=key.softcap_fast_tanh,
             residual=key.residual, bits_above=key.bits_above, work_list=key.work_list,
+            schedule=key.schedule,
         )
         inputs = [bhsd(nq, hq, key.head_dim), bhsd(nk, hkv, key.head_dim), bhsd(nk, hkv, key.head_dim_v),
                   intervals, tiles]
@@ -240,6 +247,11 @@ def compile_forward(key: ForwardKey):
                                                      assumed_align=4),
                        cute.runtime.make_fake_tensor(cutlass.Int32, (bm, max(key.residual.width, 1)),
                                                      stride=(sym64(), 1), assumed_align=4)]
+        if key.schedule:
+            # The work-unit order int32 [B * Hq * Tq] (an operand, after the residual's).
+            entry = kernel.with_residual_schedule if key.residual is not None else kernel.with_schedule
+            inputs.append(cute.runtime.make_fake_tensor(cutlass.Int32, (sym(),), stride=(1,),
+                                                        assumed_align=4))
         args = inputs + [bhsd(nq, hq, key.head_dim_v), lse]
         fn = cute.compile(
             entry, *args,
@@ -269,6 +281,10 @@ def _ensure_registered(key) -> str:
 
 FWD_BITS_ABOVE_ENV = "JCOMPILEMASK_CUTE_FWD_BITS_ABOVE"
 FWD_WORK_LIST_ENV = "JCOMPILEMASK_CUTE_FWD_WORK_LIST"
+FWD_SCHEDULE_ENV = "JCOMPILEMASK_CUTE_FWD_SCHEDULE"
+# L2 bytes the K / V of one group of heads may take (forward_schedule): the H100 / H200's
+# 50 MB L2, as FlashAttention's longest-first scheduler assumes.
+L2_BYTES = 50 * 1024 * 1024
 
 
 def _fwd_bits_above() -> int:
@@ -295,6 +311,61 @@ def _fwd_work_list(d, dv, block_q, block_kv, num_stages) -> bool:
         return False
     return forward_smem_bytes(d, block_q, block_kv, num_stages, head_dim_v=dv) + 4 * 512 + 32 \
         <= _SMEM_LIMIT
+
+
+def _fwd_schedule() -> bool:
+    """``$JCOMPILEMASK_CUTE_FWD_SCHEDULE=1`` (read at trace time; a benchmark knob until
+    measured): the forward runs its work units in ``forward_schedule``'s order."""
+    import os
+    text = os.environ.get(FWD_SCHEDULE_ENV, "0").strip()
+    if text not in ("0", "1", ""):
+        raise ValueError(f"{FWD_SCHEDULE_ENV}={text!r}: 0 or 1")
+    return text == "1"
+
+
+def kv_heads_per_l2_group(seqlen_k: int, head_dim: int, head_dim_v: int, itemsize: int,
+                          l2_bytes: int = L2_BYTES) -> int:
+    """How many KV heads' K and V (seqlen_k x (D + Dv) x itemsize bytes each) one group of
+    the forward schedule holds: the largest power of two that fits ``l2_bytes``, at least 1
+    (32K keys, D 128, bf16: 16 MB a head, groups of 2)."""
+    per_head = max(1, seqlen_k * (head_dim + head_dim_v) * itemsize)
+    fit = max(1, l2_bytes // per_head)
+    return 1 << (int(fit).bit_length() - 1)
+
+
+def forward_schedule(fwd_tiles, batch: int, num_heads: int, num_kv_heads: int, heads_per_group: int,
+                     xp=jnp):
+    """The order in which the forward's 1-D grid runs its work units, ``unit = (b * Hq + h) * Tq
+    + q_tile``: int32 [B * Hq * Tq], a permutation.
+
+    Units are grouped by KV head (``heads_per_group`` consecutive (batch, kv head) pairs per
+    group, so the group's K / V stay in L2 while its units run) and, inside a group, ordered
+    by their visited key-tile count, largest first (ties: query tile descending, then
+    (batch, head)):
+    the longest units start first and the grid's tail is made of short ones. The counts
+    come from ``fwd_tiles`` (uint32 [Bm, Hm, Tq, W], 2 state bits per tile, bit 0 = visited),
+    so the order serves any mask, not only causal. ``xp``: ``jax.numpy`` (traced, inside
+    ``cute_forward``) or ``numpy`` (tests).
+
+    >>> import numpy as np
+    >>> tiles = np.array([[[[0x1], [0x5], [0x15]]]], np.uint32)   # causal, 3 query tiles
+    >>> forward_schedule(tiles, 1, 2, 1, 1, xp=np).tolist()        # 2 heads share one kv head
+    [2, 5, 1, 4, 0, 3]
+    """
+    Bm, Hm, Tq, W = fwd_tiles.shape
+    x = fwd_tiles.astype(xp.uint32) & xp.uint32(0x55555555)          # each tile's visited bit
+    x = (x & xp.uint32(0x33333333)) + ((x >> xp.uint32(2)) & xp.uint32(0x33333333))
+    x = (x + (x >> xp.uint32(4))) & xp.uint32(0x0F0F0F0F)
+    x = (x * xp.uint32(0x01010101)) >> xp.uint32(24)                   # popcount per word
+    counts = xp.broadcast_to(x.astype(xp.int32).sum(axis=-1, dtype=xp.int32), (batch, num_heads, Tq))
+    b = xp.arange(batch, dtype=xp.int32)[:, None, None]
+    h = xp.arange(num_heads, dtype=xp.int32)[None, :, None]
+    t = xp.arange(Tq, dtype=xp.int32)[None, None, :]
+    group = (b * num_kv_heads + h // (num_heads // num_kv_heads)) // heads_per_group
+    shape = (batch, num_heads, Tq)
+    keys = [xp.broadcast_to(x, shape).reshape(-1) for x in (b * num_heads + h, -t, -counts, group)]
+    order = xp.lexsort(keys)    # the last key sorts first: group, -count, -q_tile, (batch, head)
+    return order.astype(xp.int32)
 
 
 def cute_forward(q, k, v, fwd_intervals, fwd_tiles, *, scale=None, softcap=None, block_q=128, block_kv=128,
@@ -347,6 +418,7 @@ def cute_forward(q, k, v, fwd_intervals, fwd_tiles, *, scale=None, softcap=None,
         bits_above=_fwd_bits_above(),
         work_list=_fwd_work_list(D, Dv, block_q, block_kv,
                                  num_stages or preferred_forward_stages(D, jnp.dtype(q.dtype).name)),
+        schedule=_fwd_schedule(),
     )
     extra = ()
     if key.residual is not None:
@@ -360,6 +432,9 @@ def cute_forward(q, k, v, fwd_intervals, fwd_tiles, *, scale=None, softcap=None,
         key = dataclasses.replace(key, broadcast_batch=True)
     if Hm == 1 and Hq == 1:
         key = dataclasses.replace(key, broadcast_head=True)
+    if key.schedule:
+        group = kv_heads_per_l2_group(Nk, D, Dv, jnp.dtype(q.dtype).itemsize)
+        extra = extra + (forward_schedule(fwd_tiles, B, Hq, Hkv, group),)
     name = _ensure_registered(key)
     out_types = (
         jax.ShapeDtypeStruct((B, Nq, Hq, Dv), q.dtype),

@@ -94,6 +94,7 @@ class FlashForwardSm90(WarpSpecializedSm90):
         residual=None,
         bits_above: int = INTERVALS_UNROLLED,
         work_list: bool = False,
+        schedule: bool = False,
     ):
         assert dtype in (cutlass.BFloat16, cutlass.Float16), dtype
         assert block_q == 64 * self.num_consumer_wgs, "each consumer warpgroup owns 64 rows"
@@ -134,6 +135,10 @@ class FlashForwardSm90(WarpSpecializedSm90):
         # list of visited key tiles (common.build_tile_list), chunks of FWD_LIST_CHUNK; it
         # and the consumers iterate the list instead of walking every tile's bits.
         self.work_list = work_list
+        # schedule (issue 14 item 2): a 1-D grid whose block i runs the work unit
+        # mSchedule[i] = (batch * Hq + head) * Tq + q_tile; the host orders the units
+        # longest-first within groups of heads whose K / V fit in L2 (api.forward_schedule).
+        self.schedule = schedule
         self.list_meet = self.num_consumer_wgs * self.threads_per_wg + 32
         # Residual predicates (lower/residual_program.py: per slot, per region) are checked
         # with the interval in partial tiles, on the bit-mask path with the slots unrolled;
@@ -180,7 +185,43 @@ class FlashForwardSm90(WarpSpecializedSm90):
         self._launch(mQ, mK, mV, mIntervals, mTiles, mO, mLSE, mRegion, mParams, stream)
 
     @cute.jit
-    def _launch(self, mQ, mK, mV, mIntervals, mTiles, mO, mLSE, mRegion, mParams, stream):
+    def with_schedule(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mIntervals: cute.Tensor,
+        mTiles: cute.Tensor,
+        mSchedule: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        stream,
+    ):
+        """The entry with a work-unit order: int32 [B * Hq * Tq], a permutation of the units
+        (api.forward_schedule)."""
+        self._launch(mQ, mK, mV, mIntervals, mTiles, mO, mLSE, None, None, stream, mSchedule)
+
+    @cute.jit
+    def with_residual_schedule(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mIntervals: cute.Tensor,
+        mTiles: cute.Tensor,
+        mRegion: cute.Tensor,
+        mParams: cute.Tensor,
+        mSchedule: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        stream,
+    ):
+        """``with_residual`` and ``with_schedule`` together."""
+        self._launch(mQ, mK, mV, mIntervals, mTiles, mO, mLSE, mRegion, mParams, stream, mSchedule)
+
+    @cute.jit
+    def _launch(self, mQ, mK, mV, mIntervals, mTiles, mO, mLSE, mRegion, mParams, stream,
+                mSchedule=None):
         # (B, N, H, D) -> (N, D, H, B): row, contraction dim, then the batch modes.
         mQt = cute.make_tensor(mQ.iterator, cute.select(mQ.layout, mode=[1, 3, 2, 0]))
         mKt = cute.make_tensor(mK.iterator, cute.select(mK.layout, mode=[1, 3, 2, 0]))
@@ -250,13 +291,19 @@ class FlashForwardSm90(WarpSpecializedSm90):
             self.shared_storage = SharedStorageList
 
         num_q_tiles = cute.ceil_div(mQ.shape[1], self.block_q)
-        residual_args = () if const_expr(self.residual is None) else (mRegion, mParams)
+        extra = {}
+        if const_expr(self.residual is not None):
+            extra.update(mRegion=mRegion, mParams=mParams)
+        grid = [num_q_tiles, mQ.shape[2], mQ.shape[0]]
+        if const_expr(self.schedule):
+            extra.update(mSchedule=mSchedule)
+            grid = [num_q_tiles * mQ.shape[2] * mQ.shape[0], 1, 1]
         self.kernel(
             mQ_tma, mK_tma, mV_tma, mO_tma, mLSE, mIntervals, mTiles,
             tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_o,
-            tiled_mma_qk, tiled_mma_pv, sQ_layout, sK_layout, sV_layout, *residual_args,
+            tiled_mma_qk, tiled_mma_pv, sQ_layout, sK_layout, sV_layout, **extra,
         ).launch(
-            grid=[num_q_tiles, mQ.shape[2], mQ.shape[0]],
+            grid=grid,
             block=[self.num_threads, 1, 1],
             stream=stream,
             min_blocks_per_mp=1,
@@ -289,6 +336,7 @@ class FlashForwardSm90(WarpSpecializedSm90):
         sV_layout: cute.ComposedLayout,
         mRegion: Optional[cute.Tensor] = None,
         mParams: Optional[cute.Tensor] = None,
+        mSchedule: Optional[cute.Tensor] = None,
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
@@ -320,6 +368,13 @@ class FlashForwardSm90(WarpSpecializedSm90):
         # the most keys, and launching them first shortens the tail of the grid.
         bidx, head, batch = cute.arch.block_idx()
         q_tile = cute.arch.grid_dim()[0] - 1 - bidx
+        if const_expr(self.schedule):
+            # The host's order (longest first, heads grouped for L2) of the work units.
+            n_q_tiles = cute.ceil_div(mQ.shape[0], self.block_q)
+            unit = mSchedule[bidx]
+            q_tile = unit % n_q_tiles
+            head = (unit // n_q_tiles) % mQ.shape[2]
+            batch = unit // (n_q_tiles * mQ.shape[2])
         head_kv = head // (mQ.shape[2] // mK.shape[2])
         mask_batch = 0 if const_expr(self.broadcast_batch) else batch
         mask_head = 0 if const_expr(self.broadcast_head) else head
