@@ -8,8 +8,11 @@
 .PHONY: demo test test-kernels ci
 demo:
 	bash -c 'source scripts/env.sh && python examples/quickstart.py'
+# Two pytest-xdist workers by default (CI has 2 cores: 15 min instead of 22), whole files per
+# worker; JCM_TEST_WORKERS=0 runs in one process.
+WORKERS ?= $(or $(JCM_TEST_WORKERS),2)
 test:
-	bash -c 'source scripts/env.sh test && python -m pytest tests jcompilemask -q --ignore=tests/gpu --durations=15'
+	bash -c 'source scripts/env.sh test && python -m pytest tests jcompilemask -q --ignore=tests/gpu --durations=15 -n $(WORKERS) --dist loadfile'
 test-kernels:
-	bash -c 'source scripts/env.sh test,compile && python -m pytest tests/gpu -q -rs'
+	bash -c 'source scripts/env.sh test,compile && python -m pytest tests/gpu -q -rs -n $(WORKERS) --dist loadfile'
 ci: test test-kernels

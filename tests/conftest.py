@@ -26,10 +26,19 @@ jax.config.update("jax_numpy_rank_promotion",
                   os.environ.get("JAX_NUMPY_RANK_PROMOTION", "raise"))
 
 
-def pytest_collection_finish(session):
-    """Print the fuzz stage's seed (tests/test_fuzz.py) before the first test runs."""
-    import sys
-    fuzz = sys.modules.get("test_fuzz")
+def pytest_configure(config):
+    """Draw the fuzz stage's seed (tests/test_fuzz.py) once, in the main process, into
+    $JCM_FUZZ_SEED: pytest-xdist workers (``make test`` runs two) inherit it, so every
+    worker fuzzes with the one seed the header prints."""
+    if not hasattr(config, "workerinput") and not os.environ.get("JCM_FUZZ_SEED"):
+        import secrets
+        os.environ["JCM_FUZZ_SEED"] = str(secrets.randbits(32))
+
+
+def pytest_sessionstart(session):
+    """Print the fuzz seed before the first test runs (also under -q and xdist)."""
+    seed = os.environ.get("JCM_FUZZ_SEED")
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
-    if fuzz is not None and reporter is not None:
-        reporter.write_line(fuzz.SEED_LINE)
+    if seed and reporter is not None and not hasattr(session.config, "workerinput"):
+        reporter.write_line(f"fuzz seed {seed} (replay: JCM_FUZZ_SEED={seed} pytest "
+                            "tests/test_fuzz.py; one group: add JCM_FUZZ_CASE=<group>)")
