@@ -286,6 +286,8 @@ case $stage in
         grep -E "Duration|Busy|Registers|Issued Ipc|Eligible|Stall|Spill|Local|Executed Instructions " "$OUT/ncu-$who.txt" | head -24
       fi
     done
+    [[ -f /tmp/sass-jcm.csv && -f /tmp/sass-fa4.csv ]] && python3 tests/scripts/ncu_sass_summary.py \
+      /tmp/sass-jcm.csv /tmp/sass-fa4.csv --top 30 > "$OUT/ncu-compare.txt" 2>&1 && head -75 "$OUT/ncu-compare.txt"
     ;;
   shfl)
     # Session 6's compile-checked knobs, tested then timed: stats_shfl (lse / delta by shfl),
