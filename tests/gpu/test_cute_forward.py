@@ -382,10 +382,10 @@ def test_matches_reference_on_gpu(case):
 
 
 @needs_cutlass
-@pytest.mark.parametrize("case", ["plain", "gqa_per_batch_k6", "residual"])
+@pytest.mark.parametrize("case", ["plain", "gqa_per_batch_k6", "residual", "work_list"])
 def test_scheduled_forward_compiles_for_sm90(case):
     """The forward on a 1-D grid in the host's work-unit order (issue 14 item 2): plain,
-    per-batch masks with K 6, and with a residual program (its own entry)."""
+    per-batch masks with K 6, with a residual program (its own entry), with the work list."""
     import jcompilemask as jcm
     from jcompilemask.kernels.cute.api import ForwardKey, compile_forward
     from jcompilemask.lower.residual_program import ResidualProgram
@@ -397,7 +397,7 @@ def test_scheduled_forward_compiles_for_sm90(case):
         cm = jcm.compile(MaskSpec([Region((0, q_len), (k <= q) & ((q - k) % 2 == 0))]), warn=False)
         residual, kk = ResidualProgram.forward(cm), cm.num_intervals
     key = ForwardKey("bfloat16", 128, 128, kk, 128, 128, bb, True, 128**-0.5, residual=residual,
-                     schedule=True)
+                     schedule=True, work_list=case == "work_list")
     assert compile_forward(key) is not None and key.target_name.endswith("_ls")
 
 
