@@ -481,7 +481,9 @@ class BackwardConfig:
       need them by ``shfl`` where used (FA4's SM90 order), instead of 16 shared-memory loads
       each queued behind the GEMMs' operand reads (ncu, causal 32K: the exp2 FFMA waiting on
       the lse load was ~13% of consumer stalls). Overrides ``stats_early`` / ``lse_early``.
-      Compile-checked only.
+      H200, 32K bwd ms (run 2026-12-01T20:30:10Z): causal 38.81 -> 38.02, hstu 44.75 ->
+      45.05; 15 GPU gradient cases passed with it (with ``column_bits=0, column_skip``);
+      not the default until the whole GPU test set has run (``h200.sh s8t``).
     - ``column_registers``: the largest Kc whose column intervals each thread holds in
       registers for the whole pass; above it they are re-read in each masked tile
       (ptxas, D 128, K 6 / Kc 7: 280 B of stack held, 48 B re-read). 16 (always hold) is
@@ -499,7 +501,9 @@ class BackwardConfig:
       above Kc 8.
     - ``column_skip``: in the unrolled bit-mask path, skip a column interval that misses
       the tile's queries (one compare per interval and key row instead of ncols); the loop
-      past ``COLUMNS_UNROLLED`` always skips. Compile-checked only; timed by ``h200.sh shfl``.
+      past ``COLUMNS_UNROLLED`` always skips. H200, 32K bwd ms with ``column_bits=0`` (run
+      2026-12-01T20:30:10Z): clear (Kc 7) 7.19 -> 6.61, shared_prompt (Kc 13) 33.16 ->
+      33.31; hstu (Kc 4) not yet timed (``h200.sh s8b``).
     - ``deterministic``: dQ contributions added to each query tile in key-tile order
       (per-query-tile semaphores; see ``FlashBackwardSm90.write_dq``), so gradients are
       bit-identical across runs. dK and dV are deterministic either way (one CTA owns a
