@@ -286,6 +286,23 @@ case $stage in
         grep -E "Duration|Busy|Registers|Issued Ipc|Eligible|Stall|Spill|Local|Executed Instructions " "$OUT/ncu-$who.txt" | head -24
       fi
     done
+    # Every kernel of the steps (forward, backward, the small XLA / FA4 kernels around them)
+    # with its duration: what the bwd_ms figure holds besides the main kernel.
+    for who in jcm fa4; do
+      script=tests/scripts/gpu_backward_profile.py; [[ $who == fa4 ]] && script=tests/scripts/fa4_backward_profile.py
+      timeout -k 5 $(left 90) ncu --clock-control none --section SpeedOfLight --launch-count 80 \
+        -o /tmp/all-$who python3 $script > "$OUT/ncu-all-run-$who.log" 2>&1
+      echo "ncu all $who rc $? ($SECONDS s)"; pkill -9 -f _backward_profile
+      [[ -f /tmp/all-$who.ncu-rep ]] && timeout 30 ncu -i /tmp/all-$who.ncu-rep --page raw --csv \
+        --metrics gpu__time_duration.sum > "$OUT/kernels-$who.csv" 2>&1 && python3 - "$OUT/kernels-$who.csv" <<'PY'
+import csv, sys
+rows = [r for r in csv.reader(l for l in open(sys.argv[1]) if l.startswith('"'))]
+head = rows[0]
+name, dur = head.index("Kernel Name"), head.index("gpu__time_duration.sum")
+for r in rows[2:]:
+    print(f"  {r[dur]:>14} {r[name][:110]}")
+PY
+    done
     [[ -f /tmp/sass-jcm.csv && -f /tmp/sass-fa4.csv ]] && python3 tests/scripts/ncu_sass_summary.py \
       /tmp/sass-jcm.csv /tmp/sass-fa4.csv --top 30 > "$OUT/ncu-compare.txt" 2>&1 && head -75 "$OUT/ncu-compare.txt"
     ;;
