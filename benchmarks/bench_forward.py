@@ -126,41 +126,46 @@ def bench_jcm(ns, heads=8, dim=128) -> list[dict]:
     return records
 
 
-def bench_masks(ns, masks) -> list[dict]:
+def bench_masks(ns, masks, variants=(("", {}),)) -> list[dict]:
     """jcm-cute forward through the public API on the paper workloads (docs/workloads.md):
-    descriptors from the real preprocess (built once, outside the timed region)."""
+    descriptors from the real preprocess (built once, outside the timed region). Each
+    ``variants`` entry (tag, {ENV: value}) is timed with its environment set while tracing
+    (bench_total.parse_variants: ``--jcm-variants``); impl ``jcm-cute-<tag>``."""
     import jax
     import jax.numpy as jnp
 
     import jcompilemask as jcm
     import workloads as W
+    from bench_total import environment, variant_name
 
     records = []
-    for n in ns:
-        for mask in masks:
-            L, B = W.seq_len(mask, n), W.batch_for(n)
-            md = W.metadata_for(mask, n)
-            cm = jcm.compile(W.spec_for(mask, n))
-            t = jcm.backends.get("cute").tiles(None)
-            desc = jax.jit(lambda m: cm.instantiate(
-                m, L, L, block_q=t.block_q, block_kv=t.block_kv, bwd_block_q=t.bwd_block_q,
-                bwd_block_kv=t.bwd_block_kv))(md)
-            pairs = W.visible_pairs(desc.fwd_intervals) * (B if desc.batch == 1 else 1)
-            kq, kk, kv = jax.random.split(jax.random.PRNGKey(n), 3)
-            q = _rand(kq, (B, L, W.HEADS, W.HEAD_DIM), jnp.bfloat16)
-            k = _rand(kk, (B, L, W.HEADS, W.HEAD_DIM), jnp.bfloat16)
-            v = _rand(kv, (B, L, W.HEADS, W.HEAD_DIM), jnp.bfloat16)
+    for n, mask, (tag, env) in ((n, m, v) for n in ns for m in masks for v in variants):
+        L, B = W.seq_len(mask, n), W.batch_for(n)
+        md = W.metadata_for(mask, n)
+        cm = jcm.compile(W.spec_for(mask, n))
+        t = jcm.backends.get("cute").tiles(None)
+        desc = jax.jit(lambda m: cm.instantiate(
+            m, L, L, block_q=t.block_q, block_kv=t.block_kv, bwd_block_q=t.bwd_block_q,
+            bwd_block_kv=t.bwd_block_kv))(md)
+        pairs = W.visible_pairs(desc.fwd_intervals) * (B if desc.batch == 1 else 1)
+        kq, kk, kv = jax.random.split(jax.random.PRNGKey(n), 3)
+        q = _rand(kq, (B, L, W.HEADS, W.HEAD_DIM), jnp.bfloat16)
+        k = _rand(kk, (B, L, W.HEADS, W.HEAD_DIM), jnp.bfloat16)
+        v = _rand(kv, (B, L, W.HEADS, W.HEAD_DIM), jnp.bfloat16)
+        with environment(env):
+            jax.clear_caches()                # every variant traces afresh
             fwd = jax.jit(lambda q, k, v, d: jcm.mask_attention(q, k, v, d, implementation="cute"))
-            clocks.start()
-            win = []
-            sec = _median_time(lambda: fwd(q, k, v, desc), warmup=3, repeats=5, windows=win)
-            rec = {"mask": mask, "n": n, "impl": "jcm-cute", "fwd_ms": sec * 1e3,
-                   "fwd_tflops": W.tflops(pairs, sec * 1e3), "pairs": pairs,
-                   **clocks.fields(win)}
-            print(f"bench jcm-cute {mask} n={n} B={B}: {rec['fwd_ms']:.3f} ms "
-                  f"{rec['fwd_tflops']:.1f} TF/s", flush=True)
-            records.append(rec)
-            del q, k, v
+            jax.block_until_ready(fwd(q, k, v, desc))
+        clocks.start()
+        win = []
+        sec = _median_time(lambda: fwd(q, k, v, desc), warmup=3, repeats=5, windows=win)
+        rec = {"mask": mask, "n": n, "impl": variant_name("jcm-cute", tag), "fwd_ms": sec * 1e3,
+               "fwd_tflops": W.tflops(pairs, sec * 1e3), "pairs": pairs,
+               **clocks.fields(win)}
+        print(f"bench {rec['impl']} {mask} n={n} B={B}: {rec['fwd_ms']:.3f} ms "
+              f"{rec['fwd_tflops']:.1f} TF/s", flush=True)
+        records.append(rec)
+        del q, k, v
     return records
 
 
@@ -206,6 +211,8 @@ def main():
     ap.add_argument("--ns", default="2048,8192,32768")
     ap.add_argument("--masks", default="", help="also time these paper masks through "
                     "mask_attention, e.g. causal,hstu,shared_prompt,clear")
+    ap.add_argument("--jcm-variants", default=None, help="with --masks: time jcm once per "
+                    "tag=ENV entry (bench_total.py's syntax), e.g. 'base=;ls=JCOMPILEMASK_CUTE_FWD_SCHEDULE=1'")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "h200-forward.json"))
     args = ap.parse_args()
@@ -218,7 +225,8 @@ def main():
     if args.bench:
         records += bench_jcm(ns)
     if args.masks:
-        records += bench_masks(ns, args.masks.split(","))
+        from bench_total import parse_variants
+        records += bench_masks(ns, args.masks.split(","), parse_variants(args.jcm_variants))
     if args.fa4:
         try:
             records += bench_fa4(ns)

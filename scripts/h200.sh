@@ -26,8 +26,9 @@
 #   shfl         stats_shfl, column_skip, the forward's bits path for K <= 8: tests, then timed at 32K
 #   masks16      issue 16's timings: block-causal spellings, dilated window, global tokens + window vs Flex+FA4
 #   fwl          issue 14: the forward's work list (JCOMPILEMASK_CUTE_FWD_WORK_LIST=1): tests, then timed
-#   fsched       issue 14: the forward's longest-first order (JCOMPILEMASK_CUTE_FWD_SCHEDULE=1) and
-#                work list: tests, then fwd timed base / ls / wl / ls+wl beside FA4 native
+#   fsched       issue 14: the forward's longest-first order / persistent CTAs
+#                (JCOMPILEMASK_CUTE_FWD_SCHEDULE=1 / persistent) and work list: tests, then the
+#                forward timed per variant beside FA4 native
 #   v5bench      bench_total 32K + 8K: default vs FA4 native and Flex+FA4 (JCM_BENCH_S seconds)
 #   hdims        issue 15 (opt-in configs: soft cap in the backward, D 256, 192/128): a hang-guarded
 #                smoke per config, a subset of tests/gpu/test_cute_head_dims.py, then
@@ -346,22 +347,28 @@ PY
     echo "bench rc $? ($SECONDS s)"; pkill -9 -f bench_total; grep -E '^\||budget' "$OUT/bench-fwl.log" | tail -12
     ;;
   fsched)
-    # Issue 14 items 1-2 together: the forward's longest-first work-unit order
-    # (JCOMPILEMASK_CUTE_FWD_SCHEDULE=1, compile-checked in session 7) and its work list: the
-    # bit-identity test, the forward + attention GPU tests under both knobs, then the
-    # forward timed (bench_total's fwd_ms) base / ls / wl / ls+wl beside FA4 native.
+    # Issue 14 item 2 (compile-checked in session 7): the forward's longest-first order
+    # (JCOMPILEMASK_CUTE_FWD_SCHEDULE=1) and persistent CTAs (=persistent), with and without
+    # the work list: first the bit-identity tests under a hang guard (a persistent barrier
+    # mismatch hangs), then the forward + attention GPU tests under each, then the
+    # forward alone timed per variant beside FA4 native (bench_forward.py).
     export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
     left() { local l=$(( 570 - SECONDS )); (( l < $1 )) && echo $(( l > 5 ? l : 5 )) || echo $1; }
-    JCOMPILEMASK_CUTE_FWD_SCHEDULE=1 JCOMPILEMASK_CUTE_FWD_WORK_LIST=1 timeout -k 5 $(left 240) \
-      python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_cute_forward.py \
-      "tests/gpu/test_cute_attention.py::test_builtin" -k "not compiles" \
-      --junitxml="$OUT/junit-fsched.xml" > "$OUT/pytest-fsched.log" 2>&1
-    echo "pytest rc $? ($SECONDS s)"; pkill -9 -f pytest; tail -6 "$OUT/pytest-fsched.log"
-    b=$(left 320)
-    timeout -k 5 $b python3 benchmarks/bench_total.py --ns 32768,8192,2048 --masks causal,hstu,shared_prompt \
-      --impls jcm,fa4-native --jcm-variants "base=;ls=JCOMPILEMASK_CUTE_FWD_SCHEDULE=1;wl=JCOMPILEMASK_CUTE_FWD_WORK_LIST=1;lswl=JCOMPILEMASK_CUTE_FWD_SCHEDULE=1 JCOMPILEMASK_CUTE_FWD_WORK_LIST=1" \
-      --min-repeat-s 0.2 --budget-s $(( b - 20 )) --out "$OUT/h200-fwd-sched.json" > "$OUT/bench-fsched.log" 2>&1
-    echo "bench rc $? ($SECONDS s)"; pkill -9 -f bench_total; grep -E '^\||budget' "$OUT/bench-fsched.log" | tail -40
+    timeout -k 5 $(left 120) python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_cute_forward.py \
+      -k "scheduled_forward_is_bit_identical" > "$OUT/pytest-fsched-ident.log" 2>&1
+    rc=$?; echo "identity rc $rc ($SECONDS s)"; pkill -9 -f pytest; tail -4 "$OUT/pytest-fsched-ident.log"
+    (( rc == 0 )) || exit 3
+    for mode in persistent 1; do
+      JCOMPILEMASK_CUTE_FWD_SCHEDULE=$mode JCOMPILEMASK_CUTE_FWD_WORK_LIST=1 timeout -k 5 $(left 130) \
+        python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_cute_forward.py \
+        "tests/gpu/test_cute_attention.py::test_builtin" -k "not compiles" \
+        --junitxml="$OUT/junit-fsched-$mode.xml" > "$OUT/pytest-fsched-$mode.log" 2>&1
+      echo "pytest $mode rc $? ($SECONDS s)"; pkill -9 -f pytest; tail -3 "$OUT/pytest-fsched-$mode.log"
+    done
+    timeout -k 5 $(left 300) python3 benchmarks/bench_forward.py --ns ${JCM_BENCH_NS:-32768,2048} \
+      --masks causal,hstu --fa4 --jcm-variants "base=;ls=JCOMPILEMASK_CUTE_FWD_SCHEDULE=1;lp=JCOMPILEMASK_CUTE_FWD_SCHEDULE=persistent;wl=JCOMPILEMASK_CUTE_FWD_WORK_LIST=1;lpwl=JCOMPILEMASK_CUTE_FWD_SCHEDULE=persistent JCOMPILEMASK_CUTE_FWD_WORK_LIST=1" \
+      --out "$OUT/h200-fwd-sched.json" > "$OUT/bench-fsched.log" 2>&1
+    echo "bench rc $? ($SECONDS s)"; pkill -9 -f bench_forward; grep -E '^bench' "$OUT/bench-fsched.log" | tail -30
     ;;
   v5bench)
     # bench_total at 32K then 8K: the default beside FA4 native (causal) and Flex+FA4.

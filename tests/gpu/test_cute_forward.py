@@ -382,10 +382,12 @@ def test_matches_reference_on_gpu(case):
 
 
 @needs_cutlass
+@pytest.mark.parametrize("persistent", [False, True])
 @pytest.mark.parametrize("case", ["plain", "gqa_per_batch_k6", "residual", "work_list"])
-def test_scheduled_forward_compiles_for_sm90(case):
-    """The forward on a 1-D grid in the host's work-unit order (issue 14 item 2): plain,
-    per-batch masks with K 6, with a residual program (its own entry), with the work list."""
+def test_scheduled_forward_compiles_for_sm90(case, persistent):
+    """The forward on a 1-D grid in the host's work-unit order, or on persistent CTAs
+    dealt that order (issue 14 item 2): plain, per-batch masks with K 6, with a residual
+    program (its own entry), with the work list. ptxas: no stack (NOTES.md)."""
     import jcompilemask as jcm
     from jcompilemask.kernels.cute.api import ForwardKey, compile_forward
     from jcompilemask.lower.residual_program import ResidualProgram
@@ -397,14 +399,18 @@ def test_scheduled_forward_compiles_for_sm90(case):
         cm = jcm.compile(MaskSpec([Region((0, q_len), (k <= q) & ((q - k) % 2 == 0))]), warn=False)
         residual, kk = ResidualProgram.forward(cm), cm.num_intervals
     key = ForwardKey("bfloat16", 128, 128, kk, 128, 128, bb, True, 128**-0.5, residual=residual,
-                     schedule=True, work_list=case == "work_list")
-    assert compile_forward(key) is not None and key.target_name.endswith("_ls")
+                     schedule=True, work_list=case == "work_list", persistent=persistent)
+    assert compile_forward(key) is not None
+    assert key.target_name.endswith("_lp" if persistent else "_ls")
 
 
+@pytest.mark.parametrize("mode", ["1", "persistent"])
 @pytest.mark.parametrize("case", ["causal", "document", "random3"])
-def test_scheduled_forward_is_bit_identical_on_gpu(case, monkeypatch):
-    """The work-unit order changes which CTA runs a unit, never its arithmetic: o and lse
-    equal the default grid's bit for bit (and so the reference, by the test above)."""
+def test_scheduled_forward_is_bit_identical_on_gpu(case, mode, monkeypatch):
+    """The work-unit order (and persistent CTAs running several units each) changes which
+    CTA runs a unit, never its arithmetic: o and lse equal the default grid's bit for bit
+    (and so the reference, by the test above). 2 x 4 heads x 6 query tiles = 48 units on
+    the GPU's SMs, and on 5 CTAs (num_sms patched) so that each runs ~10."""
     reason = _sm90_gpu_reason()
     if reason:
         pytest.skip(reason)
@@ -424,10 +430,14 @@ def test_scheduled_forward_is_bit_identical_on_gpu(case, monkeypatch):
     k = jax.random.normal(kk, (B, Nk, Hkv, 128)).astype(jnp.bfloat16)
     v = jax.random.normal(kv, (B, Nk, Hkv, 128)).astype(jnp.bfloat16)
     outs = []
-    for flag in ("0", "1"):
+    runs = [("0", None), (mode, None)] + ([(mode, 5)] if mode == "persistent" else [])
+    for flag, ctas in runs:
         monkeypatch.setenv(api.FWD_SCHEDULE_ENV, flag)
-        f = jax.jit(lambda *a: api.cute_forward(*a))      # traced per flag (a new lambda)
+        if ctas is not None:
+            monkeypatch.setattr(api, "num_sms", lambda default=132: ctas)
+        f = jax.jit(lambda *a: api.cute_forward(*a))      # traced per run (a new lambda)
         outs.append([np.asarray(x) for x in f(q, k, v, jnp.asarray(iv), jnp.asarray(tiles))])
-    (o0, l0), (o1, l1) = outs
-    assert np.array_equal(o0.view(np.uint16), o1.view(np.uint16))
-    assert np.array_equal(l0, l1, equal_nan=True)
+    o0, l0 = outs[0]
+    for o1, l1 in outs[1:]:
+        assert np.array_equal(o0.view(np.uint16), o1.view(np.uint16))
+        assert np.array_equal(l0, l1, equal_nan=True)

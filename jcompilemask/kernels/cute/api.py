@@ -106,6 +106,9 @@ class ForwardKey:
     # descriptor's visited-tile counts, heads grouped so their K / V fit in L2
     # (forward_schedule); the kernel then also reads that order, int32 [B * Hq * Tq].
     schedule: bool = False
+    # Persistent CTAs (issue 14 item 2; $JCOMPILEMASK_CUTE_FWD_SCHEDULE=persistent): one per
+    # SM, each running its row of persistent_schedule's table; implies the order above.
+    persistent: bool = False
 
     def __post_init__(self):
         if self.residual is not None and (self.residual.view != "fwd"
@@ -154,7 +157,8 @@ class ForwardKey:
             + ("" if self.residual is None else f"_r{self.residual.tag}")
             + ("" if self.bits_above == 8 else f"_ba{self.bits_above}")
             + ("_wl" if self.work_list else "")
-            + ("_ls" if self.schedule else "")
+            + ("_ls" if self.schedule and not self.persistent else "")
+            + ("_lp" if self.persistent else "")
         )
 
 
@@ -234,7 +238,7 @@ def compile_forward(key: ForwardKey):
             broadcast_batch=key.broadcast_batch, broadcast_head=key.broadcast_head,
             num_stages=key.num_stages, softcap=key.softcap, softcap_fast_tanh=key.softcap_fast_tanh,
             residual=key.residual, bits_above=key.bits_above, work_list=key.work_list,
-            schedule=key.schedule,
+            schedule=key.schedule, persistent=key.persistent,
         )
         inputs = [bhsd(nq, hq, key.head_dim), bhsd(nk, hkv, key.head_dim), bhsd(nk, hkv, key.head_dim_v),
                   intervals, tiles]
@@ -247,11 +251,15 @@ def compile_forward(key: ForwardKey):
                                                      assumed_align=4),
                        cute.runtime.make_fake_tensor(cutlass.Int32, (bm, max(key.residual.width, 1)),
                                                      stride=(sym64(), 1), assumed_align=4)]
-        if key.schedule:
+        if key.schedule or key.persistent:
             # The work-unit order int32 [B * Hq * Tq] (an operand, after the residual's).
             entry = kernel.with_residual_schedule if key.residual is not None else kernel.with_schedule
-            inputs.append(cute.runtime.make_fake_tensor(cutlass.Int32, (sym(),), stride=(1,),
-                                                        assumed_align=4))
+            if key.persistent:    # [P, 1 + J]: per CTA a count, then its units
+                inputs.append(cute.runtime.make_fake_tensor(cutlass.Int32, (sym(), sym()), stride=(sym64(), 1),
+                                                            assumed_align=4))
+            else:
+                inputs.append(cute.runtime.make_fake_tensor(cutlass.Int32, (sym(),), stride=(1,),
+                                                            assumed_align=4))
         args = inputs + [bhsd(nq, hq, key.head_dim_v), lse]
         fn = cute.compile(
             entry, *args,
@@ -313,14 +321,54 @@ def _fwd_work_list(d, dv, block_q, block_kv, num_stages) -> bool:
         <= _SMEM_LIMIT
 
 
-def _fwd_schedule() -> bool:
-    """``$JCOMPILEMASK_CUTE_FWD_SCHEDULE=1`` (read at trace time; a benchmark knob until
-    measured): the forward runs its work units in ``forward_schedule``'s order."""
+def _fwd_schedule() -> tuple[bool, bool]:
+    """(schedule, persistent) from ``$JCOMPILEMASK_CUTE_FWD_SCHEDULE`` (read at trace time; a
+    benchmark knob until measured): ``1`` runs the forward's work units in
+    ``forward_schedule``'s order, ``persistent`` on one CTA per SM in that order
+    (``persistent_schedule``); ``0`` or unset: the default grid."""
     import os
     text = os.environ.get(FWD_SCHEDULE_ENV, "0").strip()
-    if text not in ("0", "1", ""):
-        raise ValueError(f"{FWD_SCHEDULE_ENV}={text!r}: 0 or 1")
-    return text == "1"
+    if text not in ("0", "1", "", "persistent"):
+        raise ValueError(f"{FWD_SCHEDULE_ENV}={text!r}: 0, 1 or persistent")
+    return text in ("1", "persistent"), text == "persistent"
+
+
+def num_sms(default: int = 132) -> int:
+    """Streaming multiprocessors of the first GPU (``core_count``), else ``default`` (132:
+    H100 SXM / H200), e.g. while compiling on a machine without one."""
+    try:
+        for d in jax.local_devices():
+            if d.platform == "gpu" and getattr(d, "core_count", None):
+                return int(d.core_count)
+    except RuntimeError:
+        pass
+    return default
+
+
+def persistent_schedule(order, num_ctas: int, xp=jnp):
+    """Deal ``forward_schedule``'s order to ``num_ctas`` persistent CTAs: int32
+    [P, 1 + J] with P = min(num_ctas, U), J = ceil(U / P); row p holds CTA p's unit count,
+    then its units. Units go round by round, one per CTA, every other round in reverse
+    (a snake), so the CTA that takes a round's longest unit takes the next round's
+    shortest and the CTAs' totals stay close under the longest-first order.
+
+    >>> import numpy as np
+    >>> persistent_schedule(np.arange(5, dtype=np.int32), 2, xp=np).tolist()
+    [[3, 0, 3, 4], [2, 1, 2, -1]]
+    """
+    u = int(order.shape[0])
+    p = max(1, min(int(num_ctas), u))
+    j = -(-u // p)
+    padded = xp.concatenate([order.astype(xp.int32), xp.full((p * j - u,), -1, xp.int32)])
+    rounds = padded.reshape(j, p)
+    snake = xp.where((xp.arange(j) % 2 == 1)[:, None], rounds[:, ::-1], rounds)
+    # Padding sits in the last round only; reversed there it would open a CTA's row, so
+    # each row's valid units are moved to its front (a stable sort on "is padding").
+    table = snake.T
+    table = xp.take_along_axis(table, xp.argsort(table < 0, axis=1, kind="stable"), axis=1) \
+        if xp is np else jnp.take_along_axis(table, jnp.argsort(table < 0, axis=1, stable=True), axis=1)
+    count = (table >= 0).sum(axis=1, dtype=xp.int32)[:, None]
+    return xp.concatenate([count, table], axis=1).astype(xp.int32)
 
 
 def kv_heads_per_l2_group(seqlen_k: int, head_dim: int, head_dim_v: int, itemsize: int,
@@ -418,7 +466,7 @@ def cute_forward(q, k, v, fwd_intervals, fwd_tiles, *, scale=None, softcap=None,
         bits_above=_fwd_bits_above(),
         work_list=_fwd_work_list(D, Dv, block_q, block_kv,
                                  num_stages or preferred_forward_stages(D, jnp.dtype(q.dtype).name)),
-        schedule=_fwd_schedule(),
+        schedule=_fwd_schedule()[0], persistent=_fwd_schedule()[1],
     )
     extra = ()
     if key.residual is not None:
@@ -434,7 +482,8 @@ def cute_forward(q, k, v, fwd_intervals, fwd_tiles, *, scale=None, softcap=None,
         key = dataclasses.replace(key, broadcast_head=True)
     if key.schedule:
         group = kv_heads_per_l2_group(Nk, D, Dv, jnp.dtype(q.dtype).itemsize)
-        extra = extra + (forward_schedule(fwd_tiles, B, Hq, Hkv, group),)
+        order = forward_schedule(fwd_tiles, B, Hq, Hkv, group)
+        extra = extra + ((persistent_schedule(order, num_sms()) if key.persistent else order),)
     name = _ensure_registered(key)
     out_types = (
         jax.ShapeDtypeStruct((B, Nq, Hq, Dv), q.dtype),

@@ -95,6 +95,7 @@ class FlashForwardSm90(WarpSpecializedSm90):
         bits_above: int = INTERVALS_UNROLLED,
         work_list: bool = False,
         schedule: bool = False,
+        persistent: bool = False,
     ):
         assert dtype in (cutlass.BFloat16, cutlass.Float16), dtype
         assert block_q == 64 * self.num_consumer_wgs, "each consumer warpgroup owns 64 rows"
@@ -138,7 +139,11 @@ class FlashForwardSm90(WarpSpecializedSm90):
         # schedule (issue 14 item 2): a 1-D grid whose block i runs the work unit
         # mSchedule[i] = (batch * Hq + head) * Tq + q_tile; the host orders the units
         # longest-first within groups of heads whose K / V fit in L2 (api.forward_schedule).
-        self.schedule = schedule
+        # persistent: one CTA per SM, each running its row of mSchedule [P, 1 + J] (a count,
+        # then its units); the K / V ring and the Q stage carry over from one unit to the
+        # next, so the next unit's K / V load while this one's epilogue runs.
+        self.persistent = persistent
+        self.schedule = schedule or persistent
         self.list_meet = self.num_consumer_wgs * self.threads_per_wg + 32
         # Residual predicates (lower/residual_program.py: per slot, per region) are checked
         # with the interval in partial tiles, on the bit-mask path with the slots unrolled;
@@ -298,6 +303,8 @@ class FlashForwardSm90(WarpSpecializedSm90):
         if const_expr(self.schedule):
             extra.update(mSchedule=mSchedule)
             grid = [num_q_tiles * mQ.shape[2] * mQ.shape[0], 1, 1]
+            if const_expr(self.persistent):
+                grid = [mSchedule.shape[0], 1, 1]
         self.kernel(
             mQ_tma, mK_tma, mV_tma, mO_tma, mLSE, mIntervals, mTiles,
             tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_o,
@@ -367,6 +374,12 @@ class FlashForwardSm90(WarpSpecializedSm90):
         # Heaviest query tiles first: under a causal-like mask the last tile rows see
         # the most keys, and launching them first shortens the tail of the grid.
         bidx, head, batch = cute.arch.block_idx()
+        if const_expr(self.persistent):
+            self.run_units(mQ, mK, mV, mO, mLSE, mIntervals, mTiles, mSchedule, sQ, sK, sV, sO,
+                           tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_o, tiled_mma_qk,
+                           tiled_mma_pv, pipeline_q, pipeline_k, pipeline_v, warp_idx, tidx, bidx,
+                           mRegion, mParams, work)
+            return
         q_tile = cute.arch.grid_dim()[0] - 1 - bidx
         if const_expr(self.schedule):
             # The host's order (longest first, heads grouped for L2) of the work units.
@@ -400,23 +413,84 @@ class FlashForwardSm90(WarpSpecializedSm90):
                 tidx - self.threads_per_wg, sO, mRegion, mParams, work,
             )
 
+    # ------------------------------------------------------------------ persistent
+    @cute.jit
+    def unit_coords(self, mQ, mTiles, unit, n_q_tiles):
+        """(q_tile, head, batch, mask_batch, mask_head, the tile row's words) of work unit
+        `unit` = (batch * Hq + head) * Tq + q_tile."""
+        q_tile = unit % n_q_tiles
+        head = (unit // n_q_tiles) % mQ.shape[2]
+        batch = unit // (n_q_tiles * mQ.shape[2])
+        mask_batch = 0 if const_expr(self.broadcast_batch) else batch
+        mask_head = 0 if const_expr(self.broadcast_head) else head
+        return q_tile, head, batch, mask_batch, mask_head, mTiles[mask_batch, mask_head, q_tile, None]
+
+    @cute.jit
+    def run_units(self, mQ, mK, mV, mO, mLSE, mIntervals, mTiles, mSchedule, sQ, sK, sV, sO,
+                  tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_o, tiled_mma_qk, tiled_mma_pv,
+                  pipeline_q, pipeline_k, pipeline_v, warp_idx, tidx, bidx, mRegion, mParams, work):
+        """The persistent CTA: mSchedule[bidx, 0] units, mSchedule[bidx, 1:], one after the
+        other; the producer warp and the consumers walk the same row, and their pipeline
+        states carry over between units."""
+        n_units = mSchedule[bidx, 0]
+        n_q_tiles = cute.ceil_div(mQ.shape[0], self.block_q)
+        n_k_tiles = cute.ceil_div(mK.shape[0], self.block_kv)
+        group = mQ.shape[2] // mK.shape[2]
+        pipeline.pipeline_init_wait()
+        if warp_idx < 4:
+            cute.arch.setmaxregister_decrease(self.producer_regs)
+            if warp_idx == 0:
+                q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+                kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+                for j in cutlass.range(n_units, unroll=1):
+                    q_tile, head, batch, mask_batch, mask_head, gTiles = self.unit_coords(
+                        mQ, mTiles, mSchedule[bidx, j + 1], n_q_tiles)
+                    q_state, kv_state = self.load(
+                        mQ, mK, mV, sQ, sK, sV, tma_atom_q, tma_atom_k, tma_atom_v,
+                        pipeline_q, pipeline_k, pipeline_v, gTiles, n_k_tiles,
+                        q_tile, head, head // group, batch, work, q_state=q_state, kv_state=kv_state,
+                    )
+        else:
+            cute.arch.setmaxregister_increase(self.consumer_regs)
+            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+            for j in cutlass.range(n_units, unroll=1):
+                q_tile, head, batch, mask_batch, mask_head, gTiles = self.unit_coords(
+                    mQ, mTiles, mSchedule[bidx, j + 1], n_q_tiles)
+                q_state, kv_state = self.consume(
+                    mO, mLSE, mIntervals, sQ, sK, sV, tma_atom_o, tiled_mma_qk, tiled_mma_pv,
+                    pipeline_q, pipeline_k, pipeline_v, gTiles, n_k_tiles,
+                    mQ.shape[0], mK.shape[0], q_tile, head, batch, mask_batch, mask_head,
+                    tidx - self.threads_per_wg, sO, mRegion, mParams, work,
+                    q_state=q_state, kv_state=kv_state, first_unit=j == 0,
+                )
+
     # ------------------------------------------------------------------ producer
     @cute.jit
     def load(
         self, mQ, mK, mV, sQ, sK, sV, tma_atom_q, tma_atom_k, tma_atom_v,
         pipeline_q, pipeline_k, pipeline_v, gTiles, n_k_tiles, q_tile, head, head_kv, batch, work,
+        q_state=None, kv_state=None,
     ):
+        """Warp 0: Q once, then K and V of each visited key tile into the ring. The
+        persistent kernel hands in (and gets back) the Q stage's and the ring's states, so
+        one unit's loads continue where the previous unit's stopped."""
         gQ = cute.local_tile(mQ[None, None, head, batch], (self.block_q, self.head_dim), (q_tile, 0))
         gK = cute.local_tile(mK[None, None, head_kv, batch], (self.block_kv, self.head_dim), (None, 0))
         gV = cute.local_tile(mV[None, None, head_kv, batch], (self.head_dim_v, self.block_kv), (0, None))
         tQsQ, tQgQ = tma_tiles(tma_atom_q, sQ, gQ)
         tKsK, tKgK = tma_tiles(tma_atom_k, sK, gK)
         tVsV, tVgV = tma_tiles(tma_atom_v, sV, gV)
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        if const_expr(q_state is None):
+            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        # (persistent: waits until the consumers released the previous unit's Q stage, i.e.
+        # its O, staged in Q's buffer, has been read by the TMA store)
         pipeline_q.producer_acquire(q_state)
         cute.copy(tma_atom_q, tQgQ, tQsQ[None, 0], tma_bar_ptr=pipeline_q.producer_get_barrier(q_state))
+        q_state.advance()
 
-        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        if const_expr(kv_state is None):
+            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         if const_expr(self.work_list):
             sList, sCount = work
             for ch in cutlass.range(cute.ceil_div(n_k_tiles, FWD_LIST_CHUNK), unroll=1):
@@ -443,6 +517,7 @@ class FlashForwardSm90(WarpSpecializedSm90):
                     cute.copy(tma_atom_v, tVgV[None, k_tile], tVsV[None, kv_state.index],
                               tma_bar_ptr=pipeline_v.producer_get_barrier(kv_state))
                     kv_state.advance()
+        return q_state, kv_state
 
     # ------------------------------------------------------------------ consumers
     @cute.jit
@@ -450,8 +525,11 @@ class FlashForwardSm90(WarpSpecializedSm90):
         self, mO, mLSE, mIntervals, sQ, sK, sV, tma_atom_o, tiled_mma_qk, tiled_mma_pv,
         pipeline_q, pipeline_k, pipeline_v, gTiles, n_k_tiles,
         seqlen_q, seqlen_k, q_tile, head, batch, mask_batch, mask_head, tidx, sO,
-        mRegion=None, mParams=None, work=None,
+        mRegion=None, mParams=None, work=None, q_state=None, kv_state=None, first_unit=None,
     ):
+        """Both consumer warpgroups: the tile row's S = Q K^T, online softmax, O += P V, then
+        the epilogue. The persistent kernel hands in (and gets back) the pipeline states and
+        says whether this is the CTA's first unit (the ping-pong's opening arrive)."""
         wg = tidx // self.threads_per_wg  # 0 or 1 among the consumers
         wg_slice = cute.make_layout(self.num_consumer_wgs, stride=self.threads_per_wg)
         wg_mma_qk = tiled_mma_qk.get_slice(wg_slice(wg))
@@ -481,12 +559,21 @@ class FlashForwardSm90(WarpSpecializedSm90):
         if const_expr(self.intervals_in_registers):
             row_intervals = self.load_intervals(tScS, *row_intervals)
 
-        pipeline_q.consumer_wait(pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1))
-        if wg == 0:
-            # Let the first consumer issue first; from then on they alternate.
-            cute.arch.barrier_arrive(barrier_id=_BARRIER_SCHED_WG1, number_of_threads=2 * self.threads_per_wg)
+        if const_expr(q_state is None):
+            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        pipeline_q.consumer_wait(q_state)
+        if const_expr(first_unit is None):
+            if wg == 0:
+                # Let the first consumer issue first; from then on they alternate.
+                cute.arch.barrier_arrive(barrier_id=_BARRIER_SCHED_WG1, number_of_threads=2 * self.threads_per_wg)
+        else:
+            # Once per CTA: every unit leaves one arrive of warpgroup 1 pending on warpgroup
+            # 0's barrier (its last signal), which opens the next unit the same way.
+            if first_unit & (wg == 0):
+                cute.arch.barrier_arrive(barrier_id=_BARRIER_SCHED_WG1, number_of_threads=2 * self.threads_per_wg)
 
-        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        if const_expr(kv_state is None):
+            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         ragged_tile = n_k_tiles if seqlen_k % self.block_kv == 0 else n_k_tiles - 1
         # One pass over the tile row; an empty tile costs a bit test on an L1-resident
         # word. Jumping straight to the next compute tile (brev + clz over whole words)
@@ -545,9 +632,17 @@ class FlashForwardSm90(WarpSpecializedSm90):
             issue_wgmma(wg_mma_pv, acc_O, tOrP, tOrV[None, None, None, kv_state.index], False)
             warpgroup.wait_group(0)
             pipeline_v.consumer_release(kv_state)
+            if const_expr(self.persistent):
+                kv_state.advance()      # the ring's next slot belongs to the next unit
 
         self.epilogue(acc_O, row_max, row_sum, mO, mLSE, sO, tma_atom_o, tiled_mma_pv, tidx, seqlen_q,
                       q_tile, head, batch)
+        if const_expr(self.persistent):
+            # The TMA store of O (warp 0 waited for its read of Q's buffer) is done with the
+            # buffer: the producer may load the next unit's Q into it.
+            pipeline_q.consumer_release(q_state)
+            q_state.advance()
+        return q_state, kv_state
 
     @cute.jit
     def mma_first(self, kv_state, k_tile, wg_mma_qk, tSrQ, tSrK, tOrP, tScS, row_max, row_sum,
