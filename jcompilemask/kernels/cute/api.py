@@ -110,6 +110,14 @@ class ForwardKey:
     # SM, each running its row of persistent_schedule's table; implies the order above.
     persistent: bool = False
 
+    @property
+    def o_buffer(self) -> bool:
+        """Persistent kernels stage O in a buffer of its own where shared memory allows
+        (D <= 128), so the next unit's Q loads under this unit's epilogue."""
+        base = forward_smem_bytes(self.head_dim, self.block_q, self.block_kv, self.num_stages,
+                                  head_dim_v=self.head_dim_v) + (4 * 512 + 32 if self.work_list else 0)
+        return self.persistent and base + 2 * self.block_q * self.head_dim_v + 1024 <= _SMEM_LIMIT
+
     def __post_init__(self):
         if self.residual is not None and (self.residual.view != "fwd"
                                           or len(self.residual.slots) != self.num_intervals):
@@ -238,7 +246,7 @@ def compile_forward(key: ForwardKey):
             broadcast_batch=key.broadcast_batch, broadcast_head=key.broadcast_head,
             num_stages=key.num_stages, softcap=key.softcap, softcap_fast_tanh=key.softcap_fast_tanh,
             residual=key.residual, bits_above=key.bits_above, work_list=key.work_list,
-            schedule=key.schedule, persistent=key.persistent,
+            schedule=key.schedule, persistent=key.persistent, o_buffer=key.o_buffer,
         )
         inputs = [bhsd(nq, hq, key.head_dim), bhsd(nk, hkv, key.head_dim), bhsd(nk, hkv, key.head_dim_v),
                   intervals, tiles]

@@ -96,6 +96,7 @@ class FlashForwardSm90(WarpSpecializedSm90):
         work_list: bool = False,
         schedule: bool = False,
         persistent: bool = False,
+        o_buffer: bool = False,
     ):
         assert dtype in (cutlass.BFloat16, cutlass.Float16), dtype
         assert block_q == 64 * self.num_consumer_wgs, "each consumer warpgroup owns 64 rows"
@@ -144,6 +145,11 @@ class FlashForwardSm90(WarpSpecializedSm90):
         # next, so the next unit's K / V load while this one's epilogue runs.
         self.persistent = persistent
         self.schedule = schedule or persistent
+        # o_buffer (persistent, where shared memory allows: D <= 128): O is staged in its own
+        # buffer instead of Q's, so the consumers release Q after the unit's last S = Q K^T
+        # and the next unit's Q loads during this unit's last P V and epilogue.
+        assert not o_buffer or persistent
+        self.o_buffer = o_buffer
         self.list_meet = self.num_consumer_wgs * self.threads_per_wg + 32
         # Residual predicates (lower/residual_program.py: per slot, per region) are checked
         # with the interval in partial tiles, on the bit-mask path with the slots unrolled;
@@ -353,7 +359,8 @@ class FlashForwardSm90(WarpSpecializedSm90):
             cpasync.prefetch_descriptor(tma_atom_v)
             cpasync.prefetch_descriptor(tma_atom_o)
 
-        storage = cutlass_memory.SmemAllocator().allocate(self.shared_storage)
+        allocator = cutlass_memory.SmemAllocator()
+        storage = allocator.allocate(self.shared_storage)
         pipeline_q = self.tma_pipeline(storage.mbar_q, 1, self.bytes_q)
         pipeline_k = self.tma_pipeline(storage.mbar_k, self.num_stages, self.bytes_k)
         pipeline_v = self.tma_pipeline(storage.mbar_v, self.num_stages, self.bytes_v)
@@ -364,6 +371,9 @@ class FlashForwardSm90(WarpSpecializedSm90):
         if const_expr(self.head_dim_v != self.head_dim):
             # The host's sO_layout is rebuilt here (IR values do not cross into the kernel).
             sO = smem_tensor(storage.sQ, self.o_smem_layout())
+        if const_expr(self.o_buffer):
+            o_layout = sQ_layout if const_expr(self.head_dim_v == self.head_dim) else self.o_smem_layout()
+            sO = allocator.allocate_tensor(self.dtype, o_layout.outer, 1024, o_layout.inner)
         sK = smem_tensor(storage.sK, sK_layout)
         sV = smem_tensor(storage.sV, sV_layout)
         work = None
@@ -464,6 +474,10 @@ class FlashForwardSm90(WarpSpecializedSm90):
                     tidx - self.threads_per_wg, sO, mRegion, mParams, work,
                     q_state=q_state, kv_state=kv_state, first_unit=j == 0,
                 )
+            if const_expr(self.o_buffer):
+                if (tidx - self.threads_per_wg) // 32 == 0:
+                    # The last O store must have read shared memory before the CTA exits.
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     # ------------------------------------------------------------------ producer
     @cute.jit
@@ -627,6 +641,11 @@ class FlashForwardSm90(WarpSpecializedSm90):
                     self.mma_first(kv_state, k_tile, wg_mma_qk, tSrQ, tSrK, tOrP, tScS, row_max, row_sum,
                                    row_intervals, seqlen_k, pipeline_k)
                 started = Boolean(True)
+        if const_expr(self.o_buffer):
+            # Every S = Q K^T of the unit has completed (each step waited for its S): the
+            # next unit's Q may overwrite the buffer while P V and the epilogue run.
+            pipeline_q.consumer_release(q_state)
+            q_state.advance()
         if started:
             pipeline_v.consumer_wait(kv_state)
             issue_wgmma(wg_mma_pv, acc_O, tOrP, tOrV[None, None, None, kv_state.index], False)
@@ -637,7 +656,7 @@ class FlashForwardSm90(WarpSpecializedSm90):
 
         self.epilogue(acc_O, row_max, row_sum, mO, mLSE, sO, tma_atom_o, tiled_mma_pv, tidx, seqlen_q,
                       q_tile, head, batch)
-        if const_expr(self.persistent):
+        if const_expr(self.persistent and not self.o_buffer):
             # The TMA store of O (warp 0 waited for its read of Q's buffer) is done with the
             # buffer: the producer may load the next unit's Q into it.
             pipeline_q.consumer_release(q_state)
@@ -897,6 +916,12 @@ class FlashForwardSm90(WarpSpecializedSm90):
 
         rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
         rO.store(acc_O.load().to(self.dtype))
+        if const_expr(self.o_buffer):
+            # The previous unit's O store must have read the buffer before it is rewritten
+            # (its issuing warp waits; the barrier tells the others).
+            if tidx // 32 == 0:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+            cute.arch.barrier(barrier_id=_BARRIER_EPILOGUE, number_of_threads=self.num_consumer_wgs * self.threads_per_wg)
         # Each warpgroup overwrites only its own 64 Q rows, which its own (finished)
         # wgmmas were the last to read; stmatrix writes 8x8 blocks, conflict-free on
         # the 128B swizzle.
@@ -914,5 +939,7 @@ class FlashForwardSm90(WarpSpecializedSm90):
             tOsO, tOgO = tma_tiles(tma_atom_o, sQ, gO)
             cute.copy(tma_atom_o, tOsO[None, 0], tOgO)
             cute.arch.cp_async_bulk_commit_group()
-            # The CTA's shared memory must outlive the store's reads of it.
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
+            if const_expr(not self.o_buffer):
+                # The CTA's shared memory must outlive the store's reads of it (o_buffer: the
+                # next epilogue waits, and run_units after the last).
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
