@@ -47,6 +47,33 @@ def test_random_program_matches_jnp(spec):
     _check(spec, 1)
 
 
+def _shared_slot_specs():
+    from jcompilemask.spec import MaskSpec, Region, Scalar
+    from jcompilemask.spec.expr import k, q, q_len
+    a = Scalar("a", max=q_len)
+    b = Scalar("b", max=q_len)
+    g = Scalar("g", min=1, max=q_len)
+    hstu = (((q < a) & (k < a)) | ((q >= a) & (q < b) & (k <= q))
+            | ((q >= b) & ((k < b) | ((k >= b + (q - b) // g * g) & (k <= q)))))
+    return [MaskSpec([Region((0, q_len), hstu)], name="hstu_one_region"),
+            MaskSpec([Region((0, q_len), ((q < a) & (k < 2)) | ((q >= a) & (k >= q)))],
+                     name="row_bound_slots"),
+            MaskSpec([Region((0, q_len // 2), k <= q),
+                      Region((q_len // 2, q_len), ((q < a + 8) & (k < a)) | ((q >= a + 8) & (k >= a) & (k <= q)))],
+                     name="two_regions_slots")]
+
+
+@pytest.mark.parametrize("i", range(3))
+def test_shared_slot_program_matches_jnp(i):
+    """Slot groups (intervals whose row conditions exclude each other share a table slot:
+    one run per group, [min lo, max hi) of the active members) in the generated program."""
+    spec = _shared_slot_specs()[i]
+    cm = jcm.compile(spec, warn=False)
+    assert cm.shares_slots and unsupported_reason(cm) is None
+    for seed in range(3):
+        _check(spec, seed)
+
+
 @pytest.mark.parametrize("name", sorted(BUILTINS))
 def test_source_is_generated_from_the_lowering(name):
     cm = jcm.compile(BUILTINS[name])

@@ -340,8 +340,7 @@ class CompiledMask:
         """The preprocess ``instantiate(preprocess=None)`` runs, as the backend registry
         chooses it (``jcm.backends.explain()`` lists the candidates and why each is
         skipped): ``$JCOMPILEMASK_PREPROCESS`` if set, else "tilelang" on an SM90 GPU with
-        the ``tilelang`` extra for a mask without residual predicates (or shared slots),
-        else "jnp".
+        the ``tilelang`` extra for a mask without residual predicates, else "jnp".
 
         >>> import jcompilemask as jcm
         >>> jcm.compile(jcm.masks.causal()).default_preprocess() in ("jnp", "tilelang")

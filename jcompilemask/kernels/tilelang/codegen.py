@@ -109,9 +109,6 @@ def unsupported_reason(cm) -> Optional[str]:
         return (f"regions {list(cm.fallback_regions)} keep a residual predicate (their "
                 "intervals are hulls); the generated kernels write exact tables only (jnp "
                 "preprocess)")
-    if getattr(cm, "shares_slots", False):
-        return ("intervals share forward-table slots (row conditions that exclude each "
-                "other); the generated kernels write one interval per slot (jnp preprocess)")
     return None
 
 
@@ -271,17 +268,36 @@ class _Gen:
                 continue
             w(f"if reg == {g}:")
             with w.block():
-                for m, iv in enumerate(lr.intervals):
-                    slots = self.cm.fwd_slots[g, m]
+                for members in lr.slots:
+                    slots = self.cm.fwd_slots[g, members[0]]     # the group's assignment
                     if not slots:
                         continue
-                    w.set("lo", E.clamp(iv.lo, "kv_len"))
-                    w.set("hi", E.clamp(iv.hi, "kv_len"))
-                    span = "T.max(hi - lo, T.int32(0))"
-                    if isinstance(iv.cond, BoolConst) and iv.cond.value:
-                        w.set("ln", span)
+                    if len(members) == 1:
+                        iv = lr.intervals[members[0]]
+                        w.set("lo", E.clamp(iv.lo, "kv_len"))
+                        w.set("hi", E.clamp(iv.hi, "kv_len"))
+                        span = "T.max(hi - lo, T.int32(0))"
+                        if isinstance(iv.cond, BoolConst) and iv.cond.value:
+                            w.set("ln", span)
+                        else:
+                            w.set("ln", f"T.if_then_else({E.pred(iv.cond)}, {span}, T.int32(0))")
                     else:
-                        w.set("ln", f"T.if_then_else({E.pred(iv.cond)}, {span}, T.int32(0))")
+                        # A slot group (row conditions that exclude each other, or intervals
+                        # that touch wherever both hold): the union of the active non-empty
+                        # members is one run, [min lo, max hi).
+                        w.set("lo", "kv_len + 1")
+                        w.set("hi", "T.int32(0)")
+                        for i in members:
+                            iv = lr.intervals[i]
+                            w.set("mlo", E.clamp(iv.lo, "kv_len"))
+                            w.set("mhi", E.clamp(iv.hi, "kv_len"))
+                            act = "mhi > mlo"
+                            if not (isinstance(iv.cond, BoolConst) and iv.cond.value):
+                                act = f"T.And({E.pred(iv.cond)}, mhi > mlo)"
+                            w.set("act", f"T.if_then_else({act}, T.int32(1), T.int32(0))")
+                            w.set("lo", "T.if_then_else(act > 0, T.min(lo, mlo), lo)")
+                            w.set("hi", "T.if_then_else(act > 0, T.max(hi, mhi), hi)")
+                        w.set("ln", "T.max(hi - lo, T.int32(0))")
                     for s, heads in slots:        # per-head slots (lower/slots.py)
                         with _on_heads(w, heads):
                             w(f"LN_{s} = ln")

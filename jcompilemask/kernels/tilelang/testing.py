@@ -128,7 +128,7 @@ def random_specs(n=20, start=0):
         seed += 1
         cm = jcm.compile(spec)
         from .codegen import unsupported_reason
-        if unsupported_reason(cm):        # residual predicates, shared slots
+        if unsupported_reason(cm):        # residual predicates
             continue
         out.append(spec)
     return out
