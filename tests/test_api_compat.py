@@ -294,6 +294,9 @@ def test_slow_compile_logs_one_progress_line(caplog, monkeypatch):
 
     monkeypatch.setattr(compiled, "lower_region", slow)
     monkeypatch.setattr(_progress, "SLOW_AFTER_S", 0.05)
+    # The compile cache is keyed by structure: a test that ran earlier in this process
+    # (the order depends on how pytest-xdist deals files) may have lowered it already.
+    compiled._compile_cached.cache_clear()
     spec = MaskSpec([Region((0, q_len), k <= q - 3)], name="slow_test")
     with caplog.at_level(logging.WARNING, logger="jcompilemask"):
         jcm.compile(spec)
