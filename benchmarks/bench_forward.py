@@ -139,33 +139,35 @@ def bench_masks(ns, masks, variants=(("", {}),)) -> list[dict]:
     from bench_total import environment, variant_name
 
     records = []
-    for n, mask, (tag, env) in ((n, m, v) for n in ns for m in masks for v in variants):
-        L, B = W.seq_len(mask, n), W.batch_for(n)
-        md = W.metadata_for(mask, n)
-        cm = jcm.compile(W.spec_for(mask, n))
-        t = jcm.backends.get("cute").tiles(None)
-        desc = jax.jit(lambda m: cm.instantiate(
-            m, L, L, block_q=t.block_q, block_kv=t.block_kv, bwd_block_q=t.bwd_block_q,
-            bwd_block_kv=t.bwd_block_kv))(md)
-        pairs = W.visible_pairs(desc.fwd_intervals) * (B if desc.batch == 1 else 1)
-        kq, kk, kv = jax.random.split(jax.random.PRNGKey(n), 3)
-        q = _rand(kq, (B, L, W.HEADS, W.HEAD_DIM), jnp.bfloat16)
-        k = _rand(kk, (B, L, W.HEADS, W.HEAD_DIM), jnp.bfloat16)
-        v = _rand(kv, (B, L, W.HEADS, W.HEAD_DIM), jnp.bfloat16)
-        with environment(env):
-            jax.clear_caches()                # every variant traces afresh
-            fwd = jax.jit(lambda q, k, v, d: jcm.mask_attention(q, k, v, d, implementation="cute"))
-            jax.block_until_ready(fwd(q, k, v, desc))
-        clocks.start()
-        win = []
-        sec = _median_time(lambda: fwd(q, k, v, desc), warmup=3, repeats=5, windows=win)
-        rec = {"mask": mask, "n": n, "impl": variant_name("jcm-cute", tag), "fwd_ms": sec * 1e3,
-               "fwd_tflops": W.tflops(pairs, sec * 1e3), "pairs": pairs,
-               **clocks.fields(win)}
-        print(f"bench {rec['impl']} {mask} n={n} B={B}: {rec['fwd_ms']:.3f} ms "
-              f"{rec['fwd_tflops']:.1f} TF/s", flush=True)
-        records.append(rec)
-        del q, k, v
+    for n in ns:
+        for mask in masks:
+            L, B = W.seq_len(mask, n), W.batch_for(n)
+            md = W.metadata_for(mask, n)
+            cm = jcm.compile(W.spec_for(mask, n))
+            t = jcm.backends.get("cute").tiles(None)
+            desc = jax.jit(lambda m: cm.instantiate(
+                m, L, L, block_q=t.block_q, block_kv=t.block_kv, bwd_block_q=t.bwd_block_q,
+                bwd_block_kv=t.bwd_block_kv))(md)
+            pairs = W.visible_pairs(desc.fwd_intervals) * (B if desc.batch == 1 else 1)
+            kq, kk, kv = jax.random.split(jax.random.PRNGKey(n), 3)
+            q = _rand(kq, (B, L, W.HEADS, W.HEAD_DIM), jnp.bfloat16)
+            k = _rand(kk, (B, L, W.HEADS, W.HEAD_DIM), jnp.bfloat16)
+            v = _rand(kv, (B, L, W.HEADS, W.HEAD_DIM), jnp.bfloat16)
+            for tag, env in variants:
+                with environment(env):
+                    jax.clear_caches()            # every variant traces afresh
+                    fwd = jax.jit(lambda q, k, v, d: jcm.mask_attention(q, k, v, d, implementation="cute"))
+                    jax.block_until_ready(fwd(q, k, v, desc))
+                clocks.start()
+                win = []
+                sec = _median_time(lambda: fwd(q, k, v, desc), warmup=3, repeats=5, windows=win)
+                rec = {"mask": mask, "n": n, "impl": variant_name("jcm-cute", tag), "fwd_ms": sec * 1e3,
+                       "fwd_tflops": W.tflops(pairs, sec * 1e3), "pairs": pairs,
+                       **clocks.fields(win)}
+                print(f"bench {rec['impl']} {mask} n={n} B={B}: {rec['fwd_ms']:.3f} ms "
+                      f"{rec['fwd_tflops']:.1f} TF/s", flush=True)
+                records.append(rec)
+            del q, k, v
     return records
 
 

@@ -63,8 +63,6 @@ if SEED is None:
     SEED = secrets.randbits(32)
 ONLY_GROUP = _env_int("JCM_FUZZ_CASE")
 SCALE = float(os.environ.get("JCM_FUZZ_SCALE") or 1.0)
-SEED_LINE = (f"fuzz seed {SEED} (replay: JCM_FUZZ_SEED={SEED} pytest tests/test_fuzz.py; "
-             f"one group: add JCM_FUZZ_CASE=<group>)")
 
 DESCRIPTOR_CASES = math.ceil(1000 * SCALE)
 ATTENTION_CASES = math.ceil(100 * SCALE)

@@ -30,6 +30,7 @@ from jcompilemask.spec.expr import Pred
 from jcompilemask.spec import (TRUE, MaskSpec, Region, Scalar, SegmentIds, k, kv_len,
                                maximum, minimum, q, q_len)
 from jcompilemask.testing import assert_within_policy, reference_gradients, reference_attention
+from strategies import hstu_one_region
 from test_lower import (BOUNDS, K_ATOMS, ROW_ATOMS, _tile_kwargs, check_descriptor,
                         random_metadata)
 
@@ -146,15 +147,6 @@ def test_exact_interval_absorbs_its_residual_copy():
 # =======================================================================================
 # Shared slots: K = most runs per row
 # =======================================================================================
-def _hstu_one_region():
-    a = Scalar("a", max=q_len)
-    b = Scalar("b", max=q_len)
-    g = Scalar("g", min=1, max=q_len)
-    rule = (((q < a) & (k < a)) | ((q >= a) & (q < b) & (k <= q))
-            | ((q >= b) & ((k < b) | ((k >= b + (q - b) // g * g) & (k <= q)))))
-    return MaskSpec([Region((0, q_len), rule)], name="hstu_one_region")
-
-
 def _max_runs(dense):
     d = np.asarray(dense).astype(np.int8)
     starts = d[..., :1] + (np.diff(d, axis=-1) == 1).sum(-1, keepdims=True)
@@ -162,7 +154,7 @@ def _max_runs(dense):
 
 
 def test_hstu_one_region_packs_into_two_slots():
-    spec = _hstu_one_region()
+    spec = hstu_one_region()
     cm = jcm.compile(spec)
     assert len(cm.regions[0].intervals) == 4         # four conjuncts, as before
     assert cm.num_intervals == 2                     # ... in two slots (was K = 4)
@@ -420,7 +412,7 @@ def test_tilelang_refuses_residuals_and_takes_shared_slots():
     assert "residual" in tl.supports(_cm((k <= q) & (k % 2 == 0)))
     # Shared slots (one run per slot group) are generated since session 7: the mock
     # interpreter matches the jnp preprocess bit for bit (tests/test_tilelang_codegen.py).
-    assert tl.supports(jcm.compile(_hstu_one_region())) is None
+    assert tl.supports(jcm.compile(hstu_one_region())) is None
     assert tl.supports(jcm.compile(jcm.masks.hstu())) is None
 
 

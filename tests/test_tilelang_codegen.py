@@ -16,6 +16,7 @@ from jcompilemask.kernels.tilelang.testing import (builtin_masks, descriptors_eq
                                                   random_specs, sample_metadata)
 from jcompilemask.lower.descriptor import TileConfig
 from jcompilemask.lower.preprocess import build_descriptor
+from strategies import hstu_one_region
 
 BUILTINS = builtin_masks()
 # small launch shapes so the interpreter is quick and chunking / scans are exercised
@@ -51,11 +52,7 @@ def _shared_slot_specs():
     from jcompilemask.spec import MaskSpec, Region, Scalar
     from jcompilemask.spec.expr import k, q, q_len
     a = Scalar("a", max=q_len)
-    b = Scalar("b", max=q_len)
-    g = Scalar("g", min=1, max=q_len)
-    hstu = (((q < a) & (k < a)) | ((q >= a) & (q < b) & (k <= q))
-            | ((q >= b) & ((k < b) | ((k >= b + (q - b) // g * g) & (k <= q)))))
-    return [MaskSpec([Region((0, q_len), hstu)], name="hstu_one_region"),
+    return [hstu_one_region(),
             MaskSpec([Region((0, q_len), ((q < a) & (k < 2)) | ((q >= a) & (k >= q)))],
                      name="row_bound_slots"),
             MaskSpec([Region((0, q_len // 2), k <= q),

@@ -348,6 +348,24 @@ def test_variant_matches_reference_on_gpu(head_dim, dtype, softcap, case):
     assert np.all(np.transpose(np.asarray(o.astype(jnp.float32)), (0, 2, 1, 3))[empty] == 0)
 
 
+def _case_inputs(case, seed, key, heads=4, kv_heads=4, B=2, Nq=700, Nk=900):
+    """A check case's intervals and tile states (128 x 128) and bf16 q, k, v (Nk = Nq except
+    for random3)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jcompilemask.kernels.cute.testing import check_case_intervals, tiles_from_intervals
+    if case != "random3":
+        Nk = Nq
+    iv, _ = check_case_intervals(case, np.random.default_rng(seed), B, Nq, Nk, heads)
+    tiles = tiles_from_intervals(iv, Nk, 128, 128)
+    kq, kk, kv = jax.random.split(jax.random.PRNGKey(key), 3)
+    q = jax.random.normal(kq, (B, Nq, heads, 128)).astype(jnp.bfloat16)
+    k = jax.random.normal(kk, (B, Nk, kv_heads, 128)).astype(jnp.bfloat16)
+    v = jax.random.normal(kv, (B, Nk, kv_heads, 128)).astype(jnp.bfloat16)
+    return q, k, v, iv, tiles
+
+
 @pytest.mark.parametrize("case", ["causal", "document", "prefix_window", "random3"])
 def test_matches_reference_on_gpu(case):
     reason = _sm90_gpu_reason()
@@ -357,17 +375,9 @@ def test_matches_reference_on_gpu(case):
     import jax.numpy as jnp
 
     from jcompilemask.kernels.cute.api import cute_forward
-    from jcompilemask.kernels.cute.testing import check_case_intervals, reference_attention, tiles_from_intervals
+    from jcompilemask.kernels.cute.testing import reference_attention
 
-    B, Nq, Nk, H = 2, 700, 900, 4
-    if case != "random3":
-        Nk = Nq
-    iv, _ = check_case_intervals(case, np.random.default_rng(1), B, Nq, Nk, H)
-    tiles = tiles_from_intervals(iv, Nk, 128, 128)
-    kq, kk, kv = jax.random.split(jax.random.PRNGKey(7), 3)
-    q = jax.random.normal(kq, (B, Nq, H, 128)).astype(jnp.bfloat16)
-    k = jax.random.normal(kk, (B, Nk, H, 128)).astype(jnp.bfloat16)
-    v = jax.random.normal(kv, (B, Nk, H, 128)).astype(jnp.bfloat16)
+    q, k, v, iv, tiles = _case_inputs(case, 1, 7)
     scale = 1 / math.sqrt(128)
     o, lse = jax.jit(lambda *a: cute_forward(*a, scale=scale))(q, k, v, jnp.asarray(iv), jnp.asarray(tiles))
     o_ref, lse_ref = reference_attention(q, k, v, iv, scale)
@@ -418,17 +428,8 @@ def test_scheduled_forward_is_bit_identical_on_gpu(case, mode, monkeypatch):
     import jax.numpy as jnp
 
     from jcompilemask.kernels.cute import api
-    from jcompilemask.kernels.cute.testing import check_case_intervals, tiles_from_intervals
 
-    B, Nq, Nk, Hq, Hkv = 2, 700, 900, 4, 2
-    if case != "random3":
-        Nk = Nq
-    iv, _ = check_case_intervals(case, np.random.default_rng(2), B, Nq, Nk, Hq)
-    tiles = tiles_from_intervals(iv, Nk, 128, 128)
-    kq, kk, kv = jax.random.split(jax.random.PRNGKey(8), 3)
-    q = jax.random.normal(kq, (B, Nq, Hq, 128)).astype(jnp.bfloat16)
-    k = jax.random.normal(kk, (B, Nk, Hkv, 128)).astype(jnp.bfloat16)
-    v = jax.random.normal(kv, (B, Nk, Hkv, 128)).astype(jnp.bfloat16)
+    q, k, v, iv, tiles = _case_inputs(case, 2, 8, kv_heads=2)
     outs = []
     runs = [("0", None), (mode, None)] + ([(mode, 5)] if mode == "persistent" else [])
     for flag, ctas in runs:

@@ -119,6 +119,8 @@ class ForwardKey:
         return self.persistent and base + 2 * self.block_q * self.head_dim_v + 1024 <= _SMEM_LIMIT
 
     def __post_init__(self):
+        if self.persistent and not self.schedule:
+            raise ValueError("ForwardKey(persistent=True) runs the schedule's order: set schedule=True")
         if self.residual is not None and (self.residual.view != "fwd"
                                           or len(self.residual.slots) != self.num_intervals):
             raise ValueError(f"residual program {self.residual!r} does not fit K={self.num_intervals}")
@@ -259,7 +261,7 @@ def compile_forward(key: ForwardKey):
                                                      assumed_align=4),
                        cute.runtime.make_fake_tensor(cutlass.Int32, (bm, max(key.residual.width, 1)),
                                                      stride=(sym64(), 1), assumed_align=4)]
-        if key.schedule or key.persistent:
+        if key.schedule:
             # The work-unit order int32 [B * Hq * Tq] (an operand, after the residual's).
             entry = kernel.with_residual_schedule if key.residual is not None else kernel.with_schedule
             if key.persistent:    # [P, 1 + J]: per CTA a count, then its units
@@ -370,11 +372,8 @@ def persistent_schedule(order, num_ctas: int, xp=jnp):
     padded = xp.concatenate([order.astype(xp.int32), xp.full((p * j - u,), -1, xp.int32)])
     rounds = padded.reshape(j, p)
     snake = xp.where((xp.arange(j) % 2 == 1)[:, None], rounds[:, ::-1], rounds)
-    # Padding sits in the last round only; reversed there it would open a CTA's row, so
-    # each row's valid units are moved to its front (a stable sort on "is padding").
+    # Padding sits in the last round only, i.e. at the end of a CTA's row.
     table = snake.T
-    table = xp.take_along_axis(table, xp.argsort(table < 0, axis=1, kind="stable"), axis=1) \
-        if xp is np else jnp.take_along_axis(table, jnp.argsort(table < 0, axis=1, stable=True), axis=1)
     count = (table >= 0).sum(axis=1, dtype=xp.int32)[:, None]
     return xp.concatenate([count, table], axis=1).astype(xp.int32)
 
@@ -464,6 +463,7 @@ def cute_forward(q, k, v, fwd_intervals, fwd_tiles, *, scale=None, softcap=None,
         )
     if scale is None:
         scale = 1.0 / math.sqrt(D)
+    schedule, persistent = _fwd_schedule()
     key = ForwardKey(
         dtype=jnp.dtype(q.dtype).name, head_dim=D, head_dim_v=Dv, num_intervals=K,
         block_q=block_q, block_kv=block_kv, broadcast_batch=(Bm == 1 and B > 1),
@@ -474,7 +474,7 @@ def cute_forward(q, k, v, fwd_intervals, fwd_tiles, *, scale=None, softcap=None,
         bits_above=_fwd_bits_above(),
         work_list=_fwd_work_list(D, Dv, block_q, block_kv,
                                  num_stages or preferred_forward_stages(D, jnp.dtype(q.dtype).name)),
-        schedule=_fwd_schedule()[0], persistent=_fwd_schedule()[1],
+        schedule=schedule, persistent=persistent,
     )
     extra = ()
     if key.residual is not None:

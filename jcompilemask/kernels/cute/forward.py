@@ -393,14 +393,9 @@ class FlashForwardSm90(WarpSpecializedSm90):
         q_tile = cute.arch.grid_dim()[0] - 1 - bidx
         if const_expr(self.schedule):
             # The host's order (longest first, heads grouped for L2) of the work units.
-            n_q_tiles = cute.ceil_div(mQ.shape[0], self.block_q)
-            unit = mSchedule[bidx]
-            q_tile = unit % n_q_tiles
-            head = (unit // n_q_tiles) % mQ.shape[2]
-            batch = unit // (n_q_tiles * mQ.shape[2])
+            q_tile, head, batch = self.unit_coords(mQ, mSchedule[bidx], cute.ceil_div(mQ.shape[0], self.block_q))
         head_kv = head // (mQ.shape[2] // mK.shape[2])
-        mask_batch = 0 if const_expr(self.broadcast_batch) else batch
-        mask_head = 0 if const_expr(self.broadcast_head) else head
+        mask_batch, mask_head = self.mask_index(head, batch)
         n_k_tiles = cute.ceil_div(mK.shape[0], self.block_kv)
         gTiles = mTiles[mask_batch, mask_head, q_tile, None]
 
@@ -425,15 +420,19 @@ class FlashForwardSm90(WarpSpecializedSm90):
 
     # ------------------------------------------------------------------ persistent
     @cute.jit
-    def unit_coords(self, mQ, mTiles, unit, n_q_tiles):
-        """(q_tile, head, batch, mask_batch, mask_head, the tile row's words) of work unit
-        `unit` = (batch * Hq + head) * Tq + q_tile."""
+    def unit_coords(self, mQ, unit, n_q_tiles):
+        """(q_tile, head, batch) of work unit `unit` = (batch * Hq + head) * Tq + q_tile."""
         q_tile = unit % n_q_tiles
         head = (unit // n_q_tiles) % mQ.shape[2]
         batch = unit // (n_q_tiles * mQ.shape[2])
+        return q_tile, head, batch
+
+    @cute.jit
+    def mask_index(self, head, batch):
+        """(batch, head) of the descriptor's tables: 0 where the mask broadcasts."""
         mask_batch = 0 if const_expr(self.broadcast_batch) else batch
         mask_head = 0 if const_expr(self.broadcast_head) else head
-        return q_tile, head, batch, mask_batch, mask_head, mTiles[mask_batch, mask_head, q_tile, None]
+        return mask_batch, mask_head
 
     @cute.jit
     def run_units(self, mQ, mK, mV, mO, mLSE, mIntervals, mTiles, mSchedule, sQ, sK, sV, sO,
@@ -453,8 +452,9 @@ class FlashForwardSm90(WarpSpecializedSm90):
                 q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
                 kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
                 for j in cutlass.range(n_units, unroll=1):
-                    q_tile, head, batch, mask_batch, mask_head, gTiles = self.unit_coords(
-                        mQ, mTiles, mSchedule[bidx, j + 1], n_q_tiles)
+                    q_tile, head, batch = self.unit_coords(mQ, mSchedule[bidx, j + 1], n_q_tiles)
+                    mask_batch, mask_head = self.mask_index(head, batch)
+                    gTiles = mTiles[mask_batch, mask_head, q_tile, None]
                     q_state, kv_state = self.load(
                         mQ, mK, mV, sQ, sK, sV, tma_atom_q, tma_atom_k, tma_atom_v,
                         pipeline_q, pipeline_k, pipeline_v, gTiles, n_k_tiles,
@@ -465,8 +465,9 @@ class FlashForwardSm90(WarpSpecializedSm90):
             q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
             kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
             for j in cutlass.range(n_units, unroll=1):
-                q_tile, head, batch, mask_batch, mask_head, gTiles = self.unit_coords(
-                    mQ, mTiles, mSchedule[bidx, j + 1], n_q_tiles)
+                q_tile, head, batch = self.unit_coords(mQ, mSchedule[bidx, j + 1], n_q_tiles)
+                mask_batch, mask_head = self.mask_index(head, batch)
+                gTiles = mTiles[mask_batch, mask_head, q_tile, None]
                 q_state, kv_state = self.consume(
                     mO, mLSE, mIntervals, sQ, sK, sV, tma_atom_o, tiled_mma_qk, tiled_mma_pv,
                     pipeline_q, pipeline_k, pipeline_v, gTiles, n_k_tiles,
