@@ -165,7 +165,8 @@ def test_backward_key_names_of_new_configs():
     d256 = BackwardKey("bfloat16", 256, 1, 1, True, True, 0.0625, preferred_backward_config(256))
     assert preferred_backward_config(128, softcap=True).column_registers == 2
     assert preferred_backward_config(128) == BackwardConfig(work_list=True, dkv_tma_store=True,
-                                                            column_registers=2, column_bits=8)
+                                                            column_registers=2, column_bits=0,
+                                                            column_skip=True, stats_shfl=True)
     assert "_t64x64_s1_" in d256.target_name and "_sdkv" in d256.target_name
     assert preferred_backward_tiles(128) == (64, 128) and preferred_backward_tiles(64) == (64, 128)
     assert preferred_backward_tiles(256) == (64, 64)

@@ -33,9 +33,12 @@ def load(path):
     with _open(path) as f:
         lines = [ln for ln in f if ln.startswith('"')]
     rows = list(csv.reader(lines))
-    if not rows:
-        raise SystemExit(f"{path}: no CSV rows")
-    head = rows[0]
+    # ncu writes a "Kernel Name" line before the header: the header is the first row
+    # that names the SASS column.
+    start = next((i for i, r in enumerate(rows) if any(c.strip() == "Source" for c in r)), None)
+    if start is None:
+        raise SystemExit(f"{path}: no CSV header with a 'Source' column")
+    head, rows = rows[start], rows[start:]
 
     def col(*frags):
         for i, h in enumerate(head):

@@ -539,8 +539,9 @@ class BackwardConfig:
       each queued behind the GEMMs' operand reads (ncu, causal 32K: the exp2 FFMA waiting on
       the lse load was ~13% of consumer stalls). Overrides ``stats_early`` / ``lse_early``.
       H200, 32K bwd ms (run 2026-12-01T20:30:10Z): causal 38.81 -> 38.02, hstu 44.75 ->
-      45.05; 15 GPU gradient cases passed with it (with ``column_bits=0, column_skip``);
-      not the default until the whole GPU test set has run (``h200.sh s8t``).
+      45.05; run 2026-12-01T23:46:01Z with ``column_bits=0, column_skip``: causal 39.88 ->
+      39.21, hstu 45.17 -> 45.26. The D 64 / 128 default since session 8 (see
+      ``preferred_backward_config``).
     - ``column_registers``: the largest Kc whose column intervals each thread holds in
       registers for the whole pass; above it they are re-read in each masked tile
       (ptxas, D 128, K 6 / Kc 7: 280 B of stack held, 48 B re-read). 16 (always hold) is
@@ -560,7 +561,9 @@ class BackwardConfig:
       the tile's queries (one compare per interval and key row instead of ncols); the loop
       past ``COLUMNS_UNROLLED`` always skips. H200, 32K bwd ms with ``column_bits=0`` (run
       2026-12-01T20:30:10Z): clear (Kc 7) 7.19 -> 6.61, shared_prompt (Kc 13) 33.16 ->
-      33.31; hstu (Kc 4) not yet timed (``h200.sh s8b``).
+      33.31; with ``stats_shfl`` (run 2026-12-01T23:46:01Z, 32K): clear 7.28 -> 6.76,
+      shared_prompt 33.60 -> 33.56, hstu 45.17 -> 45.26. The D 64 / 128 default since
+      session 8.
     - ``deterministic``: dQ contributions added to each query tile in key-tile order
       (per-query-tile semaphores; see ``FlashBackwardSm90.write_dq``), so gradients are
       bit-identical across runs. dK and dV are deterministic either way (one CTA owns a
@@ -675,7 +678,13 @@ def preferred_backward_config(head_dim: int, dtype: str = "bfloat16",
     # work_list and dkv_tma_store: causal 32K bwd 38.85 / 40.44 ms vs 40.66 without
     # (run 2026-12-01T13:50:48Z, h200.sh v1prof; NOTES.md "Backward v1, session 5").
     # column_registers / column_bits: see their entries in BackwardConfig.
-    return BackwardConfig(work_list=True, dkv_tma_store=True, column_registers=2, column_bits=8)
+    # stats_shfl, column_bits=0, column_skip: 23 GPU backward / gradient cases (the 20-rerun
+    # stress among them) passed (h200.sh s8t, session 8); bwd ms vs the config before
+    # (run 2026-12-01T23:46:01Z, 32K / 8K): causal 39.88 -> 39.21 / 10.60 -> 10.51, hstu
+    # 45.17 -> 45.26 / 12.06 -> 12.10, shared_prompt 33.60 -> 33.56 (8K, run
+    # 2026-12-01T23:55:22Z: 9.52 -> 9.31), clear 7.28 -> 6.76 (8K 4.95 -> 4.69).
+    return BackwardConfig(work_list=True, dkv_tma_store=True, column_registers=2, column_bits=0,
+                          column_skip=True, stats_shfl=True)
 
 
 def preferred_backward_tiles(head_dim: int, dtype: str = "bfloat16",

@@ -545,7 +545,9 @@ class FlashForwardSm90(WarpSpecializedSm90):
         """Both consumer warpgroups: the tile row's S = Q K^T, online softmax, O += P V, then
         the epilogue. The persistent kernel hands in (and gets back) the pipeline states and
         says whether this is the CTA's first unit (the ping-pong's opening arrive)."""
-        wg = tidx // self.threads_per_wg  # 0 or 1 among the consumers
+        # 0 or 1 among the consumers; warp-uniform for ptxas (a shfl from lane 0), so the
+        # warpgroup's operand offsets and GMMA descriptors stay in uniform registers.
+        wg = cute.arch.make_warp_uniform(tidx // self.threads_per_wg)
         wg_slice = cute.make_layout(self.num_consumer_wgs, stride=self.threads_per_wg)
         wg_mma_qk = tiled_mma_qk.get_slice(wg_slice(wg))
         wg_mma_pv = tiled_mma_pv.get_slice(wg_slice(wg))
