@@ -217,6 +217,51 @@ def build_descriptor(cm, metadata, q_len: int, kv_len: int, tiles: TileConfig):
     return desc
 
 
+def count_le_sorted(v, n, method=None):
+    """int32 [n]: ``out[j] = #{q : v[q] <= j}`` for a non-decreasing int32 [Nq] ``v``.
+
+    ``method``:
+
+    - ``"runs"`` (the default on CUDA / ROCm): collision-free. v is clipped to [-1, n]
+      (still non-decreasing), the last row of each run of equal values writes its count
+      (q + 1) at index v[q] (distinct indices; rows outside [0, n) write out of bounds,
+      dropped), and a running maximum fills the indices in between.
+    - ``"histogram"`` (the default elsewhere): ``zeros.at[v].add(1)`` and a cumsum, exact for
+      any v. On a GPU every row outside a region adds into one slot and those atomic adds
+      serialize (H200, shared prompt at 8K, 26 such histograms per sequence: 5.6 ms of
+      preprocess, run 2026-12-01T23:55:22Z); on a CPU it is the faster of the two (2.5x at
+      shared prompt 8K).
+    - ``None``: per platform, as above (``lax.platform_dependent``).
+
+    The two agree wherever v is non-decreasing: the column view exists only where the
+    lowering proved the bounds so (``analyze``), and ``_column_intervals`` keeps them so
+    around the region (-1 before it, n + 1 after). For an unsorted v, ``"runs"`` counts
+    by the running maximum.
+
+    >>> import jax.numpy as jnp
+    >>> v = jnp.array([-1, 0, 0, 2, 5, 9])
+    >>> count_le_sorted(v, 6, "runs").tolist(), count_le_sorted(v, 6, "histogram").tolist()
+    ([3, 3, 4, 4, 4, 5], [3, 3, 4, 4, 4, 5])
+    """
+    if method is None:
+        return lax.platform_dependent(v, default=lambda v: count_le_sorted(v, n, "histogram"),
+                                      cuda=lambda v: count_le_sorted(v, n, "runs"),
+                                      rocm=lambda v: count_le_sorted(v, n, "runs"))
+    if method == "histogram":
+        hist = jnp.zeros((n + 2,), I32).at[jnp.clip(v + 1, 0, n + 1)].add(1)
+        return jnp.cumsum(hist)[1:n + 1]
+    if method != "runs":
+        raise ValueError(f"count_le_sorted: method={method!r}; use 'runs', 'histogram' or None")
+    nq = v.shape[-1]
+    vc = jnp.clip(v, -1, n).astype(I32)
+    q = jnp.arange(nq, dtype=I32)
+    last = jnp.concatenate([vc[1:] > vc[:-1], jnp.ones((1,), bool)])
+    idx = jnp.where(last & (vc >= 0) & (vc < n), vc, n + q)          # distinct; >= n dropped
+    at = jnp.zeros((n,), I32).at[idx].set(q + 1, mode="drop", unique_indices=True)
+    below = jnp.sum(vc < 0, dtype=I32)                                # rows before every j
+    return jnp.maximum(lax.cummax(at, axis=0), below)
+
+
 def _heads_mask(heads, hm):
     """bool [1, Hm, 1]: the mask heads of a slot assignment (None: every head)."""
     if heads is None:
@@ -254,10 +299,8 @@ def _column_intervals(cm, env, meta, endpoints, q_len, kv_len, b, hm):
             hi_x = jnp.where(before, -1, jnp.where(after, big, hi))
 
             def count_le(v):   # [B, Hm, Nk]: #{q : v(q) <= j}
-                def one(v_r):  # vmapped over (batch, mask head): see tile_states_from_intervals
-                    hist = jnp.zeros((kv_len + 2,), I32).at[jnp.clip(v_r + 1, 0, kv_len + 1)].add(1)
-                    return jnp.cumsum(hist)[1:kv_len + 1]
-                return jax.vmap(jax.vmap(one))(jnp.broadcast_to(v, (b, hm) + v.shape[2:]))
+                return jax.vmap(jax.vmap(lambda v_r: count_le_sorted(v_r, kv_len)))(
+                    jnp.broadcast_to(v, (b, hm) + v.shape[2:]))
 
             q0, q1 = count_le(hi_x), count_le(lo_x)
             ln = jnp.where(flag, jnp.maximum(q1 - q0, 0), 0)
