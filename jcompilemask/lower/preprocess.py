@@ -275,8 +275,8 @@ def _column_intervals(cm, env, meta, endpoints, q_len, kv_len, b, hm):
     For interval m of region g with bounds non-decreasing in q, the rows q of the
     region's effective range with lo(q) <= j < hi(q) are [#{q: hi'(q) <= j},
     #{q: lo'(q) <= j}), where lo', hi' extend lo, hi by -1 before the range and by
-    a big value after it (so they stay monotone). Counting by histogram + cumsum keeps
-    it O(Nq + Nk) and exact.
+    a big value after it (so they stay monotone). Counting them (``count_le_sorted``)
+    keeps it O(Nq + Nk) and exact.
     """
     spec = cm.spec
     _, _, eff_lo, eff_hi, nested = region_row_ranges(spec, meta, q_len, kv_len)
