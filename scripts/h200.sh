@@ -20,9 +20,11 @@
 #   s6b          session 6's default through the GPU backward tests + compute-sanitizer (3 tools)
 #   anyk         issue 16: K > 8 / Kc > 16 intervals and residual predicates on the CuTe kernels
 #   sanitize2    compute-sanitizer (3 tools) on the CuTe kernels without JAX in the process
+#   s9t          session 8's SASS change (warp-uniform warpgroup index): default backward + forward GPU tests
 #   s8t / s8b    the next backward default candidate (JCM_S8_CONFIG): its GPU tests / timed beside
 #                the default and the peers at 32K + 8K
 #   prof8        ncu on one causal 32K backward of ours and one of FA4's, same call
+#                (JCM_PROF_PASS=fwd: the two forwards; JCM_PROF_ALL=0 skips the all-kernel listing)
 #   shfl         stats_shfl, column_skip, the forward's bits path for K <= 8: tests, then timed at 32K
 #   masks16      issue 16's timings: block-causal spellings, dilated window, global tokens + window vs Flex+FA4
 #   fwl          issue 14: the forward's work list (JCOMPILEMASK_CUTE_FWD_WORK_LIST=1): tests, then timed
@@ -59,6 +61,19 @@ bundle=cute
   || { echo "install of $bundle failed"; exit 2; }
 python3 -c 'import sympy, jax; print("sympy", sympy.__version__, "jax", jax.__version__, jax.devices())'
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu --format=csv,noheader
+
+# The default backward's GPU test list (gradients of the built-ins, D 64 fp16 MQA, fully
+# masked rows, row intervals, random lowered specs, the 20-rerun stress, two attention
+# gradient cases) under `timeout $2`, JUnit / log tagged $1 (stages s8t, s9t).
+bwd_default_tests() {
+  local t=tests/gpu/test_cute_backward.py
+  timeout -k 5 "$2" python3 -m pytest -q -rs -p no:cacheprovider "$t::test_builtin_grads" \
+    "$t::test_head_dim_64_fp16_mqa" "$t::test_fully_masked_rows" "$t::test_no_column_view_uses_row_intervals" \
+    "$t::test_random_lowered_specs" "$t::test_repeated_gradients_are_identical" \
+    "tests/gpu/test_cute_attention.py::test_builtin[hstu]" "tests/gpu/test_cute_attention.py::test_builtin[shared_prompt]" \
+    --junitxml="$OUT/junit-$1.xml" > "$OUT/pytest-$1.log" 2>&1
+  echo "pytest $1 rc $? ($SECONDS s)"; pkill -9 -f pytest; tail -4 "$OUT/pytest-$1.log"
+}
 
 case $stage in
   correctness)
@@ -243,17 +258,21 @@ case $stage in
     ;;
   s8t)
     # Next default candidate for the backward (session 7's timings: stats_shfl -2% causal,
-    # column bits + skip -8% clear; NOTES.md "Session 7"): JCM_S8_CONFIG (default below)
-    # through the GPU backward tests, the 20-rerun stress and two attention gradient cases.
+    # column bits + skip -8% clear; NOTES.md "Session 7"): JCM_S8_CONFIG (default below;
+    # the default config since session 8) through the GPU backward tests.
     left() { local l=$(( 570 - SECONDS )); (( l < $1 )) && echo $(( l > 5 ? l : 5 )) || echo $1; }
-    t=tests/gpu/test_cute_backward.py
     JCOMPILEMASK_CUTE_BWD_CONFIG=${JCM_S8_CONFIG:-stats_shfl=1,column_bits=0,column_skip=1} \
-      timeout -k 5 $(left 540) python3 -m pytest -q -rs -p no:cacheprovider "$t::test_builtin_grads" \
-      "$t::test_head_dim_64_fp16_mqa" "$t::test_fully_masked_rows" "$t::test_no_column_view_uses_row_intervals" \
-      "$t::test_random_lowered_specs" "$t::test_repeated_gradients_are_identical" \
-      "tests/gpu/test_cute_attention.py::test_builtin[hstu]" "tests/gpu/test_cute_attention.py::test_builtin[shared_prompt]" \
-      --junitxml="$OUT/junit-s8t.xml" > "$OUT/pytest-s8t.log" 2>&1
-    echo "pytest rc $? ($SECONDS s)"; pkill -9 -f pytest; tail -8 "$OUT/pytest-s8t.log"
+      bwd_default_tests s8t $(left 540)
+    ;;
+  s9t)
+    # Session 8's SASS change (the consumer warpgroup index made warp-uniform, forward and
+    # backward: the same math, other instructions) through the default backward's GPU tests
+    # (s8t's list, the 20-rerun stress among them) and the forward kernel's tests.
+    left() { local l=$(( 570 - SECONDS )); (( l < $1 )) && echo $(( l > 5 ? l : 5 )) || echo $1; }
+    bwd_default_tests s9t-bwd $(left 300)
+    timeout -k 5 $(left 260) python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_cute_forward.py \
+      -k "not compiles" --junitxml="$OUT/junit-s9t-fwd.xml" > "$OUT/pytest-s9t-fwd.log" 2>&1
+    echo "pytest fwd rc $? ($SECONDS s)"; pkill -9 -f pytest; tail -4 "$OUT/pytest-s9t-fwd.log"
     ;;
   s8b)
     # The candidate and its two parts beside the default and the peers, one run:
@@ -275,8 +294,13 @@ case $stage in
     # class (FlashAttentionBackwardSm90). Reports stay on the device; text pages come back.
     left() { local l=$(( 570 - SECONDS )); (( l < $1 )) && echo $(( l > 5 ? l : 5 )) || echo $1; }
     sec="--section SpeedOfLight --section WarpStateStats --section LaunchStats --section Occupancy --section InstructionStats --section SourceCounters --section MemoryWorkloadAnalysis"
+    # JCM_PROF_PASS=fwd profiles the two forward kernels instead (issue 14; the same
+    # scripts run forward + backward).
     for who in jcm fa4; do
-      if [[ $who == jcm ]]; then re=regex:FlashBackward; script=tests/scripts/gpu_backward_profile.py
+      if [[ ${JCM_PROF_PASS:-bwd} == fwd ]]; then
+        if [[ $who == jcm ]]; then re=regex:FlashForwardSm90; script=tests/scripts/gpu_backward_profile.py
+        else re=regex:ForwardSm90; script=tests/scripts/fa4_backward_profile.py; fi
+      elif [[ $who == jcm ]]; then re=regex:FlashBackward; script=tests/scripts/gpu_backward_profile.py
       else re=regex:BackwardSm90; script=tests/scripts/fa4_backward_profile.py; fi
       timeout -k 5 $(left 150) ncu --clock-control none --kernel-name $re --launch-skip 1 --launch-count 1 \
         $sec -o /tmp/prof-$who python3 $script > "$OUT/ncu-run-$who.log" 2>&1
@@ -290,7 +314,7 @@ case $stage in
     done
     # Every kernel of the steps (forward, backward, the small XLA / FA4 kernels around them)
     # with its duration: what the bwd_ms figure holds besides the main kernel.
-    for who in jcm fa4; do
+    [[ ${JCM_PROF_ALL:-1} == 0 ]] || for who in jcm fa4; do
       script=tests/scripts/gpu_backward_profile.py; [[ $who == fa4 ]] && script=tests/scripts/fa4_backward_profile.py
       timeout -k 5 $(left 90) ncu --clock-control none --section SpeedOfLight --launch-count 80 \
         -o /tmp/all-$who python3 $script > "$OUT/ncu-all-run-$who.log" 2>&1
