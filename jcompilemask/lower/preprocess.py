@@ -217,49 +217,41 @@ def build_descriptor(cm, metadata, q_len: int, kv_len: int, tiles: TileConfig):
     return desc
 
 
-def count_le_sorted(v, n, method=None):
+def count_le_sorted(v, n):
     """int32 [n]: ``out[j] = #{q : v[q] <= j}`` for a non-decreasing int32 [Nq] ``v``.
 
-    ``method``:
+    One scatter with at most two writes per index: v is clipped to [-1, n] (still
+    non-decreasing); a run of equal values c over rows [q0, q1] adds q1 + 1 - q0 at index c
+    (+ (q1 + 1) from its last row, - q0 from its first); runs at -1 (before every j) are
+    counted apart and runs at n fall out of bounds; a cumsum gives the counts. A histogram
+    (``zeros.at[v].add(1)``) is the same count, but every row outside a region adds into
+    one slot, and on a GPU those atomic adds serialize (H200, shared prompt at 8K, 26
+    histograms per sequence: 5.6 ms of preprocess, run 2026-12-01T23:55:22Z). On a CPU
+    the two take the same time.
 
-    - ``"runs"`` (the default on CUDA / ROCm): collision-free. v is clipped to [-1, n]
-      (still non-decreasing), the last row of each run of equal values writes its count
-      (q + 1) at index v[q] (distinct indices; rows outside [0, n) write out of bounds,
-      dropped), and a running maximum fills the indices in between.
-    - ``"histogram"`` (the default elsewhere): ``zeros.at[v].add(1)`` and a cumsum, exact for
-      any v. On a GPU every row outside a region adds into one slot and those atomic adds
-      serialize (H200, shared prompt at 8K, 26 such histograms per sequence: 5.6 ms of
-      preprocess, run 2026-12-01T23:55:22Z); on a CPU it is the faster of the two (2.5x at
-      shared prompt 8K).
-    - ``None``: per platform, as above (``lax.platform_dependent``).
-
-    The two agree wherever v is non-decreasing: the column view exists only where the
-    lowering proved the bounds so (``analyze``), and ``_column_intervals`` keeps them so
-    around the region (-1 before it, n + 1 after). For an unsorted v, ``"runs"`` counts
-    by the running maximum.
+    The column view exists only where the lowering proved the bounds non-decreasing in q
+    (``analyze``), and ``_column_intervals`` keeps them so around the region (-1 before it,
+    n + 1 after). An unsorted v gives a count that is not the histogram's.
 
     >>> import jax.numpy as jnp
-    >>> v = jnp.array([-1, 0, 0, 2, 5, 9])
-    >>> count_le_sorted(v, 6, "runs").tolist(), count_le_sorted(v, 6, "histogram").tolist()
-    ([3, 3, 4, 4, 4, 5], [3, 3, 4, 4, 4, 5])
+    >>> count_le_sorted(jnp.array([-1, 0, 0, 2, 5, 9]), 6).tolist()
+    [3, 3, 4, 4, 4, 5]
     """
-    if method is None:
-        return lax.platform_dependent(v, default=lambda v: count_le_sorted(v, n, "histogram"),
-                                      cuda=lambda v: count_le_sorted(v, n, "runs"),
-                                      rocm=lambda v: count_le_sorted(v, n, "runs"))
-    if method == "histogram":
-        hist = jnp.zeros((n + 2,), I32).at[jnp.clip(v + 1, 0, n + 1)].add(1)
-        return jnp.cumsum(hist)[1:n + 1]
-    if method != "runs":
-        raise ValueError(f"count_le_sorted: method={method!r}; use 'runs', 'histogram' or None")
     nq = v.shape[-1]
-    vc = jnp.clip(v, -1, n).astype(I32)
+    # Materialized once (XLA would otherwise re-evaluate v's producer, e.g. the endpoint
+    # expression, inside each of the fused uses below).
+    vc = lax.optimization_barrier(jnp.clip(v, -1, n).astype(I32))
     q = jnp.arange(nq, dtype=I32)
-    last = jnp.concatenate([vc[1:] > vc[:-1], jnp.ones((1,), bool)])
-    idx = jnp.where(last & (vc >= 0) & (vc < n), vc, n + q)          # distinct; >= n dropped
-    at = jnp.zeros((n,), I32).at[idx].set(q + 1, mode="drop", unique_indices=True)
+    step = vc[1:] > vc[:-1]
+    first = jnp.concatenate([jnp.ones((1,), bool), step])
+    last = jnp.concatenate([step, jnp.ones((1,), bool)])
+    # A run [q0, q1] of value c adds q1 + 1 - q0 rows at c: + (q1 + 1) from its last row,
+    # - q0 from its first (one write of 1 when they are the same row).
+    val = jnp.where(last, q + 1, 0) - jnp.where(first, q, 0)
+    idx = jnp.where((first | last) & (vc >= 0), vc, n + q)           # >= n: dropped
+    at = jnp.zeros((n,), I32).at[idx].add(val, mode="drop")
     below = jnp.sum(vc < 0, dtype=I32)                                # rows before every j
-    return jnp.maximum(lax.cummax(at, axis=0), below)
+    return jnp.cumsum(at) + below
 
 
 def _heads_mask(heads, hm):
