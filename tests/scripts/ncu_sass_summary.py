@@ -1,6 +1,7 @@
 """Digest ncu's per-instruction SASS page (``ncu -i R.ncu-rep --page source --csv
 --print-source sass``) of one or two kernels: per opcode, executed instructions and stall
-samples; stall samples per reason; the hottest instructions. Two files side by side (ours
+samples; stall samples per reason; the opcode mix of the loop body that runs the most
+(its sites per visited tile); the hottest instructions. Two files side by side (ours
 and FA4's backward, ``h200.sh prof8``) show where the sample counts differ.
 
     python3 tests/scripts/ncu_sass_summary.py ours.csv [peer.csv] [--top 25]
@@ -77,6 +78,18 @@ def summarise(rows):
     return by_op, by_reason
 
 
+def tile_body(rows):
+    """(count, {opcode: sites}) of the loop body that runs the most: the instruction sites
+    sharing the execution count with the largest count x sites (in a kernel with one
+    steady-state loop, its sites per visited tile and warp)."""
+    by_count = collections.defaultdict(list)
+    for sass, ex, _, _ in rows:
+        if ex:
+            by_count[ex].append(opcode(sass))
+    count, ops = max(by_count.items(), key=lambda kv: kv[0] * len(kv[1]))
+    return count, collections.Counter(ops)
+
+
 def main(argv):
     top = 25
     if "--top" in argv:
@@ -101,6 +114,15 @@ def main(argv):
     print("stall reason".ljust(28) + "".join(f"| {p[-28:]:>28} % samples " for p in files))
     for r in reasons[:top]:
         print(r[:28].ljust(28) + "".join(f"| {100 * s[1].get(r, 0) / t:>37.1f}% " for s, t in zip(sums, tot)))
+    bodies = [tile_body(rows) for rows in data]
+    print("\nloop body (sites executed the most-weighted count, per tile and warp): "
+          + ", ".join(f"{p[-28:]}: {len(b) and sum(b.values())} sites x {c:,.0f}"
+                      for p, (c, b) in zip(files, bodies)))
+    body_ops = sorted({op for _, b in bodies for op in b}, key=lambda op: -max(b[op] for _, b in bodies))
+    for op in body_ops:
+        counts = [b[op] for _, b in bodies]
+        if len(set(counts)) > 1 or len(files) == 1:
+            print(op.ljust(28) + "".join(f"| {c:>8} " for c in counts))
     for p, rows in zip(files, data):
         print(f"\nhottest instructions of {p}:")
         for sass, ex, samples, reasons in sorted(rows, key=lambda r: -r[2])[:top]:
