@@ -20,7 +20,8 @@
 #   s6b          session 6's default through the GPU backward tests + compute-sanitizer (3 tools)
 #   anyk         issue 16: K > 8 / Kc > 16 intervals and residual predicates on the CuTe kernels
 #   sanitize2    compute-sanitizer (3 tools) on the CuTe kernels without JAX in the process
-#   s9t          session 8's SASS change (warp-uniform warpgroup index): default backward + forward GPU tests
+#   s9t          session 8's SASS change (warp-uniform warpgroup index): default backward + forward GPU
+#                tests; the jnp preprocess on the GPU vs the CPU at the benchmarks' sizes
 #   s8t / s8b    the next backward default candidate (JCM_S8_CONFIG): its GPU tests / timed beside
 #                the default and the peers at 32K + 8K
 #   prof8        ncu on one causal 32K backward of ours and one of FA4's, same call
@@ -270,8 +271,8 @@ case $stage in
     # (s8t's list, the 20-rerun stress among them) and the forward kernel's tests.
     left() { local l=$(( 570 - SECONDS )); (( l < $1 )) && echo $(( l > 5 ? l : 5 )) || echo $1; }
     bwd_default_tests s9t-bwd $(left 300)
-    timeout -k 5 $(left 260) python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_cute_forward.py \
-      -k "not compiles" --junitxml="$OUT/junit-s9t-fwd.xml" > "$OUT/pytest-s9t-fwd.log" 2>&1
+    timeout -k 5 $(left 260) python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_jnp_preprocess_gpu.py \
+      tests/gpu/test_cute_forward.py -k "not compiles" --junitxml="$OUT/junit-s9t-fwd.xml" > "$OUT/pytest-s9t-fwd.log" 2>&1
     echo "pytest fwd rc $? ($SECONDS s)"; pkill -9 -f pytest; tail -4 "$OUT/pytest-s9t-fwd.log"
     ;;
   s8b)
