@@ -21,7 +21,6 @@ BUILTINS = ["causal", "full", "sliding_window", "chunked_causal", "prefix_lm",
             "document", "document_bidir", "hstu", "shared_prompt", "clear"]
 
 
-
 def hstu_one_region():
     """HSTU written as one region with row conditions: four conjuncts that share two
     forward-table slots (K 2, as the three-region built-in)."""
@@ -32,6 +31,7 @@ def hstu_one_region():
     rule = (((q < a) & (k < a)) | ((q >= a) & (q < b) & (k <= q))
             | ((q >= b) & ((k < b) | ((k >= b + (q - b) // g * g) & (k <= q)))))
     return MaskSpec([Region((0, q_len), rule)], name="hstu_one_region")
+
 
 def _ints(draw, lo, hi, n):
     return np.array(draw(st.lists(st.integers(lo, hi), min_size=n, max_size=n)), np.int32)

@@ -116,7 +116,7 @@ def main(argv):
         print(r[:28].ljust(28) + "".join(f"| {100 * s[1].get(r, 0) / t:>37.1f}% " for s, t in zip(sums, tot)))
     bodies = [tile_body(rows) for rows in data]
     print("\nloop body (sites executed the most-weighted count, per tile and warp): "
-          + ", ".join(f"{p[-28:]}: {len(b) and sum(b.values())} sites x {c:,.0f}"
+          + ", ".join(f"{p[-28:]}: {sum(b.values())} sites x {c:,.0f}"
                       for p, (c, b) in zip(files, bodies)))
     body_ops = sorted({op for _, b in bodies for op in b}, key=lambda op: -max(b[op] for _, b in bodies))
     for op in body_ops:

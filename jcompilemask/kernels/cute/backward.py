@@ -648,6 +648,7 @@ class FlashBackwardSm90(WarpSpecializedSm90):
 
         # Operand fragments (shared-memory descriptors) of the five products.
         frags = _Fragments()
+        frags.wg = wg
         frags.tSrK = mma_sdp.make_fragment_A(mma_sdp.partition_A(sK))
         frags.tSrV = mma_sdp.make_fragment_A(mma_sdp.partition_A(sV))
         frags.tSrQ = mma_sdp.make_fragment_B(mma_sdp.partition_B(sQ))
@@ -721,11 +722,11 @@ class FlashBackwardSm90(WarpSpecializedSm90):
                     if needs_mask:
                         self.step(True, state, q_tile, frags, sLSE, sDelta, col_starts, col_lengths,
                                   exact, mFwdIntervals, pipeline_q, pipeline_do, seqlen_q,
-                                  seqlen_k, k_tile, mh, mask_batch, tidx)
+                                  seqlen_k, k_tile, mh, mask_batch)
                     else:
                         self.step(False, state, q_tile, frags, sLSE, sDelta, col_starts, col_lengths,
                                   exact, mFwdIntervals, pipeline_q, pipeline_do, seqlen_q,
-                                  seqlen_k, k_tile, mh, mask_batch, tidx)
+                                  seqlen_k, k_tile, mh, mask_batch)
                     state.advance()
               self.list_done(seq)
         # Balance DQ_EMPTY: the dQ warp freed the buffer once per tile, this warpgroup
@@ -733,9 +734,9 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         if state.count > 0:
             if const_expr(self.dq_single_wg):
                 if wg == 0:
-                    self.dq_buffer_wait(tidx)
+                    self.dq_buffer_wait(wg)
             else:
-                self.dq_buffer_wait(tidx)
+                self.dq_buffer_wait(wg)
         if const_expr(self.config.dkv_tma_store):
             self.epilogue_tma(acc_dK, acc_dV, mdK, mdV, sK, sV, tma_store_atoms, tiled_mmas_dkv, tidx,
                               k_tile, head_kv, batch)
@@ -745,7 +746,7 @@ class FlashBackwardSm90(WarpSpecializedSm90):
     @cute.jit
     def step(self, masked: cutlass.Constexpr[bool], state, q_tile, f, sLSE, sDelta, col_starts,
              col_lengths, exact, mFwdIntervals, pipeline_q, pipeline_do, seqlen_q,
-             seqlen_k, k_tile, mh, mask_batch, tidx):
+             seqlen_k, k_tile, mh, mask_batch):
         """One visited query tile: scores, statistics, softmax gradient, the three
         products that accumulate (dV, dK) or leave (dQ), in FA3's order."""
         d, bq, bk = self.head_dim, self.block_q, self.block_kv
@@ -841,7 +842,7 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         else:
             ds_stage = state.count % 2
         if const_expr(self.split_dkv):
-            if self.consumer_wg(tidx) == 0:      # both hold the same dS^T: one writes it
+            if f.wg == 0:      # both hold the same dS^T: one writes it
                 self.store_ds(f, rdS, ds_stage)
         else:
             cute.copy(f.ds_copy, f.ds_copy.retile(rdS), f.tdSsdS[None, None, None, ds_stage])
@@ -850,15 +851,15 @@ class FlashBackwardSm90(WarpSpecializedSm90):
 
         # -- dQ_tile[:, this warpgroup's D part] = dS K; dK += dS^T Q
         if const_expr(self.dq_single_wg):
-            if self.consumer_wg(tidx) == 0:
-                self.dq_and_dk(f, rdS, ds_stage, state, pipeline_do, tidx)
+            if f.wg == 0:
+                self.dq_and_dk(f, rdS, ds_stage, state, pipeline_do)
             else:
                 issue_wgmma(f.mma_dkv, f.acc_dK, _as_a_operand(rdS), f.tKVrQt[None, None, None, state.index], False)
                 if const_expr(self.config.release_do_early):
                     warpgroup.wait_group(1)                 # dV done: dO's stage is free
                     pipeline_do.consumer_release(state)
         else:
-            self.dq_and_dk(f, rdS, ds_stage, state, pipeline_do, tidx)
+            self.dq_and_dk(f, rdS, ds_stage, state, pipeline_do)
         warpgroup.wait_group(0)
         pipeline_q.consumer_release(state)
         if const_expr(not self.config.release_do_early):
@@ -915,7 +916,7 @@ class FlashBackwardSm90(WarpSpecializedSm90):
                 S[r, c] = Float32(0.0) if p == Float32(0.0) else p * (Float32(1.0) - t * t)
 
     @cute.jit
-    def dq_and_dk(self, f, rdS, ds_stage, state, pipeline_do, tidx):
+    def dq_and_dk(self, f, rdS, ds_stage, state, pipeline_do):
         """Issue dQ then dK; once dV and dQ are done, hand the dQ tile to the dQ warp
         through shared memory (dK still in flight). With ``release_do_early``: wait for dV
         between the two issues and free dO's stage at once (the producer's next dO load
@@ -929,10 +930,10 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         issue_wgmma(f.mma_dkv, f.acc_dK, _as_a_operand(rdS), f.tKVrQt[None, None, None, state.index], False)
         warpgroup.wait_group(1)
         if state.count > 0:
-            self.dq_buffer_wait(tidx)
+            self.dq_buffer_wait(f.wg)
         cute.autovec_copy(cute.make_tensor(acc_dQ.iterator, cute.make_layout((4, self.dq_chunks))), f.sdQ_thr)
         cute.arch.fence_view_async_shared()
-        cute.arch.barrier_arrive(barrier_id=int(Bar.DQ_FULL) + self.dq_wg_index(tidx),
+        cute.arch.barrier_arrive(barrier_id=int(Bar.DQ_FULL) + self.dq_wg_index(f.wg),
                                  number_of_threads=self.threads_per_wg + 32)
 
     @cute.jit
@@ -945,13 +946,14 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         return cute.arch.make_warp_uniform(tidx // self.threads_per_wg)
 
     @cute.jit
-    def dq_wg_index(self, tidx):
-        return 0 if const_expr(self.dq_single_wg) else self.consumer_wg(tidx)
+    def dq_wg_index(self, wg):
+        """The dQ buffer of consumer warpgroup `wg` (``consumer_wg``)."""
+        return 0 if const_expr(self.dq_single_wg) else wg
 
     @cute.jit
-    def dq_buffer_wait(self, tidx):
-        """Wait until the dQ warp's reduce-add has read this warpgroup's dQ buffer."""
-        cute.arch.barrier(barrier_id=int(Bar.DQ_EMPTY) + self.dq_wg_index(tidx),
+    def dq_buffer_wait(self, wg):
+        """Wait until the dQ warp's reduce-add has read warpgroup `wg`'s dQ buffer."""
+        cute.arch.barrier(barrier_id=int(Bar.DQ_EMPTY) + self.dq_wg_index(wg),
                           number_of_threads=self.threads_per_wg + 32)
 
     @cute.jit
