@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ...ffi.registry import match_varying
+
 _DTYPES = ("bfloat16", "float16")
 HEAD_DIMS = (64, 128, 256)          # Dv == D; validated on the H200 (NOTES.md)
 # (D, Dv) pairs with Dv != D: compiled, not yet run on a GPU (the registry uses them only
@@ -498,7 +500,8 @@ def cute_forward(q, k, v, fwd_intervals, fwd_tiles, *, scale=None, softcap=None,
         jax.ShapeDtypeStruct((B, Hq, Nq), jnp.float32),
     )
     call = jax.ffi.ffi_call(name, out_types, vmap_method="sequential")
-    o, lse = call(q, k, v, fwd_intervals.astype(jnp.int32), fwd_tiles.astype(jnp.uint32), *extra)
+    operands = (q, k, v, fwd_intervals.astype(jnp.int32), fwd_tiles.astype(jnp.uint32), *extra)
+    o, lse = match_varying(call(*operands), *operands)
     return o, lse
 
 
@@ -992,10 +995,10 @@ def cute_backward(q, k, v, out, lse, do, bwd_intervals, bwd_tiles, fwd_intervals
     # The dQ accumulator and the semaphores must start at zero: inputs aliased to outputs.
     call = jax.ffi.ffi_call(name, out_types, vmap_method="sequential",
                             input_output_aliases={11: 0, 12: 1})
-    dq_acc, _, dk, dv = call(q, k, v, do, lse2, delta, bwd_intervals.astype(jnp.int32),
-                             bwd_tiles.astype(jnp.uint32), fwd_intervals.astype(jnp.int32), exact,
-                             turns, jnp.zeros(acc_shape, f32), jnp.zeros(sem_shape, jnp.int32),
-                             *extra)
+    operands = (q, k, v, do, lse2, delta, bwd_intervals.astype(jnp.int32),
+                bwd_tiles.astype(jnp.uint32), fwd_intervals.astype(jnp.int32), exact,
+                turns, jnp.zeros(acc_shape, f32), jnp.zeros(sem_shape, jnp.int32), *extra)
+    dq_acc, _, dk, dv = match_varying(call(*operands), *operands)
     # One fused XLA pass: un-permute, scale, cast.
     dq = dq_fragment_unpermute(dq_acc, Nq, D, block_q)
     return (dq * np.float32(scale)).astype(q.dtype), dk, dv

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ...ffi.registry import match_varying
 from ...lower.descriptor import ExecutionDescriptor, TileConfig
 from .codegen import KernelConfig, Program, generate, unsupported_reason
 
@@ -261,8 +262,11 @@ def tilelang_preprocess(cm, metadata, q_len: int, kv_len: int | None = None,
         # device runs the kernel on its sequences (attention.partition.batch_sharded).
         shapes, _ = _out_shapes(prog, batch, q_len, kv_len, tiles)
         out_types = tuple(jax.ShapeDtypeStruct(*shapes[n]) for n in prog.outputs)
-        return functools.partial(jax.ffi.ffi_call(name, out_types, vmap_method="sequential"),
-                                 q_len=np.int32(q_len), kv_len=np.int32(kv_len))
+        call = jax.ffi.ffi_call(name, out_types, vmap_method="sequential")
+
+        def run(*ops):
+            return match_varying(call(*ops, q_len=np.int32(q_len), kv_len=np.int32(kv_len)), *ops)
+        return run
     from ...attention.partition import batch_sharded
     res = batch_sharded(call_for, b, *operands)
     outs = dict(zip(prog.outputs, res))
