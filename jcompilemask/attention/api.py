@@ -141,7 +141,8 @@ def mask_attention(query, key, value, mask=None, *, bias=None,
       context_axis: a mesh axis name: context (sequence) parallelism inside
         ``jax.shard_map``, with query/key/value sharded along the sequence over that
         axis and ``mask`` a descriptor (or spec + metadata) of the whole sequence; runs
-        :func:`jcompilemask.parallel.ring_attention` (the xla backend per ring step).
+        :func:`jcompilemask.parallel.ring_attention`, whose ring steps run the backend
+        ``implementation`` names (None: the registry's choice for a step's call).
       context_layout: with ``context_axis``, the chunk layout or ring plan (see
         :func:`jcompilemask.parallel.ring_attention`).
 
@@ -189,15 +190,15 @@ def mask_attention(query, key, value, mask=None, *, bias=None,
                              "not both")
     if context_axis is not None:
         if (bias, query_seq_lengths, key_value_seq_lengths, local_window_size) != (None,) * 4 \
-                or is_causal or unbatched or implementation not in (None, "xla"):
+                or is_causal or unbatched:
             raise ValueError("context_axis takes a compiled mask (descriptor, or spec and "
                              "metadata) and batched inputs; bias, is_causal, sequence "
-                             "lengths, windows and implementation other than 'xla' are "
-                             "not supported with it")
+                             "lengths and windows are not supported with it")
         from ..parallel import ring_attention
         res = ring_attention(query, key, value, mask, axis_name=context_axis,
                              layout=context_layout, metadata=metadata, scale=scale,
-                             logits_soft_cap=logits_soft_cap,
+                             logits_soft_cap=logits_soft_cap, implementation=implementation,
+                             deterministic=deterministic,
                              return_residuals=bool(return_residual or return_residuals))
         if return_residual:
             return res[0], jnp.swapaxes(res[1], 1, 2)

@@ -4,10 +4,37 @@ Inside ``jax.shard_map``, q, k and v are sharded along their sequence axis over 
 axis; each device keeps its query rows and passes key/value chunks around the ring
 (``lax.ppermute`` to the next device), combining the partial results of each step by
 their log-sum-exp, as in ring attention (Liu et al., 2023). Per step, the rows of the
-device are attended to the chunks it holds by the ``xla`` backend's blockwise attention
-(:mod:`jcompilemask.attention.xla`), on a descriptor cut from the global one for exactly
+device are attended to the chunks it holds by an attention backend of the registry
+(:mod:`jcompilemask.backends`), on a descriptor cut from the global one for exactly
 those rows and columns, so its tile skipping, interval checks and backward are reused
 unchanged.
+
+Backends. ``implementation`` means what it means for ``mask_attention``: None takes
+the registry's choice for a step's call (on an H200 the CuTe forward and backward
+kernels; elsewhere ``xla``, the blockwise jnp attention of
+:mod:`jcompilemask.attention.xla`), a name raises when that backend cannot run the
+call. A step's descriptor holds the key chunks of one device, ``chunks_per_device``
+of them, each clipping every row's intervals, so it has ``K * chunks_per_device``
+interval slots per row (and ``Kc * chunks_per_device`` per column): a backend that
+refuses that step call (the CuTe kernels unroll K <= 8) is replaced by ``xla`` for the
+steps, with a logged notice. The descriptor's tiles are the backend's own: a MaskSpec
+is instantiated at them, a prebuilt descriptor must have them (as for
+``mask_attention``), and a chunk must be a whole number of them -- the CuTe kernels run
+only 128 x 128 forward and 64 x 128 backward tiles (head dim 128), so chunks are
+multiples of 128 rows; otherwise a named implementation raises saying so, and the
+automatic choice falls back to ``xla`` (tiles that divide the chunk) with a logged
+notice.
+
+Precision. Partial results are merged (forward: ``out`` by the log-sum-exp weights) and
+summed (backward: dQ over steps, dK/dV along the route) in float32. The ``xla`` steps
+hand over float32 partials; a backend that returns the input dtype (the CuTe kernels:
+``out``, dQ, dK, dV in bfloat16 / float16, lse float32) has each step's partial
+rounded to that dtype before the float32 merge, as other ring implementations do: up to
+one rounding per step on top of the final one, so with P > 1 steps the error is a few
+units in the last place of the input dtype rather than the one-device call's one or
+two. The backward of every step reads the **merged** ``out``, ``lse`` (and their
+cotangents): the softmax delta ``rowsum(dO * O) - dlse`` is the global one, which is
+what each step's share of the gradient needs.
 
 The descriptor. It is built for the **whole sequence** (``q_len == kv_len == N``, the
 original order) and replicated over the context axis: its size is O(N * K) for the
@@ -28,7 +55,7 @@ What is skipped.
 
 * Compute, always: a step whose held chunks have no non-empty tile for this device's rows
   is skipped with ``lax.cond`` (no logits, no softmax, no gradient products); within a
-  step the blockwise loops visit only non-empty tiles.
+  step the backend visits only non-empty tiles.
 * Transfers, when the schedule is static: with a :class:`RingPlan` (``layout=plan``, or
   a concrete descriptor -- built outside ``jit`` or closed over -- from which one is
   made), a chunk travels only as far as the last device whose rows see it and the ring
@@ -60,17 +87,22 @@ True
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import Mapping, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
+from .. import backends as _backends
+from .._progress import log_once
+from ..attention import compat as _compat
 from ..attention import xla as _xla
 from ..lower.compiled import CompiledMask, compile as _compile
-from ..lower.descriptor import COMPUTE, ExecutionDescriptor, pack_tiles, unpack_tiles
+from ..lower.descriptor import COMPUTE, ExecutionDescriptor, TileConfig, pack_tiles
 from ..spec.maskspec import MaskSpec
 from .plan import RingPlan, check_layout, chunk_size, full_ring_plan, ring_plan
 
@@ -177,6 +209,42 @@ def _merge(out, lse, o, l):
     return out, jnp.where(seen, m_safe + jnp.log(norm), NEG_INF)
 
 
+def _step_forward(backend: str, zero):
+    """``f(q, kc, vc, sub, scale, softcap) -> (out, lse)`` of one ring step, float32.
+
+    ``xla`` computes the partial ``out`` in float32 directly; another backend returns it
+    in its own dtype (the CuTe kernels: the input dtype), cast up here for the merge.
+    Adding ``zero`` (a float32 0 varying over the mesh axes of the ring's values) gives
+    the results exactly the type of the skipped step's zeros, which ``lax.cond`` needs: a
+    custom call's results are typed as not varying inside ``shard_map`` unless the
+    backend marks them (the library's own do, ``ffi.match_varying``; a registered
+    backend need not)."""
+    if backend == "xla":
+        return functools.partial(_xla.forward, out_dtype=F32)
+    fwd = _backends.get(backend).forward
+
+    def f(q, k, v, sub, scale, softcap):
+        o, lse = fwd(q, k, v, sub, scale, softcap)
+        return o.astype(F32) + zero, lse.astype(F32) + zero
+    return f
+
+
+def _step_backward(backend: str, zero, deterministic: bool):
+    """``f(q, kc, vc, sub, scale, softcap, out, lse, do, dlse) -> (dq, dk, dv)`` of one
+    ring step, float32 (cast up from the backend's dtype and typed as varying, as for the
+    forward). ``deterministic`` is passed on when set (the xla backward is deterministic
+    either way; the ring adds the steps' parts in a fixed order)."""
+    if backend == "xla":
+        return functools.partial(_xla.backward, out_dtype=F32)
+    bwd = _backends.get(backend).backward
+    kw = {"deterministic": True} if deterministic else {}
+
+    def f(q, k, v, sub, scale, softcap, out, lse, do, dlse):
+        return tuple(g.astype(F32) + zero for g in bwd(q, k, v, sub, scale, softcap, out,
+                                                        lse, do, dlse, **kw))
+    return f
+
+
 def _uniform(plan: RingPlan) -> bool:
     """Every chunk goes round the whole ring: the steps are alike, so they run as one
     ``fori_loop`` body (compile time independent of the device count)."""
@@ -202,7 +270,7 @@ def _sends(plan, s, j):
     return plan.sends(0 if _uniform(plan) else s, j)
 
 
-def _forward(q, k, v, desc, scale, softcap, axis_name, plan):
+def _forward(q, k, v, desc, scale, softcap, axis_name, plan, backend):
     p, cpd = plan.num_devices, plan.chunks_per_device
     d = lax.axis_index(axis_name)
     cut = _Cutter(desc, plan, d)
@@ -213,8 +281,10 @@ def _forward(q, k, v, desc, scale, softcap, axis_name, plan):
     lse = jnp.full_like(zero, NEG_INF, shape=(b, hq, n))
     held = list(zip(_slots(k, cpd), _slots(v, cpd)))
 
+    attend = _step_forward(backend, zero)
+
     def compute(q, kc, vc, sub):
-        return _xla.forward(q, kc, vc, sub, scale, softcap, out_dtype=F32)
+        return attend(q, kc, vc, sub, scale, softcap)
 
     def skip(q, kc, vc, sub):
         return jnp.zeros_like(out), jnp.full_like(lse, NEG_INF)
@@ -234,7 +304,8 @@ def _forward(q, k, v, desc, scale, softcap, axis_name, plan):
     return out.astype(q.dtype), lse
 
 
-def _backward(q, k, v, desc, scale, softcap, axis_name, plan, out, lse, do, dlse):
+def _backward(q, k, v, desc, scale, softcap, axis_name, plan, backend, deterministic, out,
+              lse, do, dlse):
     p, cpd = plan.num_devices, plan.chunks_per_device
     d = lax.axis_index(axis_name)
     cut = _Cutter(desc, plan, d)
@@ -246,9 +317,11 @@ def _backward(q, k, v, desc, scale, softcap, axis_name, plan, out, lse, do, dlse
             for h in held]
     dq = jnp.zeros_like(zero, shape=q.shape)
 
+    grads = _step_backward(backend, zero, deterministic)
+
     def compute(q, kc, vc, sub):
-        return _xla.backward(q, kc, vc, sub, scale, softcap, out, lse, do, dlse,
-                             out_dtype=F32)
+        # The merged out / lse / do / dlse of the whole row: each step's delta is global.
+        return grads(q, kc, vc, sub, scale, softcap, out, lse, do, dlse)
 
     def skip(q, kc, vc, sub):
         return (jnp.zeros_like(dq), jnp.zeros_like(zero, shape=kc.shape),
@@ -288,21 +361,21 @@ def _backward(q, k, v, desc, scale, softcap, axis_name, plan, out, lse, do, dlse
     return dq.astype(q.dtype), dk, dvv
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
-def _ring(q, k, v, desc, scale, softcap, axis_name, plan):
-    return _forward(q, k, v, desc, scale, softcap, axis_name, plan)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9))
+def _ring(q, k, v, desc, scale, softcap, axis_name, plan, backend, deterministic):
+    return _forward(q, k, v, desc, scale, softcap, axis_name, plan, backend)
 
 
-def _ring_fwd(q, k, v, desc, scale, softcap, axis_name, plan):
-    out, lse = _forward(q, k, v, desc, scale, softcap, axis_name, plan)
+def _ring_fwd(q, k, v, desc, scale, softcap, axis_name, plan, backend, deterministic):
+    out, lse = _forward(q, k, v, desc, scale, softcap, axis_name, plan, backend)
     return (out, lse), (q, k, v, desc, out, lse)
 
 
-def _ring_bwd(scale, softcap, axis_name, plan, res, cts):
+def _ring_bwd(scale, softcap, axis_name, plan, backend, deterministic, res, cts):
     q, k, v, desc, out, lse = res
     do, dlse = cts
-    dq, dk, dv = _backward(q, k, v, desc, scale, softcap, axis_name, plan, out, lse, do,
-                           dlse)
+    dq, dk, dv = _backward(q, k, v, desc, scale, softcap, axis_name, plan, backend,
+                           deterministic, out, lse, do, dlse)
     return dq, dk, dv, None
 
 
@@ -316,31 +389,97 @@ def _default_block(cs):
     return max(b, 1)
 
 
+_TILE_FIELDS = ("block_q", "block_kv", "bwd_block_q", "bwd_block_kv")
+
+
+def _xla_tiles(n: int, c: int) -> TileConfig:
+    """Tiles for an ``xla`` ring built here: the largest power of two <= 128 dividing a chunk."""
+    blk = _default_block(n // c) if n % c == 0 else 128
+    return TileConfig(blk, blk, blk, blk)
+
+
+def _misfit(cs: int, tiles: TileConfig) -> list[str]:
+    """The tile sizes of ``tiles`` that a chunk of ``cs`` rows is not a whole number of."""
+    return [f"{f}={getattr(tiles, f)}" for f in _TILE_FIELDS if cs % getattr(tiles, f)]
+
+
+def _chunk_error(cs, n, c, tiles, backend, whose) -> ValueError:
+    if backend == "xla":
+        fix = ("build the descriptor with tiles that divide N / num_chunks, or use fewer "
+               "chunks (layout= / context_layout=)")
+    else:
+        fix = (f"the {backend} backend runs only these tiles, so N / num_chunks must be a "
+               f"multiple of them: pass a layout with fewer chunks (layout= / "
+               f"context_layout=) or a longer sequence, or implementation='xla' (which "
+               f"takes any tiles that divide a chunk)")
+    return ValueError(f"a chunk has {cs} rows (N = {n} over the layout's {c} chunks), not a "
+                      f"multiple of {whose} {', '.join(_misfit(cs, tiles))}: {fix}")
+
+
+def _call(query, key, value, cm, softcap, num_intervals, tiles) -> _backends.Call:
+    """The registry's view of one ring step's call (see ``mask_attention``'s)."""
+    return _backends.Call(
+        dtype=jnp.dtype(query.dtype).name, head_dim=query.shape[-1],
+        head_dim_v=value.shape[-1], num_heads=query.shape[2], num_kv_heads=key.shape[2],
+        softcap=softcap is not None, has_fallback=bool(cm.fallback_regions),
+        num_intervals=num_intervals, tiles=tiles,
+        dense_bitmap=getattr(cm, "layout", None) == "bitmap",
+        residual_reason=_backends.residual_reason_of(cm))
+
+
+def _step_backend(backend, call: _backends.Call, desc, cpd: int) -> str:
+    """The backend that runs the steps: ``backend``, unless it refuses a step's call
+    (its descriptor has ``K * cpd`` interval slots per row), then ``xla``, said once."""
+    if backend.name == "xla":
+        return "xla"
+    step = dataclasses.replace(call, num_intervals=desc.num_intervals * cpd,
+                               tiles=desc.tiles)
+    why = _backends._check(backend, step)
+    if why is None:
+        return backend.name
+    log_once(("ring-step", backend.name, why),
+             "jcompilemask: ring_attention runs the xla backend per ring step, not %s: a "
+             "step's descriptor (the device's rows x its %d held key chunk(s), K = %d x %d "
+             "interval slots per row) is refused: %s", backend.name, cpd,
+             desc.num_intervals, cpd, why)
+    return "xla"
+
+
 def ring_attention(query, key, value, mask, *, axis_name: str,
                    layout: Union[None, Sequence[int], RingPlan] = None,
                    metadata: Optional[Mapping] = None, scale: Optional[float] = None,
-                   logits_soft_cap: Optional[float] = None, return_residuals: bool = False):
+                   logits_soft_cap: Optional[float] = None, return_residuals: bool = False,
+                   implementation: Optional[str] = None, deterministic: bool = False):
     """Attention under a compiled mask with the sequence sharded over ``axis_name``.
 
     Call it inside ``jax.shard_map`` with query/key/value sharded along axis 1 (the
     sequence) over ``axis_name``; the result is sharded the same way. See the module doc
-    for the ring, what it skips, and the backward.
+    for the ring, the backend of each step, what it skips, precision and the backward.
 
     Args:
       query, key, value: the local shards, [batch, N / P, heads, head_dim] (layout of
         :func:`jcompilemask.mask_attention`; GQA/MQA as there).
       mask: an :class:`ExecutionDescriptor` built for the **whole** sequence (q_len ==
         kv_len == N, original order), replicated over ``axis_name`` (it may be sharded
-        along the batch over another axis), or a MaskSpec / CompiledMask with
-        ``metadata`` (the descriptor is then built here, at the whole length, with tiles
-        that divide a chunk).
+        along the batch over another axis), at the tiles of the backend that runs (the
+        default ``instantiate`` builds those), or a MaskSpec / CompiledMask with
+        ``metadata`` (the descriptor is then built here, at the whole length, with the
+        backend's tiles, or for ``xla`` tiles that divide a chunk).
       axis_name: the mesh axis the sequence is sharded over (P = its size).
       layout: which chunks each device holds: None (one chunk per device, in order), a
         chunk order (e.g. :func:`balance_permutation`; the caller applies it with
         :func:`permute_sequence`), or a :class:`RingPlan` (a static transfer schedule
         from :func:`ring_plan`). Without a plan, one is made from the descriptor when it
-        is concrete; otherwise every chunk goes round the whole ring.
-      metadata, scale, logits_soft_cap, return_residuals: as in ``mask_attention``.
+        is concrete; otherwise every chunk goes round the whole ring. A chunk must be a
+        whole number of the descriptor's tiles (the CuTe kernels': multiples of 128).
+      implementation: the backend of each ring step, as in ``mask_attention``:
+        ``"cute"`` (``"cudnn"`` maps to it), ``"xla"``, or None (the registry's choice
+        for a step's call). A named backend that cannot run the call raises; one that
+        refuses only a step's sub-call (more interval slots per row, see the module doc)
+        is replaced by ``xla`` for the steps with a logged notice.
+      metadata, scale, logits_soft_cap, return_residuals, deterministic: as in
+        ``mask_attention`` (``deterministic`` goes to each step's backward; the ring adds
+        the steps' parts in a fixed order).
 
     Returns:
       ``out`` [batch, N / P, heads, head_dim_v] (and ``lse`` [batch, heads, N / P]).
@@ -353,6 +492,7 @@ def ring_attention(query, key, value, mask, *, axis_name: str,
         raise ValueError("context parallelism is for self-attention: query, key and value "
                          f"shards must have the same length, got {query.shape[1]}, "
                          f"{key.shape[1]}, {value.shape[1]}")
+    impl = _compat.implementation_name(implementation)
     try:
         p = lax.axis_size(axis_name)
     except NameError as e:
@@ -367,34 +507,62 @@ def ring_attention(query, key, value, mask, *, axis_name: str,
                              f"{axis_name!r} has {p}")
     else:
         plan, chunks = None, check_layout(range(p) if layout is None else layout, p)
+    c = len(chunks)
+    cpd = c // p
 
     if isinstance(mask, (MaskSpec, CompiledMask)):
-        cm = _compile(mask)
+        cm, desc = _compile(mask), None
         if cm.batched and metadata is None:
             raise ValueError(f"this mask reads metadata {sorted(cm.spec.metadata)}: pass "
                              "metadata={...} or an ExecutionDescriptor")
-        blk = _default_block(n // len(chunks)) if n % len(chunks) == 0 else 128
-        mask = cm.instantiate(metadata, n, n, block_q=blk, block_kv=blk, bwd_block_q=blk,
-                              bwd_block_kv=blk, preprocess="jnp")
     elif not isinstance(mask, ExecutionDescriptor):
         raise TypeError("mask must be an ExecutionDescriptor, MaskSpec or CompiledMask, "
                         f"got {type(mask).__name__}")
     elif metadata is not None:
         raise ValueError("metadata is only used when mask is a MaskSpec or CompiledMask")
-    desc = mask
-    if getattr(desc.mask, "layout", None) == "bitmap":
+    else:
+        cm, desc = mask.mask, mask
+    if getattr(cm, "layout", None) == "bitmap":
         raise ValueError("context parallelism needs interval tables; this dense mask is kept "
                          "as a bitmap (too many runs per row): run it without context_axis")
-    if desc.mask.fallback_regions:
+    if cm.fallback_regions:
         raise ValueError(f"context parallelism needs a fully lowered mask; regions "
-                         f"{list(desc.mask.fallback_regions)} fall back to an element "
+                         f"{list(cm.fallback_regions)} fall back to an element "
                          "predicate (see CompiledMask.explain()): run them without "
                          "context_axis")
-    if (desc.q_len, desc.kv_len) != (n, n):
-        raise ValueError(f"the descriptor was built for q_len={desc.q_len}, kv_len="
-                         f"{desc.kv_len}; with {p} devices of {query.shape[1]} rows the "
-                         f"whole sequence is {n}: build it for the whole sequence")
-    chunk_size(desc, len(chunks))
+    if logits_soft_cap is not None:
+        if not isinstance(logits_soft_cap, (int, float)) or logits_soft_cap <= 0:
+            raise ValueError(f"logits_soft_cap must be a positive float, got "
+                             f"{logits_soft_cap!r}")
+        logits_soft_cap = float(logits_soft_cap)
+    call = _call(query, key, value, cm, logits_soft_cap, cm.num_intervals,
+                 None if desc is None else desc.tiles)
+    backend = _backends.select(impl, call)
+    cs = n // c if n % c == 0 else None
+
+    if desc is None:
+        tiles = _xla_tiles(n, c) if backend.name == "xla" else backend.tiles(call)
+        if backend.name != "xla" and cs is not None and _misfit(cs, tiles):
+            if impl is not None:
+                raise _chunk_error(cs, n, c, tiles, backend.name,
+                                   f"the {backend.name} backend's tiles")
+            log_once(("ring-tiles", backend.name, cs, tiles),
+                     "jcompilemask: ring_attention runs the xla backend, not %s: a chunk "
+                     "has %d rows (N = %d over %d chunks), not a multiple of its tiles %s "
+                     "(fewer chunks or a longer sequence would let it run)", backend.name,
+                     cs, n, c, tiles)
+            backend, tiles = _backends.get("xla"), _xla_tiles(n, c)
+        desc = cm.instantiate(metadata, n, n, block_q=tiles.block_q, block_kv=tiles.block_kv,
+                              bwd_block_q=tiles.bwd_block_q, bwd_block_kv=tiles.bwd_block_kv,
+                              preprocess="jnp")
+    else:
+        if (desc.q_len, desc.kv_len) != (n, n):
+            raise ValueError(f"the descriptor was built for q_len={desc.q_len}, kv_len="
+                             f"{desc.kv_len}; with {p} devices of {query.shape[1]} rows the "
+                             f"whole sequence is {n}: build it for the whole sequence")
+        if cs is not None and _misfit(cs, desc.tiles):
+            raise _chunk_error(cs, n, c, desc.tiles, backend.name, "the descriptor's")
+    chunk_size(desc, c)
     b, hq = query.shape[0], query.shape[2]
     if desc.batch not in (1, b):
         raise ValueError(f"the descriptor has batch {desc.batch}; the call has batch {b}")
@@ -403,13 +571,12 @@ def ring_attention(query, key, value, mask, *, axis_name: str,
     if plan is None:
         plan = (ring_plan(desc, p, chunks) if _is_concrete(desc)
                 else full_ring_plan(p, chunks))
+    step_backend = _step_backend(backend, call, desc, cpd)
     d = query.shape[-1]
     if scale is None:
         scale = 1.0 / math.sqrt(d)
-    if logits_soft_cap is not None:
-        if not isinstance(logits_soft_cap, (int, float)) or logits_soft_cap <= 0:
-            raise ValueError(f"logits_soft_cap must be a positive float, got "
-                             f"{logits_soft_cap!r}")
-        logits_soft_cap = float(logits_soft_cap)
-    out, lse = _ring(query, key, value, desc, float(scale), logits_soft_cap, axis_name, plan)
+    if not isinstance(deterministic, (bool, np.bool_)):
+        raise TypeError(f"deterministic must be True or False, got {deterministic!r}")
+    out, lse = _ring(query, key, value, desc, float(scale), logits_soft_cap, axis_name, plan,
+                     step_backend, bool(deterministic))
     return (out, lse) if return_residuals else out
