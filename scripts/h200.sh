@@ -22,6 +22,10 @@
 #   sanitize2    compute-sanitizer (3 tools) on the CuTe kernels without JAX in the process
 #   s9t          session 8's SASS change (warp-uniform warpgroup index): default backward + forward GPU
 #                tests; the jnp preprocess on the GPU vs the CPU at the benchmarks' sizes
+#   s10          session 9's static_stage (the tile body once per ring stage): the default backward's
+#                GPU tests with it, then timed beside the default and FA4 native at 32K
+#   s10x         issue 17 on one GPU: tests/gpu/test_sharding_gpu.py (custom calls under shard_map)
+#                and tests/gpu/test_ring_gpu.py (the CuTe kernels per ring step)
 #   s8t / s8b    the next backward default candidate (JCM_S8_CONFIG): its GPU tests / timed beside
 #                the default and the peers at 32K + 8K
 #   prof8        ncu on one causal 32K backward of ours and one of FA4's, same call
@@ -274,6 +278,26 @@ case $stage in
     timeout -k 5 $(left 260) python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_jnp_preprocess_gpu.py \
       tests/gpu/test_cute_forward.py -k "not compiles" --junitxml="$OUT/junit-s9t-fwd.xml" > "$OUT/pytest-s9t-fwd.log" 2>&1
     echo "pytest fwd rc $? ($SECONDS s)"; pkill -9 -f pytest; tail -4 "$OUT/pytest-s9t-fwd.log"
+    ;;
+  s10)
+    # static_stage (compile-checked in session 9: D 128 unmasked tile 490 -> 423 SASS
+    # instructions, the descriptor adds folded; 168 registers, 0 B stack): its GPU tests
+    # (s8t's list), then the bwd beside the default and FA4 native, one run.
+    export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
+    left() { local l=$(( 570 - SECONDS )); (( l < $1 )) && echo $(( l > 5 ? l : 5 )) || echo $1; }
+    JCOMPILEMASK_CUTE_BWD_CONFIG=static_stage=1 bwd_default_tests s10 $(left 290)
+    b=$(left 270)
+    timeout -k 5 $b python3 benchmarks/bench_total.py --ns 32768 --masks causal,hstu,shared_prompt \
+      --impls jcm,fa4-native --jcm-variants "base=;ss=JCOMPILEMASK_CUTE_BWD_CONFIG=static_stage=1" \
+      --min-repeat-s 0.25 --budget-s $(( b - 20 )) --out "$OUT/h200-bwd-s10.json" > "$OUT/bench-s10.log" 2>&1
+    echo "bench rc $? ($SECONDS s)"; pkill -9 -f bench_total; grep -E '^\{' "$OUT/bench-s10.log" | cut -c1-170
+    ;;
+  s10x)
+    # Issue 17's one-GPU checks: the CuTe path under shard_map / jax.jit with a sharding
+    # (session 9's match_varying fix) and ring attention running the CuTe kernels per step.
+    timeout -k 5 540 python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_sharding_gpu.py \
+      tests/gpu/test_ring_gpu.py --junitxml="$OUT/junit-s10x.xml" > "$OUT/pytest-s10x.log" 2>&1
+    echo "pytest rc $? ($SECONDS s)"; pkill -9 -f pytest; tail -8 "$OUT/pytest-s10x.log"
     ;;
   s8b)
     # The candidate and its two parts beside the default and the peers, one run:

@@ -114,7 +114,13 @@ def test_column_bits_compiles_for_sm90(d, kk, kc):
                                        (128, dict(deterministic=True)), (64, dict(deterministic=True)),
                                        (128, dict(dkv_tma_store=True)), (128, dict(work_list=True)),
                                        (64, dict(work_list=True, list_chunk=16, deterministic=True)),
-                                       (128, dict(work_list=True, dkv_tma_store=True, deterministic=True))])
+                                       (128, dict(work_list=True, dkv_tma_store=True, deterministic=True)),
+                                       # static_stage on the default D 128 config, and at D 64
+                                       # (one dQ warpgroup) with the deterministic dQ order
+                                       (128, dict(stats_shfl=True, work_list=True, dkv_tma_store=True,
+                                                  column_registers=2, column_bits=0, column_skip=True,
+                                                  static_stage=True)),
+                                       (64, dict(static_stage=True, deterministic=True))])
 def test_backward_config_variants_compile_for_sm90(d, changes):
     """The configs benchmarked against the default (one dS buffer, late statistics)."""
     import dataclasses
@@ -291,6 +297,8 @@ def test_backward_key_rejects_unsupported():
         BackwardKey("bfloat16", 128, 1, 1, True, True, 0.1, softcap=-1.0)
     with pytest.raises(ValueError, match="backward tiles"):
         BackwardConfig(block_q=128)
+    with pytest.raises(ValueError, match="static_stage needs num_stages=2"):
+        BackwardConfig(static_stage=True, ds_stages=1)
     with pytest.raises(ValueError, match="Kc="):
         BackwardKey("bfloat16", 128, 1, -1, True, True, 0.1)
     with pytest.raises(ValueError, match="K=0"):

@@ -582,6 +582,12 @@ class BackwardConfig:
       walking every tile's bits (so their tile counts cannot diverge). Not yet run on the
       H200.
 
+    - ``static_stage``: the tile body compiled once per ring stage (2), the stage a
+      compile-time constant in each copy (a warp-uniform branch on ``state.index`` picks
+      one), so the shared-memory descriptors of Q, dO, their transposes and dS^T fold the
+      stage into their base: each k-step then ORs its offset in (one uniform instruction)
+      instead of a 64-bit add (UIADD3 + UIADD3.X + a UMOV of the constant high word,
+      dependent, before each HGMMA). Twice the tile code. Not yet run on the H200.
     - ``split_dkv``: both consumer warpgroups own the same ``block_kv`` = 64 keys; each
       computes the whole 64 x 64 S^T and dP^T of them (twice the S / dP tensor work: 7
       GEMM units per tile instead of 5) and the half of dK / dV / dQ's head dims that is
@@ -609,6 +615,7 @@ class BackwardConfig:
     work_list: bool = False
     list_chunk: int = 1024
     split_dkv: bool = False
+    static_stage: bool = False
 
     def __post_init__(self):
         want = BWD_TILES_SPLIT if self.split_dkv else BWD_TILES
@@ -619,6 +626,9 @@ class BackwardConfig:
         if self.list_chunk < 16 or self.list_chunk % 16:
             raise ValueError(f"list_chunk={self.list_chunk} must be a positive multiple of 16 "
                              "(whole tile-state words)")
+        if self.static_stage and (self.num_stages, self.ds_stages) != (2, 2):
+            raise ValueError("static_stage needs num_stages=2 and ds_stages=2 (the dS^T buffer "
+                             "then alternates with the ring stage)")
         if self.num_stages < 1 or self.ds_stages not in (1, 2):
             raise ValueError(f"num_stages={self.num_stages} must be >= 1 and ds_stages="
                              f"{self.ds_stages} 1 or 2")
@@ -632,7 +642,8 @@ class BackwardConfig:
                 f"{f'_cb{self.column_bits}' if self.column_bits != 16 else ''}"
                 f"{'_cs' if self.column_skip else ''}"
                 f"{'_det' if self.deterministic else ''}{'_dkvt' if self.dkv_tma_store else ''}"
-                f"{f'_wl{self.list_chunk}' if self.work_list else ''}{'_sdkv' if self.split_dkv else ''}")
+                f"{f'_wl{self.list_chunk}' if self.work_list else ''}{'_sdkv' if self.split_dkv else ''}"
+                f"{'_ss' if self.static_stage else ''}")
 
 
 def preferred_backward_config(head_dim: int, dtype: str = "bfloat16",

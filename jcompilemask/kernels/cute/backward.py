@@ -719,14 +719,13 @@ class FlashBackwardSm90(WarpSpecializedSm90):
                 q_tile, bits = self.visit(it, gTiles, work, seq)
                 if bits & Uint32(1) != Uint32(0):
                     needs_mask = (bits & Uint32(2) != Uint32(0)) | (q_tile == ragged_q) | ragged_k
+                    args = (state, q_tile, frags, sLSE, sDelta, col_starts, col_lengths, exact,
+                            mFwdIntervals, pipeline_q, pipeline_do, seqlen_q, seqlen_k, k_tile, mh,
+                            mask_batch)
                     if needs_mask:
-                        self.step(True, state, q_tile, frags, sLSE, sDelta, col_starts, col_lengths,
-                                  exact, mFwdIntervals, pipeline_q, pipeline_do, seqlen_q,
-                                  seqlen_k, k_tile, mh, mask_batch)
+                        self.step_at(True, args)
                     else:
-                        self.step(False, state, q_tile, frags, sLSE, sDelta, col_starts, col_lengths,
-                                  exact, mFwdIntervals, pipeline_q, pipeline_do, seqlen_q,
-                                  seqlen_k, k_tile, mh, mask_batch)
+                        self.step_at(False, args)
                     state.advance()
               self.list_done(seq)
         # Balance DQ_EMPTY: the dQ warp freed the buffer once per tile, this warpgroup
@@ -744,20 +743,40 @@ class FlashBackwardSm90(WarpSpecializedSm90):
             self.epilogue(acc_dK, acc_dV, mdK, mdV, tiled_mma_dkv, tidx, seqlen_k, k_tile, head_kv, batch)
 
     @cute.jit
+    def step_at(self, masked: cutlass.Constexpr[bool], args):
+        """``step`` for this tile; with ``config.static_stage`` one copy per ring stage, the
+        stage a compile-time constant in each (the branch is warp-uniform). A runtime stage
+        makes each k-step's shared-memory descriptor a 64-bit add of base and offset, which
+        ptxas turns into UIADD3 + UIADD3.X + a UMOV of the constant high word, dependent,
+        before each HGMMA; a constant one folds into the base. (Branching per GEMM instead
+        spills: the accumulators of wgmmas in flight meet at the join.)"""
+        if const_expr(self.config.static_stage):
+            if args[0].index == 0:
+                self.step(masked, *args, stage=0)
+            else:
+                self.step(masked, *args, stage=1)
+        else:
+            self.step(masked, *args)
+
+    @cute.jit
     def step(self, masked: cutlass.Constexpr[bool], state, q_tile, f, sLSE, sDelta, col_starts,
              col_lengths, exact, mFwdIntervals, pipeline_q, pipeline_do, seqlen_q,
-             seqlen_k, k_tile, mh, mask_batch):
+             seqlen_k, k_tile, mh, mask_batch, stage: cutlass.Constexpr = None):
         """One visited query tile: scores, statistics, softmax gradient, the three
-        products that accumulate (dV, dK) or leave (dQ), in FA3's order."""
+        products that accumulate (dV, dK) or leave (dQ), in FA3's order.
+
+        ``stage``: the ring stage of this tile as a compile-time constant (``static_stage``:
+        the caller branches on ``state.index``), or None to index by ``state.index``."""
         d, bq, bk = self.head_dim, self.block_q, self.block_kv
+        si = state.index if const_expr(stage is None) else stage
         both = self.num_consumer_wgs * self.threads_per_wg
         # -- scores: S^T = K Q^T, dP^T = V dO^T
         acc_S = cute.make_rmem_tensor(f.mma_sdp.partition_shape_C((bk, bq)), Float32)
         acc_dP = cute.make_rmem_tensor(f.mma_sdp.partition_shape_C((bk, bq)), Float32)
         pipeline_q.consumer_wait(state)
-        issue_wgmma(f.mma_sdp, acc_S, f.tSrK[None, None, None, 0], f.tSrQ[None, None, None, state.index], True)
+        issue_wgmma(f.mma_sdp, acc_S, f.tSrK[None, None, None, 0], f.tSrQ[None, None, None, si], True)
         pipeline_do.consumer_wait(state)
-        issue_wgmma(f.mma_sdp, acc_dP, f.tSrV[None, None, None, 0], f.tSrdO[None, None, None, state.index], True)
+        issue_wgmma(f.mma_sdp, acc_dP, f.tSrV[None, None, None, 0], f.tSrdO[None, None, None, si], True)
 
         # -- statistics: this stage's lse / delta (arrived with Q / dO) for the thread's columns
         S = _rows_view(acc_S)
@@ -773,14 +792,14 @@ class FlashBackwardSm90(WarpSpecializedSm90):
             # operand traffic where exp2 waits for it (FA4's SM90 backward does the same).
             assert bq == 64 and n_cols == 16, "stats_shfl: 64-query tiles, 16 columns per thread"
             lane = cute.arch.lane_idx()
-            own_lse = (sLSE[2 * lane, state.index], sLSE[2 * lane + 1, state.index])
-            own_delta = (sDelta[2 * lane, state.index], sDelta[2 * lane + 1, state.index])
+            own_lse = (sLSE[2 * lane, si], sLSE[2 * lane + 1, si])
+            own_delta = (sDelta[2 * lane, si], sDelta[2 * lane + 1, si])
         if const_expr(lse_early):
             for c in cutlass.range_constexpr(n_cols):
-                lse[c] = sLSE[f.tScS[0, c][1], state.index]
+                lse[c] = sLSE[f.tScS[0, c][1], si]
         if const_expr(self.config.stats_early):
             for c in cutlass.range_constexpr(n_cols):
-                delta[c] = sDelta[f.tScS[0, c][1], state.index]
+                delta[c] = sDelta[f.tScS[0, c][1], si]
 
         # -- P^T = exp2(S^T * scale log2 e - lse log2 e); masked elements 0
         warpgroup.wait_group(1)
@@ -789,7 +808,7 @@ class FlashBackwardSm90(WarpSpecializedSm90):
                 lse[c] = cute.arch.shuffle_sync(own_lse[c % 2], 4 * (c // 2) + lane % 4)
         elif const_expr(not lse_early):
             for c in cutlass.range_constexpr(n_cols):
-                lse[c] = sLSE[f.tScS[0, c][1], state.index]
+                lse[c] = sLSE[f.tScS[0, c][1], si]
         if const_expr(self.softcap is None):
             scale_log2 = Float32(self.scale_log2)
             for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
@@ -812,7 +831,7 @@ class FlashBackwardSm90(WarpSpecializedSm90):
                 delta[c] = cute.arch.shuffle_sync(own_delta[c % 2], 4 * (c // 2) + lane % 4)
         elif const_expr(not self.config.stats_early):
             for c in cutlass.range_constexpr(n_cols):
-                delta[c] = sDelta[f.tScS[0, c][1], state.index]
+                delta[c] = sDelta[f.tScS[0, c][1], si]
 
 
         # -- dS^T = P^T (dP^T - delta)
@@ -831,7 +850,7 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         if const_expr(self.softcap is None):
             rP = cute.make_rmem_tensor_like(acc_S, self.dtype)
             rP.store(acc_S.load().to(self.dtype))
-        issue_wgmma(f.mma_dv, f.acc_dV, _as_a_operand(rP), f.tKVrdOt[None, None, None, state.index], False)
+        issue_wgmma(f.mma_dv, f.acc_dV, _as_a_operand(rP), f.tKVrdOt[None, None, None, si], False)
 
         # -- dS^T: converted once; to shared memory for dQ, from registers for dK
         rdS = cute.make_rmem_tensor_like(acc_dP, self.dtype)
@@ -840,7 +859,8 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         if const_expr(self.config.ds_stages == 1):
             cute.arch.barrier(barrier_id=int(Bar.DS_FREE), number_of_threads=both)
         else:
-            ds_stage = state.count % 2
+            # With a 2-stage ring the dS^T buffer alternates with the ring stage.
+            ds_stage = state.count % 2 if const_expr(stage is None) else stage
         if const_expr(self.split_dkv):
             if f.wg == 0:      # both hold the same dS^T: one writes it
                 self.store_ds(f, rdS, ds_stage)
@@ -852,14 +872,14 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         # -- dQ_tile[:, this warpgroup's D part] = dS K; dK += dS^T Q
         if const_expr(self.dq_single_wg):
             if f.wg == 0:
-                self.dq_and_dk(f, rdS, ds_stage, state, pipeline_do)
+                self.dq_and_dk(f, rdS, ds_stage, state, pipeline_do, si)
             else:
-                issue_wgmma(f.mma_dkv, f.acc_dK, _as_a_operand(rdS), f.tKVrQt[None, None, None, state.index], False)
+                issue_wgmma(f.mma_dkv, f.acc_dK, _as_a_operand(rdS), f.tKVrQt[None, None, None, si], False)
                 if const_expr(self.config.release_do_early):
                     warpgroup.wait_group(1)                 # dV done: dO's stage is free
                     pipeline_do.consumer_release(state)
         else:
-            self.dq_and_dk(f, rdS, ds_stage, state, pipeline_do)
+            self.dq_and_dk(f, rdS, ds_stage, state, pipeline_do, si)
         warpgroup.wait_group(0)
         pipeline_q.consumer_release(state)
         if const_expr(not self.config.release_do_early):
@@ -916,7 +936,7 @@ class FlashBackwardSm90(WarpSpecializedSm90):
                 S[r, c] = Float32(0.0) if p == Float32(0.0) else p * (Float32(1.0) - t * t)
 
     @cute.jit
-    def dq_and_dk(self, f, rdS, ds_stage, state, pipeline_do):
+    def dq_and_dk(self, f, rdS, ds_stage, state, pipeline_do, si):
         """Issue dQ then dK; once dV and dQ are done, hand the dQ tile to the dQ warp
         through shared memory (dK still in flight). With ``release_do_early``: wait for dV
         between the two issues and free dO's stage at once (the producer's next dO load
@@ -927,7 +947,7 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         if const_expr(self.config.release_do_early):
             warpgroup.wait_group(1)
             pipeline_do.consumer_release(state)
-        issue_wgmma(f.mma_dkv, f.acc_dK, _as_a_operand(rdS), f.tKVrQt[None, None, None, state.index], False)
+        issue_wgmma(f.mma_dkv, f.acc_dK, _as_a_operand(rdS), f.tKVrQt[None, None, None, si], False)
         warpgroup.wait_group(1)
         if state.count > 0:
             self.dq_buffer_wait(f.wg)
