@@ -1,0 +1,177 @@
+"""Static SASS of the CuTe backward's tile loop, ours and FlashAttention-4's, without a GPU.
+
+    python tests/scripts/sass_offline.py ours [CONFIG] [--d 128]   # e.g. CONFIG static_stage=1
+    python tests/scripts/sass_offline.py fa4                        # FA4's SM90 backward, causal D 128
+
+Compiles for sm_90a (``CUTE_DSL_ARCH``), keeps the cubin, disassembles it with ``cuobjdump``
+(the ``nvidia-cuda-cuobjdump`` / ``nvidia-cuda-nvdisasm`` wheels; ``$CUOBJDUMP_DIR`` is their
+``bin`` folder, else ``PATH``) and prints registers / stack and, per copy of the tile loop
+(from the Q-stage barrier wait to the stage release), its instruction count and opcode mix.
+The mix counts instructions per visited tile and warp, the unit of ncu's per-tile figures in
+``kernels/cute/NOTES.md``.
+
+``fa4`` needs the flash-attn-4 and quack-kernels wheels of ``../shared/device/make-bundles``
+(``~/.cache/device-bundles/wheels``). It imports their SM90 backward class with stand-ins
+for torch and triton (only their import-time use; nothing of them is called to compile the
+kernel) and compiles it on fake CuTe tensors, the tile config FA4 picks for causal D 128 on
+SM90 (64 x 128, 2 Q / dO / dS stages, S^T / dP^T swapped).
+"""
+from __future__ import annotations
+
+import collections
+import glob
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import types
+import zipfile
+
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.join(HERE, "..", "..")
+
+
+def _tool(name):
+    d = os.environ.get("CUOBJDUMP_DIR")
+    path = os.path.join(d, name) if d else shutil.which(name)
+    if not path or not os.path.exists(path):
+        raise SystemExit(f"{name} not found: pip download nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm, "
+                         "unzip them and set CUOBJDUMP_DIR to their nvidia/cu13/bin")
+    return path
+
+
+def _sass(dump_dir):
+    cubin = glob.glob(os.path.join(dump_dir, "*.cubin"))[0]
+    env = dict(os.environ, PATH=os.path.dirname(_tool("nvdisasm")) + os.pathsep + os.environ["PATH"])
+    usage = subprocess.run([_tool("cuobjdump"), "--dump-resource-usage", cubin], env=env,
+                           capture_output=True, text=True, check=True).stdout
+    sass = subprocess.run([_tool("cuobjdump"), "-sass", cubin], env=env, capture_output=True,
+                          text=True, check=True).stdout
+    return re.search(r"REG:\d+ STACK:\d+", usage).group(0), sass.splitlines()
+
+
+def _loops(lines, start_re, end_re):
+    """(start, end) line spans from each wait matching start_re to the next end_re."""
+    out, start = [], None
+    for i, ln in enumerate(lines):
+        if re.search(start_re, ln):
+            start = i
+        elif start is not None and re.search(end_re, ln):
+            out.append((start, i))
+            start = None
+    return out
+
+
+def _mix(lines):
+    ops = []
+    for ln in lines:
+        m = re.match(r"\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", ln)
+        if m:
+            ops.append(m.group(1))
+    return ops
+
+
+def _report(name, usage, lines, spans):
+    print(f"{name}: {usage}, {len(lines)} SASS lines")
+    for a, b in spans:
+        ops = _mix(lines[a:b + 1])
+        base = collections.Counter(o.split(".")[0] for o in ops)
+        uni = sum(v for k, v in base.items() if k.startswith("U") and k != "UBLKRED")
+        print(f"  tile loop copy at SASS line {a}: {len(ops)} instructions, {uni} uniform; "
+              + ", ".join(f"{k} {v}" for k, v in base.most_common(14)))
+
+
+def ours(config: str, d: int):
+    sys.path.insert(0, ROOT)
+    from jcompilemask.kernels.cute import api
+    dump = tempfile.mkdtemp(prefix="jcm-sass-")
+    os.environ["JCOMPILEMASK_CUTE_DUMP_DIR"] = dump
+    os.environ[api.BWD_CONFIG_ENV] = config
+    cfg = api._config_from_env(api.preferred_backward_config(d))
+    key = api.BackwardKey(dtype="bfloat16", head_dim=d, num_intervals=1, num_bwd_intervals=1,
+                          broadcast_batch=True, broadcast_head=True, scale=d ** -0.5, config=cfg)
+    api.compile_backward(key)
+    usage, lines = _sass(dump)
+    # From the Q stage's full-barrier wait (+0x10) to the dO stage's release (+0x40).
+    _report(f"ours {cfg.tag} D {d}", usage, lines,
+            _loops(lines, r"TRYWAIT P0, \[UR\d+\+0x10\]", r"SYNCS.ARRIVE.TRANS64.A1T0 RZ, \[UR\d+\+0x40\]"))
+
+
+def fa4():
+    wheels = os.path.expanduser("~/.cache/device-bundles/wheels")
+    site = tempfile.mkdtemp(prefix="fa4-site-")
+    for pat in ("flash_attn_4-*.whl", "quack_kernels-*.whl"):
+        found = glob.glob(os.path.join(wheels, pat))
+        if not found:
+            raise SystemExit(f"no {pat} in {wheels}: run ../shared/device/make-bundles first")
+        zipfile.ZipFile(found[0]).extractall(site)
+
+    class _Meta(type):                       # any attribute / call: a class (isinstance works)
+        def __getattr__(cls, n):
+            return _Stub
+
+        def __call__(cls, *a, **k):
+            return _Stub
+    _Stub = _Meta("_Stub", (), {})
+    for name in ("torch", "torch.version", "torch.utils", "torch.utils.dlpack", "torch._guards",
+                 "torch._subclasses", "torch._subclasses.fake_tensor", "torch.nn",
+                 "torch.nn.functional", "triton", "triton.testing", "triton.runtime"):
+        mod = types.ModuleType(name)
+        mod.__getattr__ = lambda n: _Stub
+        mod.__path__ = []
+        sys.modules[name] = mod
+    # The packages without their __init__ (which set up torch-side entry points).
+    for name, sub in (("quack", "quack"), ("flash_attn", "flash_attn"),
+                      ("flash_attn.cute", os.path.join("flash_attn", "cute"))):
+        mod = types.ModuleType(name)
+        mod.__path__ = [os.path.join(site, sub)]
+        sys.modules[name] = mod
+    sys.path.insert(0, site)
+    import cutlass
+    import cutlass.cute as cute
+    import quack.dsl  # noqa: F401  (its tensor-indexing patches, which FA4's code relies on)
+    from flash_attn.cute.flash_bwd_sm90 import FlashAttentionBackwardSm90
+    from flash_attn.cute.utils import AuxData
+    d = 128
+    obj = FlashAttentionBackwardSm90(
+        cutlass.BFloat16, d, d, 1, True, is_local=False, deterministic=False, tile_m=64, tile_n=128,
+        Q_stage=2, dO_stage=2, PdS_stage=2, SdP_swapAB=True, dKV_swapAB=False, dQ_swapAB=False,
+        AtomLayoutMSdP=1, AtomLayoutNdKV=2, AtomLayoutMdQ=1, num_threads=384, V_in_regs=False,
+        score_mod=None, score_mod_bwd=None, mask_mod=None, has_aux_tensors=False,
+        q_subtile_factor=None, dQ_single_wg=False)
+    sym, sym64 = cute.sym_int, cute.sym_int64
+    b, s, h, sr = sym(), sym(), sym(), sym()
+
+    def bshd():
+        return cute.runtime.make_fake_tensor(cutlass.BFloat16, (b, s, h, d), stride=(
+            sym64(divisibility=8), sym64(divisibility=8), d, 1), assumed_align=16)
+
+    def f32_rows(n):
+        return cute.runtime.make_fake_tensor(cutlass.Float32, (b, h, n), stride=(
+            sym64(divisibility=4), sym64(divisibility=4), 1), assumed_align=16)
+    dump = tempfile.mkdtemp(prefix="fa4-sass-")
+    cute.compile(obj, bshd(), bshd(), bshd(), bshd(), f32_rows(sr), f32_rows(sr), f32_rows(sym()),
+                 bshd(), bshd(), cutlass.Float32(d ** -0.5), None, None, None, None, None, None,
+                 None, None, None, AuxData(None, None), None, None,
+                 cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
+                 options=f"--enable-tvm-ffi --keep-ptx --keep-cubin --dump-dir={dump}")
+    usage, lines = _sass(dump)
+    # From the Q stage's wait (a try_wait, then the blocking one) to dO's release (+0x10
+    # here: FA4's barrier layout differs from ours).
+    spans = _loops(lines, r"TRYWAIT P0, \[UR\d+\], R", r"SYNCS.ARRIVE.TRANS64.A1T0 RZ, \[UR\d+\+0x10\]")
+    _report("FA4 FlashAttentionBackwardSm90 causal D 128", usage, lines, spans[:1])
+
+
+if __name__ == "__main__":
+    args = sys.argv[1:]
+    if not args or args[0] not in ("ours", "fa4"):
+        raise SystemExit(__doc__)
+    if args[0] == "fa4":
+        fa4()
+    else:
+        d = int(args[args.index("--d") + 1]) if "--d" in args else 128
+        rest = [a for i, a in enumerate(args[1:], 1) if a != "--d" and args[i - 1] != "--d"]
+        ours(rest[0] if rest else "", d)
