@@ -22,8 +22,9 @@
 #   sanitize2    compute-sanitizer (3 tools) on the CuTe kernels without JAX in the process
 #   s9t          session 8's SASS change (warp-uniform warpgroup index): default backward + forward GPU
 #                tests; the jnp preprocess on the GPU vs the CPU at the benchmarks' sizes
-#   s10          session 9's static_stage (the tile body once per ring stage): the default backward's
-#                GPU tests with it, then timed beside the default and FA4 native at 32K
+#   s10          session 9's static_stage (the tile body once per ring stage) and lse_prefetch: the
+#                default backward's GPU tests under both, then each timed beside the default and
+#                FA4 native at 32K (causal, hstu)
 #   s10x         issue 17 on one GPU: tests/gpu/test_sharding_gpu.py (custom calls under shard_map)
 #                and tests/gpu/test_ring_gpu.py (the CuTe kernels per ring step)
 #   s8t / s8b    the next backward default candidate (JCM_S8_CONFIG): its GPU tests / timed beside
@@ -280,15 +281,18 @@ case $stage in
     echo "pytest fwd rc $? ($SECONDS s)"; pkill -9 -f pytest; tail -4 "$OUT/pytest-s9t-fwd.log"
     ;;
   s10)
-    # static_stage (compile-checked in session 9: D 128 unmasked tile 490 -> 423 SASS
-    # instructions, the descriptor adds folded; 168 registers, 0 B stack): its GPU tests
-    # (s8t's list), then the bwd beside the default and FA4 native, one run.
+    # static_stage and lse_prefetch (compile-checked in session 9: D 128 unmasked tile 491 ->
+    # 423 / 457 / 392 SASS instructions; 168 registers, 0 B stack): GPU tests (s8t's list)
+    # under the combination, then the bwd of each beside the default and FA4 native, one run.
     export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
     left() { local l=$(( 570 - SECONDS )); (( l < $1 )) && echo $(( l > 5 ? l : 5 )) || echo $1; }
-    JCOMPILEMASK_CUTE_BWD_CONFIG=static_stage=1 bwd_default_tests s10 $(left 290)
+    # The candidate combines both session-9 knobs (each path is exercised); the timing
+    # separates them. lse_prefetch: lse read before the S^T issue (FA4's placement).
+    C=JCOMPILEMASK_CUTE_BWD_CONFIG; cand=${JCM_S10_CONFIG:-static_stage=1,lse_prefetch=1,stats_shfl=0}
+    JCOMPILEMASK_CUTE_BWD_CONFIG=$cand bwd_default_tests s10 $(left 290)
     b=$(left 270)
-    timeout -k 5 $b python3 benchmarks/bench_total.py --ns 32768 --masks causal,hstu,shared_prompt \
-      --impls jcm,fa4-native --jcm-variants "base=;ss=JCOMPILEMASK_CUTE_BWD_CONFIG=static_stage=1" \
+    timeout -k 5 $b python3 benchmarks/bench_total.py --ns 32768 --masks causal,hstu \
+      --impls jcm,fa4-native --jcm-variants "base=;ss=$C=static_stage=1;lp=$C=lse_prefetch=1,stats_shfl=0;cand=$C=$cand" \
       --min-repeat-s 0.25 --budget-s $(( b - 20 )) --out "$OUT/h200-bwd-s10.json" > "$OUT/bench-s10.log" 2>&1
     echo "bench rc $? ($SECONDS s)"; pkill -9 -f bench_total; grep -E '^\{' "$OUT/bench-s10.log" | cut -c1-170
     ;;

@@ -120,7 +120,14 @@ def test_column_bits_compiles_for_sm90(d, kk, kc):
                                        (128, dict(stats_shfl=True, work_list=True, dkv_tma_store=True,
                                                   column_registers=2, column_bits=0, column_skip=True,
                                                   static_stage=True)),
-                                       (64, dict(static_stage=True, deterministic=True))])
+                                       (64, dict(static_stage=True, deterministic=True)),
+                                       # lse_prefetch, alone and with static_stage (s10's candidate)
+                                       (128, dict(lse_prefetch=True, work_list=True, dkv_tma_store=True,
+                                                  column_registers=2, column_bits=0, column_skip=True)),
+                                       (128, dict(lse_prefetch=True, static_stage=True, work_list=True,
+                                                  dkv_tma_store=True, column_registers=2, column_bits=0,
+                                                  column_skip=True)),
+                                       (64, dict(lse_prefetch=True, static_stage=True))])
 def test_backward_config_variants_compile_for_sm90(d, changes):
     """The configs benchmarked against the default (one dS buffer, late statistics)."""
     import dataclasses
@@ -299,6 +306,8 @@ def test_backward_key_rejects_unsupported():
         BackwardConfig(block_q=128)
     with pytest.raises(ValueError, match="static_stage needs num_stages=2"):
         BackwardConfig(static_stage=True, ds_stages=1)
+    with pytest.raises(ValueError, match="lse_prefetch places the lse loads itself"):
+        BackwardConfig(lse_prefetch=True, stats_shfl=True)
     with pytest.raises(ValueError, match="Kc="):
         BackwardKey("bfloat16", 128, 1, -1, True, True, 0.1)
     with pytest.raises(ValueError, match="K=0"):

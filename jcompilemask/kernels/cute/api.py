@@ -582,6 +582,11 @@ class BackwardConfig:
       walking every tile's bits (so their tile counts cannot diverge). Not yet run on the
       H200.
 
+    - ``lse_prefetch``: the tile's lse read from shared memory (8 LDS.64 per thread) right
+      after the Q stage's barrier wait, before the S^T issue, so the loads complete under
+      the GEMM; delta where used. FA4's SM90 placement (its SASS, ``tests/scripts/
+      sass_offline.py fa4``). ``lse_early`` (after both issues) measured +3.4% at causal
+      32K; this one not yet run. Excludes ``stats_shfl`` / ``stats_early`` / ``lse_early``.
     - ``static_stage``: the tile body compiled once per ring stage (2), the stage a
       compile-time constant in each copy (a warp-uniform branch on ``state.index`` picks
       one), so the shared-memory descriptors of Q, dO, their transposes and dS^T fold the
@@ -616,6 +621,7 @@ class BackwardConfig:
     list_chunk: int = 1024
     split_dkv: bool = False
     static_stage: bool = False
+    lse_prefetch: bool = False
 
     def __post_init__(self):
         want = BWD_TILES_SPLIT if self.split_dkv else BWD_TILES
@@ -626,6 +632,9 @@ class BackwardConfig:
         if self.list_chunk < 16 or self.list_chunk % 16:
             raise ValueError(f"list_chunk={self.list_chunk} must be a positive multiple of 16 "
                              "(whole tile-state words)")
+        if self.lse_prefetch and (self.stats_shfl or self.stats_early or self.lse_early):
+            raise ValueError("lse_prefetch places the lse loads itself: it excludes stats_shfl, "
+                             "stats_early and lse_early (set those to 0)")
         if self.static_stage and (self.num_stages, self.ds_stages) != (2, 2):
             raise ValueError("static_stage needs num_stages=2 and ds_stages=2 (the dS^T buffer "
                              "then alternates with the ring stage)")
@@ -643,7 +652,7 @@ class BackwardConfig:
                 f"{'_cs' if self.column_skip else ''}"
                 f"{'_det' if self.deterministic else ''}{'_dkvt' if self.dkv_tma_store else ''}"
                 f"{f'_wl{self.list_chunk}' if self.work_list else ''}{'_sdkv' if self.split_dkv else ''}"
-                f"{'_ss' if self.static_stage else ''}")
+                f"{'_ss' if self.static_stage else ''}{'_lp' if self.lse_prefetch else ''}")
 
 
 def preferred_backward_config(head_dim: int, dtype: str = "bfloat16",

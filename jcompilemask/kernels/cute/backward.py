@@ -773,16 +773,21 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         # -- scores: S^T = K Q^T, dP^T = V dO^T
         acc_S = cute.make_rmem_tensor(f.mma_sdp.partition_shape_C((bk, bq)), Float32)
         acc_dP = cute.make_rmem_tensor(f.mma_sdp.partition_shape_C((bk, bq)), Float32)
+        S = _rows_view(acc_S)
+        n_cols = cute.size(S, mode=[1])
+        lse = cute.make_rmem_tensor(n_cols, Float32)
+        delta = cute.make_rmem_tensor(n_cols, Float32)
         pipeline_q.consumer_wait(state)
+        if const_expr(self.config.lse_prefetch):
+            # The lse of the tile's queries (they came with Q) read before the S^T issue:
+            # the loads complete under the GEMM (FA4's SM90 placement).
+            for c in cutlass.range_constexpr(n_cols):
+                lse[c] = sLSE[f.tScS[0, c][1], si]
         issue_wgmma(f.mma_sdp, acc_S, f.tSrK[None, None, None, 0], f.tSrQ[None, None, None, si], True)
         pipeline_do.consumer_wait(state)
         issue_wgmma(f.mma_sdp, acc_dP, f.tSrV[None, None, None, 0], f.tSrdO[None, None, None, si], True)
 
         # -- statistics: this stage's lse / delta (arrived with Q / dO) for the thread's columns
-        S = _rows_view(acc_S)
-        n_cols = cute.size(S, mode=[1])
-        lse = cute.make_rmem_tensor(n_cols, Float32)
-        delta = cute.make_rmem_tensor(n_cols, Float32)
         lse_early = (self.config.stats_early or self.config.lse_early) and not self.config.stats_shfl
         if const_expr(self.config.stats_shfl):
             # Each lane holds 2 of the tile's 64 queries (2 lane, 2 lane + 1) of lse and
@@ -806,7 +811,7 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         if const_expr(self.config.stats_shfl):
             for c in cutlass.range_constexpr(n_cols):
                 lse[c] = cute.arch.shuffle_sync(own_lse[c % 2], 4 * (c // 2) + lane % 4)
-        elif const_expr(not lse_early):
+        elif const_expr(not lse_early and not self.config.lse_prefetch):
             for c in cutlass.range_constexpr(n_cols):
                 lse[c] = sLSE[f.tScS[0, c][1], si]
         if const_expr(self.softcap is None):
