@@ -2,6 +2,7 @@
 
     python tests/scripts/sass_offline.py ours [CONFIG] [--d 128]   # e.g. CONFIG static_stage=1
     python tests/scripts/sass_offline.py fa4                        # FA4's SM90 backward, causal D 128
+    python tests/scripts/sass_offline.py ours-fwd [--d 128] | fa4-fwd   # the forwards (K 1 / causal)
 
 Compiles for sm_90a (``CUTE_DSL_ARCH``), keeps the cubin, disassembles it with ``cuobjdump``
 (the ``nvidia-cuda-cuobjdump`` / ``nvidia-cuda-nvdisasm`` wheels; ``$CUOBJDUMP_DIR`` is their
@@ -100,7 +101,8 @@ def ours(config: str, d: int):
             _loops(lines, r"TRYWAIT P0, \[UR\d+\+0x10\]", r"SYNCS.ARRIVE.TRANS64.A1T0 RZ, \[UR\d+\+0x40\]"))
 
 
-def fa4():
+def _fa4_import():
+    """Make FA4's CuTe modules importable (from the bundle's wheels) without torch."""
     wheels = os.path.expanduser("~/.cache/device-bundles/wheels")
     site = tempfile.mkdtemp(prefix="fa4-site-")
     for pat in ("flash_attn_4-*.whl", "quack_kernels-*.whl"):
@@ -130,9 +132,81 @@ def fa4():
         mod.__path__ = [os.path.join(site, sub)]
         sys.modules[name] = mod
     sys.path.insert(0, site)
+    import quack.dsl  # noqa: F401  (its tensor-indexing patches, which FA4's code relies on)
+
+
+def _fake_bshd(d):
     import cutlass
     import cutlass.cute as cute
-    import quack.dsl  # noqa: F401  (its tensor-indexing patches, which FA4's code relies on)
+    sym, sym64 = cute.sym_int, cute.sym_int64
+    dims = (sym(), sym(), sym())
+
+    def bshd():
+        return cute.runtime.make_fake_tensor(cutlass.BFloat16, dims + (d,), stride=(
+            sym64(divisibility=8), sym64(divisibility=8), d, 1), assumed_align=16)
+    return dims, bshd
+
+
+def fa4_forward():
+    _fa4_import()
+    import cutlass
+    import cutlass.cute as cute
+    from flash_attn.cute.flash_fwd_sm90 import FlashAttentionForwardSm90
+    from flash_attn.cute.utils import AuxData
+    d = 128
+    # FA4's SM90 choice for causal D 128: 128 x 128, P@V from registers, intra-warpgroup
+    # overlap, 2 K/V stages, 3 warpgroups.
+    obj = FlashAttentionForwardSm90(cutlass.BFloat16, d, d, 1, is_causal=True, is_local=False,
+                                    pack_gqa=False, tile_m=128, tile_n=128, num_stages=2,
+                                    num_threads=384, Q_in_regs=False, intra_wg_overlap=True,
+                                    mma_pv_is_rs=True, mask_mod=None, score_mod=None,
+                                    has_aux_tensors=False, q_subtile_factor=None)
+    (b, s_, h), bshd = _fake_bshd(d)
+    lse = cute.runtime.make_fake_tensor(cutlass.Float32, (b, h, s_), stride=(
+        cute.sym_int64(divisibility=4), cute.sym_int64(divisibility=4), 1), assumed_align=16)
+    dump = tempfile.mkdtemp(prefix="fa4-sass-")
+    cute.compile(obj, bshd(), bshd(), bshd(), bshd(), lse, cutlass.Float32(d ** -0.5), None, None,
+                 None, None, None, None, None, None, None, AuxData(None, None), None, None,
+                 cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
+                 options=f"--enable-tvm-ffi --keep-ptx --keep-cubin --dump-dir={dump}")
+    usage, lines = _sass(dump)
+    print(f"FA4 FlashAttentionForwardSm90 causal D 128: {usage}, {len(lines)} SASS lines")
+    _hgmma_blocks(lines)
+
+
+def ours_forward(d: int):
+    sys.path.insert(0, ROOT)
+    from jcompilemask.kernels.cute import api
+    dump = tempfile.mkdtemp(prefix="jcm-sass-")
+    os.environ["JCOMPILEMASK_CUTE_DUMP_DIR"] = dump
+    bq, bk = api.preferred_forward_tiles(d)
+    key = api.ForwardKey("bfloat16", d, d, 1, bq, bk, True, True, d ** -0.5,
+                         num_stages=api.preferred_forward_stages(d))
+    api.compile_forward(key)
+    usage, lines = _sass(dump)
+    print(f"ours forward D {d} K 1: {usage}, {len(lines)} SASS lines")
+    _hgmma_blocks(lines)
+
+
+def _hgmma_blocks(lines):
+    """The forward's loop bodies have no single barrier pattern to cut at: print each run of
+    code between consecutive QK^T GEMMs (the first HGMMA of a run of 64 x 128 S products)
+    with its size and mix, the largest first."""
+    starts = [i for i, ln in enumerate(lines) if "HGMMA" in ln and "RZ, !UPT" in ln]
+    spans = [(a, b) for a, b in zip(starts, starts[1:])]
+    spans.sort(key=lambda ab: -(ab[1] - ab[0]))
+    for a, b in spans[:6]:
+        ops = _mix(lines[a:b])
+        base = collections.Counter(o.split(".")[0] for o in ops)
+        uni = sum(v for k, v in base.items() if k.startswith("U"))
+        print(f"  from the zero-init HGMMA at line {a}: {len(ops)} instructions to the next, {uni} "
+              "uniform; " + ", ".join(f"{k} {v}" for k, v in base.most_common(14)))
+
+
+def fa4():
+    _fa4_import()
+    import cutlass
+    import cutlass.cute as cute
     from flash_attn.cute.flash_bwd_sm90 import FlashAttentionBackwardSm90
     from flash_attn.cute.utils import AuxData
     d = 128
@@ -167,10 +241,14 @@ def fa4():
 
 if __name__ == "__main__":
     args = sys.argv[1:]
-    if not args or args[0] not in ("ours", "fa4"):
+    if not args or args[0] not in ("ours", "fa4", "ours-fwd", "fa4-fwd"):
         raise SystemExit(__doc__)
     if args[0] == "fa4":
         fa4()
+    elif args[0] == "fa4-fwd":
+        fa4_forward()
+    elif args[0] == "ours-fwd":
+        ours_forward(int(args[args.index("--d") + 1]) if "--d" in args else 128)
     else:
         d = int(args[args.index("--d") + 1]) if "--d" in args else 128
         rest = [a for i, a in enumerate(args[1:], 1) if a != "--d" and args[i - 1] != "--d"]
