@@ -445,12 +445,18 @@ class FlashBackwardSm90(WarpSpecializedSm90):
                               batch, mask_batch, group, work)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
-            self.consume(
-                storage, (sQ_layout, sdO_layout), sK_layout, sQ, sK, sV, sdO, sdS, sLSE, sDelta, sdQ,
-                mBwdIntervals, mBwdTiles, mFwdIntervals, mBwdExact, mdK, mdV, tiled_mma_sdp,
-                (tiled_mma_dkv, tiled_mma_dv), tiled_mma_dq, pipeline_kv, pipeline_q, pipeline_do, n_q_tiles,
-                seqlen_q, mK.shape[0], k_tile, head_kv, batch, mask_batch, group,
-                tidx - self.threads_per_wg, (tma_atom_dk, tma_atom_dv), work, mRegion, mParams)
+            smem = _Namespace(storage=storage, layouts=(sQ_layout, sdO_layout, sK_layout), sQ=sQ,
+                              sK=sK, sV=sV, sdO=sdO, sdS=sdS, sLSE=sLSE, sDelta=sDelta, sdQ=sdQ,
+                              work=work)
+            gmem = _Namespace(mBwdIntervals=mBwdIntervals, mBwdTiles=mBwdTiles,
+                              mFwdIntervals=mFwdIntervals, mBwdExact=mBwdExact, mdK=mdK, mdV=mdV,
+                              mRegion=mRegion, mParams=mParams,
+                              tma_store_atoms=(tma_atom_dk, tma_atom_dv))
+            cta = _Namespace(n_q_tiles=n_q_tiles, seqlen_q=seqlen_q, seqlen_k=mK.shape[0],
+                             k_tile=k_tile, head_kv=head_kv, batch=batch, mask_batch=mask_batch,
+                             group=group)
+            self.consume(smem, gmem, cta, (tiled_mma_sdp, (tiled_mma_dkv, tiled_mma_dv), tiled_mma_dq),
+                         (pipeline_kv, pipeline_q, pipeline_do), tidx - self.threads_per_wg)
 
     @cute.jit
     def mask_head(self, head):
@@ -626,13 +632,25 @@ class FlashBackwardSm90(WarpSpecializedSm90):
 
     # ------------------------------------------------------------------ consumers
     @cute.jit
-    def consume(self, storage, q_do_layouts, sK_layout, sQ, sK, sV, sdO, sdS, sLSE, sDelta, sdQ,
-                mBwdIntervals, mBwdTiles, mFwdIntervals, mBwdExact, mdK, mdV,
-                tiled_mma_sdp, tiled_mmas_dkv, tiled_mma_dq, pipeline_kv, pipeline_q, pipeline_do,
-                n_q_tiles, seqlen_q, seqlen_k, k_tile, head_kv, batch, mask_batch, group, tidx,
-                tma_store_atoms, work, mRegion=None, mParams=None):
+    def consume(self, smem, gmem, cta, tiled_mmas, pipelines, tidx):
+        """The two consumer warpgroups: per head of the CTA's key tile, per visited query
+        tile (the work list), ``step``; then dK / dV out.
+
+        ``smem`` / ``gmem`` / ``cta``: the CTA's shared buffers, global tensors and
+        coordinates (namespaces built in ``kernel``); ``tiled_mmas`` (S^T / dP^T, (dK, dV),
+        dQ); ``pipelines`` (K / V, Q, dO); ``tidx`` among the consumers."""
         d, bq, bk = self.head_dim, self.block_q, self.block_kv
-        sQ_layout, sdO_layout = q_do_layouts
+        storage, work = smem.storage, smem.work
+        sQ_layout, sdO_layout, sK_layout = smem.layouts
+        sQ, sK, sV, sdO, sdS = smem.sQ, smem.sK, smem.sV, smem.sdO, smem.sdS
+        sLSE, sDelta, sdQ = smem.sLSE, smem.sDelta, smem.sdQ
+        mBwdIntervals, mBwdTiles, mFwdIntervals = gmem.mBwdIntervals, gmem.mBwdTiles, gmem.mFwdIntervals
+        mBwdExact, mdK, mdV = gmem.mBwdExact, gmem.mdK, gmem.mdV
+        mRegion, mParams, tma_store_atoms = gmem.mRegion, gmem.mParams, gmem.tma_store_atoms
+        n_q_tiles, seqlen_q, seqlen_k = cta.n_q_tiles, cta.seqlen_q, cta.seqlen_k
+        k_tile, head_kv, batch, mask_batch, group = cta.k_tile, cta.head_kv, cta.batch, cta.mask_batch, cta.group
+        tiled_mma_sdp, tiled_mmas_dkv, tiled_mma_dq = tiled_mmas
+        pipeline_kv, pipeline_q, pipeline_do = pipelines
         tiled_mma_dkv, tiled_mma_dv = tiled_mmas_dkv
         wg = self.consumer_wg(tidx)
         wg_slice = cute.make_layout(self.num_consumer_wgs, stride=self.threads_per_wg)
@@ -663,6 +681,9 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         frags.mma_sdp, frags.mma_dkv, frags.mma_dq, frags.mma_dv = mma_sdp, mma_dkv, mma_dq, mma_dv
         frags.mBwdIntervals = mBwdIntervals
         frags.residual_args = (mRegion, mParams)
+        frags.sLSE, frags.sDelta, frags.mFwdIntervals = sLSE, sDelta, mFwdIntervals
+        frags.pipeline_q, frags.pipeline_do = pipeline_q, pipeline_do
+        frags.seqlen_q, frags.seqlen_k, frags.k_tile, frags.mask_batch = seqlen_q, seqlen_k, k_tile, mask_batch
 
         acc_dK = cute.make_rmem_tensor(mma_dkv.partition_shape_C((bk, d)), Float32)
         acc_dV = cute.make_rmem_tensor(mma_dv.partition_shape_C((bk, self.head_dim_v)), Float32)
@@ -719,13 +740,11 @@ class FlashBackwardSm90(WarpSpecializedSm90):
                 q_tile, bits = self.visit(it, gTiles, work, seq)
                 if bits & Uint32(1) != Uint32(0):
                     needs_mask = (bits & Uint32(2) != Uint32(0)) | (q_tile == ragged_q) | ragged_k
-                    args = (state, q_tile, frags, sLSE, sDelta, col_starts, col_lengths, exact,
-                            mFwdIntervals, pipeline_q, pipeline_do, seqlen_q, seqlen_k, k_tile, mh,
-                            mask_batch)
+                    cols = _Namespace(starts=col_starts, lengths=col_lengths, exact=exact, mh=mh)
                     if needs_mask:
-                        self.step_at(True, args)
+                        self.step_at(True, state, q_tile, frags, cols)
                     else:
-                        self.step_at(False, args)
+                        self.step_at(False, state, q_tile, frags, cols)
                     state.advance()
               self.list_done(seq)
         # Balance DQ_EMPTY: the dQ warp freed the buffer once per tile, this warpgroup
@@ -743,7 +762,7 @@ class FlashBackwardSm90(WarpSpecializedSm90):
             self.epilogue(acc_dK, acc_dV, mdK, mdV, tiled_mma_dkv, tidx, seqlen_k, k_tile, head_kv, batch)
 
     @cute.jit
-    def step_at(self, masked: cutlass.Constexpr[bool], args):
+    def step_at(self, masked: cutlass.Constexpr[bool], state, q_tile, f, cols):
         """``step`` for this tile; with ``config.static_stage`` one copy per ring stage, the
         stage a compile-time constant in each (the branch is warp-uniform). A runtime stage
         makes each k-step's shared-memory descriptor a 64-bit add of base and offset, which
@@ -751,69 +770,91 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         before each HGMMA; a constant one folds into the base. (Branching per GEMM instead
         spills: the accumulators of wgmmas in flight meet at the join.)"""
         if const_expr(self.config.static_stage):
-            if args[0].index == 0:
-                self.step(masked, *args, stage=0)
+            if state.index == 0:
+                self.step(masked, state, q_tile, f, cols, stage=0)
             else:
-                self.step(masked, *args, stage=1)
+                self.step(masked, state, q_tile, f, cols, stage=1)
         else:
-            self.step(masked, *args)
+            self.step(masked, state, q_tile, f, cols)
 
     @cute.jit
-    def step(self, masked: cutlass.Constexpr[bool], state, q_tile, f, sLSE, sDelta, col_starts,
-             col_lengths, exact, mFwdIntervals, pipeline_q, pipeline_do, seqlen_q,
-             seqlen_k, k_tile, mh, mask_batch, stage: cutlass.Constexpr = None):
-        """One visited query tile: scores, statistics, softmax gradient, the three
-        products that accumulate (dV, dK) or leave (dQ), in FA3's order.
+    def step(self, masked: cutlass.Constexpr[bool], state, q_tile, f, cols,
+             stage: cutlass.Constexpr = None):
+        """One visited query tile, in FA3's order, as five phases: ``issue_scores`` (S^T and
+        dP^T products), ``load_statistics`` (lse / delta reads that precede any wait),
+        ``probabilities`` (P^T, the mask), ``softmax_grad`` (dS^T), ``dv_and_ds`` (dV +=
+        P^T dO; dS^T to shared memory for dQ), ``dq_dk_and_release`` (dQ out, dK +=, the
+        ring stage freed). They share the tile's registers through ``t``.
 
-        ``stage``: the ring stage of this tile as a compile-time constant (``static_stage``:
-        the caller branches on ``state.index``), or None to index by ``state.index``."""
-        d, bq, bk = self.head_dim, self.block_q, self.block_kv
-        si = state.index if const_expr(stage is None) else stage
-        both = self.num_consumer_wgs * self.threads_per_wg
-        # -- scores: S^T = K Q^T, dP^T = V dO^T
-        acc_S = cute.make_rmem_tensor(f.mma_sdp.partition_shape_C((bk, bq)), Float32)
-        acc_dP = cute.make_rmem_tensor(f.mma_sdp.partition_shape_C((bk, bq)), Float32)
-        S = _rows_view(acc_S)
-        n_cols = cute.size(S, mode=[1])
-        lse = cute.make_rmem_tensor(n_cols, Float32)
-        delta = cute.make_rmem_tensor(n_cols, Float32)
-        pipeline_q.consumer_wait(state)
+        ``f``: the CTA's fragments, accumulators and constants (``consume``); ``cols``: the
+        head's column intervals and mask head; ``stage``: the ring stage of this tile as a
+        compile-time constant (``static_stage``), or None to index by ``state.index``."""
+        t = _Namespace(si=state.index if const_expr(stage is None) else stage)
+        self.issue_scores(t, state, f)
+        self.load_statistics(t, f)
+        self.probabilities(masked, t, q_tile, f, cols)
+        self.softmax_grad(masked, t)
+        self.dv_and_ds(t, state, f, stage)
+        self.dq_dk_and_release(t, state, f)
+
+    @cute.jit
+    def issue_scores(self, t, state, f):
+        """S^T = K Q^T and dP^T = V dO^T issued as Q and dO arrive (no wait on them); the
+        tile's lse / delta registers; with ``lse_prefetch`` the lse read before S^T."""
+        bq, bk = self.block_q, self.block_kv
+        si = t.si
+        t.acc_S = cute.make_rmem_tensor(f.mma_sdp.partition_shape_C((bk, bq)), Float32)
+        t.acc_dP = cute.make_rmem_tensor(f.mma_sdp.partition_shape_C((bk, bq)), Float32)
+        t.S = _rows_view(t.acc_S)
+        t.n_cols = cute.size(t.S, mode=[1])
+        t.lse = cute.make_rmem_tensor(t.n_cols, Float32)
+        t.delta = cute.make_rmem_tensor(t.n_cols, Float32)
+        f.pipeline_q.consumer_wait(state)
         if const_expr(self.config.lse_prefetch):
             # The lse of the tile's queries (they came with Q) read before the S^T issue:
             # the loads complete under the GEMM (FA4's SM90 placement).
-            for c in cutlass.range_constexpr(n_cols):
-                lse[c] = sLSE[f.tScS[0, c][1], si]
-        issue_wgmma(f.mma_sdp, acc_S, f.tSrK[None, None, None, 0], f.tSrQ[None, None, None, si], True)
-        pipeline_do.consumer_wait(state)
-        issue_wgmma(f.mma_sdp, acc_dP, f.tSrV[None, None, None, 0], f.tSrdO[None, None, None, si], True)
+            for c in cutlass.range_constexpr(t.n_cols):
+                t.lse[c] = f.sLSE[f.tScS[0, c][1], si]
+        issue_wgmma(f.mma_sdp, t.acc_S, f.tSrK[None, None, None, 0], f.tSrQ[None, None, None, si], True)
+        f.pipeline_do.consumer_wait(state)
+        issue_wgmma(f.mma_sdp, t.acc_dP, f.tSrV[None, None, None, 0], f.tSrdO[None, None, None, si], True)
 
-        # -- statistics: this stage's lse / delta (arrived with Q / dO) for the thread's columns
-        lse_early = (self.config.stats_early or self.config.lse_early) and not self.config.stats_shfl
+    @cute.jit
+    def load_statistics(self, t, f):
+        """This stage's lse / delta (arrived with Q / dO) for the thread's columns, the reads
+        each config places before the first wait (the rest happen where they are used)."""
+        si, n_cols = t.si, t.n_cols
+        t.lse_early = (self.config.stats_early or self.config.lse_early) and not self.config.stats_shfl
         if const_expr(self.config.stats_shfl):
             # Each lane holds 2 of the tile's 64 queries (2 lane, 2 lane + 1) of lse and
             # delta, read before any wait; at use, column c of the accumulator (query
             # 8 (c // 2) + 2 (lane % 4) + c % 2, the m64nN layout) comes from lane
             # 4 (c // 2) + lane % 4 by shfl — no shared-memory load queued behind the GEMMs'
             # operand traffic where exp2 waits for it (FA4's SM90 backward does the same).
-            assert bq == 64 and n_cols == 16, "stats_shfl: 64-query tiles, 16 columns per thread"
-            lane = cute.arch.lane_idx()
-            own_lse = (sLSE[2 * lane, si], sLSE[2 * lane + 1, si])
-            own_delta = (sDelta[2 * lane, si], sDelta[2 * lane + 1, si])
-        if const_expr(lse_early):
+            assert self.block_q == 64 and n_cols == 16, "stats_shfl: 64-query tiles, 16 columns per thread"
+            t.lane = cute.arch.lane_idx()
+            t.own_lse = (f.sLSE[2 * t.lane, si], f.sLSE[2 * t.lane + 1, si])
+            t.own_delta = (f.sDelta[2 * t.lane, si], f.sDelta[2 * t.lane + 1, si])
+        if const_expr(t.lse_early):
             for c in cutlass.range_constexpr(n_cols):
-                lse[c] = sLSE[f.tScS[0, c][1], si]
+                t.lse[c] = f.sLSE[f.tScS[0, c][1], si]
         if const_expr(self.config.stats_early):
             for c in cutlass.range_constexpr(n_cols):
-                delta[c] = sDelta[f.tScS[0, c][1], si]
+                t.delta[c] = f.sDelta[f.tScS[0, c][1], si]
 
-        # -- P^T = exp2(S^T * scale log2 e - lse log2 e); masked elements 0
+    @cute.jit
+    def probabilities(self, masked: cutlass.Constexpr[bool], t, q_tile, f, cols):
+        """P^T = exp2(S^T * scale log2 e - lse log2 e) once S^T is done, masked elements 0
+        (with a soft cap, P^T for dV in ``t.rP`` and P^T (1 - t^2) in S); the delta reads
+        that follow it."""
+        si, n_cols, S, lse, delta = t.si, t.n_cols, t.S, t.lse, t.delta
         warpgroup.wait_group(1)
         if const_expr(self.config.stats_shfl):
             for c in cutlass.range_constexpr(n_cols):
-                lse[c] = cute.arch.shuffle_sync(own_lse[c % 2], 4 * (c // 2) + lane % 4)
-        elif const_expr(not lse_early and not self.config.lse_prefetch):
+                lse[c] = cute.arch.shuffle_sync(t.own_lse[c % 2], 4 * (c // 2) + t.lane % 4)
+        elif const_expr(not t.lse_early and not self.config.lse_prefetch):
             for c in cutlass.range_constexpr(n_cols):
-                lse[c] = sLSE[f.tScS[0, c][1], si]
+                lse[c] = f.sLSE[f.tScS[0, c][1], si]
         if const_expr(self.softcap is None):
             scale_log2 = Float32(self.scale_log2)
             for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
@@ -823,27 +864,29 @@ class FlashBackwardSm90(WarpSpecializedSm90):
             self.softcap_tanh(S)                # S^T -> t = tanh(scale S^T / cap)
         if const_expr(masked):
             # With a cap the mask writes t = -inf: exp2 then gives P = 0.
-            self.apply_mask(S, f.tScS, q_tile, col_starts, col_lengths, exact, mFwdIntervals,
-                            f.mBwdIntervals, seqlen_q, seqlen_k, k_tile, mh, mask_batch, f.residual_args,
-                            0.0 if const_expr(self.softcap is None) else -math.inf)
+            self.apply_mask(S, f.tScS, q_tile, cols.starts, cols.lengths, cols.exact, f.mFwdIntervals,
+                            f.mBwdIntervals, f.seqlen_q, f.seqlen_k, f.k_tile, cols.mh, f.mask_batch,
+                            f.residual_args, 0.0 if const_expr(self.softcap is None) else -math.inf)
         if const_expr(self.softcap is not None):
             # P^T for dV (bf16 / fp16 registers) and, in S, P^T (1 - t^2): the gradient of
             # the capped logits is that times (dP^T - delta).
-            rP = cute.make_rmem_tensor_like(acc_S, self.dtype)
-            self.softcap_probs(S, _rows_view(rP), lse)
+            t.rP = cute.make_rmem_tensor_like(t.acc_S, self.dtype)
+            self.softcap_probs(S, _rows_view(t.rP), lse)
         if const_expr(self.config.stats_shfl):
             for c in cutlass.range_constexpr(n_cols):
-                delta[c] = cute.arch.shuffle_sync(own_delta[c % 2], 4 * (c // 2) + lane % 4)
+                delta[c] = cute.arch.shuffle_sync(t.own_delta[c % 2], 4 * (c // 2) + t.lane % 4)
         elif const_expr(not self.config.stats_early):
             for c in cutlass.range_constexpr(n_cols):
-                delta[c] = sDelta[f.tScS[0, c][1], si]
+                delta[c] = f.sDelta[f.tScS[0, c][1], si]
 
-
-        # -- dS^T = P^T (dP^T - delta)
+    @cute.jit
+    def softmax_grad(self, masked: cutlass.Constexpr[bool], t):
+        """dS^T = P^T (dP^T - delta) in dP^T's registers, once dP^T is done."""
+        S, delta = t.S, t.delta
         warpgroup.wait_group(0)
-        dP = _rows_view(acc_dP)
+        dP = _rows_view(t.acc_dP)
         for r in cutlass.range_constexpr(cute.size(dP, mode=[0])):
-            for c in cutlass.range_constexpr(n_cols):
+            for c in cutlass.range_constexpr(t.n_cols):
                 if const_expr(masked):
                     # A masked pair carries no gradient even when its query's delta is
                     # NaN (a NaN input in q or k): 0 * (dP - NaN) would leak into dK.
@@ -851,35 +894,47 @@ class FlashBackwardSm90(WarpSpecializedSm90):
                 else:
                     dP[r, c] = S[r, c] * (dP[r, c] - delta[c])
 
-        # -- dV += P^T dO (P^T from registers)
+    @cute.jit
+    def dv_and_ds(self, t, state, f, stage: cutlass.Constexpr = None):
+        """dV += P^T dO (P^T from registers) issued; dS^T converted once, to its shared
+        buffer for dQ (``t.rdS`` keeps it for dK), then both warpgroups meet (DS_READY)."""
+        both = self.num_consumer_wgs * self.threads_per_wg
         if const_expr(self.softcap is None):
-            rP = cute.make_rmem_tensor_like(acc_S, self.dtype)
-            rP.store(acc_S.load().to(self.dtype))
-        issue_wgmma(f.mma_dv, f.acc_dV, _as_a_operand(rP), f.tKVrdOt[None, None, None, si], False)
+            t.rP = cute.make_rmem_tensor_like(t.acc_S, self.dtype)
+            t.rP.store(t.acc_S.load().to(self.dtype))
+        issue_wgmma(f.mma_dv, f.acc_dV, _as_a_operand(t.rP), f.tKVrdOt[None, None, None, t.si], False)
 
-        # -- dS^T: converted once; to shared memory for dQ, from registers for dK
-        rdS = cute.make_rmem_tensor_like(acc_dP, self.dtype)
-        rdS.store(acc_dP.load().to(self.dtype))
+        rdS = cute.make_rmem_tensor_like(t.acc_dP, self.dtype)
+        rdS.store(t.acc_dP.load().to(self.dtype))
         ds_stage = 0
         if const_expr(self.config.ds_stages == 1):
             cute.arch.barrier(barrier_id=int(Bar.DS_FREE), number_of_threads=both)
         else:
             # With a 2-stage ring the dS^T buffer alternates with the ring stage.
             ds_stage = state.count % 2 if const_expr(stage is None) else stage
+        wg = f.wg
         if const_expr(self.split_dkv):
-            if f.wg == 0:      # both hold the same dS^T: one writes it
+            if wg == 0:      # both hold the same dS^T: one writes it
                 self.store_ds(f, rdS, ds_stage)
         else:
             cute.copy(f.ds_copy, f.ds_copy.retile(rdS), f.tdSsdS[None, None, None, ds_stage])
             cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=int(Bar.DS_READY), number_of_threads=both)
+        t.rdS, t.ds_stage = rdS, ds_stage
 
-        # -- dQ_tile[:, this warpgroup's D part] = dS K; dK += dS^T Q
+    @cute.jit
+    def dq_dk_and_release(self, t, state, f):
+        """dQ_tile[:, this warpgroup's D part] = dS K handed to the dQ warp; dK += dS^T Q;
+        then the tile's Q (and dO) ring stage is freed."""
+        # Locals only inside the runtime `if`s (the DSL carries names, not attributes).
+        rdS, si, ds_stage = t.rdS, t.si, t.ds_stage
+        pipeline_q, pipeline_do = f.pipeline_q, f.pipeline_do
+        wg, mma_dkv, acc_dK, tKVrQt = f.wg, f.mma_dkv, f.acc_dK, f.tKVrQt
         if const_expr(self.dq_single_wg):
-            if f.wg == 0:
+            if wg == 0:
                 self.dq_and_dk(f, rdS, ds_stage, state, pipeline_do, si)
             else:
-                issue_wgmma(f.mma_dkv, f.acc_dK, _as_a_operand(rdS), f.tKVrQt[None, None, None, si], False)
+                issue_wgmma(mma_dkv, acc_dK, _as_a_operand(rdS), tKVrQt[None, None, None, si], False)
                 if const_expr(self.config.release_do_early):
                     warpgroup.wait_group(1)                 # dV done: dO's stage is free
                     pipeline_do.consumer_release(state)
@@ -1235,6 +1290,15 @@ class FlashBackwardSm90(WarpSpecializedSm90):
             cute.arch.cp_async_bulk_commit_group()
             # The CTA's shared memory must outlive the stores' reads of it.
             cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+
+class _Namespace:
+    """A bag of traced values handed between the kernel's methods (tracing only reads and
+    sets its attributes): the CTA's buffers / tensors / coordinates, a head's column
+    intervals, one tile's registers shared by ``step``'s phases."""
+
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
 
 
 class _Fragments:
