@@ -27,6 +27,7 @@
 #                FA4 native at 32K (causal, hstu)
 #   s10x         issue 17 on one GPU: tests/gpu/test_sharding_gpu.py (custom calls under shard_map)
 #                and tests/gpu/test_ring_gpu.py (the CuTe kernels per ring step)
+#   prepro       the jnp preprocess on the GPU, kernel by kernel (ncu; shared prompt 8K by default)
 #   s8t / s8b    the next backward default candidate (JCM_S8_CONFIG): its GPU tests / timed beside
 #                the default and the peers at 32K + 8K
 #   prof8        ncu on one causal 32K backward of ours and one of FA4's, same call
@@ -302,6 +303,46 @@ case $stage in
     timeout -k 5 540 python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_sharding_gpu.py \
       tests/gpu/test_ring_gpu.py --junitxml="$OUT/junit-s10x.xml" > "$OUT/pytest-s10x.log" 2>&1
     echo "pytest rc $? ($SECONDS s)"; pkill -9 -f pytest; tail -8 "$OUT/pytest-s10x.log"
+    ;;
+  prepro)
+    # Where the jnp preprocess's GPU time goes (shared prompt 8K: 3.54 ms in run
+    # 2026-12-02T04:45:38Z, 1.60 at 32K; Flex's block mask 0.65): every kernel of one call
+    # with its duration, largest first. JCM_PRE_MASK / JCM_PRE_N pick the workload.
+    left() { local l=$(( 570 - SECONDS )); (( l < $1 )) && echo $(( l > 5 ? l : 5 )) || echo $1; }
+    m=${JCM_PRE_MASK:-shared_prompt}; n=${JCM_PRE_N:-8192}
+    timeout -k 5 $(left 120) python3 tests/scripts/gpu_preprocess_profile.py $m $n > "$OUT/prepro-run.log" 2>&1
+    cat "$OUT/prepro-run.log" | tail -7
+    # Kernels of calls 3 and 4 (the first two compile / warm up): skip what calls 1-2 launch.
+    k=$(python3 - "$OUT/prepro-run.log" <<'PY'
+import re, sys
+t = open(sys.argv[1]).read()
+m = re.search(r"fusions / scatters / sorts / custom calls in the GPU program: (\d+) (\d+) (\d+) (\d+)", t)
+print(sum(map(int, m.groups())) if m else 400)
+PY
+)
+    timeout -k 5 $(left 300) ncu --clock-control none --section SpeedOfLight --launch-skip $(( 3 * k )) \
+      --launch-count $(( 2 * k )) -o /tmp/prepro python3 tests/scripts/gpu_preprocess_profile.py $m $n \
+      > "$OUT/prepro-ncu.log" 2>&1
+    echo "ncu rc $? ($SECONDS s)"; pkill -9 -f gpu_preprocess_profile
+    [[ -f /tmp/prepro.ncu-rep ]] && timeout 60 ncu -i /tmp/prepro.ncu-rep --page raw --csv \
+      --metrics gpu__time_duration.sum > "$OUT/prepro-kernels.csv" 2>&1 && python3 - "$OUT/prepro-kernels.csv" <<'PY'
+import csv, collections, sys
+rows = [r for r in csv.reader(l for l in open(sys.argv[1]) if l.startswith('"'))]
+head = rows[0]
+name, dur = head.index("Kernel Name"), head.index("gpu__time_duration.sum")
+tot = collections.Counter()
+cnt = collections.Counter()
+for r in rows[2:]:
+    try:
+        v = float(r[dur].replace(",", ""))
+    except ValueError:
+        continue
+    tot[r[name][:90]] += v
+    cnt[r[name][:90]] += 1
+print(f"{sum(cnt.values())} kernels, {sum(tot.values()) / 1e3:.3f} us total (two calls)")
+for k, v in tot.most_common(25):
+    print(f"  {v / 1e3:10.2f} us  x{cnt[k]:3d}  {k}")
+PY
     ;;
   s8b)
     # The candidate and its two parts beside the default and the peers, one run:
