@@ -35,6 +35,8 @@
 #   shfl         stats_shfl, column_skip, the forward's bits path for K <= 8: tests, then timed at 32K
 #   masks16      issue 16's timings: block-causal spellings, dilated window, global tokens + window vs Flex+FA4
 #   fwl          issue 14: the forward's work list (JCOMPILEMASK_CUTE_FWD_WORK_LIST=1): tests, then timed
+#   fka          issue 14: K(t + 1) before V(t) in the forward's producer (JCOMPILEMASK_CUTE_FWD_K_AHEAD=1),
+#                with / without the work list: bit-identity, tests, then timed beside FA4 native
 #   fsched       issue 14: the forward's longest-first order / persistent CTAs
 #                (JCOMPILEMASK_CUTE_FWD_SCHEDULE=1 / persistent) and work list: tests, then the
 #                forward timed per variant beside FA4 native
@@ -440,6 +442,28 @@ PY
       --impls jcm,fa4-native --jcm-variants "base=;fwl=JCOMPILEMASK_CUTE_FWD_WORK_LIST=1" \
       --min-repeat-s 0.25 --budget-s $(( b - 20 )) --out "$OUT/h200-fwd-wl.json" > "$OUT/bench-fwl.log" 2>&1
     echo "bench rc $? ($SECONDS s)"; pkill -9 -f bench_total; grep -E '^\||budget' "$OUT/bench-fwl.log" | tail -12
+    ;;
+  fka)
+    # Issue 14 (compile-checked in session 9): K(t + 1) loaded before V(t)
+    # (JCOMPILEMASK_CUTE_FWD_K_AHEAD=1, FA4's producer order), with and without the work list
+    # (the session-8 win, -3.5% at causal 32K): bit-identity vs the default order under a
+    # hang guard (an ordering mistake deadlocks), the forward + attention GPU tests under
+    # k_ahead + work list, then the forward timed per variant beside FA4 native.
+    export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
+    left() { local l=$(( 570 - SECONDS )); (( l < $1 )) && echo $(( l > 5 ? l : 5 )) || echo $1; }
+    timeout -k 5 $(left 120) python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_cute_forward.py \
+      -k "k_ahead_forward_is_bit_identical" > "$OUT/pytest-fka-ident.log" 2>&1
+    rc=$?; echo "identity rc $rc ($SECONDS s)"; pkill -9 -f pytest; tail -4 "$OUT/pytest-fka-ident.log"
+    (( rc == 0 )) || exit 3
+    JCOMPILEMASK_CUTE_FWD_K_AHEAD=1 JCOMPILEMASK_CUTE_FWD_WORK_LIST=1 timeout -k 5 $(left 200) \
+      python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_cute_forward.py \
+      "tests/gpu/test_cute_attention.py::test_builtin" -k "not compiles" \
+      --junitxml="$OUT/junit-fka.xml" > "$OUT/pytest-fka.log" 2>&1
+    echo "pytest rc $? ($SECONDS s)"; pkill -9 -f pytest; tail -3 "$OUT/pytest-fka.log"
+    timeout -k 5 $(left 300) python3 benchmarks/bench_forward.py --ns ${JCM_BENCH_NS:-32768,8192} \
+      --masks causal,hstu --fa4 --jcm-variants "base=;ka=JCOMPILEMASK_CUTE_FWD_K_AHEAD=1;wl=JCOMPILEMASK_CUTE_FWD_WORK_LIST=1;wlka=JCOMPILEMASK_CUTE_FWD_WORK_LIST=1 JCOMPILEMASK_CUTE_FWD_K_AHEAD=1" \
+      --out "$OUT/h200-fwd-ka.json" > "$OUT/bench-fka.log" 2>&1
+    echo "bench rc $? ($SECONDS s)"; pkill -9 -f bench_forward; grep -E '^bench|^\{' "$OUT/bench-fka.log" | tail -30 | cut -c1-200
     ;;
   fsched)
     # Issue 14 item 2 (compile-checked in session 7): the forward's longest-first order

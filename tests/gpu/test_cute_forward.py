@@ -442,3 +442,51 @@ def test_scheduled_forward_is_bit_identical_on_gpu(case, mode, monkeypatch):
     for o1, l1 in outs[1:]:
         assert np.array_equal(o0.view(np.uint16), o1.view(np.uint16))
         assert np.array_equal(l0, l1, equal_nan=True)
+
+
+@needs_cutlass
+@pytest.mark.parametrize("case", ["plain", "work_list", "persistent_work_list"])
+def test_k_ahead_forward_compiles_for_sm90(case):
+    """K(t + 1) loaded before V(t) (issue 14, FA4's producer order): the bitmap walk, the
+    work list (its chunk's last V issued before the list is freed) and persistent CTAs."""
+    from jcompilemask.kernels.cute.api import ForwardKey, compile_forward
+    key = ForwardKey("bfloat16", 128, 128, 2, 128, 128, False, True, 128**-0.5, k_ahead=True,
+                     work_list=case != "plain", schedule=case.startswith("persistent"),
+                     persistent=case.startswith("persistent"))
+    assert compile_forward(key) is not None and key.target_name.endswith("_ka")
+
+
+def test_k_ahead_env(monkeypatch):
+    from jcompilemask.kernels.cute import api
+    monkeypatch.delenv(api.FWD_K_AHEAD_ENV, raising=False)
+    assert not api._fwd_k_ahead()
+    monkeypatch.setenv(api.FWD_K_AHEAD_ENV, "1")
+    assert api._fwd_k_ahead()
+    monkeypatch.setenv(api.FWD_K_AHEAD_ENV, "yes")
+    with pytest.raises(ValueError, match="0 or 1"):
+        api._fwd_k_ahead()
+
+
+@pytest.mark.parametrize("work_list", ["0", "1"])
+@pytest.mark.parametrize("case", ["causal", "document", "random3"])
+def test_k_ahead_forward_is_bit_identical_on_gpu(case, work_list, monkeypatch):
+    """The producer's load order changes when K / V arrive, never the arithmetic: o and lse
+    equal the default order's bit for bit, with the bitmap walk and with the work list."""
+    reason = _sm90_gpu_reason()
+    if reason:
+        pytest.skip(reason)
+    import jax
+    import jax.numpy as jnp
+
+    from jcompilemask.kernels.cute import api
+
+    q, k, v, iv, tiles = _case_inputs(case, 2, 8, kv_heads=2)
+    monkeypatch.setenv(api.FWD_WORK_LIST_ENV, work_list)
+    outs = []
+    for flag in ("0", "1"):
+        monkeypatch.setenv(api.FWD_K_AHEAD_ENV, flag)
+        f = jax.jit(lambda *a: api.cute_forward(*a))      # traced per run (a new lambda)
+        outs.append([np.asarray(x) for x in f(q, k, v, jnp.asarray(iv), jnp.asarray(tiles))])
+    (o0, l0), (o1, l1) = outs
+    assert np.array_equal(o0.view(np.uint16), o1.view(np.uint16))
+    assert np.array_equal(l0, l1, equal_nan=True)

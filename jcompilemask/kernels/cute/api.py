@@ -111,6 +111,9 @@ class ForwardKey:
     # Persistent CTAs (issue 14 item 2; $JCOMPILEMASK_CUTE_FWD_SCHEDULE=persistent): one per
     # SM, each running its row of persistent_schedule's table; implies the order above.
     persistent: bool = False
+    # K(t + 1) loaded before V(t) (FA4's SM90 producer order; issue 14;
+    # $JCOMPILEMASK_CUTE_FWD_K_AHEAD=1 for benchmarks until measured).
+    k_ahead: bool = False
 
     @property
     def o_buffer(self) -> bool:
@@ -171,6 +174,7 @@ class ForwardKey:
             + ("_wl" if self.work_list else "")
             + ("_ls" if self.schedule and not self.persistent else "")
             + ("_lp" if self.persistent else "")
+            + ("_ka" if self.k_ahead else "")
         )
 
 
@@ -251,6 +255,7 @@ def compile_forward(key: ForwardKey):
             num_stages=key.num_stages, softcap=key.softcap, softcap_fast_tanh=key.softcap_fast_tanh,
             residual=key.residual, bits_above=key.bits_above, work_list=key.work_list,
             schedule=key.schedule, persistent=key.persistent, o_buffer=key.o_buffer,
+            k_ahead=key.k_ahead,
         )
         inputs = [bhsd(nq, hq, key.head_dim), bhsd(nk, hkv, key.head_dim), bhsd(nk, hkv, key.head_dim_v),
                   intervals, tiles]
@@ -302,6 +307,7 @@ def _ensure_registered(key) -> str:
 FWD_BITS_ABOVE_ENV = "JCOMPILEMASK_CUTE_FWD_BITS_ABOVE"
 FWD_WORK_LIST_ENV = "JCOMPILEMASK_CUTE_FWD_WORK_LIST"
 FWD_SCHEDULE_ENV = "JCOMPILEMASK_CUTE_FWD_SCHEDULE"
+FWD_K_AHEAD_ENV = "JCOMPILEMASK_CUTE_FWD_K_AHEAD"
 # L2 bytes the K / V of one group of heads may take (forward_schedule): the H100 / H200's
 # 50 MB L2, as FlashAttention's longest-first scheduler assumes.
 L2_BYTES = 50 * 1024 * 1024
@@ -343,6 +349,16 @@ def _fwd_schedule() -> tuple[bool, bool]:
     if text not in ("0", "1", "", "persistent"):
         raise ValueError(f"{FWD_SCHEDULE_ENV}={text!r}: 0, 1 or persistent")
     return text in ("1", "persistent"), text == "persistent"
+
+
+def _fwd_k_ahead() -> bool:
+    """``$JCOMPILEMASK_CUTE_FWD_K_AHEAD=1`` (read at trace time; a benchmark knob until
+    measured): the forward's producer issues K(t + 1) before V(t)."""
+    import os
+    text = os.environ.get(FWD_K_AHEAD_ENV, "0").strip()
+    if text not in ("0", "1", ""):
+        raise ValueError(f"{FWD_K_AHEAD_ENV}={text!r}: 0 or 1")
+    return text == "1"
 
 
 def num_sms(default: int = 132) -> int:
@@ -476,7 +492,7 @@ def cute_forward(q, k, v, fwd_intervals, fwd_tiles, *, scale=None, softcap=None,
         bits_above=_fwd_bits_above(),
         work_list=_fwd_work_list(D, Dv, block_q, block_kv,
                                  num_stages or preferred_forward_stages(D, jnp.dtype(q.dtype).name)),
-        schedule=schedule, persistent=persistent,
+        schedule=schedule, persistent=persistent, k_ahead=_fwd_k_ahead(),
     )
     extra = ()
     if key.residual is not None:

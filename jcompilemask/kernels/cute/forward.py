@@ -97,6 +97,7 @@ class FlashForwardSm90(WarpSpecializedSm90):
         schedule: bool = False,
         persistent: bool = False,
         o_buffer: bool = False,
+        k_ahead: bool = False,
     ):
         assert dtype in (cutlass.BFloat16, cutlass.Float16), dtype
         assert block_q == 64 * self.num_consumer_wgs, "each consumer warpgroup owns 64 rows"
@@ -137,6 +138,10 @@ class FlashForwardSm90(WarpSpecializedSm90):
         # list of visited key tiles (common.build_tile_list), chunks of FWD_LIST_CHUNK; it
         # and the consumers iterate the list instead of walking every tile's bits.
         self.work_list = work_list
+        # k_ahead (issue 14): the producer issues K(t + 1) before V(t) (FA4's SM90 order),
+        # so the next QK^T's operand is not queued behind the wait for V's stage, which
+        # frees only when P V of two tiles back has been read.
+        self.k_ahead = k_ahead
         # schedule (issue 14 item 2): a 1-D grid whose block i runs the work unit
         # mSchedule[i] = (batch * Hq + head) * Tq + q_tile; the host orders the units
         # longest-first within groups of heads whose K / V fit in L2 (api.forward_schedule).
@@ -506,6 +511,9 @@ class FlashForwardSm90(WarpSpecializedSm90):
 
         if const_expr(kv_state is None):
             kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        if const_expr(self.k_ahead):
+            return q_state, self.load_k_ahead(tKgK, tKsK, tVgV, tVsV, tma_atom_k, tma_atom_v,
+                                              pipeline_k, pipeline_v, gTiles, n_k_tiles, work, kv_state)
         if const_expr(self.work_list):
             sList, sCount = work
             for ch in cutlass.range(cute.ceil_div(n_k_tiles, FWD_LIST_CHUNK), unroll=1):
@@ -533,6 +541,62 @@ class FlashForwardSm90(WarpSpecializedSm90):
                               tma_bar_ptr=pipeline_v.producer_get_barrier(kv_state))
                     kv_state.advance()
         return q_state, kv_state
+
+    @cute.jit
+    def load_k_ahead(self, tKgK, tKsK, tVgV, tVsV, tma_atom_k, tma_atom_v, pipeline_k, pipeline_v,
+                     gTiles, n_k_tiles, work, kv_state):
+        """``load``'s K / V ring with K(t + 1) issued before V(t): K and V of a tile still
+        share a stage index (two states, one per pipeline, advancing once per tile), so the
+        consumers see the same ring; a row's (with the work list, a list chunk's) last V
+        follows its last K: the consumers need it before they can free the list. Returns the
+        ring's state after the last tile (K's and V's are then equal)."""
+        k_state = kv_state.clone()
+        prev = Int32(-1)
+        if const_expr(self.work_list):
+            sList, sCount = work
+            for ch in cutlass.range(cute.ceil_div(n_k_tiles, FWD_LIST_CHUNK), unroll=1):
+                build_tile_list(gTiles, n_k_tiles, ch * FWD_LIST_CHUNK, FWD_LIST_CHUNK, sList, sCount, 0)
+                cute.arch.barrier_arrive(barrier_id=_BARRIER_LIST_READY, number_of_threads=self.list_meet)
+                for it in cutlass.range(sCount[0], unroll=1):
+                    k_tile = sList[it] & Int32(0xFFFF)
+                    pipeline_k.producer_acquire(k_state)
+                    cute.copy(tma_atom_k, tKgK[None, k_tile], tKsK[None, k_state.index],
+                              tma_bar_ptr=pipeline_k.producer_get_barrier(k_state))
+                    k_state.advance()
+                    if prev >= 0:
+                        pipeline_v.producer_acquire(kv_state)
+                        cute.copy(tma_atom_v, tVgV[None, prev], tVsV[None, kv_state.index],
+                                  tma_bar_ptr=pipeline_v.producer_get_barrier(kv_state))
+                        kv_state.advance()
+                    prev = k_tile
+                # The chunk's last V before waiting for the consumers to be done with the
+                # list (they need it to get there), then rebuild.
+                if prev >= 0:
+                    pipeline_v.producer_acquire(kv_state)
+                    cute.copy(tma_atom_v, tVgV[None, prev], tVsV[None, kv_state.index],
+                              tma_bar_ptr=pipeline_v.producer_get_barrier(kv_state))
+                    kv_state.advance()
+                prev = Int32(-1)
+                cute.arch.barrier(barrier_id=_BARRIER_LIST_FREE, number_of_threads=self.list_meet)
+        else:
+            for k_tile in cutlass.range(n_k_tiles, unroll=1):
+                if tile_bits(gTiles, k_tile) & Uint32(1) != Uint32(0):
+                    pipeline_k.producer_acquire(k_state)
+                    cute.copy(tma_atom_k, tKgK[None, k_tile], tKsK[None, k_state.index],
+                              tma_bar_ptr=pipeline_k.producer_get_barrier(k_state))
+                    k_state.advance()
+                    if prev >= 0:
+                        pipeline_v.producer_acquire(kv_state)
+                        cute.copy(tma_atom_v, tVgV[None, prev], tVsV[None, kv_state.index],
+                                  tma_bar_ptr=pipeline_v.producer_get_barrier(kv_state))
+                        kv_state.advance()
+                    prev = k_tile
+        if prev >= 0:
+            pipeline_v.producer_acquire(kv_state)
+            cute.copy(tma_atom_v, tVgV[None, prev], tVsV[None, kv_state.index],
+                      tma_bar_ptr=pipeline_v.producer_get_barrier(kv_state))
+            kv_state.advance()
+        return kv_state
 
     # ------------------------------------------------------------------ consumers
     @cute.jit
