@@ -552,51 +552,43 @@ class FlashForwardSm90(WarpSpecializedSm90):
         ring's state after the last tile (K's and V's are then equal)."""
         k_state = kv_state.clone()
         prev = Int32(-1)
+        k_ring = (pipeline_k, tma_atom_k, tKgK, tKsK)
+        v_ring = (pipeline_v, tma_atom_v, tVgV, tVsV)
         if const_expr(self.work_list):
             sList, sCount = work
             for ch in cutlass.range(cute.ceil_div(n_k_tiles, FWD_LIST_CHUNK), unroll=1):
                 build_tile_list(gTiles, n_k_tiles, ch * FWD_LIST_CHUNK, FWD_LIST_CHUNK, sList, sCount, 0)
                 cute.arch.barrier_arrive(barrier_id=_BARRIER_LIST_READY, number_of_threads=self.list_meet)
                 for it in cutlass.range(sCount[0], unroll=1):
-                    k_tile = sList[it] & Int32(0xFFFF)
-                    pipeline_k.producer_acquire(k_state)
-                    cute.copy(tma_atom_k, tKgK[None, k_tile], tKsK[None, k_state.index],
-                              tma_bar_ptr=pipeline_k.producer_get_barrier(k_state))
-                    k_state.advance()
-                    if prev >= 0:
-                        pipeline_v.producer_acquire(kv_state)
-                        cute.copy(tma_atom_v, tVgV[None, prev], tVsV[None, kv_state.index],
-                                  tma_bar_ptr=pipeline_v.producer_get_barrier(kv_state))
-                        kv_state.advance()
-                    prev = k_tile
+                    prev = self.load_k_then_v(k_ring, v_ring, k_state, kv_state, sList[it] & Int32(0xFFFF), prev)
                 # The chunk's last V before waiting for the consumers to be done with the
                 # list (they need it to get there), then rebuild.
-                if prev >= 0:
-                    pipeline_v.producer_acquire(kv_state)
-                    cute.copy(tma_atom_v, tVgV[None, prev], tVsV[None, kv_state.index],
-                              tma_bar_ptr=pipeline_v.producer_get_barrier(kv_state))
-                    kv_state.advance()
-                prev = Int32(-1)
+                prev = self.load_k_then_v(None, v_ring, k_state, kv_state, Int32(-1), prev)
                 cute.arch.barrier(barrier_id=_BARRIER_LIST_FREE, number_of_threads=self.list_meet)
         else:
             for k_tile in cutlass.range(n_k_tiles, unroll=1):
                 if tile_bits(gTiles, k_tile) & Uint32(1) != Uint32(0):
-                    pipeline_k.producer_acquire(k_state)
-                    cute.copy(tma_atom_k, tKgK[None, k_tile], tKsK[None, k_state.index],
-                              tma_bar_ptr=pipeline_k.producer_get_barrier(k_state))
-                    k_state.advance()
-                    if prev >= 0:
-                        pipeline_v.producer_acquire(kv_state)
-                        cute.copy(tma_atom_v, tVgV[None, prev], tVsV[None, kv_state.index],
-                                  tma_bar_ptr=pipeline_v.producer_get_barrier(kv_state))
-                        kv_state.advance()
-                    prev = k_tile
-        if prev >= 0:
-            pipeline_v.producer_acquire(kv_state)
-            cute.copy(tma_atom_v, tVgV[None, prev], tVsV[None, kv_state.index],
-                      tma_bar_ptr=pipeline_v.producer_get_barrier(kv_state))
-            kv_state.advance()
+                    prev = self.load_k_then_v(k_ring, v_ring, k_state, kv_state, k_tile, prev)
+            self.load_k_then_v(None, v_ring, k_state, kv_state, Int32(-1), prev)
         return kv_state
+
+    @cute.jit
+    def load_k_then_v(self, k_ring, v_ring, k_state, v_state, k_tile, prev):
+        """K of ``k_tile`` (unless ``k_ring`` is None), then V of ``prev`` (the tile before,
+        if any) into their rings; returns ``k_tile`` (the tile now owed its V)."""
+        if const_expr(k_ring is not None):
+            pipe, atom, src, dst = k_ring
+            pipe.producer_acquire(k_state)
+            cute.copy(atom, src[None, k_tile], dst[None, k_state.index],
+                      tma_bar_ptr=pipe.producer_get_barrier(k_state))
+            k_state.advance()
+        pipe, atom, src, dst = v_ring
+        if prev >= 0:
+            pipe.producer_acquire(v_state)
+            cute.copy(atom, src[None, prev], dst[None, v_state.index],
+                      tma_bar_ptr=pipe.producer_get_barrier(v_state))
+            v_state.advance()
+        return k_tile
 
     # ------------------------------------------------------------------ consumers
     @cute.jit
