@@ -22,9 +22,9 @@
 #   sanitize2    compute-sanitizer (3 tools) on the CuTe kernels without JAX in the process
 #   s9t          session 8's SASS change (warp-uniform warpgroup index): default backward + forward GPU
 #                tests; the jnp preprocess on the GPU vs the CPU at the benchmarks' sizes
-#   s10          session 9's static_stage (the tile body once per ring stage) and lse_prefetch: the
-#                default backward's GPU tests under both, then each timed beside the default and
-#                FA4 native at 32K (causal, hstu)
+#   s10          session 9's static_stage (the tile body once per ring stage) and lse_prefetch: each
+#                and both timed beside the default and FA4 native at 32K (causal, hstu), then the
+#                default backward's GPU tests under the fastest
 #   s10x         issue 17 on one GPU: tests/gpu/test_sharding_gpu.py (custom calls under shard_map)
 #                and tests/gpu/test_ring_gpu.py (the CuTe kernels per ring step)
 #   prepro       the jnp preprocess on the GPU, kernel by kernel (ncu; shared prompt 8K by default)
@@ -285,19 +285,33 @@ case $stage in
     ;;
   s10)
     # static_stage and lse_prefetch (compile-checked in session 9: D 128 unmasked tile 491 ->
-    # 423 / 457 / 392 SASS instructions; 168 registers, 0 B stack): GPU tests (s8t's list)
-    # under the combination, then the bwd of each beside the default and FA4 native, one run.
+    # 423 / 457 / 392 SASS instructions; 168 registers, 0 B stack): first the bwd of each and
+    # of both beside the default and FA4 native (32K causal, hstu; one run), then the GPU
+    # tests (s8t's list) under the variant fastest at causal 32K, when that is not the
+    # default (JCM_S10_CONFIG forces one).
     export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
     left() { local l=$(( 570 - SECONDS )); (( l < $1 )) && echo $(( l > 5 ? l : 5 )) || echo $1; }
-    # The candidate combines both session-9 knobs (each path is exercised); the timing
-    # separates them. lse_prefetch: lse read before the S^T issue (FA4's placement).
-    C=JCOMPILEMASK_CUTE_BWD_CONFIG; cand=${JCM_S10_CONFIG:-static_stage=1,lse_prefetch=1,stats_shfl=0}
-    JCOMPILEMASK_CUTE_BWD_CONFIG=$cand bwd_default_tests s10 $(left 290)
-    b=$(left 270)
+    C=JCOMPILEMASK_CUTE_BWD_CONFIG
+    ss=static_stage=1; lp=lse_prefetch=1,stats_shfl=0; both=static_stage=1,lse_prefetch=1,stats_shfl=0
+    b=$(left 280)
     timeout -k 5 $b python3 benchmarks/bench_total.py --ns 32768 --masks causal,hstu \
-      --impls jcm,fa4-native --jcm-variants "base=;ss=$C=static_stage=1;lp=$C=lse_prefetch=1,stats_shfl=0;cand=$C=$cand" \
+      --impls jcm,fa4-native --jcm-variants "base=;ss=$C=$ss;lp=$C=$lp;both=$C=$both" \
       --min-repeat-s 0.25 --budget-s $(( b - 20 )) --out "$OUT/h200-bwd-s10.json" > "$OUT/bench-s10.log" 2>&1
     echo "bench rc $? ($SECONDS s)"; pkill -9 -f bench_total; grep -E '^\{' "$OUT/bench-s10.log" | cut -c1-170
+    pick=$(python3 - "$OUT/h200-bwd-s10.json" <<'PY'
+import json, sys
+try:
+    recs = json.load(open(sys.argv[1]))["records"]
+except Exception:
+    recs = []
+bwd = {r["impl"]: r["bwd_ms"] for r in recs if r["mask"] == "causal" and r["impl"].startswith("jcm-cute")}
+best = min(bwd, key=bwd.get) if bwd else "jcm-cute"
+print(best.replace("jcm-cute", "").lstrip("-") or "base")
+PY
+)
+    cfg=${JCM_S10_CONFIG:-$(case $pick in ss) echo $ss;; lp) echo $lp;; both) echo $both;; *) echo;; esac)}
+    echo "fastest at causal 32K: $pick; tests under: ${cfg:-(the default: skipped)}"
+    [[ -n $cfg ]] && JCOMPILEMASK_CUTE_BWD_CONFIG=$cfg bwd_default_tests s10 $(left 290)
     ;;
   s10x)
     # Issue 17's one-GPU checks: the CuTe path under shard_map / jax.jit with a sharding
