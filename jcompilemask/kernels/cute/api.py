@@ -602,13 +602,18 @@ class BackwardConfig:
       after the Q stage's barrier wait, before the S^T issue, so the loads complete under
       the GEMM; delta where used. FA4's SM90 placement (its SASS, ``tests/scripts/
       sass_offline.py fa4``). ``lse_early`` (after both issues) measured +3.4% at causal
-      32K; this one not yet run. Excludes ``stats_shfl`` / ``stats_early`` / ``lse_early``.
+      32K; this one, alone, 37.64 -> 37.81 causal / 44.28 -> 44.59 hstu (32K bwd ms, run
+      2026-12-02T08:02:41Z), but with ``static_stage`` the fastest (below). Excludes
+      ``stats_shfl`` / ``stats_early`` / ``lse_early``.
     - ``static_stage``: the tile body compiled once per ring stage (2), the stage a
       compile-time constant in each copy (a warp-uniform branch on ``state.index`` picks
       one), so the shared-memory descriptors of Q, dO, their transposes and dS^T fold the
       stage into their base: each k-step then ORs its offset in (one uniform instruction)
       instead of a 64-bit add (UIADD3 + UIADD3.X + a UMOV of the constant high word,
-      dependent, before each HGMMA). Twice the tile code. Not yet run on the H200.
+      dependent, before each HGMMA). Twice the tile code. H200, 32K bwd ms (run
+      2026-12-02T08:02:41Z): causal 37.64 -> 37.69, hstu 44.28 -> 43.49; with
+      ``lse_prefetch`` 37.44 / 42.80, the D 64 / 128 default since session 10 (see
+      ``preferred_backward_config``).
     - ``split_dkv``: both consumer warpgroups own the same ``block_kv`` = 64 keys; each
       computes the whole 64 x 64 S^T and dP^T of them (twice the S / dP tensor work: 7
       GEMM units per tile instead of 5) and the half of dK / dV / dQ's head dims that is
@@ -674,8 +679,9 @@ class BackwardConfig:
 def preferred_backward_config(head_dim: int, dtype: str = "bfloat16",
                               softcap: bool = False) -> BackwardConfig:
     """The backward config the registry uses. D 64 and 128 share it: 64 x 128 tiles, a
-    2-stage Q / dO ring, two dS buffers, statistics read where used (NOTES.md, "Backward
-    v1": the run that compared ds_stages 1 / 2 and stats_early on / off).
+    2-stage Q / dO ring, two dS buffers (NOTES.md, "Backward v1": the run that compared
+    ds_stages 1 / 2 and stats_early on / off), the lse read before the S^T GEMM and the
+    tile body compiled once per ring stage (session 10).
 
     D 256 is CHOSEN BY ARITHMETIC ON A MACHINE WITHOUT A GPU and must be re-chosen by
     measurement on the H200 (h200.sh hdims) before the registry uses it by default:
@@ -722,8 +728,14 @@ def preferred_backward_config(head_dim: int, dtype: str = "bfloat16",
     # (run 2026-12-01T23:46:01Z, 32K / 8K): causal 39.88 -> 39.21 / 10.60 -> 10.51, hstu
     # 45.17 -> 45.26 / 12.06 -> 12.10, shared_prompt 33.60 -> 33.56 (8K, run
     # 2026-12-01T23:55:22Z: 9.52 -> 9.31), clear 7.28 -> 6.76 (8K 4.95 -> 4.69).
+    # static_stage + lse_prefetch (stats_shfl off: lse_prefetch places the lse loads): the 23
+    # GPU backward / gradient cases passed (h200.sh s8t, session 10); bwd ms vs the config
+    # before, same run (2026-12-02T08:22:59Z, h200-bwd-s10b.json; 32K / 8K): causal 37.49 ->
+    # 37.26 / 10.19 -> 10.25, hstu 44.52 -> 43.05 / 11.83 -> 11.52, shared_prompt 32.55 ->
+    # 31.59 / 9.11 -> 9.00, clear 6.69 -> 6.85 / 4.58 -> 4.59 (run 2026-12-02T08:02:41Z,
+    # h200-bwd-s10.json: causal 37.64 -> 37.44, hstu 44.28 -> 42.80).
     return BackwardConfig(work_list=True, dkv_tma_store=True, column_registers=2, column_bits=0,
-                          column_skip=True, stats_shfl=True)
+                          column_skip=True, static_stage=True, lse_prefetch=True)
 
 
 def preferred_backward_tiles(head_dim: int, dtype: str = "bfloat16",
