@@ -25,6 +25,8 @@
 #   s10          session 9's static_stage (the tile body once per ring stage) and lse_prefetch: each
 #                and both timed beside the default and FA4 native at 32K (causal, hstu), then the
 #                default backward's GPU tests under the fastest
+#   s11          session 10's dv_early (P converted and dV issued before the dP^T wait) timed beside
+#                the default and FA4 native at 32K, then the default backward's GPU tests under it
 #   s10x         issue 17 on one GPU: tests/gpu/test_sharding_gpu.py (custom calls under shard_map)
 #                and tests/gpu/test_ring_gpu.py (the CuTe kernels per ring step)
 #   prepro       the jnp preprocess on the GPU, kernel by kernel (ncu; shared prompt 8K by default)
@@ -312,6 +314,34 @@ PY
     cfg=${JCM_S10_CONFIG:-$(case $pick in ss) echo $ss;; lp) echo $lp;; both) echo $both;; *) echo;; esac)}
     echo "fastest at causal 32K: $pick; tests under: ${cfg:-(the default: skipped)}"
     [[ -n $cfg ]] && JCOMPILEMASK_CUTE_BWD_CONFIG=$cfg bwd_default_tests s10 $(left 290)
+    ;;
+  s11)
+    # dv_early (session 10; compile-checked: the exp2 / bf16 conversion of P all before the
+    # dP^T wait, dV issued there; default D 128 SASS has ptxas wait on dP^T after 6 of 32
+    # MUFUs, FA4's after ~16): timed beside the default and FA4 native at 32K (causal, hstu,
+    # shared prompt), then the default backward's GPU tests under it when it is the faster at
+    # causal 32K (JCM_S11_CONFIG forces a config for the tests).
+    export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
+    left() { local l=$(( 570 - SECONDS )); (( l < $1 )) && echo $(( l > 5 ? l : 5 )) || echo $1; }
+    C=JCOMPILEMASK_CUTE_BWD_CONFIG
+    b=$(left 270)
+    timeout -k 5 $b python3 benchmarks/bench_total.py --ns 32768 --masks causal,hstu,shared_prompt \
+      --impls jcm,fa4-native --jcm-variants "base=;dve=$C=dv_early=1" \
+      --min-repeat-s 0.25 --budget-s $(( b - 20 )) --out "$OUT/h200-bwd-s11.json" > "$OUT/bench-s11.log" 2>&1
+    echo "bench rc $? ($SECONDS s)"; pkill -9 -f bench_total; grep -E '^\{' "$OUT/bench-s11.log" | cut -c1-170
+    pick=$(python3 - "$OUT/h200-bwd-s11.json" <<'PY'
+import json, sys
+try:
+    recs = json.load(open(sys.argv[1]))["records"]
+except Exception:
+    recs = []
+bwd = {r["impl"]: r["bwd_ms"] for r in recs if r["mask"] == "causal" and r["impl"].startswith("jcm-cute")}
+print("dve" if bwd.get("jcm-cute-dve", 1e9) < bwd.get("jcm-cute", 0) else "base")
+PY
+)
+    cfg=${JCM_S11_CONFIG:-$( [[ $pick == dve ]] && echo dv_early=1 )}
+    echo "faster at causal 32K: $pick; tests under: ${cfg:-(the default: skipped)}"
+    [[ -n $cfg ]] && JCOMPILEMASK_CUTE_BWD_CONFIG=$cfg bwd_default_tests s11 $(left 290)
     ;;
   s10x)
     # Issue 17's one-GPU checks: the CuTe path under shard_map / jax.jit with a sharding

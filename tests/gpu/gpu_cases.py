@@ -145,3 +145,20 @@ def check_attention(spec, md, b, n, hq, hkv, d, dtype, impl, seed=0, forward=Tru
     g_hi, g_lo = reference_gradients(qx, kx, vx, do, mask)
     problems = gradient_problems(g, g_hi, g_lo, dtype)
     assert not problems, "; ".join(problems)
+
+
+def compile_checking_remarks(compile_fn, key, monkeypatch, capfd):
+    """``compile_fn(key)`` with ptxas's output on (``$JCOMPILEMASK_CUTE_PTXAS_REMARKS``),
+    fresh (not from this process's cache), failing on remark C7512: ptxas serializing the
+    wgmmas for want of registers costs a GEMM-bound kernel its overlap and fails nothing
+    else (session 10: ``static_stage`` at D 64 did that)."""
+    from jcompilemask.kernels.cute import api
+    monkeypatch.setenv("JCOMPILEMASK_CUTE_PTXAS_REMARKS", "1")
+    api._compiled.pop(key, None)
+    capfd.readouterr()
+    fn = compile_fn(key)
+    out = "".join(capfd.readouterr())
+    assert "registers" in out, f"no ptxas output for {key.target_name} (served from a cache?):\n{out[-2000:]}"
+    assert "C7512" not in out, (f"ptxas serialized the wgmmas of {key.target_name} (C7512): pick a "
+                                f"config with fewer live registers\n{out[-3000:]}")
+    return fn

@@ -24,7 +24,7 @@ import jcompilemask as jcm  # noqa: E402
 from jcompilemask import backends  # noqa: E402
 from jcompilemask.spec import MaskSpec, Region, Scalar, k, q, q_len  # noqa: E402
 from jcompilemask.testing import reference_gradients  # noqa: E402
-from gpu_cases import SPECS, gradient_problems, metadata, random_spec_case  # noqa: E402  (tests/gpu is on sys.path under pytest)
+from gpu_cases import SPECS, compile_checking_remarks, gradient_problems, metadata, random_spec_case  # noqa: E402  (tests/gpu is on sys.path under pytest)
 
 HAS_CUTLASS = importlib.util.find_spec("cutlass") is not None
 needs_cutlass = pytest.mark.skipif(not HAS_CUTLASS, reason="nvidia-cutlass-dsl is not installed")
@@ -40,11 +40,12 @@ needs_gpu = pytest.mark.skipif(_why is not None, reason=f"cute backend unavailab
     ("float16", 128, 6, 7, False, False),      # clear-like, per-head
     ("bfloat16", 128, 1, 0, False, True),      # no column view: forward row intervals
 ])
-def test_backward_compiles_for_sm90(dtype, d, kk, kc, bb, bh):
+def test_backward_compiles_for_sm90(dtype, d, kk, kc, bb, bh, monkeypatch, capfd):
     from jcompilemask.kernels.cute.api import BackwardKey, compile_backward, preferred_backward_config
-    # The config the registry runs (work list, dK / dV by TMA store).
+    # The config the registry runs (work list, dK / dV by TMA store); ptxas must not
+    # serialize its wgmmas.
     key = BackwardKey(dtype, d, kk, kc, bb, bh, d ** -0.5, preferred_backward_config(d, dtype))
-    assert compile_backward(key) is not None
+    assert compile_checking_remarks(compile_backward, key, monkeypatch, capfd) is not None
     assert key.target_name.startswith("jcompilemask_cute_bwd_")
 
 
@@ -121,12 +122,13 @@ def test_column_bits_compiles_for_sm90(d, kk, kc):
                                                   column_registers=2, column_bits=0, column_skip=True,
                                                   static_stage=True)),
                                        (64, dict(static_stage=True, deterministic=True)),
-                                       # lse_prefetch, alone and with static_stage (s10's candidate)
+                                       # lse_prefetch alone (with static_stage: the D 128 default)
                                        (128, dict(lse_prefetch=True, work_list=True, dkv_tma_store=True,
                                                   column_registers=2, column_bits=0, column_skip=True)),
+                                       # dv_early on the D 128 default (s11's candidate)
                                        (128, dict(lse_prefetch=True, static_stage=True, work_list=True,
                                                   dkv_tma_store=True, column_registers=2, column_bits=0,
-                                                  column_skip=True)),
+                                                  column_skip=True, dv_early=True)),
                                        (64, dict(lse_prefetch=True, static_stage=True))])
 def test_backward_config_variants_compile_for_sm90(d, changes):
     """The configs benchmarked against the default (one dS buffer, late statistics)."""
@@ -307,6 +309,8 @@ def test_backward_key_rejects_unsupported():
         BackwardConfig(block_q=128)
     with pytest.raises(ValueError, match="static_stage needs num_stages=2"):
         BackwardConfig(static_stage=True, ds_stages=1)
+    assert BackwardConfig(dv_early=True).p_early                   # dv_early implies p_early
+    assert BackwardConfig(dv_early=True) == BackwardConfig(dv_early=True, p_early=True)
     with pytest.raises(ValueError, match="lse_prefetch places the lse loads itself"):
         BackwardConfig(lse_prefetch=True, stats_shfl=True)
     with pytest.raises(ValueError, match="Kc="):

@@ -16,6 +16,8 @@ import pytest
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
+from gpu_cases import compile_checking_remarks  # noqa: E402  (tests/gpu is on sys.path under pytest)
+
 HAS_CUTLASS = importlib.util.find_spec("cutlass") is not None
 needs_cutlass = pytest.mark.skipif(not HAS_CUTLASS, reason="nvidia-cutlass-dsl is not installed")
 
@@ -154,11 +156,11 @@ def test_tile_states_of_causal():
 @pytest.mark.parametrize(
     "num_intervals,broadcast_batch,broadcast_head", [(1, True, True), (2, False, True), (3, False, False)]
 )
-def test_compiles_for_sm90(num_intervals, broadcast_batch, broadcast_head):
+def test_compiles_for_sm90(num_intervals, broadcast_batch, broadcast_head, monkeypatch, capfd):
     from jcompilemask.kernels.cute.api import ForwardKey, compile_forward
 
     key = ForwardKey("bfloat16", 128, 128, num_intervals, 128, 128, broadcast_batch, broadcast_head, 128**-0.5)
-    assert compile_forward(key) is not None
+    assert compile_checking_remarks(compile_forward, key, monkeypatch, capfd) is not None
 
 
 @needs_cutlass

@@ -185,13 +185,18 @@ _registered: set[str] = set()
 
 def _options() -> str:
     """cute.compile options; ``$JCOMPILEMASK_CUTE_DUMP_DIR`` keeps the PTX and cubin there
-    (for ``cuobjdump --dump-resource-usage`` and spill counts, NOTES.md)."""
+    (for ``cuobjdump --dump-resource-usage`` and spill counts, NOTES.md);
+    ``$JCOMPILEMASK_CUTE_PTXAS_REMARKS=1`` prints ptxas's output per kernel (registers,
+    spills, and remarks such as C7512, wgmmas serialized for want of registers)."""
     import os
+    opts = "--enable-tvm-ffi"
+    if os.environ.get("JCOMPILEMASK_CUTE_PTXAS_REMARKS", "") not in ("", "0"):
+        opts += " remarks{ptx}"
     dump = os.environ.get("JCOMPILEMASK_CUTE_DUMP_DIR")
     if not dump:
-        return "--enable-tvm-ffi"
+        return opts
     os.makedirs(dump, exist_ok=True)
-    return f"--enable-tvm-ffi --keep-ptx --keep-cubin --dump-dir={dump}"
+    return f"{opts} --keep-ptx --keep-cubin --dump-dir={dump}"
 
 
 def _import_cutlass():
@@ -612,8 +617,16 @@ class BackwardConfig:
       instead of a 64-bit add (UIADD3 + UIADD3.X + a UMOV of the constant high word,
       dependent, before each HGMMA). Twice the tile code. H200, 32K bwd ms (run
       2026-12-02T08:02:41Z): causal 37.64 -> 37.69, hstu 44.28 -> 43.49; with
-      ``lse_prefetch`` 37.44 / 42.80, the D 64 / 128 default since session 10 (see
-      ``preferred_backward_config``).
+      ``lse_prefetch`` 37.44 / 42.80, the D 128 default since session 10 (see
+      ``preferred_backward_config``). At D 64 ptxas serializes the wgmmas (C7512,
+      insufficient registers): not used there.
+    - ``p_early``: P^T converted to the input dtype (the dV operand) before the wait on
+      dP^T, so the conversion overlaps that GEMM's tail (FA4's SM90 order), instead of after
+      dS^T. 16 more live registers while dS^T is computed. Not yet run on the H200.
+    - ``dv_early``: with ``p_early``, dV += P^T dO also issued there, before the wait on dP^T
+      (which then waits for one group fewer), so the tensor pipe holds queued work while
+      dS^T is computed (FA4 issues dV after dS^T is in shared memory; ours, by default,
+      before dS^T is converted). Implies ``p_early``. Not yet run on the H200.
     - ``split_dkv``: both consumer warpgroups own the same ``block_kv`` = 64 keys; each
       computes the whole 64 x 64 S^T and dP^T of them (twice the S / dP tensor work: 7
       GEMM units per tile instead of 5) and the half of dK / dV / dQ's head dims that is
@@ -643,6 +656,8 @@ class BackwardConfig:
     split_dkv: bool = False
     static_stage: bool = False
     lse_prefetch: bool = False
+    p_early: bool = False
+    dv_early: bool = False
 
     def __post_init__(self):
         want = BWD_TILES_SPLIT if self.split_dkv else BWD_TILES
@@ -656,6 +671,8 @@ class BackwardConfig:
         if self.lse_prefetch and (self.stats_shfl or self.stats_early or self.lse_early):
             raise ValueError("lse_prefetch places the lse loads itself: it excludes stats_shfl, "
                              "stats_early and lse_early (set those to 0)")
+        if self.dv_early and not self.p_early:
+            object.__setattr__(self, "p_early", True)
         if self.static_stage and (self.num_stages, self.ds_stages) != (2, 2):
             raise ValueError("static_stage needs num_stages=2 and ds_stages=2 (the dS^T buffer "
                              "then alternates with the ring stage)")
@@ -673,15 +690,16 @@ class BackwardConfig:
                 f"{'_cs' if self.column_skip else ''}"
                 f"{'_det' if self.deterministic else ''}{'_dkvt' if self.dkv_tma_store else ''}"
                 f"{f'_wl{self.list_chunk}' if self.work_list else ''}{'_sdkv' if self.split_dkv else ''}"
-                f"{'_ss' if self.static_stage else ''}{'_lp' if self.lse_prefetch else ''}")
+                f"{'_ss' if self.static_stage else ''}{'_lp' if self.lse_prefetch else ''}"
+                f"{'_dve' if self.dv_early else '_pe' if self.p_early else ''}")
 
 
 def preferred_backward_config(head_dim: int, dtype: str = "bfloat16",
                               softcap: bool = False) -> BackwardConfig:
     """The backward config the registry uses. D 64 and 128 share it: 64 x 128 tiles, a
     2-stage Q / dO ring, two dS buffers (NOTES.md, "Backward v1": the run that compared
-    ds_stages 1 / 2 and stats_early on / off), the lse read before the S^T GEMM and the
-    tile body compiled once per ring stage (session 10).
+    ds_stages 1 / 2 and stats_early on / off); at D 128 the lse read before the S^T GEMM
+    and the tile body compiled once per ring stage (session 10).
 
     D 256 is CHOSEN BY ARITHMETIC ON A MACHINE WITHOUT A GPU and must be re-chosen by
     measurement on the H200 (h200.sh hdims) before the registry uses it by default:
@@ -728,6 +746,13 @@ def preferred_backward_config(head_dim: int, dtype: str = "bfloat16",
     # (run 2026-12-01T23:46:01Z, 32K / 8K): causal 39.88 -> 39.21 / 10.60 -> 10.51, hstu
     # 45.17 -> 45.26 / 12.06 -> 12.10, shared_prompt 33.60 -> 33.56 (8K, run
     # 2026-12-01T23:55:22Z: 9.52 -> 9.31), clear 7.28 -> 6.76 (8K 4.95 -> 4.69).
+    if head_dim == 64:
+        # static_stage at D 64 makes ptxas serialize every wgmma ("C7512 ... insufficient
+        # register resources"; CUTE_DSL_COMPILER_OPT='remarks{ptx}'; SASS: an arrive and a
+        # wait around each of the 28 HGMMAs of a tile): D 64 keeps session 8's config
+        # (tests/gpu/test_cute_compile_remarks.py guards the defaults).
+        return BackwardConfig(work_list=True, dkv_tma_store=True, column_registers=2,
+                              column_bits=0, column_skip=True, stats_shfl=True)
     # static_stage + lse_prefetch (stats_shfl off: lse_prefetch places the lse loads): the 23
     # GPU backward / gradient cases passed (h200.sh s8t, session 10); bwd ms vs the config
     # before, same run (2026-12-02T08:22:59Z, h200-bwd-s10b.json; 32K / 8K): causal 37.49 ->

@@ -793,7 +793,7 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         self.issue_scores(t, state, f)
         self.load_statistics(t, f)
         self.probabilities(masked, t, q_tile, f, cols)
-        self.softmax_grad(masked, t)
+        self.softmax_grad(masked, t, f)
         self.dv_and_ds(t, state, f, stage)
         self.dq_dk_and_release(t, state, f)
 
@@ -880,10 +880,18 @@ class FlashBackwardSm90(WarpSpecializedSm90):
                 delta[c] = f.sDelta[f.tScS[0, c][1], si]
 
     @cute.jit
-    def softmax_grad(self, masked: cutlass.Constexpr[bool], t):
-        """dS^T = P^T (dP^T - delta) in dP^T's registers, once dP^T is done."""
+    def softmax_grad(self, masked: cutlass.Constexpr[bool], t, f):
+        """dS^T = P^T (dP^T - delta) in dP^T's registers, once dP^T is done. With
+        ``p_early`` P^T is converted for dV before that wait (``dv_early``: dV issued too,
+        the wait then leaves it in flight)."""
         S, delta = t.S, t.delta
-        warpgroup.wait_group(0)
+        if const_expr(self.config.p_early):
+            self.convert_p(t)
+        if const_expr(self.config.dv_early):
+            issue_wgmma(f.mma_dv, f.acc_dV, _as_a_operand(t.rP), f.tKVrdOt[None, None, None, t.si], False)
+            warpgroup.wait_group(1)
+        else:
+            warpgroup.wait_group(0)
         dP = _rows_view(t.acc_dP)
         for r in cutlass.range_constexpr(cute.size(dP, mode=[0])):
             for c in cutlass.range_constexpr(t.n_cols):
@@ -896,13 +904,14 @@ class FlashBackwardSm90(WarpSpecializedSm90):
 
     @cute.jit
     def dv_and_ds(self, t, state, f, stage: cutlass.Constexpr = None):
-        """dV += P^T dO (P^T from registers) issued; dS^T converted once, to its shared
-        buffer for dQ (``t.rdS`` keeps it for dK), then both warpgroups meet (DS_READY)."""
+        """dV += P^T dO (P^T from registers) issued (with ``dv_early``: done already, in
+        ``softmax_grad``); dS^T converted once, to its shared buffer for dQ (``t.rdS`` keeps
+        it for dK), then both warpgroups meet (DS_READY)."""
         both = self.num_consumer_wgs * self.threads_per_wg
-        if const_expr(self.softcap is None):
-            t.rP = cute.make_rmem_tensor_like(t.acc_S, self.dtype)
-            t.rP.store(t.acc_S.load().to(self.dtype))
-        issue_wgmma(f.mma_dv, f.acc_dV, _as_a_operand(t.rP), f.tKVrdOt[None, None, None, t.si], False)
+        if const_expr(not self.config.p_early):
+            self.convert_p(t)
+        if const_expr(not self.config.dv_early):
+            issue_wgmma(f.mma_dv, f.acc_dV, _as_a_operand(t.rP), f.tKVrdOt[None, None, None, t.si], False)
 
         rdS = cute.make_rmem_tensor_like(t.acc_dP, self.dtype)
         rdS.store(t.acc_dP.load().to(self.dtype))
@@ -944,6 +953,13 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         pipeline_q.consumer_release(state)
         if const_expr(not self.config.release_do_early):
             pipeline_do.consumer_release(state)
+
+    def convert_p(self, t):
+        """P^T (float32, ``t.acc_S``) -> ``t.rP`` in the input dtype, the dV operand (with a
+        soft cap ``probabilities`` made it already)."""
+        if const_expr(self.softcap is None):
+            t.rP = cute.make_rmem_tensor_like(t.acc_S, self.dtype)
+            t.rP.store(t.acc_S.load().to(self.dtype))
 
     def k_major_sw64(self, shape):
         """A K-major buffer of `shape` (rows, cols, stages) in 64B-swizzle atoms (8 x 32
