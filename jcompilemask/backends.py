@@ -585,8 +585,8 @@ def _explain_preprocess() -> list[str]:
 
 def _jnp_preprocess() -> Preprocess:
     def build(cm, metadata, q_len, kv_len, tiles):
-        from .lower.preprocess import build_descriptor
-        return build_descriptor(cm, metadata, q_len, kv_len, tiles)
+        from .lower.preprocess import build_descriptor_program
+        return build_descriptor_program(cm, metadata, q_len, kv_len, tiles)
 
     return Preprocess(name="jnp", priority=0, available=lambda: None,
                       supports=lambda cm: None, build=build,

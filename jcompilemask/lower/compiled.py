@@ -360,6 +360,12 @@ class CompiledMask:
         predicates, needs the ``tilelang`` extra; compiled once per mask structure and tile
         shape, cached on disk). None asks the backend registry
         (:meth:`default_preprocess`).
+
+        Outside ``jit`` (concrete metadata) the jnp preprocess runs as one jitted program,
+        compiled once per (lengths, tiles, metadata shapes) and kept with this mask; the
+        metadata's values are checked first (:class:`MetadataError` names the argument).
+        Inside ``jit`` it is traced into the caller's program (values outside their declared
+        range are clamped; :meth:`MaskSpec.check_metadata` reports them under ``checkify``).
         """
         kv_len = q_len if kv_len is None else kv_len
         self.check_ranges(q_len, kv_len)

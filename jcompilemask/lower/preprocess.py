@@ -9,6 +9,8 @@ states: see :func:`tile_states_from_intervals`).
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -135,6 +137,31 @@ def tile_states_dense(desc: ExecutionDescriptor, bq, bk):
 
     st = lax.map(one, jnp.arange(tq, dtype=I32))               # [Tq, B, Hm, Tk]
     return jnp.moveaxis(st, 0, 2)
+
+
+def build_descriptor_program(cm, metadata, q_len: int, kv_len: int, tiles: TileConfig):
+    """``build_descriptor`` as one jitted XLA program when the metadata is concrete.
+
+    Run op by op, the preprocess is a few hundred small programs, each compiled the first
+    time its shapes are seen (seconds for a new mask or length, even on small inputs) and
+    dispatched one by one after that; as one program it compiles once per (mask, lengths,
+    tiles, metadata shapes and dtypes) and runs as one call. The metadata is checked first,
+    eagerly, so bad values still raise :class:`MetadataError` naming the argument. With
+    traced metadata (inside the caller's ``jit``) it is ``build_descriptor`` itself.
+    """
+    if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(metadata)):
+        return build_descriptor(cm, metadata, q_len, kv_len, tiles)
+    arrays, _ = cm.spec.checked_metadata(metadata, q_len, kv_len)
+    programs = cm.__dict__.setdefault("_descriptor_programs", {})
+    key = (q_len, kv_len, tiles)
+    if key not in programs:
+        programs[key] = jax.jit(functools.partial(_build_checked, cm, q_len=q_len,
+                                                  kv_len=kv_len, tiles=tiles))
+    return programs[key](arrays)
+
+
+def _build_checked(cm, arrays, *, q_len, kv_len, tiles):
+    return build_descriptor(cm, arrays or None, q_len, kv_len, tiles)
 
 
 def build_descriptor(cm, metadata, q_len: int, kv_len: int, tiles: TileConfig):

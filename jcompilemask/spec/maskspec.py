@@ -265,6 +265,32 @@ class MaskSpec:
         Traced values outside their declared range are clamped into it.
         """
         q_len, kv_len = _static_len(q_len, "q_len"), _static_len(kv_len, "kv_len")
+        arrays, batch = self.checked_metadata(metadata, q_len, kv_len, validate=validate)
+        meta = {}
+        lens = {"q_len": q_len, "kv_len": kv_len}
+        for name, x in arrays.items():
+            decl = self.metadata[name]
+            x = _to_int32(x)
+            if decl.kind == "tokens":
+                meta[name] = segment_tables(x)
+                continue
+            # Values outside the declared range (possible only inside jit, where they are
+            # not validated) are clamped into it: the lowering's proofs (merges, monotone
+            # bounds) hold for declared ranges only, and clamping here keeps the oracle
+            # and every preprocess on one definition. check_metadata reports them.
+            lo = None if decl.min is None else _eval_static(decl.min, lens)
+            hi = None if decl.max is None else _eval_static(decl.max, lens)
+            if lo is not None or hi is not None:
+                x = jnp.clip(x, lo, hi)
+            meta[name] = x
+        return meta, (batch or 1)
+
+    def checked_metadata(self, metadata: Mapping | None, q_len: int, kv_len: int,
+                         *, validate: bool = True):
+        """The checks of :meth:`normalize_metadata` without its conversion: ``(arrays,
+        B)``, the metadata arrays by name as given (lists made numpy arrays). Raises
+        :class:`MetadataError` as it does."""
+        q_len, kv_len = _static_len(q_len, "q_len"), _static_len(kv_len, "kv_len")
         self.check_ranges(q_len, kv_len)
         if metadata is not None and not isinstance(metadata, Mapping):
             names = ", ".join(f"{n!r}: ..." for n in self.metadata) or "none"
@@ -314,24 +340,7 @@ class MaskSpec:
                 if np.any(bad):
                     where = np.argwhere(np.asarray(bad))[0].tolist()
                     raise MetadataError(f"{msg} (first at index {where})")
-        meta = {}
-        lens = {"q_len": q_len, "kv_len": kv_len}
-        for name, x in arrays.items():
-            decl = self.metadata[name]
-            x = _to_int32(x)
-            if decl.kind == "tokens":
-                meta[name] = segment_tables(x)
-                continue
-            # Values outside the declared range (possible only inside jit, where they are
-            # not validated) are clamped into it: the lowering's proofs (merges, monotone
-            # bounds) hold for declared ranges only, and clamping here keeps the oracle
-            # and every preprocess on one definition. check_metadata reports them.
-            lo = None if decl.min is None else _eval_static(decl.min, lens)
-            hi = None if decl.max is None else _eval_static(decl.max, lens)
-            if lo is not None or hi is not None:
-                x = jnp.clip(x, lo, hi)
-            meta[name] = x
-        return meta, (batch or 1)
+        return arrays, batch
 
     def _range_errors(self, arrays, q_len, kv_len, xp):
         """(message, bool array of violations) for each declared value range."""
