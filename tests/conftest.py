@@ -17,19 +17,6 @@ settings.register_profile("ci", derandomize=True, max_examples=25, **_COMMON)
 settings.register_profile("dev", max_examples=200, **_COMMON)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
-# XLA's CPU backend at LLVM optimization level 0: the suite's programs are small and
-# compiled once each, so compiling them is most of its time (the context-parallel cases
-# run ~2x faster). CPU-only machines only (a JAX CUDA plugin keeps XLA's defaults, and
-# the GPU tests with them); JCM_TEST_XLA_OPT=1 keeps the defaults here too. Subprocess
-# scripts append their own flags to $XLA_FLAGS, so they inherit this.
-import importlib.util  # noqa: E402
-
-if (os.environ.get("JCM_TEST_XLA_OPT", "") in ("", "0")
-        and not any(importlib.util.find_spec(p) for p in ("jax_cuda13_plugin", "jax_cuda12_plugin"))):
-    _fast = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
-    if _fast not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _fast).strip()
-
 # JAX's own test configuration: implicit rank promotion is an error, so a broadcast
 # that relies on it fails here rather than in a user's strict program. Override with
 # JAX_NUMPY_RANK_PROMOTION=allow (or warn) in the environment.
