@@ -146,10 +146,11 @@ def build_descriptor_program(cm, metadata, q_len: int, kv_len: int, tiles: TileC
     time its shapes are seen (seconds for a new mask or length, even on small inputs) and
     dispatched one by one after that; as one program it compiles once per (mask, lengths,
     tiles, metadata shapes and dtypes) and runs as one call. The metadata is checked first,
-    eagerly, so bad values still raise :class:`MetadataError` naming the argument. With
-    traced metadata (inside the caller's ``jit``) it is ``build_descriptor`` itself.
+    eagerly, so bad values still raise :class:`MetadataError` naming the argument. Under
+    a transformation (inside the caller's ``jit``, even with concrete metadata closed over)
+    it is ``build_descriptor`` itself, traced into the caller's program.
     """
-    if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(metadata)):
+    if not _top_level() or any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(metadata)):
         return build_descriptor(cm, metadata, q_len, kv_len, tiles)
     arrays, _ = cm.spec.checked_metadata(metadata, q_len, kv_len)
     programs = cm.__dict__.setdefault("_descriptor_programs", {})
@@ -158,6 +159,19 @@ def build_descriptor_program(cm, metadata, q_len: int, kv_len: int, tiles: TileC
         programs[key] = jax.jit(functools.partial(_build_checked, cm, q_len=q_len,
                                                   kv_len=kv_len, tiles=tiles))
     return programs[key](arrays)
+
+
+def _top_level() -> bool:
+    """No transformation is tracing (not inside the caller's jit / vmap / grad, where even
+    concrete metadata, closed over, is traced into the caller's program: a nested jitted
+    call there is what a CI run crashed XLA's CPU compiler on). False when JAX offers no
+    way to tell, so the op-by-op path is the fallback."""
+    from jax._src import core as _core
+    clean = getattr(_core, "trace_state_clean", None)
+    try:
+        return bool(clean()) if clean is not None else False
+    except Exception:            # pragma: no cover - a JAX without it
+        return False
 
 
 def _build_checked(cm, arrays, *, q_len, kv_len, tiles):
