@@ -164,8 +164,8 @@ def build_descriptor_program(cm, metadata, q_len: int, kv_len: int, tiles: TileC
 def _top_level() -> bool:
     """No transformation is tracing (not inside the caller's jit / vmap / grad, where even
     concrete metadata, closed over, is traced into the caller's program: a nested jitted
-    call there is the likely cause of two CI runs aborting in XLA's CPU compiler). False when JAX offers no
-    way to tell, so the op-by-op path is the fallback."""
+    call there is the likely cause of two CI runs aborting in XLA's CPU compiler). False
+    when JAX offers no way to tell, so the op-by-op path is the fallback."""
     from jax._src import core as _core
     clean = getattr(_core, "trace_state_clean", None)
     try:
