@@ -86,6 +86,38 @@ bwd_default_tests() {
   echo "pytest $1 rc $? ($SECONDS s)"; pkill -9 -f pytest; tail -4 "$OUT/pytest-$1.log"
 }
 
+# Backward config variants (NAME=FIELD=VALUE,...) timed beside the default and FA4 native
+# at 32K on MASKS (one run, $OUT/h200-bwd-TAG.json), then the default backward's GPU tests
+# under the variant fastest at causal 32K when that is not the default; FORCED (non-empty)
+# picks the tests' config instead. Usage: variants_then_tests TAG MASKS FORCED NAME=CFG...
+variants_then_tests() {
+  local tag=$1 masks=$2 forced=$3; shift 3
+  export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
+  left() { local l=$(( 570 - SECONDS )); (( l < $1 )) && echo $(( l > 5 ? l : 5 )) || echo $1; }
+  local spec="base=" v b pick cfg=
+  for v in "$@"; do spec+=";${v%%=*}=JCOMPILEMASK_CUTE_BWD_CONFIG=${v#*=}"; done
+  b=$(left 280)
+  timeout -k 5 $b python3 benchmarks/bench_total.py --ns 32768 --masks "$masks" \
+    --impls jcm,fa4-native --jcm-variants "$spec" --min-repeat-s 0.25 --budget-s $(( b - 20 )) \
+    --out "$OUT/h200-bwd-$tag.json" > "$OUT/bench-$tag.log" 2>&1
+  echo "bench rc $? ($SECONDS s)"; pkill -9 -f bench_total; grep -E '^\{' "$OUT/bench-$tag.log" | cut -c1-170
+  pick=$(python3 - "$OUT/h200-bwd-$tag.json" <<'PY'
+import json, sys
+try:
+    recs = json.load(open(sys.argv[1]))["records"]
+except Exception:
+    recs = []
+bwd = {r["impl"]: r["bwd_ms"] for r in recs if r["mask"] == "causal" and r["impl"].startswith("jcm-cute")}
+best = min(bwd, key=bwd.get) if bwd else "jcm-cute"
+print(best.replace("jcm-cute", "").lstrip("-") or "base")
+PY
+)
+  for v in "$@"; do [[ ${v%%=*} == "$pick" ]] && cfg=${v#*=}; done
+  cfg=${forced:-$cfg}
+  echo "fastest at causal 32K: $pick; tests under: ${cfg:-(the default: skipped)}"
+  [[ -n $cfg ]] && JCOMPILEMASK_CUTE_BWD_CONFIG=$cfg bwd_default_tests "$tag" $(left 290)
+}
+
 case $stage in
   correctness)
     timeout 560 python3 -m pytest -q -rs -p no:cacheprovider \
@@ -291,29 +323,8 @@ case $stage in
     # of both beside the default and FA4 native (32K causal, hstu; one run), then the GPU
     # tests (s8t's list) under the variant fastest at causal 32K, when that is not the
     # default (JCM_S10_CONFIG forces one).
-    export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
-    left() { local l=$(( 570 - SECONDS )); (( l < $1 )) && echo $(( l > 5 ? l : 5 )) || echo $1; }
-    C=JCOMPILEMASK_CUTE_BWD_CONFIG
-    ss=static_stage=1; lp=lse_prefetch=1,stats_shfl=0; both=static_stage=1,lse_prefetch=1,stats_shfl=0
-    b=$(left 280)
-    timeout -k 5 $b python3 benchmarks/bench_total.py --ns 32768 --masks causal,hstu \
-      --impls jcm,fa4-native --jcm-variants "base=;ss=$C=$ss;lp=$C=$lp;both=$C=$both" \
-      --min-repeat-s 0.25 --budget-s $(( b - 20 )) --out "$OUT/h200-bwd-s10.json" > "$OUT/bench-s10.log" 2>&1
-    echo "bench rc $? ($SECONDS s)"; pkill -9 -f bench_total; grep -E '^\{' "$OUT/bench-s10.log" | cut -c1-170
-    pick=$(python3 - "$OUT/h200-bwd-s10.json" <<'PY'
-import json, sys
-try:
-    recs = json.load(open(sys.argv[1]))["records"]
-except Exception:
-    recs = []
-bwd = {r["impl"]: r["bwd_ms"] for r in recs if r["mask"] == "causal" and r["impl"].startswith("jcm-cute")}
-best = min(bwd, key=bwd.get) if bwd else "jcm-cute"
-print(best.replace("jcm-cute", "").lstrip("-") or "base")
-PY
-)
-    cfg=${JCM_S10_CONFIG:-$(case $pick in ss) echo $ss;; lp) echo $lp;; both) echo $both;; *) echo;; esac)}
-    echo "fastest at causal 32K: $pick; tests under: ${cfg:-(the default: skipped)}"
-    [[ -n $cfg ]] && JCOMPILEMASK_CUTE_BWD_CONFIG=$cfg bwd_default_tests s10 $(left 290)
+    variants_then_tests s10 causal,hstu "${JCM_S10_CONFIG:-}" ss=static_stage=1 \
+      lp=lse_prefetch=1,stats_shfl=0 both=static_stage=1,lse_prefetch=1,stats_shfl=0
     ;;
   s11)
     # dv_early (session 10; compile-checked: the exp2 / bf16 conversion of P all before the
@@ -321,27 +332,7 @@ PY
     # MUFUs, FA4's after ~16): timed beside the default and FA4 native at 32K (causal, hstu,
     # shared prompt), then the default backward's GPU tests under it when it is the faster at
     # causal 32K (JCM_S11_CONFIG forces a config for the tests).
-    export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
-    left() { local l=$(( 570 - SECONDS )); (( l < $1 )) && echo $(( l > 5 ? l : 5 )) || echo $1; }
-    C=JCOMPILEMASK_CUTE_BWD_CONFIG
-    b=$(left 270)
-    timeout -k 5 $b python3 benchmarks/bench_total.py --ns 32768 --masks causal,hstu,shared_prompt \
-      --impls jcm,fa4-native --jcm-variants "base=;dve=$C=dv_early=1" \
-      --min-repeat-s 0.25 --budget-s $(( b - 20 )) --out "$OUT/h200-bwd-s11.json" > "$OUT/bench-s11.log" 2>&1
-    echo "bench rc $? ($SECONDS s)"; pkill -9 -f bench_total; grep -E '^\{' "$OUT/bench-s11.log" | cut -c1-170
-    pick=$(python3 - "$OUT/h200-bwd-s11.json" <<'PY'
-import json, sys
-try:
-    recs = json.load(open(sys.argv[1]))["records"]
-except Exception:
-    recs = []
-bwd = {r["impl"]: r["bwd_ms"] for r in recs if r["mask"] == "causal" and r["impl"].startswith("jcm-cute")}
-print("dve" if bwd.get("jcm-cute-dve", 1e9) < bwd.get("jcm-cute", 0) else "base")
-PY
-)
-    cfg=${JCM_S11_CONFIG:-$( [[ $pick == dve ]] && echo dv_early=1 )}
-    echo "faster at causal 32K: $pick; tests under: ${cfg:-(the default: skipped)}"
-    [[ -n $cfg ]] && JCOMPILEMASK_CUTE_BWD_CONFIG=$cfg bwd_default_tests s11 $(left 290)
+    variants_then_tests s11 causal,hstu,shared_prompt "${JCM_S11_CONFIG:-}" dve=dv_early=1
     ;;
   s10x)
     # Issue 17's one-GPU checks: the CuTe path under shard_map / jax.jit with a sharding

@@ -150,7 +150,7 @@ def build_descriptor_program(cm, metadata, q_len: int, kv_len: int, tiles: TileC
     a transformation (inside the caller's ``jit``, even with concrete metadata closed over)
     it is ``build_descriptor`` itself, traced into the caller's program.
     """
-    if not _top_level() or any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(metadata)):
+    if not _top_level():        # traced metadata, or concrete metadata inside a trace
         return build_descriptor(cm, metadata, q_len, kv_len, tiles)
     arrays, _ = cm.spec.checked_metadata(metadata, q_len, kv_len)
     programs = cm.__dict__.setdefault("_descriptor_programs", {})

@@ -1,13 +1,13 @@
-"""Compile the registry's default CuTe kernels for sm_90a and print ptxas's remarks.
+"""Compile the registry's default CuTe kernels for sm_90a and print ptxas's output.
 
-    CUTE_DSL_COMPILER_OPT='remarks{ptx}' CUTE_DSL_DISABLE_FILE_CACHING=1 \
-        python tests/scripts/compile_remarks.py
+    python tests/scripts/compile_remarks.py [name-substring ...]
 
-Each kernel is announced by a ``KERNEL <name>`` line before it is compiled; the CuTe DSL then
-prints ptxas's output for it (registers, stack, spills, and remarks such as C7512, "wgmma.mma_async
+Sets ``$JCOMPILEMASK_CUTE_PTXAS_REMARKS=1`` (``remarks{ptx}`` in the compile options). Each
+kernel is announced by a ``KERNEL <name>`` line before it is compiled; the CuTe DSL then prints
+ptxas's output for it (registers, stack, spills, and remarks such as C7512, "wgmma.mma_async
 instructions are serialized due to insufficient register resources", which costs a GEMM-bound
-kernel its overlap without failing anything). ``tests/gpu/test_cute_compile_remarks.py`` runs
-this and fails on C7512. No GPU needed.
+kernel its overlap without failing anything). The compile tests of the defaults fail on C7512
+(``tests/gpu/gpu_cases.compile_checking_remarks``). No GPU needed.
 """
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import os
 import sys
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+os.environ["JCOMPILEMASK_CUTE_PTXAS_REMARKS"] = "1"
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
 from jcompilemask.kernels.cute import api  # noqa: E402

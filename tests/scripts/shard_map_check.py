@@ -3,7 +3,7 @@ set before JAX starts): mask_attention inside jax.shard_map over a data axis equ
 unsharded call, forward and gradients, with metadata sharded along the batch."""
 import os
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -9,7 +9,7 @@ import os
 import re
 import sys
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "gpu"))
 
 import jax  # noqa: E402
