@@ -334,6 +334,14 @@ case $stage in
     # causal 32K (JCM_S11_CONFIG forces a config for the tests).
     variants_then_tests s11 causal,hstu,shared_prompt "${JCM_S11_CONFIG:-}" dve=dv_early=1
     ;;
+  s12)
+    # ds_first (session 11; ncu of the default at causal 32K: the fence after the dS^T
+    # stores + DS_READY take 7% of our warps' stall samples, FA4's 0.7%; FA4 issues dV
+    # between its dS^T stores and that fence): timed beside the default and FA4 native at
+    # 32K (causal, hstu), then the default backward's GPU tests under it when it is the
+    # faster at causal (JCM_S12_CONFIG forces a config for the tests).
+    variants_then_tests s12 causal,hstu "${JCM_S12_CONFIG:-}" dsf=ds_first=1
+    ;;
   s10x)
     # Issue 17's one-GPU checks: the CuTe path under shard_map / jax.jit with a sharding
     # (session 9's match_varying fix) and ring attention running the CuTe kernels per step.

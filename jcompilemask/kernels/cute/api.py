@@ -626,7 +626,15 @@ class BackwardConfig:
     - ``dv_early``: with ``p_early``, dV += P^T dO also issued there, before the wait on dP^T
       (which then waits for one group fewer), so the tensor pipe holds queued work while
       dS^T is computed (FA4 issues dV after dS^T is in shared memory; ours, by default,
-      before dS^T is converted). Implies ``p_early``. Not yet run on the H200.
+      before dS^T is converted). Implies ``p_early``. H200, 32K bwd ms (run
+      2026-12-02T12:11:05Z): causal 37.41 -> 37.54, hstu 43.22 -> 44.19, shared prompt
+      31.73 -> 32.48: slower, kept opt-in only.
+    - ``ds_first``: dS^T converted and written to its shared buffer (stmatrix) *before* dV +=
+      P^T dO is issued, and the fence that makes it visible to the dQ wgmma after that
+      issue, then the DS_READY barrier: FA4's SM90 order. By default the stores follow the
+      dV issue and the fence follows them at once, so each warp waits there for its own
+      stores (ncu, causal 32K, run 2026-12-02: fence + DS_READY 7% of our warps' stall
+      samples, FA4's 0.7%). Excludes ``dv_early`` and ``split_dkv``.
     - ``split_dkv``: both consumer warpgroups own the same ``block_kv`` = 64 keys; each
       computes the whole 64 x 64 S^T and dP^T of them (twice the S / dP tensor work: 7
       GEMM units per tile instead of 5) and the half of dK / dV / dQ's head dims that is
@@ -658,6 +666,7 @@ class BackwardConfig:
     lse_prefetch: bool = False
     p_early: bool = False
     dv_early: bool = False
+    ds_first: bool = False
 
     def __post_init__(self):
         want = BWD_TILES_SPLIT if self.split_dkv else BWD_TILES
@@ -671,6 +680,10 @@ class BackwardConfig:
         if self.lse_prefetch and (self.stats_shfl or self.stats_early or self.lse_early):
             raise ValueError("lse_prefetch places the lse loads itself: it excludes stats_shfl, "
                              "stats_early and lse_early (set those to 0)")
+        if self.ds_first and (self.dv_early or self.split_dkv):
+            raise ValueError("ds_first orders the dS^T store before the dV issue: it excludes "
+                             "dv_early (dV issued earlier still) and split_dkv (one warpgroup "
+                             "stores dS^T)")
         if self.dv_early and not self.p_early:
             object.__setattr__(self, "p_early", True)
         if self.static_stage and (self.num_stages, self.ds_stages) != (2, 2):
@@ -691,7 +704,8 @@ class BackwardConfig:
                 f"{'_det' if self.deterministic else ''}{'_dkvt' if self.dkv_tma_store else ''}"
                 f"{f'_wl{self.list_chunk}' if self.work_list else ''}{'_sdkv' if self.split_dkv else ''}"
                 f"{'_ss' if self.static_stage else ''}{'_lp' if self.lse_prefetch else ''}"
-                f"{'_dve' if self.dv_early else '_pe' if self.p_early else ''}")
+                f"{'_dve' if self.dv_early else '_pe' if self.p_early else ''}"
+                f"{'_dsf' if self.ds_first else ''}")
 
 
 def preferred_backward_config(head_dim: int, dtype: str = "bfloat16",

@@ -906,11 +906,12 @@ class FlashBackwardSm90(WarpSpecializedSm90):
     def dv_and_ds(self, t, state, f, stage: cutlass.Constexpr = None):
         """dV += P^T dO (P^T from registers) issued (with ``dv_early``: done already, in
         ``softmax_grad``); dS^T converted once, to its shared buffer for dQ (``t.rdS`` keeps
-        it for dK), then both warpgroups meet (DS_READY)."""
+        it for dK), then both warpgroups meet (DS_READY). With ``ds_first`` dS^T is stored
+        first and dV issued between the stores and their fence."""
         both = self.num_consumer_wgs * self.threads_per_wg
         if const_expr(not self.config.p_early):
             self.convert_p(t)
-        if const_expr(not self.config.dv_early):
+        if const_expr(not self.config.dv_early and not self.config.ds_first):
             issue_wgmma(f.mma_dv, f.acc_dV, _as_a_operand(t.rP), f.tKVrdOt[None, None, None, t.si], False)
 
         rdS = cute.make_rmem_tensor_like(t.acc_dP, self.dtype)
@@ -927,6 +928,9 @@ class FlashBackwardSm90(WarpSpecializedSm90):
                 self.store_ds(f, rdS, ds_stage)
         else:
             cute.copy(f.ds_copy, f.ds_copy.retile(rdS), f.tdSsdS[None, None, None, ds_stage])
+            if const_expr(self.config.ds_first):
+                # The stores drain while dV is issued; the fence then rarely waits.
+                issue_wgmma(f.mma_dv, f.acc_dV, _as_a_operand(t.rP), f.tKVrdOt[None, None, None, t.si], False)
             cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=int(Bar.DS_READY), number_of_threads=both)
         t.rdS, t.ds_stage = rdS, ds_stage
