@@ -634,7 +634,10 @@ class BackwardConfig:
       issue, then the DS_READY barrier: FA4's SM90 order. By default the stores follow the
       dV issue and the fence follows them at once, so each warp waits there for its own
       stores (ncu, causal 32K, run 2026-12-02: fence + DS_READY 7% of our warps' stall
-      samples, FA4's 0.7%). Excludes ``dv_early`` and ``split_dkv``.
+      samples, FA4's 0.7%). Excludes ``dv_early`` and ``split_dkv``. H200, 32K bwd ms (run
+      2026-12-02T12:40:37Z): causal 37.03 -> 37.25, hstu 42.61 -> 43.13: slower (dV then
+      waits for every dS^T conversion; by default the tensor pipe runs dV while the fence
+      waits, so those stall samples were not lost tensor time). Opt-in only.
     - ``split_dkv``: both consumer warpgroups own the same ``block_kv`` = 64 keys; each
       computes the whole 64 x 64 S^T and dP^T of them (twice the S / dP tensor work: 7
       GEMM units per tile instead of 5) and the half of dK / dV / dQ's head dims that is
