@@ -40,7 +40,8 @@ empty tag). ``--check`` adds to each jcompilemask record ``check``: ``"ok"`` or 
 reference under the tolerance policy (``jcompilemask.testing``).
 
 Configurations run largest N first and stop when ``--budget-s`` is spent; records are
-merged into ``--out`` after each one.
+merged into ``--out`` after each one, each with ``elapsed_s`` (seconds since the start: where
+a device call's budget went).
 """
 from __future__ import annotations
 
@@ -376,6 +377,7 @@ def main(argv=None):
 
     def save(rec):
         nonlocal device
+        rec["elapsed_s"] = round(time.time() - t0, 1)   # where a call's budget goes
         records.append(rec)
         print(json.dumps(rec), flush=True)
         try:
