@@ -17,6 +17,21 @@ settings.register_profile("ci", derandomize=True, max_examples=25, **_COMMON)
 settings.register_profile("dev", max_examples=200, **_COMMON)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
+# XLA's CPU backend at optimization level 0 on CPU-only machines: the suite compiles many
+# small programs and runs each a few times, so compiling is most of its time (suite
+# ~1650 s -> ~870 s of two workers). A JAX CUDA plugin keeps XLA's defaults (and the GPU
+# tests with them); JCM_TEST_XLA_OPT=1 keeps them here too. History: withdrawn once after
+# two CI runs crashed inside XLA's CPU compile in test_fuzz_attention, one of them without
+# these flags; both ran a nested jitted instantiate, which is gone (instantiate is jitted at
+# top level only, lower/preprocess.py).
+import importlib.util  # noqa: E402
+
+if (os.environ.get("JCM_TEST_XLA_OPT", "") in ("", "0")
+        and not any(importlib.util.find_spec(p) for p in ("jax_cuda13_plugin", "jax_cuda12_plugin"))):
+    _fast = "--xla_backend_optimization_level=0"
+    if _fast not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _fast).strip()
+
 # JAX's own test configuration: implicit rank promotion is an error, so a broadcast
 # that relies on it fails here rather than in a user's strict program. Override with
 # JAX_NUMPY_RANK_PROMOTION=allow (or warn) in the environment.

@@ -8,7 +8,10 @@ Usage: context_parallel_check.py [case-name-substring ...]; prints "OK <n cases>
 import os
 import sys
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+# N host devices; XLA's CPU backend at optimization level 0: these checks compile many
+# small programs and run each once, so compile time is what they spend (about half of it
+# goes with -O0; the results are compared under the same tolerance policy).
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -3,7 +3,10 @@ set before JAX starts): mask_attention inside jax.shard_map over a data axis equ
 unsharded call, forward and gradients, with metadata sharded along the batch."""
 import os
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+# N host devices; XLA's CPU backend at optimization level 0: these checks compile many
+# small programs and run each once, so compile time is what they spend (about half of it
+# goes with -O0; the results are compared under the same tolerance policy).
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0"
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
