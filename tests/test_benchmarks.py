@@ -129,6 +129,19 @@ def test_bench_total_records_run_and_clock_fields(tmp_path):
     assert saved["run"] == r["run"]
 
 
+def test_bench_total_skip_and_elapsed(tmp_path):
+    """--skip IMPL:MASK leaves those records out (so a table fits one device call); each
+    record says when it finished (elapsed_s); a malformed pair is refused by name."""
+    mod = _bench_module("bench_total")
+    recs = mod.main(["--smoke", "--masks", "causal,clear", "--skip", "jcm:causal",
+                     "--out", str(tmp_path / "s.json")])
+    assert [r["mask"] for r in recs] == ["clear"]
+    assert recs[0]["elapsed_s"] >= 0
+    with pytest.raises(SystemExit, match="IMPL:MASK"):
+        mod.main(["--smoke", "--masks", "causal", "--skip", "flex-fa4",
+                  "--out", str(tmp_path / "t.json")])
+
+
 def test_bench_total_variants_and_check(tmp_path, monkeypatch):
     """--jcm-variants: one record per entry, named by its tag, each traced under its own
     environment (restored after); --check records "ok" for the jcm gradients."""
