@@ -767,7 +767,7 @@ def preferred_backward_config(head_dim: int, dtype: str = "bfloat16",
         # static_stage at D 64 makes ptxas serialize every wgmma ("C7512 ... insufficient
         # register resources"; CUTE_DSL_COMPILER_OPT='remarks{ptx}'; SASS: an arrive and a
         # wait around each of the 28 HGMMAs of a tile): D 64 keeps session 8's config
-        # (tests/gpu/test_cute_compile_remarks.py guards the defaults).
+        # (the compile tests of the defaults fail on C7512: gpu_cases.compile_checking_remarks).
         return BackwardConfig(work_list=True, dkv_tma_store=True, column_registers=2,
                               column_bits=0, column_skip=True, stats_shfl=True)
     # static_stage + lse_prefetch (stats_shfl off: lse_prefetch places the lse loads): the 23
