@@ -342,6 +342,15 @@ case $stage in
     # faster at causal (JCM_S12_CONFIG forces a config for the tests).
     variants_then_tests s12 causal,hstu "${JCM_S12_CONFIG:-}" dsf=ds_first=1
     ;;
+  s13)
+    # entry_ahead (session 11; ncu of the default at causal 32K: the work-list entry's LDS +
+    # R2UR at each tile's head ~2% of our warps' stall samples): each tile reads the next
+    # entry before its last wgmma wait (SASS: the loop head is free of the LDS; 392 -> 403
+    # instructions per unmasked tile, 168 registers, 0 B stack, no C7512 at D 64 / 128).
+    # Timed beside the default and FA4 native (32K causal, hstu), then the default
+    # backward's GPU tests under it when it is the faster at causal (JCM_S13_CONFIG forces).
+    variants_then_tests s13 causal,hstu "${JCM_S13_CONFIG:-}" ea=entry_ahead=1
+    ;;
   s10x)
     # Issue 17's one-GPU checks: the CuTe path under shard_map / jax.jit with a sharding
     # (session 9's match_varying fix) and ring attention running the CuTe kernels per step.

@@ -638,6 +638,12 @@ class BackwardConfig:
       2026-12-02T12:40:37Z): causal 37.03 -> 37.25, hstu 42.61 -> 43.13: slower (dV then
       waits for every dS^T conversion; by default the tensor pipe runs dV while the fence
       waits, so those stall samples were not lost tensor time). Opt-in only.
+    - ``entry_ahead`` (with ``work_list``): each tile's step reads the next tile's
+      work-list entry from shared memory before its last wgmma wait, instead of the loop
+      reading it at the next tile's head (that LDS and the R2UR waiting on it were ~2% of
+      our warps' stall samples at causal 32K, ncu, session 11; FA4 counts its query tiles).
+      A read at the loop head one tile ahead changes nothing: ptxas puts the R2UR right
+      behind the LDS.
     - ``split_dkv``: both consumer warpgroups own the same ``block_kv`` = 64 keys; each
       computes the whole 64 x 64 S^T and dP^T of them (twice the S / dP tensor work: 7
       GEMM units per tile instead of 5) and the half of dK / dV / dQ's head dims that is
@@ -670,6 +676,7 @@ class BackwardConfig:
     p_early: bool = False
     dv_early: bool = False
     ds_first: bool = False
+    entry_ahead: bool = False
 
     def __post_init__(self):
         want = BWD_TILES_SPLIT if self.split_dkv else BWD_TILES
@@ -708,7 +715,7 @@ class BackwardConfig:
                 f"{f'_wl{self.list_chunk}' if self.work_list else ''}{'_sdkv' if self.split_dkv else ''}"
                 f"{'_ss' if self.static_stage else ''}{'_lp' if self.lse_prefetch else ''}"
                 f"{'_dve' if self.dv_early else '_pe' if self.p_early else ''}"
-                f"{'_dsf' if self.ds_first else ''}")
+                f"{'_dsf' if self.ds_first else ''}{'_ea' if self.entry_ahead and self.work_list else ''}")
 
 
 def preferred_backward_config(head_dim: int, dtype: str = "bfloat16",

@@ -144,6 +144,8 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         # split_dkv: both consumer warpgroups own the same 64 keys (each computes all of S^T
         # and dP^T, and half of dK / dV's head dims); else each owns 64 of the tile's keys.
         self.split_dkv = config.split_dkv
+        # entry_ahead: each tile's step reads the next work-list entry (needs the list).
+        self.entry_ahead = config.work_list and config.entry_ahead
         assert config.block_kv == (64 if self.split_dkv else 64 * self.num_consumer_wgs), \
             "each consumer warpgroup owns 64 keys (split_dkv: the same 64)"
         assert config.block_q == 64, "dQ leaves in the fragment order of one m64 wgmma per warpgroup"
@@ -541,12 +543,18 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         q_tile = it
         bits = Uint32(0)
         if const_expr(self.config.work_list):
-            entry = work[0][(seq % 2) * self.list_chunk + it]
-            q_tile = entry & Int32(0xFFFF)
-            bits = Uint32(1) | (Uint32(entry >> Int32(16)) << Uint32(1))
+            q_tile, bits = self.decode_entry(self.list_entry(work, seq, it))
         else:
             bits = tile_bits(gTiles, it)
         return q_tile, bits
+
+    def list_entry(self, work, seq, i):
+        """Entry i of list `seq` (shared memory, double buffered)."""
+        return work[0][(seq % 2) * self.list_chunk + i]
+
+    def decode_entry(self, entry):
+        """A list entry -> (query tile, state bits: compute set, masked as bit 1)."""
+        return entry & Int32(0xFFFF), Uint32(1) | (Uint32(entry >> Int32(16)) << Uint32(1))
 
     @cute.jit
     def list_wait(self, n_q_tiles, work, seq, dq_warp=False):
@@ -736,16 +744,31 @@ class FlashBackwardSm90(WarpSpecializedSm90):
             for ch in cutlass.range(self.num_chunks(n_q_tiles), unroll=1):
               seq = g * self.num_chunks(n_q_tiles) + ch
               n_iter = self.list_wait(n_q_tiles, work, seq)
-              for it in cutlass.range(n_iter, unroll=1):
-                q_tile, bits = self.visit(it, gTiles, work, seq)
-                if bits & Uint32(1) != Uint32(0):
+              if const_expr(self.entry_ahead):
+                  # Every list entry is a visited tile; each tile's step reads the next
+                  # entry before its last wgmma wait, so the load completes under the GEMMs.
+                  entry = self.list_entry(work, seq, 0)
+                  for it in cutlass.range(n_iter, unroll=1):
+                    q_tile, bits = self.decode_entry(entry)
                     needs_mask = (bits & Uint32(2) != Uint32(0)) | (q_tile == ragged_q) | ragged_k
-                    cols = _Namespace(starts=col_starts, lengths=col_lengths, exact=exact, mh=mh)
+                    cols = _Namespace(starts=col_starts, lengths=col_lengths, exact=exact, mh=mh,
+                                      next_entry=(work, seq, cutlass.min(it + 1, n_iter - 1)))
                     if needs_mask:
-                        self.step_at(True, state, q_tile, frags, cols)
+                        entry = self.step_at(True, state, q_tile, frags, cols)
                     else:
-                        self.step_at(False, state, q_tile, frags, cols)
+                        entry = self.step_at(False, state, q_tile, frags, cols)
                     state.advance()
+              else:
+                  for it in cutlass.range(n_iter, unroll=1):
+                    q_tile, bits = self.visit(it, gTiles, work, seq)
+                    if bits & Uint32(1) != Uint32(0):
+                        needs_mask = (bits & Uint32(2) != Uint32(0)) | (q_tile == ragged_q) | ragged_k
+                        cols = _Namespace(starts=col_starts, lengths=col_lengths, exact=exact, mh=mh)
+                        if needs_mask:
+                            self.step_at(True, state, q_tile, frags, cols)
+                        else:
+                            self.step_at(False, state, q_tile, frags, cols)
+                        state.advance()
               self.list_done(seq)
         # Balance DQ_EMPTY: the dQ warp freed the buffer once per tile, this warpgroup
         # waited before every tile but the first.
@@ -769,13 +792,15 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         ptxas turns into UIADD3 + UIADD3.X + a UMOV of the constant high word, dependent,
         before each HGMMA; a constant one folds into the base. (Branching per GEMM instead
         spills: the accumulators of wgmmas in flight meet at the join.)"""
+        nxt = Int32(0)
         if const_expr(self.config.static_stage):
             if state.index == 0:
-                self.step(masked, state, q_tile, f, cols, stage=0)
+                nxt = self.step(masked, state, q_tile, f, cols, stage=0)
             else:
-                self.step(masked, state, q_tile, f, cols, stage=1)
+                nxt = self.step(masked, state, q_tile, f, cols, stage=1)
         else:
-            self.step(masked, state, q_tile, f, cols)
+            nxt = self.step(masked, state, q_tile, f, cols)
+        return nxt
 
     @cute.jit
     def step(self, masked: cutlass.Constexpr[bool], state, q_tile, f, cols,
@@ -795,7 +820,7 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         self.probabilities(masked, t, q_tile, f, cols)
         self.softmax_grad(masked, t, f)
         self.dv_and_ds(t, state, f, stage)
-        self.dq_dk_and_release(t, state, f)
+        return self.dq_dk_and_release(t, state, f, cols)
 
     @cute.jit
     def issue_scores(self, t, state, f):
@@ -936,7 +961,7 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         t.rdS, t.ds_stage = rdS, ds_stage
 
     @cute.jit
-    def dq_dk_and_release(self, t, state, f):
+    def dq_dk_and_release(self, t, state, f, cols):
         """dQ_tile[:, this warpgroup's D part] = dS K handed to the dQ warp; dK += dS^T Q;
         then the tile's Q (and dO) ring stage is freed."""
         # Locals only inside the runtime `if`s (the DSL carries names, not attributes).
@@ -953,10 +978,15 @@ class FlashBackwardSm90(WarpSpecializedSm90):
                     pipeline_do.consumer_release(state)
         else:
             self.dq_and_dk(f, rdS, ds_stage, state, pipeline_do, si)
+        nxt = Int32(0)
+        if const_expr(self.entry_ahead):
+            # The next tile's work-list entry (``entry_ahead``), read while dK runs.
+            nxt = self.list_entry(*cols.next_entry)
         warpgroup.wait_group(0)
         pipeline_q.consumer_release(state)
         if const_expr(not self.config.release_do_early):
             pipeline_do.consumer_release(state)
+        return nxt
 
     def convert_p(self, t):
         """P^T (float32, ``t.acc_S``) -> ``t.rP`` in the input dtype, the dV operand (with a
