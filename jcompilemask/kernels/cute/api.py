@@ -644,6 +644,12 @@ class BackwardConfig:
       our warps' stall samples at causal 32K, ncu, session 11; FA4 counts its query tiles).
       A read at the loop head one tile ahead changes nothing: ptxas puts the R2UR right
       behind the LDS.
+    - ``split_sdp`` (with ``split_dkv``, ``ds_stages=1``): the warpgroups split the S^T / dP^T
+      tile by queries (64 keys x 32 queries each: 16 + 16 accumulator registers instead of
+      32 + 32, each computed once instead of twice) and write P^T and dS^T to shared memory,
+      where dV / dK (each warpgroup's half of D, all 64 queries) read them (SS wgmmas).
+      FlashAttention's SM90 hdim-256 layout; without it ptxas serializes the D 256
+      backward's wgmmas (C7512: the whole S^T / dP^T in each warpgroup beside dK + dV).
     - ``split_dkv``: both consumer warpgroups own the same ``block_kv`` = 64 keys; each
       computes the whole 64 x 64 S^T and dP^T of them (twice the S / dP tensor work: 7
       GEMM units per tile instead of 5) and the half of dK / dV / dQ's head dims that is
@@ -677,6 +683,7 @@ class BackwardConfig:
     dv_early: bool = False
     ds_first: bool = False
     entry_ahead: bool = False
+    split_sdp: bool = False
 
     def __post_init__(self):
         want = BWD_TILES_SPLIT if self.split_dkv else BWD_TILES
@@ -690,6 +697,12 @@ class BackwardConfig:
         if self.lse_prefetch and (self.stats_shfl or self.stats_early or self.lse_early):
             raise ValueError("lse_prefetch places the lse loads itself: it excludes stats_shfl, "
                              "stats_early and lse_early (set those to 0)")
+        if self.split_sdp and not (self.split_dkv and self.ds_stages == 1 and not self.dv_early
+                                   and not self.ds_first and not self.p_early and not self.stats_shfl):
+            raise ValueError("split_sdp needs split_dkv and ds_stages=1 (P^T takes the second dS "
+                             "buffer's shared memory), and excludes dv_early / p_early / ds_first "
+                             "(dV is issued from shared memory after both halves are stored) and "
+                             "stats_shfl (16 query columns per thread; split_sdp has 8)")
         if self.ds_first and (self.dv_early or self.split_dkv):
             raise ValueError("ds_first orders the dS^T store before the dV issue: it excludes "
                              "dv_early (dV issued earlier still) and split_dkv (one warpgroup "
@@ -715,7 +728,8 @@ class BackwardConfig:
                 f"{f'_wl{self.list_chunk}' if self.work_list else ''}{'_sdkv' if self.split_dkv else ''}"
                 f"{'_ss' if self.static_stage else ''}{'_lp' if self.lse_prefetch else ''}"
                 f"{'_dve' if self.dv_early else '_pe' if self.p_early else ''}"
-                f"{'_dsf' if self.ds_first else ''}{'_ea' if self.entry_ahead and self.work_list else ''}")
+                f"{'_dsf' if self.ds_first else ''}{'_ea' if self.entry_ahead and self.work_list else ''}"
+                f"{'_ssdp' if self.split_sdp else ''}")
 
 
 def preferred_backward_config(head_dim: int, dtype: str = "bfloat16",
@@ -729,16 +743,18 @@ def preferred_backward_config(head_dim: int, dtype: str = "bfloat16",
     measurement on the H200 (h200.sh hdims) before the registry uses it by default:
     - registers (240 per consumer thread): the 64 x 128 layout gives each warpgroup 64 keys
       x D of dK and of dV, 2 x 64 x 256 / 128 = 256 fp32 registers: it cannot exist. With
-      ``split_dkv`` (both warpgroups on the same 64 keys, D split) dK + dV take 128, S^T and
-      dP^T 32 each, the dQ half 64 (64 x 128 / 128) while dS^T's 16 live: ~240 at the dQ
-      step before addresses, hence the spill figures in NOTES.md.
+      ``split_dkv`` (both warpgroups on the same 64 keys, D split) dK + dV take 128, the dQ
+      half 64 (64 x 128 / 128). With each warpgroup also holding the whole S^T and dP^T
+      (32 + 32) ptxas serializes the wgmmas (C7512, session 10); ``split_sdp`` (session 11)
+      splits S^T / dP^T by queries (16 + 16 each) and takes P^T / dS^T through shared
+      memory to dV / dK: no C7512, 0 B stack (bf16 / fp16, per head, soft cap,
+      deterministic), 44 HGMMAs per tile and warpgroup, 5 groups.
     - shared memory (232448 bytes): K and V at 64 keys 2 x 32 KB, one Q and one dO stage
-      2 x 32 KB, two 8 KB dS^T buffers, the float32 dQ tile 64 KB, the work list 8 KB:
-      ~217 KB; a second Q / dO stage (+64 KB) does not fit, nor 128 keys (K + V 128 KB +
-      dQ 64 KB + one stage 64 KB = 256 KB). So 64 x 64 tiles, one stage — the shape
-      FlashAttention's SM90 backward uses at hdim 256 (64 x 64, one Q / dO / dS stage),
-      which keeps S^T split by keys across warpgroups and stages P through shared memory
-      instead of computing S^T twice; which is faster here is the measurement to make.
+      2 x 32 KB, one 8 KB dS^T and one 8 KB P^T buffer, the float32 dQ tile 64 KB, the work
+      list 8 KB: ~218 KB; a second Q / dO stage (+64 KB) does not fit, nor 128 keys (K + V
+      128 KB + dQ 64 KB + one stage 64 KB = 256 KB). So 64 x 64 tiles, one stage — the
+      shape FlashAttention's SM90 backward uses at hdim 256 (64 x 64, one Q / dO / dS stage,
+      S split across warpgroups, P through shared memory).
 
     The new configs (D 256, and a soft cap at D 64 / 128) re-read Kc > 2 column intervals
     per masked tile (``column_registers=2``): ptxas stack bytes, D 128 fp16 cap K 6 / Kc 7
@@ -756,9 +772,9 @@ def preferred_backward_config(head_dim: int, dtype: str = "bfloat16",
                               work_list=True, dkv_tma_store=True, column_registers=2,
                               column_bits=8)
     if head_dim == 256:
-        return BackwardConfig(block_q=64, block_kv=64, num_stages=1, split_dkv=True,
-                              work_list=True, dkv_tma_store=True, column_registers=2,
-                              column_bits=8)
+        return BackwardConfig(block_q=64, block_kv=64, num_stages=1, ds_stages=1, split_dkv=True,
+                              split_sdp=True, work_list=True, dkv_tma_store=True,
+                              column_registers=2, column_bits=8)
     if softcap:
         return BackwardConfig(work_list=True, dkv_tma_store=True, column_registers=2,
                               column_bits=8)
@@ -822,7 +838,7 @@ def backward_smem_bytes(head_dim: int, config: BackwardConfig, elem_bytes: int =
     bq, bk = config.block_q, config.block_kv
     dd = head_dim + (head_dim if head_dim_v is None else head_dim_v)     # D + Dv
     return (1024 + elem_bytes * (bk * dd + config.num_stages * bq * dd
-                                 + config.ds_stages * bq * bk)
+                                 + (2 if config.split_sdp else 1) * config.ds_stages * bq * bk)
             + 2 * 4 * bq * config.num_stages + 4 * bq * head_dim
             + (2 * 4 * config.list_chunk if config.work_list else 16) + 8)
 

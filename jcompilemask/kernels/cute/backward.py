@@ -173,7 +173,12 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         self.dq_wgs = dq_warpgroups(head_dim, self.num_consumer_wgs)
         # Warpgroups that tile S^T / dP^T (split_dkv: one tile, computed by both), and the
         # dK / dV tiling: along keys (64 per warpgroup) or, with split_dkv, along D.
-        self.sdp_wgs = 1 if self.split_dkv else self.num_consumer_wgs
+        # split_sdp (with split_dkv): each warpgroup computes S^T / dP^T for half of the
+        # tile's queries; P^T and dS^T go through shared memory for dV / dK (both halves).
+        self.split_sdp = config.split_sdp
+        self.sdp_wgs = 1 if self.split_dkv and not self.split_sdp else self.num_consumer_wgs
+        # The whole S^T / dP^T tile in each warpgroup (split_dkv without split_sdp).
+        self.sdp_shared = self.split_dkv and not self.split_sdp
         # The halves of D (dK, dQ) and of Dv (dV) start at a column of K's / Q's / dO's
         # buffers seen MN-major, which must begin a swizzle atom: 128B atoms (64 elements)
         # when the half is a multiple of 64, else (D 192: halves of 96) 64B atoms for Q and K.
@@ -280,14 +285,19 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         d, bq, bk = self.head_dim, self.block_q, self.block_kv
         K_MAJOR, MN_MAJOR = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
         # S^T = K Q^T and dP^T = V dO^T: (keys, queries), contraction over D.
+        # split_sdp: the warpgroups tile the queries (N = bq / 2 each) of the 64 keys.
         tiled_mma_sdp = sm90_helpers.make_trivial_tiled_mma(
-            self.dtype, self.dtype, K_MAJOR, K_MAJOR, Float32, (self.sdp_wgs, 1, 1), (64, bq),
+            self.dtype, self.dtype, K_MAJOR, K_MAJOR, Float32,
+            (1, self.num_consumer_wgs, 1) if self.split_sdp else (self.sdp_wgs, 1, 1),
+            (64, bq // self.num_consumer_wgs) if self.split_sdp else (64, bq),
         )
         # dV += P^T dO and dK += dS^T Q: (keys, D), contraction over the queries; the
         # left operand comes from registers, dO and Q are their buffers seen transposed.
+        # (split_sdp: the left operand, P^T / dS^T of all the tile's queries, from shared
+        # memory.)
         tiled_mma_dkv = sm90_helpers.make_trivial_tiled_mma(
             self.dtype, self.dtype, K_MAJOR, MN_MAJOR, Float32, self.dkv_atoms, self.dkv_tile,
-            warpgroup.OperandSource.RMEM,
+            warpgroup.OperandSource.SMEM if self.split_sdp else warpgroup.OperandSource.RMEM,
         )
 
         # dQ = dS K: (queries, D), contraction over the keys; dS (queries-major in shared
@@ -337,6 +347,7 @@ class FlashBackwardSm90(WarpSpecializedSm90):
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdO_layout)], 1024]
             sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], 1024]
+            sP: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout) if self.split_sdp else 8], 1024]
             sLSE: cute.struct.Align[cute.struct.MemRange[Float32, bq * self.num_stages], 128]
             sDelta: cute.struct.Align[cute.struct.MemRange[Float32, bq * self.num_stages], 128]
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, bq * d], 128]
@@ -421,6 +432,7 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         sQ = smem_tensor(storage.sQ, sQ_layout)
         sdO = smem_tensor(storage.sdO, sdO_layout)
         sdS = smem_tensor(storage.sdS, sdS_layout)
+        sP = smem_tensor(storage.sP, sdS_layout) if const_expr(self.split_sdp) else None
         sLSE = storage.sLSE.get_tensor(cute.make_layout((self.block_q, self.num_stages)))
         sDelta = storage.sDelta.get_tensor(cute.make_layout((self.block_q, self.num_stages)))
         sdQ = storage.sdQ.get_tensor(cute.make_layout(self.block_q * self.head_dim))
@@ -449,7 +461,7 @@ class FlashBackwardSm90(WarpSpecializedSm90):
             cute.arch.setmaxregister_increase(self.consumer_regs)
             smem = _Namespace(storage=storage, layouts=(sQ_layout, sdO_layout, sK_layout), sQ=sQ,
                               sK=sK, sV=sV, sdO=sdO, sdS=sdS, sLSE=sLSE, sDelta=sDelta, sdQ=sdQ,
-                              work=work)
+                              work=work, sP=sP)
             gmem = _Namespace(mBwdIntervals=mBwdIntervals, mBwdTiles=mBwdTiles,
                               mFwdIntervals=mFwdIntervals, mBwdExact=mBwdExact, mdK=mdK, mdV=mdV,
                               mRegion=mRegion, mParams=mParams,
@@ -664,8 +676,8 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         wg_slice = cute.make_layout(self.num_consumer_wgs, stride=self.threads_per_wg)
         # split_dkv: both warpgroups take the one S^T / dP^T tile (thread t and t + 128 hold
         # the same elements), so dK / dV's register A operand is whole in each.
-        sdp_tidx = tidx % self.threads_per_wg if const_expr(self.split_dkv) else tidx
-        mma_sdp = tiled_mma_sdp.get_slice(wg_slice(0) if const_expr(self.split_dkv) else wg_slice(wg))
+        sdp_tidx = tidx % self.threads_per_wg if const_expr(self.sdp_shared) else tidx
+        mma_sdp = tiled_mma_sdp.get_slice(wg_slice(0) if const_expr(self.sdp_shared) else wg_slice(wg))
         mma_dkv = tiled_mma_dkv.get_slice(wg_slice(wg))
         mma_dv = tiled_mma_dv.get_slice(wg_slice(wg))
         # With a single dQ warpgroup, the second one builds (and never uses) its fragments.
@@ -713,6 +725,13 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         ).get_slice(sdp_tidx)
         frags.ds_copy = ds_copy
         frags.tdSsdS = ds_copy.partition_D(sdS_t)
+        if const_expr(self.split_sdp):
+            # P^T the same way into its own buffer; dV / dK read P^T / dS^T of the whole
+            # tile (keys x queries, queries contiguous: K-major) from shared memory.
+            sP_t = cute.make_tensor(smem.sP.iterator, cute.select(smem.sP.layout, mode=[1, 0, 2]))
+            frags.tPsP = ds_copy.partition_D(sP_t)
+            frags.tKVsP = mma_dv.make_fragment_A(mma_dv.partition_A(sP_t))
+            frags.tKVsdS = mma_dkv.make_fragment_A(mma_dkv.partition_A(sdS_t))
         # This thread's float4 chunks of its warpgroup's dQ tile in shared memory: chunk g
         # of thread t at 4 t + 512 g (fragment order: 128-bit stores, no bank conflicts).
         dq_region = 0 if const_expr(self.dq_single_wg) else wg * self.dq_wg_floats
@@ -936,7 +955,7 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         both = self.num_consumer_wgs * self.threads_per_wg
         if const_expr(not self.config.p_early):
             self.convert_p(t)
-        if const_expr(not self.config.dv_early and not self.config.ds_first):
+        if const_expr(not self.config.dv_early and not self.config.ds_first and not self.split_sdp):
             issue_wgmma(f.mma_dv, f.acc_dV, _as_a_operand(t.rP), f.tKVrdOt[None, None, None, t.si], False)
 
         rdS = cute.make_rmem_tensor_like(t.acc_dP, self.dtype)
@@ -948,7 +967,13 @@ class FlashBackwardSm90(WarpSpecializedSm90):
             # With a 2-stage ring the dS^T buffer alternates with the ring stage.
             ds_stage = state.count % 2 if const_expr(stage is None) else stage
         wg = f.wg
-        if const_expr(self.split_dkv):
+        if const_expr(self.split_sdp):
+            # Each warpgroup's half of the queries: P^T and dS^T, then dV from shared memory
+            # once both warpgroups' halves are there.
+            cute.copy(f.ds_copy, f.ds_copy.retile(t.rP), f.tPsP[None, None, None, ds_stage])
+            cute.copy(f.ds_copy, f.ds_copy.retile(rdS), f.tdSsdS[None, None, None, ds_stage])
+            cute.arch.fence_view_async_shared()
+        elif const_expr(self.split_dkv):
             if wg == 0:      # both hold the same dS^T: one writes it
                 self.store_ds(f, rdS, ds_stage)
         else:
@@ -958,6 +983,9 @@ class FlashBackwardSm90(WarpSpecializedSm90):
                 issue_wgmma(f.mma_dv, f.acc_dV, _as_a_operand(t.rP), f.tKVrdOt[None, None, None, t.si], False)
             cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=int(Bar.DS_READY), number_of_threads=both)
+        if const_expr(self.split_sdp):
+            issue_wgmma(f.mma_dv, f.acc_dV, f.tKVsP[None, None, None, ds_stage],
+                        f.tKVrdOt[None, None, None, t.si], False)
         t.rdS, t.ds_stage = rdS, ds_stage
 
     @cute.jit
@@ -1057,7 +1085,11 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         if const_expr(self.config.release_do_early):
             warpgroup.wait_group(1)
             pipeline_do.consumer_release(state)
-        issue_wgmma(f.mma_dkv, f.acc_dK, _as_a_operand(rdS), f.tKVrQt[None, None, None, si], False)
+        if const_expr(self.split_sdp):
+            issue_wgmma(f.mma_dkv, f.acc_dK, f.tKVsdS[None, None, None, ds_stage],
+                        f.tKVrQt[None, None, None, si], False)
+        else:
+            issue_wgmma(f.mma_dkv, f.acc_dK, _as_a_operand(rdS), f.tKVrQt[None, None, None, si], False)
         warpgroup.wait_group(1)
         if state.count > 0:
             self.dq_buffer_wait(f.wg)
