@@ -20,10 +20,9 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 # XLA's CPU backend at optimization level 0 on CPU-only machines: the suite compiles many
 # small programs and runs each a few times, so compiling is most of its time (suite
 # ~1650 s -> ~870 s of two workers). A JAX CUDA plugin keeps XLA's defaults (and the GPU
-# tests with them); JCM_TEST_XLA_OPT=1 keeps them here too. History: withdrawn once after
-# two CI runs crashed inside XLA's CPU compile in test_fuzz_attention, one of them without
-# these flags; both ran a nested jitted instantiate, which is gone (instantiate is jitted at
-# top level only, lower/preprocess.py).
+# tests with them); JCM_TEST_XLA_OPT=1 keeps them here too. (Withdrawn once after CI
+# workers aborted inside XLA's CPU compiler, with and without these flags: the cause was
+# the process's memory-map count, see the fixture below and tests/compiled_programs.py.)
 import importlib.util  # noqa: E402
 
 if (os.environ.get("JCM_TEST_XLA_OPT", "") in ("", "0")
@@ -39,6 +38,19 @@ import jax  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion",
                   os.environ.get("JAX_NUMPY_RANK_PROMOTION", "raise"))
+
+
+import pytest  # noqa: E402
+
+import compiled_programs  # noqa: E402  (tests/ is on sys.path: rootdir conftest)
+
+
+@pytest.fixture(autouse=True)
+def _bounded_compiled_programs():
+    """After each test, drop JAX's compiled programs once the process's memory maps near
+    the kernel's limit (tests/compiled_programs.py: XLA:CPU aborted in a CI worker there)."""
+    yield
+    compiled_programs.release_if_needed()
 
 
 def pytest_configure(config):

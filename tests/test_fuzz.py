@@ -44,6 +44,7 @@ import pytest
 import jcompilemask as jcm
 from jcompilemask.spec import FALSE, TRUE, MaskSpec, Region
 from jcompilemask.testing import assert_within_policy, reference_attention
+import compiled_programs
 from test_lower import (BOUNDS, HEAD_ATOMS, K_ATOMS, NONLINEAR_ATOMS, ROW_ATOMS,
                         _tile_kwargs, check_descriptor)
 
@@ -282,6 +283,7 @@ def _descriptor_group(g):
 def test_fuzz_descriptors():
     failures, cases = [], 0
     for g in _groups():
+        compiled_programs.release_if_needed()     # thousands of distinct programs per run
         if cases >= DESCRIPTOR_CASES:
             break
         spec, md, nq, nk, tiles = _descriptor_group(g)
@@ -389,6 +391,7 @@ def _att_inputs(rng, sig):
 def test_fuzz_attention():
     failures, cases = [], 0
     for g in _groups():
+        compiled_programs.release_if_needed()     # thousands of distinct programs per run
         if cases >= ATTENTION_CASES:
             break
         spec, sampler, sig, rng = _attention_group(g)
