@@ -149,6 +149,11 @@ def build_descriptor_program(cm, metadata, q_len: int, kv_len: int, tiles: TileC
     eagerly, so bad values still raise :class:`MetadataError` naming the argument. Under
     a transformation (inside the caller's ``jit``, even with concrete metadata closed over)
     it is ``build_descriptor`` itself, traced into the caller's program.
+
+    JAX keeps each compiled program; a process that instantiates thousands of distinct masks
+    or lengths (a fuzzer) holds as many executables, on CPU each with its own code mappings
+    (Linux caps a process at ``vm.max_map_count``, 65530 by default): ``jax.clear_caches()``
+    releases them (tests/compiled_programs.py does so for the test suite).
     """
     if not _top_level():        # traced metadata, or concrete metadata inside a trace
         return build_descriptor(cm, metadata, q_len, kv_len, tiles)
@@ -163,9 +168,9 @@ def build_descriptor_program(cm, metadata, q_len: int, kv_len: int, tiles: TileC
 
 def _top_level() -> bool:
     """No transformation is tracing (not inside the caller's jit / vmap / grad, where even
-    concrete metadata, closed over, is traced into the caller's program: a nested jitted
-    call there is the likely cause of two CI runs aborting in XLA's CPU compiler). False
-    when JAX offers no way to tell, so the op-by-op path is the fallback."""
+    concrete metadata, closed over, is traced into the caller's program, as one program
+    rather than a nested call). False when JAX offers no way to tell, so the op-by-op path
+    is the fallback."""
     from jax._src import core as _core
     clean = getattr(_core, "trace_state_clean", None)
     try:
