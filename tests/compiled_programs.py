@@ -4,8 +4,9 @@ Every XLA:CPU executable maps its JIT-compiled code into the process; JAX keeps 
 executables it compiled in its caches. A test worker that compiles thousands of distinct
 programs (the fuzz stages: a new mask and shapes per case, each descriptor one jitted
 program) reached Linux's ``vm.max_map_count`` (65530) and LLVM aborted inside XLA's
-compiler (``Fatal Python error: Aborted`` in ``backend_compile_and_load``; measured here:
-~7000 maps after 200 descriptor fuzz cases). ``release_if_needed`` drops JAX's caches once
+compiler (``Fatal Python error: Aborted`` in ``backend_compile_and_load``; the most likely
+cause: the two fuzz tests of one run alone leave 28600 maps in their process, and a CI
+worker runs half the suite). ``release_if_needed`` drops JAX's caches once
 the process holds more than ``LIMIT`` maps (the programs are recompiled if needed again).
 """
 from __future__ import annotations

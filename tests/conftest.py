@@ -21,7 +21,7 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 # small programs and runs each a few times, so compiling is most of its time (suite
 # ~1650 s -> ~870 s of two workers). A JAX CUDA plugin keeps XLA's defaults (and the GPU
 # tests with them); JCM_TEST_XLA_OPT=1 keeps them here too. (Withdrawn once after CI
-# workers aborted inside XLA's CPU compiler, with and without these flags: the cause was
+# workers aborted inside XLA's CPU compiler, with and without these flags: most likely
 # the process's memory-map count, see the fixture below and tests/compiled_programs.py.)
 import importlib.util  # noqa: E402
 
