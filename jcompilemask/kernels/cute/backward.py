@@ -1030,10 +1030,12 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         return cute.tile_to_shape(atom, shape, order=(0, 1, 2))
 
     def dv_tiled_mma(self):
-        """dV += P^T dO when Dv != D: the dK tiling with Dv / 2 columns per warpgroup."""
+        """dV += P^T dO when Dv != D: the dK tiling with Dv / 2 columns per warpgroup (P^T
+        from registers, or with ``split_sdp`` from shared memory)."""
         return sm90_helpers.make_trivial_tiled_mma(
             self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN,
-            Float32, self.dkv_atoms, self.dv_tile, warpgroup.OperandSource.RMEM)
+            Float32, self.dkv_atoms, self.dv_tile,
+            warpgroup.OperandSource.SMEM if self.split_sdp else warpgroup.OperandSource.RMEM)
 
     def v_do_layouts(self):
         """(V, dO) buffers when Dv != D: (block_kv, Dv) and (block_q, Dv, stages)."""
