@@ -178,6 +178,18 @@ def test_new_backward_configs_compile_for_sm90(dtype, d, kk, kc, bb, bh, cap, mo
     assert key.target_name.endswith(cap_suffix) == (cap is not None)
 
 
+@needs_cutlass
+def test_split_sdp_at_head_dim_192_128_compiles_for_sm90(monkeypatch, capfd):
+    """split_sdp where Dv != D (dV's own tiled MMA, P^T from shared memory): compiles
+    without C7512 (the D 192 / 128 default does not use it yet; h200.sh hdims decides)."""
+    import dataclasses
+    from jcompilemask.kernels.cute.api import BackwardKey, compile_backward, preferred_backward_config
+    cfg = dataclasses.replace(preferred_backward_config(192), split_sdp=True, ds_stages=1)
+    key = BackwardKey("bfloat16", 192, 1, 1, True, True, 192 ** -0.5, cfg, head_dim_v=128)
+    assert "_ssdp" in key.target_name
+    assert compile_checking_remarks(compile_backward, key, monkeypatch, capfd) is not None
+
+
 def test_backward_key_names_of_new_configs():
     """Soft cap and split_dkv are in the target name; the D 64 / 128 default's name carries
     every field that differs from BackwardConfig's defaults."""
