@@ -6,6 +6,8 @@
 #
 # Each stage fits one device call (< 600 s), installs its bundle when needed (safe to
 # repeat on a warm machine), and leaves logs, JUnit XML and result JSON under $OUT.
+# Stages that budget their steps (left()) plan for 570 s; JCM_STAGE_S plans for less (a
+# call given a shorter timeout_s when the session's device time runs low).
 # Stages:
 #   correctness  GPU tests of the CuTe backward and of mask_attention end to end (their
 #                gradients through the CuTe backward, the default); test_cute_forward.py separately:
@@ -93,7 +95,7 @@ bwd_default_tests() {
 variants_then_tests() {
   local tag=$1 masks=$2 forced=$3; shift 3
   export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
-  left() { local l=$(( 570 - SECONDS )); (( l < $1 )) && echo $(( l > 5 ? l : 5 )) || echo $1; }
+  left() { local l=$(( ${JCM_STAGE_S:-570} - SECONDS )); (( l < $1 )) && echo $(( l > 5 ? l : 5 )) || echo $1; }
   local spec="base=" v b pick cfg=
   for v in "$@"; do spec+=";${v%%=*}=JCOMPILEMASK_CUTE_BWD_CONFIG=${v#*=}"; done
   b=$(left 280)
@@ -242,7 +244,7 @@ case $stage in
     # Session 6's default (column_registers=2, column_bits=8) through the GPU backward
     # tests, then compute-sanitizer memcheck / racecheck / synccheck on the small run, then
     # list chunks of 16 on hstu, each capped by what is left of the call (570 s).
-    left() { local l=$(( 570 - SECONDS )); (( l < $1 )) && echo $(( l > 5 ? l : 5 )) || echo $1; }
+    left() { local l=$(( ${JCM_STAGE_S:-570} - SECONDS )); (( l < $1 )) && echo $(( l > 5 ? l : 5 )) || echo $1; }
     t=tests/gpu/test_cute_backward.py
     timeout -k 5 $(left 230) python3 -m pytest -q -rs -p no:cacheprovider "$t::test_builtin_grads" \
       "$t::test_random_lowered_specs" "$t::test_fully_masked_rows" "$t::test_head_dim_64_fp16_mqa" \
@@ -284,7 +286,7 @@ case $stage in
     # (tests/scripts/gpu_kernels_standalone.py: torch tensors through the kernels' TVM-FFI
     # functions; under the sanitizer JAX's runtime segfaulted it). Per case: prepare (jax on
     # CPU), a plain run (errors vs a float32 torch reference), then each tool.
-    left() { local l=$(( 570 - SECONDS )); (( l < $1 )) && echo $(( l > 5 ? l : 5 )) || echo $1; }
+    left() { local l=$(( ${JCM_STAGE_S:-570} - SECONDS )); (( l < $1 )) && echo $(( l > 5 ? l : 5 )) || echo $1; }
     s=tests/scripts/gpu_kernels_standalone.py
     for c in ${JCM_SANITIZE_CASES:-hstu stripes clear}; do
       timeout -k 5 $(left 60) python3 $s prepare /tmp/$c.npz $c > "$OUT/prepare-$c.log" 2>&1; tail -1 "$OUT/prepare-$c.log"
@@ -303,7 +305,7 @@ case $stage in
     # Next default candidate for the backward (session 7's timings: stats_shfl -2% causal,
     # column bits + skip -8% clear; NOTES.md "Session 7"): JCM_S8_CONFIG (default below;
     # the default config since session 8) through the GPU backward tests.
-    left() { local l=$(( 570 - SECONDS )); (( l < $1 )) && echo $(( l > 5 ? l : 5 )) || echo $1; }
+    left() { local l=$(( ${JCM_STAGE_S:-570} - SECONDS )); (( l < $1 )) && echo $(( l > 5 ? l : 5 )) || echo $1; }
     JCOMPILEMASK_CUTE_BWD_CONFIG=${JCM_S8_CONFIG:-stats_shfl=1,column_bits=0,column_skip=1} \
       bwd_default_tests s8t $(left 540)
     ;;
@@ -311,7 +313,7 @@ case $stage in
     # Session 8's SASS change (the consumer warpgroup index made warp-uniform, forward and
     # backward: the same math, other instructions) through the default backward's GPU tests
     # (s8t's list, the 20-rerun stress among them) and the forward kernel's tests.
-    left() { local l=$(( 570 - SECONDS )); (( l < $1 )) && echo $(( l > 5 ? l : 5 )) || echo $1; }
+    left() { local l=$(( ${JCM_STAGE_S:-570} - SECONDS )); (( l < $1 )) && echo $(( l > 5 ? l : 5 )) || echo $1; }
     bwd_default_tests s9t-bwd $(left 300)
     timeout -k 5 $(left 260) python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_jnp_preprocess_gpu.py \
       tests/gpu/test_cute_forward.py -k "not compiles" --junitxml="$OUT/junit-s9t-fwd.xml" > "$OUT/pytest-s9t-fwd.log" 2>&1
@@ -362,7 +364,7 @@ case $stage in
     # Where the jnp preprocess's GPU time goes (shared prompt 8K: 3.54 ms in run
     # 2026-12-02T04:45:38Z, 1.60 at 32K; Flex's block mask 0.65): every kernel of one call
     # with its duration, largest first. JCM_PRE_MASK / JCM_PRE_N pick the workload.
-    left() { local l=$(( 570 - SECONDS )); (( l < $1 )) && echo $(( l > 5 ? l : 5 )) || echo $1; }
+    left() { local l=$(( ${JCM_STAGE_S:-570} - SECONDS )); (( l < $1 )) && echo $(( l > 5 ? l : 5 )) || echo $1; }
     m=${JCM_PRE_MASK:-shared_prompt}; n=${JCM_PRE_N:-8192}
     timeout -k 5 $(left 120) python3 tests/scripts/gpu_preprocess_profile.py $m $n > "$OUT/prepro-run.log" 2>&1
     cat "$OUT/prepro-run.log" | tail -7
@@ -418,7 +420,7 @@ PY
     # and one of FA4's, same call: where the remaining ~9% goes (tensor busy, stalls,
     # instruction mix side by side). Kernel-name regexes: ours FlashBackward, FA4's bwd
     # class (FlashAttentionBackwardSm90). Reports stay on the device; text pages come back.
-    left() { local l=$(( 570 - SECONDS )); (( l < $1 )) && echo $(( l > 5 ? l : 5 )) || echo $1; }
+    left() { local l=$(( ${JCM_STAGE_S:-570} - SECONDS )); (( l < $1 )) && echo $(( l > 5 ? l : 5 )) || echo $1; }
     sec="--section SpeedOfLight --section WarpStateStats --section LaunchStats --section Occupancy --section InstructionStats --section SourceCounters --section MemoryWorkloadAnalysis"
     # JCM_PROF_PASS=fwd profiles the two forward kernels instead (issue 14; the same
     # scripts run forward + backward).
@@ -463,7 +465,7 @@ PY
     # column_skip (unrolled column bits skip intervals that miss the tile), the forward's
     # bit-mask path for K <= 8 ($JCOMPILEMASK_CUTE_FWD_BITS_ABOVE=0; clear: K 6).
     export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
-    left() { local l=$(( 570 - SECONDS )); (( l < $1 )) && echo $(( l > 5 ? l : 5 )) || echo $1; }
+    left() { local l=$(( ${JCM_STAGE_S:-570} - SECONDS )); (( l < $1 )) && echo $(( l > 5 ? l : 5 )) || echo $1; }
     t=tests/gpu/test_cute_backward.py
     JCOMPILEMASK_CUTE_BWD_CONFIG=stats_shfl=1,column_bits=0,column_skip=1 JCOMPILEMASK_CUTE_FWD_BITS_ABOVE=0 \
       timeout -k 5 $(left 200) python3 -m pytest -q -rs -p no:cacheprovider \
@@ -486,7 +488,7 @@ PY
     # ($JCOMPILEMASK_CUTE_FWD_WORK_LIST=1): the forward GPU tests and the gradient cases
     # through it, then the forward timed beside the default and FA4 native (32K, 8K).
     export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
-    left() { local l=$(( 570 - SECONDS )); (( l < $1 )) && echo $(( l > 5 ? l : 5 )) || echo $1; }
+    left() { local l=$(( ${JCM_STAGE_S:-570} - SECONDS )); (( l < $1 )) && echo $(( l > 5 ? l : 5 )) || echo $1; }
     JCOMPILEMASK_CUTE_FWD_WORK_LIST=1 timeout -k 5 $(left 260) python3 -m pytest -q -rs -p no:cacheprovider \
       tests/gpu/test_cute_forward.py tests/gpu/test_cute_attention.py -k "not compiles" \
       --junitxml="$OUT/junit-fwl.xml" > "$OUT/pytest-fwl.log" 2>&1
@@ -504,7 +506,7 @@ PY
     # hang guard (an ordering mistake deadlocks), the forward + attention GPU tests under
     # k_ahead + work list, then the forward timed per variant beside FA4 native.
     export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
-    left() { local l=$(( 570 - SECONDS )); (( l < $1 )) && echo $(( l > 5 ? l : 5 )) || echo $1; }
+    left() { local l=$(( ${JCM_STAGE_S:-570} - SECONDS )); (( l < $1 )) && echo $(( l > 5 ? l : 5 )) || echo $1; }
     timeout -k 5 $(left 120) python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_cute_forward.py \
       -k "k_ahead_forward_is_bit_identical" > "$OUT/pytest-fka-ident.log" 2>&1
     rc=$?; echo "identity rc $rc ($SECONDS s)"; pkill -9 -f pytest; tail -4 "$OUT/pytest-fka-ident.log"
@@ -526,7 +528,7 @@ PY
     # mismatch hangs), then the forward + attention GPU tests under each, then the
     # forward alone timed per variant beside FA4 native (bench_forward.py).
     export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
-    left() { local l=$(( 570 - SECONDS )); (( l < $1 )) && echo $(( l > 5 ? l : 5 )) || echo $1; }
+    left() { local l=$(( ${JCM_STAGE_S:-570} - SECONDS )); (( l < $1 )) && echo $(( l > 5 ? l : 5 )) || echo $1; }
     timeout -k 5 $(left 120) python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_cute_forward.py \
       -k "scheduled_forward_is_bit_identical" > "$OUT/pytest-fsched-ident.log" 2>&1
     rc=$?; echo "identity rc $rc ($SECONDS s)"; pkill -9 -f pytest; tail -4 "$OUT/pytest-fsched-ident.log"
@@ -559,7 +561,7 @@ PY
     # scripts, and each timeout is capped by what is left of the call (570 s).
     export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
     t=tests/gpu/test_cute_head_dims.py
-    left() { local l=$(( 570 - SECONDS )); (( l < $1 )) && echo $(( l > 5 ? l : 5 )) || echo $1; }
+    left() { local l=$(( ${JCM_STAGE_S:-570} - SECONDS )); (( l < $1 )) && echo $(( l > 5 ? l : 5 )) || echo $1; }
     ok=""
     for c in cap128 d256 d192 cap64 d256cap; do
       timeout -k 5 $(left 75) python3 -m pytest -q -x -p no:cacheprovider "$t::test_fully_masked_rows[$c]" \
