@@ -3,7 +3,7 @@
     python tests/scripts/sass_identity.py OUTDIR [KEY ...]       # compile, write KEY.sass
     python tests/scripts/sass_identity.py --compare DIR_A DIR_B  # same / DIFF per key
 
-Compiles a fixed set of 14 backward keys (D 64 / 128 / 256 / 192-128, fp16, Kc 0 / 7 / 13 / 26,
+Compiles a fixed set of 15 backward keys (D 64 / 128 / 256 / 192-128, fp16, Kc 0 / 7 / 13 / 26,
 soft cap, a residual program, deterministic, the opt-in knobs) for sm_90a and writes each
 one's SASS with addresses and the function name stripped, so a refactor that must not change
 code can be checked key by key (run it before and after). Needs the compile extra and the
@@ -42,6 +42,7 @@ keys = {
  "d128_sslp": api.BackwardKey("bfloat16", 128, 1, 1, True, True, 128**-0.5, B(P(128), static_stage=True, lse_prefetch=True, stats_shfl=False)),
  "d64_v1": api.BackwardKey("bfloat16", 64, 1, 1, False, True, 64**-0.5, B(api.BackwardConfig(), ds_stages=1, release_do_early=True)),
  "d128_se": api.BackwardKey("bfloat16", 128, 1, 1, False, True, 128**-0.5, B(api.BackwardConfig(), stats_early=True)),
+ "d128_ea": api.BackwardKey("bfloat16", 128, 1, 1, True, True, 128**-0.5, B(P(128), entry_ahead=True)),
 }
 d = Scalar("d", min=1, max=9)
 cm = jcm.compile(MaskSpec([Region((0, q_len), (k <= q) & ((q - k) % d == 0))]), warn=False)

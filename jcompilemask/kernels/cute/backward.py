@@ -176,9 +176,22 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         # split_sdp (with split_dkv): each warpgroup computes S^T / dP^T for half of the
         # tile's queries; P^T and dS^T go through shared memory for dV / dK (both halves).
         self.split_sdp = config.split_sdp
-        self.sdp_wgs = 1 if self.split_dkv and not self.split_sdp else self.num_consumer_wgs
         # The whole S^T / dP^T tile in each warpgroup (split_dkv without split_sdp).
         self.sdp_shared = self.split_dkv and not self.split_sdp
+        # S^T / dP^T tiling: (64 keys, all queries) per warpgroup along the keys (one atom
+        # with split_dkv), or with split_sdp the warpgroups split the queries of 64 keys.
+        if self.split_sdp:
+            self.sdp_atoms = (1, self.num_consumer_wgs, 1)
+            self.sdp_tile = (64, config.block_q // self.num_consumer_wgs)
+        else:
+            self.sdp_atoms = (1 if self.split_dkv else self.num_consumer_wgs, 1, 1)
+            self.sdp_tile = (64, config.block_q)
+        # Where dV += P^T dO is issued in a tile (one operand either way, ``issue_dv``):
+        # with dv_early in softmax_grad before the dP^T wait; by default before dS^T is
+        # converted; with ds_first between the dS^T stores and their fence; with split_sdp
+        # after DS_READY (P^T of both halves in shared memory).
+        self.dv_at = ("early" if config.dv_early else "after_ready" if self.split_sdp
+                      else "after_stores" if config.ds_first else "before_ds")
         # The halves of D (dK, dQ) and of Dv (dV) start at a column of K's / Q's / dO's
         # buffers seen MN-major, which must begin a swizzle atom: 128B atoms (64 elements)
         # when the half is a multiple of 64, else (D 192: halves of 96) 64B atoms for Q and K.
@@ -287,10 +300,7 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         # S^T = K Q^T and dP^T = V dO^T: (keys, queries), contraction over D.
         # split_sdp: the warpgroups tile the queries (N = bq / 2 each) of the 64 keys.
         tiled_mma_sdp = sm90_helpers.make_trivial_tiled_mma(
-            self.dtype, self.dtype, K_MAJOR, K_MAJOR, Float32,
-            (1, self.num_consumer_wgs, 1) if self.split_sdp else (self.sdp_wgs, 1, 1),
-            (64, bq // self.num_consumer_wgs) if self.split_sdp else (64, bq),
-        )
+            self.dtype, self.dtype, K_MAJOR, K_MAJOR, Float32, self.sdp_atoms, self.sdp_tile)
         # dV += P^T dO and dK += dS^T Q: (keys, D), contraction over the queries; the
         # left operand comes from registers, dO and Q are their buffers seen transposed.
         # (split_sdp: the left operand, P^T / dS^T of all the tile's queries, from shared
@@ -763,31 +773,23 @@ class FlashBackwardSm90(WarpSpecializedSm90):
             for ch in cutlass.range(self.num_chunks(n_q_tiles), unroll=1):
               seq = g * self.num_chunks(n_q_tiles) + ch
               n_iter = self.list_wait(n_q_tiles, work, seq)
-              if const_expr(self.entry_ahead):
-                  # Every list entry is a visited tile; each tile's step reads the next
-                  # entry before its last wgmma wait, so the load completes under the GEMMs.
-                  entry = self.list_entry(work, seq, 0)
-                  for it in cutlass.range(n_iter, unroll=1):
-                    q_tile, bits = self.decode_entry(entry)
-                    needs_mask = (bits & Uint32(2) != Uint32(0)) | (q_tile == ragged_q) | ragged_k
-                    cols = _Namespace(starts=col_starts, lengths=col_lengths, exact=exact, mh=mh,
-                                      next_entry=(work, seq, cutlass.min(it + 1, n_iter - 1)))
-                    if needs_mask:
-                        entry = self.step_at(True, state, q_tile, frags, cols)
-                    else:
-                        entry = self.step_at(False, state, q_tile, frags, cols)
-                    state.advance()
-              else:
-                  for it in cutlass.range(n_iter, unroll=1):
-                    q_tile, bits = self.visit(it, gTiles, work, seq)
-                    if bits & Uint32(1) != Uint32(0):
-                        needs_mask = (bits & Uint32(2) != Uint32(0)) | (q_tile == ragged_q) | ragged_k
-                        cols = _Namespace(starts=col_starts, lengths=col_lengths, exact=exact, mh=mh)
-                        if needs_mask:
-                            self.step_at(True, state, q_tile, frags, cols)
-                        else:
-                            self.step_at(False, state, q_tile, frags, cols)
-                        state.advance()
+              # entry_ahead: every list entry is a visited tile, and each tile's step reads
+              # the next entry before its last wgmma wait (the load completes under the
+              # GEMMs); else each iteration reads its own (``visit``).
+              entry = self.list_entry(work, seq, 0) if const_expr(self.entry_ahead) else Int32(0)
+              for it in cutlass.range(n_iter, unroll=1):
+                  q_tile, bits = self.decode_entry(entry) if const_expr(self.entry_ahead) \
+                      else self.visit(it, gTiles, work, seq)
+                  if bits & Uint32(1) != Uint32(0):
+                      needs_mask = (bits & Uint32(2) != Uint32(0)) | (q_tile == ragged_q) | ragged_k
+                      cols = _Namespace(starts=col_starts, lengths=col_lengths, exact=exact, mh=mh)
+                      if const_expr(self.entry_ahead):
+                          cols.next_entry = (work, seq, cutlass.min(it + 1, n_iter - 1))
+                      if needs_mask:
+                          entry = self.step_at(True, state, q_tile, frags, cols)
+                      else:
+                          entry = self.step_at(False, state, q_tile, frags, cols)
+                      state.advance()
               self.list_done(seq)
         # Balance DQ_EMPTY: the dQ warp freed the buffer once per tile, this warpgroup
         # waited before every tile but the first.
@@ -931,8 +933,8 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         S, delta = t.S, t.delta
         if const_expr(self.config.p_early):
             self.convert_p(t)
-        if const_expr(self.config.dv_early):
-            issue_wgmma(f.mma_dv, f.acc_dV, _as_a_operand(t.rP), f.tKVrdOt[None, None, None, t.si], False)
+        if const_expr(self.dv_at == "early"):
+            self.issue_dv(t, f)
             warpgroup.wait_group(1)
         else:
             warpgroup.wait_group(0)
@@ -955,8 +957,8 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         both = self.num_consumer_wgs * self.threads_per_wg
         if const_expr(not self.config.p_early):
             self.convert_p(t)
-        if const_expr(not self.config.dv_early and not self.config.ds_first and not self.split_sdp):
-            issue_wgmma(f.mma_dv, f.acc_dV, _as_a_operand(t.rP), f.tKVrdOt[None, None, None, t.si], False)
+        if const_expr(self.dv_at == "before_ds"):
+            self.issue_dv(t, f)
 
         rdS = cute.make_rmem_tensor_like(t.acc_dP, self.dtype)
         rdS.store(t.acc_dP.load().to(self.dtype))
@@ -978,15 +980,14 @@ class FlashBackwardSm90(WarpSpecializedSm90):
                 self.store_ds(f, rdS, ds_stage)
         else:
             cute.copy(f.ds_copy, f.ds_copy.retile(rdS), f.tdSsdS[None, None, None, ds_stage])
-            if const_expr(self.config.ds_first):
+            if const_expr(self.dv_at == "after_stores"):
                 # The stores drain while dV is issued; the fence then rarely waits.
-                issue_wgmma(f.mma_dv, f.acc_dV, _as_a_operand(t.rP), f.tKVrdOt[None, None, None, t.si], False)
+                self.issue_dv(t, f)
             cute.arch.fence_view_async_shared()
-        cute.arch.barrier(barrier_id=int(Bar.DS_READY), number_of_threads=both)
-        if const_expr(self.split_sdp):
-            issue_wgmma(f.mma_dv, f.acc_dV, f.tKVsP[None, None, None, ds_stage],
-                        f.tKVrdOt[None, None, None, t.si], False)
         t.rdS, t.ds_stage = rdS, ds_stage
+        cute.arch.barrier(barrier_id=int(Bar.DS_READY), number_of_threads=both)
+        if const_expr(self.dv_at == "after_ready"):
+            self.issue_dv(t, f)
 
     @cute.jit
     def dq_dk_and_release(self, t, state, f, cols):
@@ -1000,7 +1001,7 @@ class FlashBackwardSm90(WarpSpecializedSm90):
             if wg == 0:
                 self.dq_and_dk(f, rdS, ds_stage, state, pipeline_do, si)
             else:
-                issue_wgmma(mma_dkv, acc_dK, _as_a_operand(rdS), tKVrQt[None, None, None, si], False)
+                issue_wgmma(mma_dkv, acc_dK, self.dk_operand(f, rdS, ds_stage), tKVrQt[None, None, None, si], False)
                 if const_expr(self.config.release_do_early):
                     warpgroup.wait_group(1)                 # dV done: dO's stage is free
                     pipeline_do.consumer_release(state)
@@ -1015,6 +1016,17 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         if const_expr(not self.config.release_do_early):
             pipeline_do.consumer_release(state)
         return nxt
+
+    def issue_dv(self, t, f):
+        """dV += P^T dO for this tile (where: ``self.dv_at``). P^T from registers
+        (``t.rP``) or, with ``split_sdp``, the whole tile's from its shared buffer."""
+        p = f.tKVsP[None, None, None, t.ds_stage] if const_expr(self.split_sdp) else _as_a_operand(t.rP)
+        issue_wgmma(f.mma_dv, f.acc_dV, p, f.tKVrdOt[None, None, None, t.si], False)
+
+    def dk_operand(self, f, rdS, ds_stage):
+        """dK += dS^T Q's left operand: dS^T from registers, or with ``split_sdp`` (each
+        warpgroup holds half the queries' dS^T) the whole tile's from its shared buffer."""
+        return f.tKVsdS[None, None, None, ds_stage] if const_expr(self.split_sdp) else _as_a_operand(rdS)
 
     def convert_p(self, t):
         """P^T (float32, ``t.acc_S``) -> ``t.rP`` in the input dtype, the dV operand (with a
@@ -1087,11 +1099,7 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         if const_expr(self.config.release_do_early):
             warpgroup.wait_group(1)
             pipeline_do.consumer_release(state)
-        if const_expr(self.split_sdp):
-            issue_wgmma(f.mma_dkv, f.acc_dK, f.tKVsdS[None, None, None, ds_stage],
-                        f.tKVrQt[None, None, None, si], False)
-        else:
-            issue_wgmma(f.mma_dkv, f.acc_dK, _as_a_operand(rdS), f.tKVrQt[None, None, None, si], False)
+        issue_wgmma(f.mma_dkv, f.acc_dK, self.dk_operand(f, rdS, ds_stage), f.tKVrQt[None, None, None, si], False)
         warpgroup.wait_group(1)
         if state.count > 0:
             self.dq_buffer_wait(f.wg)
