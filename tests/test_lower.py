@@ -434,6 +434,36 @@ def _declared_range(decl, nq, nk):
             None if hi is None else _eval_static(hi, lens))
 
 
+@settings(max_examples=8)
+@given(spec=random_specs(), data=st.data())
+def test_stacked_column_counts_give_the_same_descriptor(spec, data):
+    """$JCOMPILEMASK_PREPROCESS_COLUMN_COUNTS=stacked (all 2 Kc bounds through one count):
+    the descriptor equals the default's, field by field, and the oracle's, under jit."""
+    from jcompilemask.lower import preprocess as pp
+    (nq, nk), tiles = data.draw(st.sampled_from(LAYOUTS))
+    b = data.draw(st.integers(1, 2))
+    md = random_metadata(data.draw, spec, nq, nk, b)
+    md = {key: jnp.asarray(v) for key, v in md.items()}
+    cm = jcm.compile(spec)
+    got = {}
+    for mode in ("each", "stacked"):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv(pp.COLUMN_COUNTS_ENV, mode)
+            got[mode] = jax.jit(lambda m: cm.instantiate(m, nq, nk, **_tile_kwargs(tiles)))(md)
+    check_descriptor(got["stacked"], spec.as_dense(md, nq, nk), nq, nk)
+    for x, y in zip(jax.tree_util.tree_leaves(got["each"]), jax.tree_util.tree_leaves(got["stacked"])):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_column_counts_mode_rejects_unknown_values(monkeypatch):
+    from jcompilemask.lower import preprocess as pp
+    monkeypatch.setenv(pp.COLUMN_COUNTS_ENV, "fused")
+    with pytest.raises(ValueError, match="JCOMPILEMASK_PREPROCESS_COLUMN_COUNTS='fused'"):
+        jcm.compile(M.shared_prompt(3)).instantiate(
+            {"prompt_len": np.array([4]), "response_starts": np.array([[4, 7, 10]])}, 13, 13)
+
+
+
 def test_out_of_range_metadata_under_jit_is_clamped():
     """Inside jit values are not validated; out-of-range ones are clamped into their
     declared range by the oracle and the preprocess alike. Without that, the lowering's

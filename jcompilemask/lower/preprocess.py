@@ -10,6 +10,7 @@ states: see :func:`tile_states_from_intervals`).
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -322,6 +323,17 @@ def _column_intervals(cm, env, meta, endpoints, q_len, kv_len, b, hm):
     big = kv_len + 1
     shape3 = (b, hm, 1)
     out = [jnp.zeros((b, hm, kv_len, 2), I32)] * cm.num_bwd_intervals
+
+    def count_le(v):   # [..., B, Hm, Nq] -> [..., B, Hm, Nk]: #{q : v(q) <= j}
+        f = lambda v_r: count_le_sorted(v_r, kv_len)    # noqa: E731
+        for _ in range(v.ndim - 1):
+            f = jax.vmap(f)
+        return f(v)
+
+    # Pass 1: each interval's extended bounds; pass 2: their counts, one program per
+    # bound (``each``) or all 2 Kc bounds stacked through one (``stacked``, see
+    # column_counts_mode); pass 3: the (start, len) slots.
+    bounds, rows = [], []
     for g, lr in enumerate(cm.regions):
         for m, iv in enumerate(lr.intervals):
             lo, hi = endpoints[g, m]
@@ -335,14 +347,39 @@ def _column_intervals(cm, env, meta, endpoints, q_len, kv_len, b, hm):
             before, after = qs < a, qs >= z
             lo_x = jnp.where(before, -1, jnp.where(after, big, lo))
             hi_x = jnp.where(before, -1, jnp.where(after, big, hi))
-
-            def count_le(v):   # [B, Hm, Nk]: #{q : v(q) <= j}
-                return jax.vmap(jax.vmap(lambda v_r: count_le_sorted(v_r, kv_len)))(
-                    jnp.broadcast_to(v, (b, hm) + v.shape[2:]))
-
-            q0, q1 = count_le(hi_x), count_le(lo_x)
-            ln = jnp.where(flag, jnp.maximum(q1 - q0, 0), 0)
-            val = jnp.stack([jnp.where(ln > 0, q0, 0), ln], -1)
-            for c, heads in cm.bwd_slots[g, m]:
-                out[c] = jnp.where(_heads_mask(heads, hm)[..., None], val, out[c])
+            bounds += [jnp.broadcast_to(v, (b, hm, q_len)) for v in (hi_x, lo_x)]
+            rows.append((g, m, flag))
+    if not rows:
+        return jnp.stack(out, 3), nested
+    if column_counts_mode() == "stacked":
+        counts = list(count_le(jnp.stack(bounds)))
+    else:
+        counts = [count_le(v) for v in bounds]
+    for i, (g, m, flag) in enumerate(rows):
+        q0, q1 = counts[2 * i], counts[2 * i + 1]
+        ln = jnp.where(flag, jnp.maximum(q1 - q0, 0), 0)
+        val = jnp.stack([jnp.where(ln > 0, q0, 0), ln], -1)
+        for c, heads in cm.bwd_slots[g, m]:
+            out[c] = jnp.where(_heads_mask(heads, hm)[..., None], val, out[c])
     return jnp.stack(out, 3), nested
+
+
+COLUMN_COUNTS_ENV = "JCOMPILEMASK_PREPROCESS_COLUMN_COUNTS"
+
+
+def column_counts_mode():
+    """How the jnp preprocess counts the column view's 2 Kc bounds (read at trace time):
+    ``"each"`` (the default) runs :func:`count_le_sorted` once per bound, ``"stacked"``
+    once over all of them stacked ([2 Kc, B, Hm, Nq]: one scatter and one cumsum instead of
+    2 Kc of each). The descriptor is identical; what differs is the number of programs the
+    device launches (shared prompt, Kc 13: 26 scatters and their fusions vs one), which
+    matters on a GPU and not on a CPU. Set ``$JCOMPILEMASK_PREPROCESS_COLUMN_COUNTS`` to
+    ``stacked`` to choose it (a benchmark knob until it is timed on the H200).
+
+    >>> column_counts_mode() in ("each", "stacked")
+    True
+    """
+    mode = os.environ.get(COLUMN_COUNTS_ENV, "each")
+    if mode not in ("each", "stacked"):
+        raise ValueError(f"${COLUMN_COUNTS_ENV}={mode!r}: expected 'each' or 'stacked'")
+    return mode
