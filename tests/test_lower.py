@@ -437,22 +437,24 @@ def _declared_range(decl, nq, nk):
 @settings(max_examples=8)
 @given(spec=random_specs(), data=st.data())
 def test_stacked_column_counts_give_the_same_descriptor(spec, data):
-    """$JCOMPILEMASK_PREPROCESS_COLUMN_COUNTS=stacked (all 2 Kc bounds through one count):
-    the descriptor equals the default's, field by field, and the oracle's, under jit."""
+    """$JCOMPILEMASK_PREPROCESS_COLUMN_COUNTS=stacked (all 2 Kc bounds through one count,
+    the GPU's default) and auto give the descriptor of each (one count per bound, the
+    CPU's), field by field, and the oracle's, under jit."""
     from jcompilemask.lower import preprocess as pp
     (nq, nk), tiles = data.draw(st.sampled_from(LAYOUTS))
     b = data.draw(st.integers(1, 2))
     md = random_metadata(data.draw, spec, nq, nk, b)
     md = {key: jnp.asarray(v) for key, v in md.items()}
-    cm = jcm.compile(spec)
+    cm = jcm.compile(spec, warn=False)
     got = {}
-    for mode in ("each", "stacked"):
+    for mode in ("each", "stacked", "auto"):
         with pytest.MonkeyPatch.context() as mp:
             mp.setenv(pp.COLUMN_COUNTS_ENV, mode)
             got[mode] = jax.jit(lambda m: cm.instantiate(m, nq, nk, **_tile_kwargs(tiles)))(md)
     check_descriptor(got["stacked"], spec.as_dense(md, nq, nk), nq, nk)
-    for x, y in zip(jax.tree_util.tree_leaves(got["each"]), jax.tree_util.tree_leaves(got["stacked"])):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    for mode in ("stacked", "auto"):
+        for x, y in zip(jax.tree_util.tree_leaves(got["each"]), jax.tree_util.tree_leaves(got[mode])):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
 def test_column_counts_mode_rejects_unknown_values(monkeypatch):

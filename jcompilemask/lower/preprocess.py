@@ -330,8 +330,8 @@ def _column_intervals(cm, env, meta, endpoints, q_len, kv_len, b, hm):
             f = jax.vmap(f)
         return f(v)
 
-    # Pass 1: each interval's extended bounds; pass 2: their counts, one program per
-    # bound (``each``) or all 2 Kc bounds stacked through one (``stacked``, see
+    # Pass 1: each interval's extended bounds; pass 2: their counts, all 2 Kc bounds
+    # stacked through one program (a GPU's default) or one per bound (a CPU's; see
     # column_counts_mode); pass 3: the (start, len) slots.
     bounds, rows = [], []
     for g, lr in enumerate(cm.regions):
@@ -351,10 +351,13 @@ def _column_intervals(cm, env, meta, endpoints, q_len, kv_len, b, hm):
             rows.append((g, m, flag))
     if not rows:
         return jnp.stack(out, 3), nested
-    if column_counts_mode() == "stacked":
-        counts = list(count_le(jnp.stack(bounds)))
+    stacked = lambda *v: list(count_le(jnp.stack(v)))      # noqa: E731
+    each = lambda *v: [count_le(x) for x in v]               # noqa: E731
+    mode = column_counts_mode()
+    if mode == "auto":
+        counts = lax.platform_dependent(*bounds, cpu=each, default=stacked)
     else:
-        counts = [count_le(v) for v in bounds]
+        counts = (stacked if mode == "stacked" else each)(*bounds)
     for i, (g, m, flag) in enumerate(rows):
         q0, q1 = counts[2 * i], counts[2 * i + 1]
         ln = jnp.where(flag, jnp.maximum(q1 - q0, 0), 0)
@@ -369,17 +372,21 @@ COLUMN_COUNTS_ENV = "JCOMPILEMASK_PREPROCESS_COLUMN_COUNTS"
 
 def column_counts_mode():
     """How the jnp preprocess counts the column view's 2 Kc bounds (read at trace time):
-    ``"each"`` (the default) runs :func:`count_le_sorted` once per bound, ``"stacked"``
-    once over all of them stacked ([2 Kc, B, Hm, Nq]: one scatter and one cumsum instead of
-    2 Kc of each). The descriptor is identical; what differs is the number of programs the
-    device launches (shared prompt, Kc 13: 26 scatters and their fusions vs one), which
-    matters on a GPU and not on a CPU. Set ``$JCOMPILEMASK_PREPROCESS_COLUMN_COUNTS`` to
-    ``stacked`` to choose it (a benchmark knob until it is timed on the H200).
+    ``"stacked"`` runs :func:`count_le_sorted` once over all of them ([2 Kc, B, Hm, Nq]: one
+    scatter and one cumsum), ``"each"`` once per bound (2 Kc scatters and their fusions),
+    ``"auto"`` (the default) picks by the platform the program is lowered for: each on a
+    CPU, stacked elsewhere. The descriptor is identical; what differs is the number of
+    programs the device launches. H200, 8K, 16 sequences per batch (run
+    2026-12-02T16:19:42Z), preprocess ms each -> stacked: shared prompt (Kc 13) 3.54 ->
+    2.09, CLEAR (Kc 7) 0.92 -> 0.51, HSTU 0.21 -> 0.16, causal 0.13 -> 0.10. On a CPU the
+    stacked program is the slower (shared prompt, 8K, 16 sequences, 2 cores: 94 vs 66 ms,
+    ``benchmarks``-sized metadata). Override with
+    ``$JCOMPILEMASK_PREPROCESS_COLUMN_COUNTS`` (``auto`` / ``each`` / ``stacked``).
 
-    >>> column_counts_mode() in ("each", "stacked")
+    >>> column_counts_mode() in ("auto", "each", "stacked")
     True
     """
-    mode = os.environ.get(COLUMN_COUNTS_ENV, "each")
-    if mode not in ("each", "stacked"):
-        raise ValueError(f"${COLUMN_COUNTS_ENV}={mode!r}: expected 'each' or 'stacked'")
+    mode = os.environ.get(COLUMN_COUNTS_ENV, "auto")
+    if mode not in ("auto", "each", "stacked"):
+        raise ValueError(f"${COLUMN_COUNTS_ENV}={mode!r}: expected 'auto', 'each' or 'stacked'")
     return mode
