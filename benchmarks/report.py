@@ -110,7 +110,11 @@ def dedupe(records, ours):
     ours and again in a peers-only run) keeps the one of the same run as ours for that
     (mask, n) — the same ``run`` id (``clocks.py``; several scripts of one device call
     share it) or, for records without one, the same file — so the ratio is the fairest
-    (the card's clock moves between runs); otherwise the last file in name order."""
+    (the card's clock moves between runs); otherwise the newest run (records taken in
+    ``run`` order, those without a timestamp first: the result files list the newest run
+    first)."""
+    stamp = lambda r: r["run"] if str(r.get("run") or "")[:1].isdigit() else ""   # noqa: E731
+    records = sorted(records, key=stamp)
     our = {(r["mask"], r["n"]): r for r in records if r["impl"] == ours}
     pick = {}
     for r in records:
