@@ -79,6 +79,15 @@ def decode_bwd(words: np.ndarray, tq: int) -> np.ndarray:
     return np.swapaxes(col_major, -1, -2).astype(np.uint8)
 
 
+@jax.jit
+def _dense_views(desc):
+    """Both dense views and both passes' decoded tile states of a descriptor, as one
+    compiled program (cached per shape): evaluated eagerly each op compiles on its own,
+    ~5x the time (the descriptor fuzz stage spent a fifth of its time there)."""
+    return ({v: desc.as_dense(v) for v in ("fwd", "bwd")},
+            {v: desc.tile_states(v) for v in ("fwd", "bwd")})
+
+
 def check_descriptor(desc, want: np.ndarray, nq: int, nk: int, expect_column_view=None):
     """Both dense views == ``want`` [B, Hm, nq, nk]; every tile state exact; layout."""
     want = np.asarray(want)
@@ -106,8 +115,9 @@ def check_descriptor(desc, want: np.ndarray, nq: int, nk: int, expect_column_vie
     assert (bwd[..., 0] + bwd[..., 1] <= nq).all()
     assert (bwd[..., 0][bwd[..., 1] == 0] == 0).all()
     # -- dense views ---------------------------------------------------------------------
+    dense, states = _dense_views(desc)
     for view in ("fwd", "bwd"):
-        got = np.asarray(desc.as_dense(view))
+        got = np.asarray(dense[view])
         assert got.shape == want.shape, view
         np.testing.assert_array_equal(got, want, err_msg=f"{view} view")
     if expect_column_view:
@@ -123,7 +133,7 @@ def check_descriptor(desc, want: np.ndarray, nq: int, nk: int, expect_column_vie
             ("bwd", (t.bwd_block_q, t.bwd_block_kv), desc.bwd_tiles, decode_bwd, btq)):
         exp = expected_states(want, bq, bk)
         mine = decode(np.asarray(words), n)
-        np.testing.assert_array_equal(np.asarray(desc.tile_states(view)), mine)
+        np.testing.assert_array_equal(np.asarray(states[view]), mine)
         if getattr(desc.mask, "residual_regions", ()):
             check_safe_states(mine, exp, f"{view} tile states {bq}x{bk}")
         else:
@@ -434,12 +444,12 @@ def _declared_range(decl, nq, nk):
             None if hi is None else _eval_static(hi, lens))
 
 
-@settings(max_examples=8)
+@settings(max_examples=6)
 @given(spec=random_specs(), data=st.data())
 def test_stacked_column_counts_give_the_same_descriptor(spec, data):
     """$JCOMPILEMASK_PREPROCESS_COLUMN_COUNTS=stacked (all 2 Kc bounds through one count,
-    the GPU's default) and auto give the descriptor of each (one count per bound, the
-    CPU's), field by field, and the oracle's, under jit."""
+    the GPU's default) gives auto's descriptor on a CPU (one count per bound), field by
+    field, and the oracle's, under jit."""
     from jcompilemask.lower import preprocess as pp
     (nq, nk), tiles = data.draw(st.sampled_from(LAYOUTS))
     b = data.draw(st.integers(1, 2))
@@ -447,14 +457,13 @@ def test_stacked_column_counts_give_the_same_descriptor(spec, data):
     md = {key: jnp.asarray(v) for key, v in md.items()}
     cm = jcm.compile(spec, warn=False)
     got = {}
-    for mode in ("each", "stacked", "auto"):
+    for mode in ("auto", "stacked"):            # auto: one count per bound on a CPU
         with pytest.MonkeyPatch.context() as mp:
             mp.setenv(pp.COLUMN_COUNTS_ENV, mode)
             got[mode] = jax.jit(lambda m: cm.instantiate(m, nq, nk, **_tile_kwargs(tiles)))(md)
     check_descriptor(got["stacked"], spec.as_dense(md, nq, nk), nq, nk)
-    for mode in ("stacked", "auto"):
-        for x, y in zip(jax.tree_util.tree_leaves(got["each"]), jax.tree_util.tree_leaves(got[mode])):
-            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    for x, y in zip(jax.tree_util.tree_leaves(got["auto"]), jax.tree_util.tree_leaves(got["stacked"])):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
 def test_column_counts_mode_rejects_unknown_values(monkeypatch):
