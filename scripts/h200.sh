@@ -406,10 +406,11 @@ PY
     # Issue 12's acceptance table when a candidate becomes the default. JCM_S8_VARIANTS
     # replaces the variant list (e.g. "base=;cand=..." so 32K and 8K fit one call).
     # JCM_BENCH_SKIP=flex-fa4:causal leaves out the causal Flex+FA4 records (FA4 native is
-    # issue 12's causal peer) so the 8K CLEAR peer fits the call.
+    # issue 12's causal peer) so the 8K CLEAR peer fits the call. JCM_BENCH_MASKS picks the
+    # masks (CLEAR's Flex+FA4 record alone compiles for > 175 s at 8K: give it its own call).
     export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
     b=${JCM_BENCH_S:-560}
-    timeout -k 5 $b python3 benchmarks/bench_total.py --ns ${JCM_BENCH_NS:-32768} --masks causal,hstu,shared_prompt,clear \
+    timeout -k 5 $b python3 benchmarks/bench_total.py --ns ${JCM_BENCH_NS:-32768} --masks ${JCM_BENCH_MASKS:-causal,hstu,shared_prompt,clear} \
       --impls jcm,fa4-native,flex-fa4 --min-repeat-s 0.25 ${JCM_BENCH_CHECK:+--check} --skip "${JCM_BENCH_SKIP:-}" \
       --jcm-variants "${JCM_S8_VARIANTS:-base=;sh=JCOMPILEMASK_CUTE_BWD_CONFIG=stats_shfl=1;cs=JCOMPILEMASK_CUTE_BWD_CONFIG=column_bits=0,column_skip=1;cand=JCOMPILEMASK_CUTE_BWD_CONFIG=${JCM_S8_CONFIG:-stats_shfl=1,column_bits=0,column_skip=1}}" \
       --budget-s $(( b - 40 )) --out "$OUT/h200-total-s8.json" > "$OUT/bench-s8.log" 2>&1
