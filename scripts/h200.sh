@@ -35,7 +35,8 @@
 #   s8t / s8b    the next backward default candidate (JCM_S8_CONFIG): its GPU tests / timed beside
 #                the default and the peers at 32K + 8K
 #   prof8        ncu on one causal 32K backward of ours and one of FA4's, same call
-#                (JCM_PROF_PASS=fwd: the two forwards; JCM_PROF_ALL=0 skips the all-kernel listing)
+#                (JCM_PROF_PASS=fwd: the two forwards; JCM_PROF_ALL=0 skips the all-kernel listing;
+#                JCM_PROF_MASK / JCM_PROF_N another workload, beside Flex+FA4)
 #   shfl         stats_shfl, column_skip, the forward's bits path for K <= 8: tests, then timed at 32K
 #   masks16      issue 16's timings: block-causal spellings, dilated window, global tokens + window vs Flex+FA4
 #   fwl          issue 14: the forward's work list (JCOMPILEMASK_CUTE_FWD_WORK_LIST=1): tests, then timed
@@ -424,15 +425,21 @@ PY
     left() { local l=$(( ${JCM_STAGE_S:-570} - SECONDS )); (( l < $1 )) && echo $(( l > 5 ? l : 5 )) || echo $1; }
     sec="--section SpeedOfLight --section WarpStateStats --section LaunchStats --section Occupancy --section InstructionStats --section SourceCounters --section MemoryWorkloadAnalysis"
     # JCM_PROF_PASS=fwd profiles the two forward kernels instead (issue 14; the same
-    # scripts run forward + backward).
+    # scripts run forward + backward). JCM_PROF_MASK / JCM_PROF_N (default causal, 32768)
+    # pick the workload; past causal the peer is FlexAttention with the FA4 backend
+    # (tests/scripts/flex_backward_profile.py), e.g. shared_prompt 8192 (issue 12's cell).
+    pm=${JCM_PROF_MASK:-causal}; pn=${JCM_PROF_N:-32768}
+    peer=tests/scripts/fa4_backward_profile.py; pargs="$pn"
+    [[ $pm == causal ]] || { peer=tests/scripts/flex_backward_profile.py; pargs="$pm $pn"; }
     for who in jcm fa4; do
+      args="$pm $pn"
       if [[ ${JCM_PROF_PASS:-bwd} == fwd ]]; then
         if [[ $who == jcm ]]; then re=regex:FlashForwardSm90; script=tests/scripts/gpu_backward_profile.py
-        else re=regex:ForwardSm90; script=tests/scripts/fa4_backward_profile.py; fi
+        else re=regex:ForwardSm90; script=$peer; args=$pargs; fi
       elif [[ $who == jcm ]]; then re=regex:FlashBackward; script=tests/scripts/gpu_backward_profile.py
-      else re=regex:BackwardSm90; script=tests/scripts/fa4_backward_profile.py; fi
+      else re=regex:BackwardSm90; script=$peer; args=$pargs; fi
       timeout -k 5 $(left 150) ncu --clock-control none --kernel-name $re --launch-skip 1 --launch-count 1 \
-        $sec -o /tmp/prof-$who python3 $script > "$OUT/ncu-run-$who.log" 2>&1
+        $sec -o /tmp/prof-$who python3 $script $args > "$OUT/ncu-run-$who.log" 2>&1
       echo "ncu $who rc $? ($SECONDS s)"; pkill -9 -f _backward_profile; tail -2 "$OUT/ncu-run-$who.log"
       if [[ -f /tmp/prof-$who.ncu-rep ]]; then
         timeout 40 ncu -i /tmp/prof-$who.ncu-rep --page details > "$OUT/ncu-$who.txt" 2>&1
@@ -444,9 +451,10 @@ PY
     # Every kernel of the steps (forward, backward, the small XLA / FA4 kernels around them)
     # with its duration: what the bwd_ms figure holds besides the main kernel.
     [[ ${JCM_PROF_ALL:-1} == 0 ]] || for who in jcm fa4; do
-      script=tests/scripts/gpu_backward_profile.py; [[ $who == fa4 ]] && script=tests/scripts/fa4_backward_profile.py
+      script=tests/scripts/gpu_backward_profile.py; args="$pm $pn"
+      [[ $who == fa4 ]] && { script=$peer; args=$pargs; }
       timeout -k 5 $(left 90) ncu --clock-control none --section SpeedOfLight --launch-count 80 \
-        -o /tmp/all-$who python3 $script > "$OUT/ncu-all-run-$who.log" 2>&1
+        -o /tmp/all-$who python3 $script $args > "$OUT/ncu-all-run-$who.log" 2>&1
       echo "ncu all $who rc $? ($SECONDS s)"; pkill -9 -f _backward_profile
       [[ -f /tmp/all-$who.ncu-rep ]] && timeout 30 ncu -i /tmp/all-$who.ncu-rep --page raw --csv \
         --metrics gpu__time_duration.sum > "$OUT/kernels-$who.csv" 2>&1 && python3 - "$OUT/kernels-$who.csv" <<'PY'

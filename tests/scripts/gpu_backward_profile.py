@@ -1,4 +1,4 @@
-"""One causal 32K CuTe backward for Nsight Compute (bf16, 8 heads, D 128, 131072 tokens):
+"""One CuTe backward (causal 32K unless given) for Nsight Compute (bf16, 8 heads, D 128, 131072 tokens):
 
     ncu --kernel-name regex:FlashBackward --launch-skip 1 --launch-count 1 \\
         python3 tests/scripts/gpu_backward_profile.py [mask] [n]
@@ -18,10 +18,11 @@ import workloads as W  # noqa: E402
 
 mask = sys.argv[1] if len(sys.argv) > 1 else "causal"
 n = int(sys.argv[2]) if len(sys.argv) > 2 else 32768
-b = W.batch_for(n)
+b, L = W.batch_for(n), W.seq_len(mask, n)
 spec, md = W.spec_for(mask, n), W.metadata_for(mask, n)
 ks = jax.random.split(jax.random.key(0), 4)
-q, k, v, do = (jax.random.normal(kk, (b, n, 8, 128), jnp.float32).astype(jnp.bfloat16) for kk in ks)
+q, k, v, do = (jax.random.normal(kk, (b, L, W.HEADS, W.HEAD_DIM), jnp.float32).astype(jnp.bfloat16)
+               for kk in ks)
 loss = lambda a, c, e: jnp.sum(jcm.mask_attention(  # noqa: E731
     a, c, e, spec, metadata=md, implementation="cute").astype(jnp.float32) * do)
 g = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
