@@ -474,7 +474,6 @@ def test_column_counts_mode_rejects_unknown_values(monkeypatch):
             {"prompt_len": np.array([4]), "response_starts": np.array([[4, 7, 10]])}, 13, 13)
 
 
-
 def test_out_of_range_metadata_under_jit_is_clamped():
     """Inside jit values are not validated; out-of-range ones are clamped into their
     declared range by the oracle and the preprocess alike. Without that, the lowering's

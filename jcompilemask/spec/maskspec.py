@@ -457,7 +457,7 @@ class MaskSpec:
         # Concrete metadata: one compiled program per (spec, lengths) instead of each op
         # compiled and run on its own (~5x faster on a CPU; the same result). numpy
         # arrays are made int32 here, saturating (at the jit boundary they would wrap).
-        arrays = {n: _np_int32(a) if isinstance(a, np.ndarray) else a for n, a in arrays.items()}
+        arrays = {n: _to_int32(a, np) if isinstance(a, np.ndarray) else a for n, a in arrays.items()}
         return _dense_program(self, _static_len(q_len, "q_len"),
                               _static_len(kv_len, "kv_len"))(arrays or None)
 
@@ -489,22 +489,15 @@ def _dense_program(spec, q_len, kv_len):
 _I32 = np.iinfo(np.int32)
 
 
-def _to_int32(x):
+def _to_int32(x, xp=jnp):
     """int32 copy of an integer array that saturates values outside int32 instead of
-    wrapping them (``2**32 + 4`` would otherwise read as 4)."""
+    wrapping them (``2**32 + 4`` would otherwise read as 4), as an ``xp`` array (numpy:
+    ``as_dense`` converts numpy metadata before a jit boundary, where int64 would wrap)."""
     info = np.iinfo(x.dtype)
     if info.min < _I32.min or info.max > _I32.max:
         lo, hi = max(info.min, _I32.min), min(info.max, _I32.max)
         x = np.clip(x, lo, hi) if isinstance(x, (np.ndarray, np.generic)) else jnp.clip(x, lo, hi)
-    return jnp.asarray(x).astype(jnp.int32)
-
-
-def _np_int32(x):
-    """``_to_int32`` of a numpy integer array, in numpy."""
-    info = np.iinfo(x.dtype)
-    if info.min < _I32.min or info.max > _I32.max:
-        x = np.clip(x, max(info.min, _I32.min), min(info.max, _I32.max))
-    return x.astype(np.int32)
+    return xp.asarray(x).astype(xp.int32)
 
 
 def _repeated_runs(ids, xp):
