@@ -249,11 +249,13 @@ def bench_flex(mask, n, md, backend, windows, min_repeat_s):
     dev = "cuda"
     L, b = W.seq_len(mask, n), W.batch_for(n)
     mm = W.torch_mask_mod(mask, n, md, torch, dev)
+    mb = W.torch_mask_mod(mask, n, md, torch, dev, block_mask=True)
     bsz = None if md is None else b            # metadata-free masks: one block mask for all
     cbm = W.torch_compile_fresh(torch, create_block_mask)
-    pre = 1e3 * timing.torch_time(lambda: cbm(mm, bsz, None, L, L, device=dev), warmup=3,
+    pre = 1e3 * timing.torch_time(lambda: cbm(mb, bsz, None, L, L, device=dev), warmup=3,
                                   windows=windows, min_repeat_s=min_repeat_s)
-    bm = cbm(mm, bsz, None, L, L, device=dev)
+    bm = cbm(mb, bsz, None, L, L, device=dev)
+    bm.mask_mod = mm                           # the attention kernel's own (same mask)
     q, k, v, do = _torch_inputs(torch, dev, (b, W.HEADS, L, W.HEAD_DIM), n)
     opts = {"BACKEND": "FLASH"} if backend == "fa4" else {"BACKEND": "TRITON"}
     fn = W.torch_compile_fresh(torch, flex_attention)
@@ -337,6 +339,63 @@ def table(records):
     return "\n".join(lines)
 
 
+def _without(argv, valued=(), switches=()):
+    """argv less each ``--flag value`` / ``--flag=value`` of ``valued`` and each ``--flag``
+    of ``switches``."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in valued:
+            skip = True
+        elif a not in switches and not any(a.startswith(f + "=") for f in valued):
+            out.append(a)
+    return out
+
+
+def prewarm(argv, ns, masks, workers, limit_s):
+    """Compile every (n, mask) configuration of this run in ``workers`` parallel worker
+    processes (this script on one N and one mask, untimed: shortest loops, records thrown
+    away). What they compile lands in the disk caches, so the timed pass that follows loads
+    it. Nothing is timed while they run. Returns {(n, mask): finished in time}."""
+    import subprocess
+    import tempfile
+    base = _without(argv, ("--ns", "--masks", "--out", "--min-repeat-s", "--prewarm",
+                           "--prewarm-s", "--budget-s"), ("--check",))
+    todo = [(n, m) for n in ns for m in masks]
+    tmp = tempfile.mkdtemp(prefix="prewarm-")
+    running, done, t0 = [], {}, time.time()
+    print(f"prewarm: {len(todo)} configurations, {workers} at a time", flush=True)
+    while todo or running:
+        while todo and len(running) < workers:
+            n, m = todo.pop(0)
+            log = open(os.path.join(tmp, f"{m}-{n}.log"), "w")
+            cmd = [sys.executable, os.path.abspath(__file__), *base, "--ns", str(n),
+                   "--masks", m, "--min-repeat-s", "0.001", "--budget-s", "100000",
+                   "--out", os.path.join(tmp, f"{m}-{n}.json")]
+            running.append(((n, m), subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT),
+                            time.time()))
+        for item in list(running):
+            (n, m), proc, start = item
+            if proc.poll() is not None:
+                done[(n, m)] = proc.returncode == 0
+                print(f"prewarm: {m} {n} rc {proc.returncode} in {time.time() - start:.0f} s",
+                      flush=True)
+                running.remove(item)
+        if time.time() - t0 > limit_s:
+            for (n, m), proc, start in running:
+                proc.kill()
+                proc.wait()
+                done[(n, m)] = False
+                print(f"prewarm: {m} {n} stopped after {time.time() - start:.0f} s", flush=True)
+            for n, m in todo:
+                done[(n, m)] = False
+            break
+        time.sleep(0.5)
+    print(f"prewarm: {time.time() - t0:.0f} s", flush=True)
+    return done
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -365,6 +424,15 @@ def main(argv=None):
     ap.add_argument("--out", default=os.path.join(HERE, "results", "h200-total.json"))
     ap.add_argument("--smoke", action="store_true",
                     help="tiny shapes, jcompilemask only (any machine, CPU included)")
+    ap.add_argument("--prewarm", type=int, default=0, metavar="P",
+                    help="before timing, compile every (N, mask) configuration in P parallel "
+                         "worker processes (same arguments, untimed) so the timed pass loads "
+                         "kernels from the disk caches (jcompilemask's CuTe cache, inductor's, "
+                         "FA4's with FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1): a table of "
+                         "several N then fits one device call")
+    ap.add_argument("--prewarm-s", type=float, default=240,
+                    help="wall-clock limit of the prewarm phase (workers still running are "
+                         "stopped; their configurations compile in the timed pass)")
     args = ap.parse_args(argv)
     try:
         variants = parse_variants(args.jcm_variants)
@@ -374,6 +442,10 @@ def main(argv=None):
         os.environ["JCOMPILEMASK_CUTE_BACKWARD"] = "0"
     ns = SMOKE["ns"] if args.smoke else [int(x) for x in args.ns.split(",")]
     impls = ["jcm"] if args.smoke else args.impls.split(",")
+    prewarmed = None
+    if args.prewarm > 0:
+        prewarmed = prewarm(argv if argv is not None else sys.argv[1:], ns,
+                            args.masks.split(","), args.prewarm, args.prewarm_s)
     clocks.start()                       # sampling runs before the first timed loop
     records, t0 = [], time.time()
     skip = {x.strip() for x in args.skip.split(",") if x.strip()}
@@ -385,6 +457,8 @@ def main(argv=None):
     def save(rec):
         nonlocal device
         rec["elapsed_s"] = round(time.time() - t0, 1)   # where a call's budget goes
+        if prewarmed is not None:
+            rec["prewarmed"] = prewarmed.get((rec["n"], rec["mask"]), False)
         records.append(rec)
         print(json.dumps(rec), flush=True)
         try:

@@ -130,10 +130,15 @@ def torch_compile_fresh(torch, fn):
     return torch.compile(fn)
 
 
-def torch_mask_mod(mask, n, md, torch, dev):
+def torch_mask_mod(mask, n, md, torch, dev, block_mask=False):
     """FlexAttention mask_mod of a workload (per-sequence metadata as device tensors).
     Every length is read from a tensor, never closed over as a Python int: torch.compile
-    turns such ints into symbols once it sees a second N, which breaks vmap'd adds."""
+    turns such ints into symbols once it sees a second N, which breaks vmap'd adds.
+    CLEAR's image width is a constant in the attention kernel's mask_mod (a power of two:
+    its // and % become shifts, as a user would write it); ``block_mask=True`` gives the
+    same mask with the width read from a tensor, for ``create_block_mask``: with the
+    constant 128 (N = 8192), ptxas ran > 150 s on its Triton kernel and never finished
+    in a device call (H200, 2026-12-02)."""
     if mask == "causal":
         return lambda b, h, q, k: q >= k
     if mask in ("block_causal", "block_causal_intervals"):
@@ -167,7 +172,7 @@ def torch_mask_mod(mask, n, md, torch, dev):
         return mm
     if mask == "clear":
         tl, il = t["text_len"], t["image_len"]
-        w = clear_width(n)
+        w = torch.as_tensor(clear_width(n), device=dev) if block_mask else clear_width(n)
 
         def mm(b, h, q, k):
             tt, nn = tl[b], il[b]

@@ -142,6 +142,20 @@ def test_bench_total_skip_and_elapsed(tmp_path):
                   "--out", str(tmp_path / "t.json")])
 
 
+def test_bench_total_prewarm(tmp_path):
+    """--prewarm P: every (N, mask) configuration first runs untimed in a worker process
+    (the same arguments less the timing / output ones), then the timed pass; each record
+    says whether its configuration's worker finished."""
+    mod = _bench_module("bench_total")
+    argv = ["--ns", "8", "--masks", "a", "--out", "x.json", "--min-repeat-s=2", "--prewarm",
+            "3", "--prewarm-s", "9", "--check", "--impls", "jcm"]
+    assert mod._without(argv, ("--ns", "--masks", "--out", "--min-repeat-s", "--prewarm",
+                               "--prewarm-s"), ("--check",)) == ["--impls", "jcm"]
+    recs = mod.main(["--smoke", "--masks", "causal", "--prewarm", "1",
+                     "--out", str(tmp_path / "p.json")])
+    assert len(recs) == 1 and "error" not in recs[0] and recs[0]["prewarmed"] is True
+
+
 def test_bench_total_variants_and_check(tmp_path, monkeypatch):
     """--jcm-variants: one record per entry, named by its tag, each traced under its own
     environment (restored after); --check records "ok" for the jcm gradients."""

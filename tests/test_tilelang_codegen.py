@@ -137,6 +137,37 @@ def test_cache_key_is_typed_and_stable(tmp_path):
     assert len(calls) == 2
 
 
+def test_cache_without_reload_keeps_the_build(tmp_path):
+    """reload=False (the CuTe kernels): the building process keeps its own object; the
+    next process loads the saved one; a save that fails warns and keeps the build."""
+    from jcompilemask.ffi import CompileCache, KernelKey
+    key = KernelKey("cute-forward", "", ("t",), ("bfloat16",), (), "f00", (("x", "1"),))
+    calls = []
+
+    def build():
+        calls.append(1)
+        return "built"
+
+    def save(obj, path):
+        open(path, "w").write(obj)
+
+    def load(path):
+        return open(path).read() + "+loaded"
+
+    kw = dict(load=load, save=save, reload=False, announce=False)
+    assert CompileCache(tmp_path).get_or_build(key, build, **kw) == "built"
+    assert CompileCache(tmp_path).get_or_build(key, build, **kw) == "built+loaded"
+    assert len(calls) == 1
+
+    def bad_save(obj, path):
+        raise RuntimeError("export failed")
+
+    with pytest.warns(RuntimeWarning, match="disk copy .* failed .*export failed.*fresh build"):
+        assert CompileCache(tmp_path / "other").get_or_build(
+            key, build, load=load, save=bad_save, reload=False) == "built"
+    assert not list((tmp_path / "other").rglob("kernel.so"))
+
+
 def test_gpu_errors_are_clear():
     from jcompilemask import ffi
     with pytest.raises(ffi.GpuExtrasMissing, match="pip install"):

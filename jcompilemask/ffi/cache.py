@@ -3,7 +3,7 @@
 Layout on disk (``$JCOMPILEMASK_CACHE_DIR`` or ``~/.cache/jcompilemask``)::
 
     <kind>/<digest>/key.json     the key, readable
-    <kind>/<digest>/kernel.so    the exported library
+    <kind>/<digest>/kernel.so    the exported library (CuTe kernels: kernel.o, an object file)
     <kind>/<digest>/source.py    the generated source (for debugging)
 
 The digest hashes every key field, so a new source text, tile config or library version
@@ -106,14 +106,24 @@ class CompileCache:
     def get_or_build(self, key: KernelKey, build: Callable[[], Any], *,
                      load: Optional[Callable[[str], Any]] = None,
                      save: Optional[Callable[[Any, str], None]] = None,
-                     source: Optional[str] = None):
+                     source: Optional[str] = None, reload: bool = True,
+                     announce: bool = True, filename: str = "kernel.so"):
+        """The object of ``key``: from memory, else ``load``-ed from disk, else ``build()``.
+
+        A fresh build is saved (``save(obj, path)``); with ``reload`` (the default) the
+        saved artifact is loaded back and returned, so this process runs what later ones
+        will; without it the built object is returned as it is. An artifact that fails to
+        load is rebuilt (with a ``RuntimeWarning``), never returned. ``announce`` logs a
+        one-line notice when the build is slow (callers that announce it themselves pass
+        False). ``filename``: the artifact's name in the key's directory.
+        """
         if not isinstance(key, KernelKey):
             raise TypeError(f"cache keys are KernelKey, got {type(key).__name__}")
         with self._lock:
             hit = self._mem.get(key)
             if hit is not None:
                 return hit
-            path = self.path_for(key)
+            path = self.path_for(key, filename)
             obj = None
             if self.disk and load is not None and path.exists():
                 try:
@@ -124,23 +134,29 @@ class CompileCache:
                                   RuntimeWarning, stacklevel=2)
                     obj = None
             if obj is None:
+                import contextlib
                 from .._progress import slow_step
-                with slow_step(f"jcompilemask: building the {key.kind} kernel "
-                               f"(mask {key.mask_fingerprint})"):
+                with (slow_step(f"jcompilemask: building the {key.kind} kernel "
+                                f"(mask {key.mask_fingerprint})") if announce
+                      else contextlib.nullcontext()):
                     built = build()
                 obj = built
                 if self.disk and save is not None:
                     try:
-                        self._save(key, built, save, source)
-                        if load is not None:
+                        self._save(key, built, save, source, filename)
+                        if load is not None and reload:
                             obj = load(str(path))
-                    except OSError:
+                    except Exception as err:   # noqa: BLE001 - the build itself is good
+                        warnings.warn(f"jcompilemask: the {key.kind} kernel built but its "
+                                      f"disk copy {path} failed ({type(err).__name__}: "
+                                      f"{err}); this process uses the fresh build",
+                                      RuntimeWarning, stacklevel=2)
                         obj = built
             self._mem[key] = obj
             return obj
 
-    def _save(self, key, built, save, source):
-        path = self.path_for(key)
+    def _save(self, key, built, save, source, filename="kernel.so"):
+        path = self.path_for(key, filename)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp.so")
         try:

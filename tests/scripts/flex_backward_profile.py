@@ -23,7 +23,9 @@ dev = "cuda"
 L, b = W.seq_len(mask, n), W.batch_for(n)
 md = W.metadata_for(mask, n)
 mm = W.torch_mask_mod(mask, n, md, torch, dev)
-bm = torch.compile(create_block_mask)(mm, None if md is None else b, None, L, L, device=dev)
+mb = W.torch_mask_mod(mask, n, md, torch, dev, block_mask=True)
+bm = torch.compile(create_block_mask)(mb, None if md is None else b, None, L, L, device=dev)
+bm.mask_mod = mm      # the attention kernel's mask_mod (the same mask, constant width)
 g = torch.Generator(device=dev).manual_seed(0)
 q, k, v, do = (torch.randn((b, W.HEADS, L, W.HEAD_DIM), generator=g, device=dev,
                            dtype=torch.bfloat16) for _ in range(4))

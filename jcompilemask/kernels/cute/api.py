@@ -11,6 +11,7 @@ length does not recompile. Importing this module needs neither a GPU nor cutlass
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import threading
 from typing import Any
@@ -292,12 +293,99 @@ def compile_forward(key: ForwardKey):
         return fn
 
 
+DISK_CACHE_ENV = "JCOMPILEMASK_CUTE_DISK_CACHE"
+_EXPORTED = "jcm_kernel"          # the function's name inside an exported object file
+
+
+@functools.lru_cache(maxsize=1)
+def _package_fingerprint() -> str:
+    """sha256 of every .py file of the installed jcompilemask package (path and text):
+    a kernel compiled by other code is never reused."""
+    import hashlib
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[2]
+    h = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        h.update(str(path.relative_to(root)).encode() + b"\0")
+        h.update(path.read_bytes() + b"\0")
+    return h.hexdigest()[:24]
+
+
+def disk_cache_key(key):
+    """The :class:`jcompilemask.ffi.KernelKey` a CuTe kernel is kept under on disk, or None
+    when the disk cache is off for it.
+
+    The disk cache (``$JCOMPILEMASK_CACHE_DIR``, default ``~/.cache/jcompilemask``,
+    ``cute-forward/`` and ``cute-backward/``) lets a new process load a kernel instead of
+    compiling it again (tens of seconds per kernel). The key holds the kernel's FFI target
+    name (every field of the ForwardKey / BackwardKey), a hash of the package's sources,
+    the cutlass-dsl and tvm-ffi versions and ``$CUTE_DSL_ARCH``, so a change to any of
+    them compiles afresh. Off with ``$JCOMPILEMASK_CUTE_DISK_CACHE=0``, and whenever
+    ``$JCOMPILEMASK_CUTE_DUMP_DIR`` or ``$JCOMPILEMASK_CUTE_PTXAS_REMARKS`` asks for a
+    real compile's by-products.
+    """
+    import os
+    from ... import ffi
+    if os.environ.get(DISK_CACHE_ENV, "1").strip() == "0":
+        return None
+    if os.environ.get("JCOMPILEMASK_CUTE_DUMP_DIR") or \
+            os.environ.get("JCOMPILEMASK_CUTE_PTXAS_REMARKS", "") not in ("", "0"):
+        return None
+    kind = "cute-forward" if isinstance(key, ForwardKey) else "cute-backward"
+    return ffi.KernelKey(
+        kind=kind, mask_fingerprint="", shape_class=(key.target_name,), dtypes=(key.dtype,),
+        tile_config=(), source_fingerprint=_package_fingerprint(),
+        versions=ffi.versions("nvidia-cutlass-dsl", "apache-tvm-ffi")
+        + (("CUTE_DSL_ARCH", os.environ.get("CUTE_DSL_ARCH", "")),))
+
+
+def _export(fn, path: str) -> None:
+    """Write a compiled kernel (host launcher + cubin) as an object file."""
+    fn.export_to_c(object_file_path=path, function_name=_EXPORTED)
+
+
+_runtime_preloaded = False
+
+
+def _load_exported(path: str):
+    """The TVM-FFI function of an object file written by :func:`_export`."""
+    global _runtime_preloaded
+    _import_cutlass()
+    import ctypes
+    import os
+    import cutlass.cute as cute
+    if not _runtime_preloaded:
+        # The DSL's runtime libraries go in with RTLD_GLOBAL first: the object file's
+        # references to them (module loading, launch) resolve against these symbols.
+        for lib in cute.runtime.find_runtime_libraries(enable_tvm_ffi=False):
+            if os.path.exists(lib):
+                ctypes.CDLL(lib, mode=ctypes.RTLD_GLOBAL)
+        _runtime_preloaded = True
+    module = cute.runtime.load_module(path, enable_tvm_ffi=True)
+    return getattr(module, _EXPORTED)
+
+
+def kernel_function(key):
+    """The TVM-FFI function of a ForwardKey / BackwardKey: from this process's memory,
+    else from the disk cache (:func:`disk_cache_key`), else compiled (and then saved for
+    the next process; this one keeps the function it compiled)."""
+    build = (lambda: compile_forward(key)) if isinstance(key, ForwardKey) \
+        else (lambda: compile_backward(key))
+    dkey = disk_cache_key(key)
+    if dkey is None:
+        return build()
+    from ... import ffi
+    return ffi.default_cache().get_or_build(dkey, build, load=_load_exported, save=_export,
+                                            reload=False, announce=False,
+                                            filename="kernel.o")
+
+
 def _ensure_registered(key) -> str:
-    """Compile (ForwardKey or BackwardKey) and register as an XLA FFI target, once."""
+    """Compile or load (ForwardKey or BackwardKey) and register as an XLA FFI target, once."""
     name = key.target_name
     if name in _registered:
         return name
-    fn = compile_forward(key) if isinstance(key, ForwardKey) else compile_backward(key)
+    fn = kernel_function(key)
     try:
         import jax_tvm_ffi
     except ImportError as err:  # pragma: no cover
