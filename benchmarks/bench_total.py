@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import faulthandler
 import json
 import os
 import shlex
@@ -430,6 +431,10 @@ def main(argv=None):
                          "kernels from the disk caches (jcompilemask's CuTe cache, inductor's, "
                          "FA4's with FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1): a table of "
                          "several N then fits one device call")
+    ap.add_argument("--stack-after-s", type=float, default=0,
+                    help="a peer record still running after this many seconds prints every "
+                         "thread's Python stack (again each period) to stderr: where a "
+                         "compile stalls (0: never)")
     ap.add_argument("--prewarm-s", type=float, default=240,
                     help="wall-clock limit of the prewarm phase (workers still running are "
                          "stopped; their configurations compile in the timed pass)")
@@ -518,6 +523,8 @@ def main(argv=None):
                     print(f"budget spent; stopping before {impl} {mask} {n}", flush=True)
                     break
                 win = []
+                if args.stack_after_s > 0:        # where a peer's record hangs, if it does
+                    faulthandler.dump_traceback_later(args.stack_after_s, repeat=True)
                 try:
                     if pairs is None:
                         raise RuntimeError("run with impl jcm first (it counts the pairs)")
@@ -532,6 +539,7 @@ def main(argv=None):
                     rec = record(mask, n, impl, pairs, pre, f, s, windows=win)
                 except Exception as e:  # noqa: BLE001 - a failing impl is recorded
                     rec = failed(impl, mask, n, e)
+                faulthandler.cancel_dump_traceback_later()
                 save(rec)
     print("\n" + table(records))
     return records
