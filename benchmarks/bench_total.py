@@ -244,7 +244,10 @@ def _torch_times(torch, fwd, q, k, v, do, windows, min_repeat_s):
     return f * 1e3, s * 1e3
 
 
-def bench_flex(mask, n, md, backend, windows, min_repeat_s):
+def bench_flex(mask, n, md, backend, windows, min_repeat_s, eager_block_mask=False):
+    """FlexAttention's (pre, fwd, step) ms. ``eager_block_mask``: ``create_block_mask``
+    runs uncompiled (it evaluates the mask_mod densely: more memory and a slower ``pre``,
+    the same block mask), for a mask whose compiled block-mask build does not finish."""
     import torch
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
     dev = "cuda"
@@ -252,7 +255,7 @@ def bench_flex(mask, n, md, backend, windows, min_repeat_s):
     mm = W.torch_mask_mod(mask, n, md, torch, dev)
     mb = W.torch_mask_mod(mask, n, md, torch, dev, block_mask=True)
     bsz = None if md is None else b            # metadata-free masks: one block mask for all
-    cbm = W.torch_compile_fresh(torch, create_block_mask)
+    cbm = create_block_mask if eager_block_mask else W.torch_compile_fresh(torch, create_block_mask)
     pre = 1e3 * timing.torch_time(lambda: cbm(mb, bsz, None, L, L, device=dev), warmup=3,
                                   windows=windows, min_repeat_s=min_repeat_s)
     bm = cbm(mb, bsz, None, L, L, device=dev)
@@ -431,6 +434,11 @@ def main(argv=None):
                          "kernels from the disk caches (jcompilemask's CuTe cache, inductor's, "
                          "FA4's with FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1): a table of "
                          "several N then fits one device call")
+    ap.add_argument("--flex-eager-block-mask", default="",
+                    help="comma-separated masks whose FlexAttention block mask is built "
+                         "uncompiled (record field block_mask: eager; its pre_ms is the eager "
+                         "build), e.g. clear: its compiled build sat in ptxas past every "
+                         "device call at 8K")
     ap.add_argument("--stack-after-s", type=float, default=0,
                     help="a peer record still running after this many seconds prints every "
                          "thread's Python stack (again each period) to stderr: where a "
@@ -454,6 +462,7 @@ def main(argv=None):
     clocks.start()                       # sampling runs before the first timed loop
     records, t0 = [], time.time()
     skip = {x.strip() for x in args.skip.split(",") if x.strip()}
+    eager_bm = {x.strip() for x in args.flex_eager_block_mask.split(",") if x.strip()}
     for x in skip:
         if x.count(":") != 1:
             raise SystemExit(f"--skip takes IMPL:MASK pairs (e.g. flex-fa4:causal), got {x!r}")
@@ -535,8 +544,11 @@ def main(argv=None):
                         pre, f, s = bench_cudnn(n, win, args.min_repeat_s)
                     else:
                         pre, f, s = bench_flex(mask, n, md, impl.split("-")[1], win,
-                                               args.min_repeat_s)
+                                               args.min_repeat_s,
+                                               eager_block_mask=mask in eager_bm)
                     rec = record(mask, n, impl, pairs, pre, f, s, windows=win)
+                    if impl.startswith("flex") and mask in eager_bm:
+                        rec["block_mask"] = "eager"
                 except Exception as e:  # noqa: BLE001 - a failing impl is recorded
                     rec = failed(impl, mask, n, e)
                 faulthandler.cancel_dump_traceback_later()

@@ -122,6 +122,22 @@ PY
 }
 
 case $stage in
+  s14b)
+    # row_mask (session 13, compile-checked: shared prompt's masked tile 893 SASS instructions
+    # instead of 2649 statically — the default's column-bits loop skips intervals that miss the
+    # tile at run time, so the executed gain is what this measures): the default and rm beside
+    # Flex+FA4 at 8K and 32K in one call (prewarmed), then the default backward's GPU tests
+    # under rm. Clear's Flex+FA4 record is skipped (its 8K build never finishes; 32K: 0.80x).
+    export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)} FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1
+    left() { local l=$(( ${JCM_STAGE_S:-570} - SECONDS )); (( l < $1 )) && echo $(( l > 5 ? l : 5 )) || echo $1; }
+    b=$(left ${JCM_BENCH_S:-330})
+    timeout -k 5 $b python3 benchmarks/bench_total.py --ns 8192,32768 --masks ${JCM_BENCH_MASKS:-shared_prompt,hstu,clear} \
+      --impls jcm,flex-fa4 --skip flex-fa4:clear --min-repeat-s 0.25 --prewarm 6 --prewarm-s 150 --stack-after-s 150 \
+      --jcm-variants "base=;rm=JCOMPILEMASK_CUTE_BWD_CONFIG=row_mask=1" --budget-s $(( b - 20 )) \
+      --out "$OUT/h200-total-s14b.json" > "$OUT/bench-s14b.log" 2>&1
+    echo "bench rc $? ($SECONDS s)"; pkill -9 -f bench_total; grep -E '^\||FAILED|budget|prewarm' "$OUT/bench-s14b.log" | tail -30
+    JCOMPILEMASK_CUTE_BWD_CONFIG=row_mask=1 bwd_default_tests s14b $(left 230)
+    ;;
   s14a)
     # Session 13: (1) the CuTe kernels' disk cache on the GPU (a second process loads every
     # kernel, compiles none, same results); (2) the shared prompt 8K profile script without
@@ -428,6 +444,8 @@ PY
     # JCM_BENCH_SKIP=flex-fa4:causal leaves out the causal Flex+FA4 records (FA4 native is
     # issue 12's causal peer) so the 8K CLEAR peer fits the call. JCM_BENCH_MASKS picks the
     # masks (CLEAR's Flex+FA4 record alone compiles for > 175 s at 8K: give it its own call).
+    # JCM_FLEX_EAGER=clear builds CLEAR's FlexAttention block mask uncompiled (its compiled
+    # build sat in ptxas past every call at 8K; record field block_mask: eager).
     # JCM_PREWARM=P compiles every (N, mask) in P parallel workers first (bench_total.py
     # --prewarm; JCM_PREWARM_S caps that phase), with FA4's disk cache on, so the timed pass
     # loads kernels from disk and 8K + 32K fit one call.
@@ -436,6 +454,7 @@ PY
     b=${JCM_BENCH_S:-560}
     timeout -k 5 $b python3 benchmarks/bench_total.py --ns ${JCM_BENCH_NS:-32768} --masks ${JCM_BENCH_MASKS:-causal,hstu,shared_prompt,clear} \
       ${JCM_PREWARM:+--prewarm $JCM_PREWARM --prewarm-s ${JCM_PREWARM_S:-220}} --stack-after-s 150 \
+      ${JCM_FLEX_EAGER:+--flex-eager-block-mask $JCM_FLEX_EAGER} \
       --impls jcm,fa4-native,flex-fa4 --min-repeat-s 0.25 ${JCM_BENCH_CHECK:+--check} --skip "${JCM_BENCH_SKIP:-}" \
       --jcm-variants "${JCM_S8_VARIANTS:-base=;sh=JCOMPILEMASK_CUTE_BWD_CONFIG=stats_shfl=1;cs=JCOMPILEMASK_CUTE_BWD_CONFIG=column_bits=0,column_skip=1;cand=JCOMPILEMASK_CUTE_BWD_CONFIG=${JCM_S8_CONFIG:-stats_shfl=1,column_bits=0,column_skip=1}}" \
       --budget-s $(( b - 40 )) --out "$OUT/h200-total-s8.json" > "$OUT/bench-s8.log" 2>&1

@@ -105,6 +105,19 @@ def test_column_bits_compiles_for_sm90(d, kk, kc):
 
 
 @needs_cutlass
+@pytest.mark.parametrize("d,kk,kc,cap", [(128, 2, 13, None), (64, 2, 4, 30.0), (128, 25, 26, None)])
+def test_row_mask_compiles_for_sm90(d, kk, kc, cap):
+    """row_mask: masked tiles tested against the row intervals (shared prompt K 2 / Kc 13 on
+    the D 128 default; HSTU-like at D 64 with a soft cap; any K past the unrolled limit)."""
+    import dataclasses
+    from jcompilemask.kernels.cute.api import BackwardKey, compile_backward, preferred_backward_config
+    cfg = dataclasses.replace(preferred_backward_config(d, softcap=cap is not None), row_mask=True)
+    key = BackwardKey("bfloat16", d, kk, kc, False, False, d ** -0.5, cfg, softcap=cap)
+    assert compile_backward(key) is not None
+    assert cfg.tag.endswith("_rm") and cfg.tag in key.target_name
+
+
+@needs_cutlass
 @pytest.mark.parametrize("d,changes", [(128, dict(ds_stages=1)), (128, dict(stats_early=True)),
                                        (128, dict(lse_early=True, release_do_early=True)),
                                        (64, dict(ds_stages=1, release_do_early=True)),

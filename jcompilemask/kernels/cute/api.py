@@ -745,6 +745,15 @@ class BackwardConfig:
       an impossible 256). dS^T is written to shared memory by the first warpgroup alone.
       Needs 64 x 64 backward tiles (``BWD_TILES_SPLIT``). Not yet run on a GPU.
 
+    - ``row_mask``: a masked tile tests each query column against its K forward row
+      intervals (one vector of 2 K values per column, K tests per element) instead of each
+      key row against its Kc column intervals (Kc per element, or the bit loop), even where
+      the column view is exact; the row path the kernel already takes for sequences whose
+      column view is not exact. Per consumer thread and masked tile at D 128 (2 key rows x
+      16 query columns): shared prompt (K 2, Kc 13) 64 tests instead of 416, HSTU (K 2,
+      Kc 4) 64 instead of 128, CLEAR (K 6, Kc 7) 192 instead of 224. Residual masks keep
+      their own path. Not yet run on the H200.
+
     ``preferred_backward_config`` picks the default per head dim; ``JCOMPILEMASK_CUTE_BWD_CONFIG``
     (e.g. ``ds_stages=1,stats_early=0``) overrides fields at trace time for benchmarks.
     """
@@ -772,6 +781,7 @@ class BackwardConfig:
     ds_first: bool = False
     entry_ahead: bool = False
     split_sdp: bool = False
+    row_mask: bool = False
 
     def __post_init__(self):
         want = BWD_TILES_SPLIT if self.split_dkv else BWD_TILES
@@ -817,7 +827,7 @@ class BackwardConfig:
                 f"{'_ss' if self.static_stage else ''}{'_lp' if self.lse_prefetch else ''}"
                 f"{'_dve' if self.dv_early else '_pe' if self.p_early else ''}"
                 f"{'_dsf' if self.ds_first else ''}{'_ea' if self.entry_ahead and self.work_list else ''}"
-                f"{'_ssdp' if self.split_sdp else ''}")
+                f"{'_ssdp' if self.split_sdp else ''}{'_rm' if self.row_mask else ''}")
 
 
 def preferred_backward_config(head_dim: int, dtype: str = "bfloat16",

@@ -222,6 +222,12 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         self.column_bits = not self.hold_columns and (
             num_bwd_intervals > config.column_bits or num_bwd_intervals > COLUMNS_UNROLLED)
         self.columns_looped = self.column_bits and num_bwd_intervals > COLUMNS_UNROLLED
+        # row_mask: partial tiles are tested against the forward row intervals (K per query
+        # column, as where the column view is not exact) instead of the column view (Kc per
+        # key): fewer tests per element where K < Kc (shared prompt: K 2, Kc 13).
+        self.row_mask = config.row_mask and residual is None
+        if self.row_mask:
+            self.hold_columns = self.column_bits = self.columns_looped = False
         self.rows_looped = num_intervals > INTERVALS_UNROLLED
         # work_list: the query tiles a key column visits, built once per (head, chunk of
         # list_chunk query tiles) by the producer warp into one of two shared buffers.
@@ -754,7 +760,7 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         col_starts = cute.make_rmem_tensor((num_rows, max(kc, 1)), Int32)
         col_lengths = cute.make_rmem_tensor((num_rows, max(kc, 1)), Int32)
         exact = Boolean(False)
-        if const_expr(kc > 0):
+        if const_expr(kc > 0 and not self.row_mask):
             exact = mBwdExact[mask_batch] != 0
         pipeline_kv.consumer_wait(pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1))
 
@@ -1148,6 +1154,9 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         if const_expr(self.residual is not None):
             self.apply_mask_residual(P, tScS, exact, mFwdIntervals, mBwdIntervals, seqlen_q,
                                      seqlen_k, row0, col0, mh, mask_batch, residual_args, fill)
+        elif const_expr(self.row_mask):
+            self.mask_by_rows(P, tScS, mFwdIntervals, seqlen_q, seqlen_k, row0, col0, mh,
+                              mask_batch, fill)
         elif exact and const_expr(self.column_bits):
             # Interval-outer: each of the row's Kc (start, length) pairs is loaded once
             # and tested against the row's columns; bit c of `seen` says column c is
@@ -1207,7 +1216,17 @@ class FlashBackwardSm90(WarpSpecializedSm90):
                         vis = vis | _unsigned_lt(i - col_starts[r, m], col_lengths[r, m])
                     keep = vis & key_ok & (i < seqlen_q)
                     P[r, c] = P[r, c] if keep else Float32(fill)
-        elif const_expr(self.rows_looped):
+        else:
+            self.mask_by_rows(P, tScS, mFwdIntervals, seqlen_q, seqlen_k, row0, col0, mh,
+                              mask_batch, fill)
+
+    @cute.jit
+    def mask_by_rows(self, P, tScS, mFwdIntervals, seqlen_q, seqlen_k, row0, col0, mh,
+                     mask_batch, fill: cutlass.Constexpr[float] = 0.0):
+        """P^T masked by the forward row intervals of each query column (where the column
+        view is not exact, or with ``row_mask``)."""
+        bq, bk = self.block_q, self.block_kv
+        if const_expr(self.rows_looped):
             # Forward row intervals of each query column, K > INTERVALS_UNROLLED: a loop
             # over them (not unrolled), skipping those that miss this tile's keys; bit r of
             # the mask says key row r is visible.
