@@ -136,6 +136,9 @@ case $stage in
       --jcm-variants "base=;rm=JCOMPILEMASK_CUTE_BWD_CONFIG=row_mask=1" --budget-s $(( b - 20 )) \
       --out "$OUT/h200-total-s14b.json" > "$OUT/bench-s14b.log" 2>&1
     echo "bench rc $? ($SECONDS s)"; pkill -9 -f bench_total; grep -E '^\||FAILED|budget|prewarm' "$OUT/bench-s14b.log" | tail -30
+    timeout -k 5 $(left 120) python3 -m pytest -q -rs -p no:cacheprovider \
+      tests/gpu/test_cute_backward.py::test_row_mask_gives_the_default_gradients > "$OUT/pytest-rm-equal.log" 2>&1
+    echo "row_mask == default rc $? ($SECONDS s)"; pkill -9 -f pytest; tail -3 "$OUT/pytest-rm-equal.log"
     JCOMPILEMASK_CUTE_BWD_CONFIG=row_mask=1 bwd_default_tests s14b $(left 230)
     ;;
   s14a)

@@ -492,6 +492,33 @@ def test_repeated_gradients_are_identical(deterministic, cute_backward_on):
                 np.testing.assert_array_equal(again[0], first[0])
 
 
+@needs_gpu
+@pytest.mark.parametrize("name", ["shared_prompt", "clear"])
+def test_row_mask_gives_the_default_gradients(name, cute_backward_on, monkeypatch):
+    """row_mask only changes how a masked tile's visibility is computed, not what it is:
+    dK and dV equal the default's bit for bit (one CTA owns a key tile), dQ up to the
+    order of its additions (deterministic mode: bit for bit)."""
+    rng = np.random.default_rng(11)
+    n = 1000 if name != "clear" else 1100
+    md, spec = metadata(name, 2, n, rng), SPECS[name]
+    ks = jax.random.split(jax.random.key(5), 4)
+    qx, kx, vx, do = (jax.random.normal(kk, (2, n, 4, 128), jnp.float32).astype(jnp.bfloat16)
+                      for kk in ks)
+
+    def grads(config):
+        monkeypatch.setenv("JCOMPILEMASK_CUTE_BWD_CONFIG", config)
+
+        def loss(a, b_, c):
+            o = jcm.mask_attention(a, b_, c, spec, metadata=md, implementation="cute",
+                                   deterministic=True)
+            return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32))
+        return [np.asarray(x) for x in jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(qx, kx, vx)]
+
+    base, rows = grads(""), grads("row_mask=1")
+    for a, b_ in zip(base, rows):
+        np.testing.assert_array_equal(a, b_)
+
+
 def test_explain_says_which_backward_runs(monkeypatch):
     """explain(call) names the backward and why (checked with the cute backend marked
     available, which this machine may not be)."""

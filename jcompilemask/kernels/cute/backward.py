@@ -71,7 +71,7 @@ from .api import BackwardConfig, dq_warpgroups
 from .residual_ops import CuteOps
 from .common import (COLUMNS_UNROLLED, INTERVALS_UNROLLED, WarpSpecializedSm90, _as_a_operand,
                      build_tile_list, _rows_view, _unsigned_lt,
-                     bulk_reduce_add_f32, issue_wgmma, ld_acquire_s32, nanosleep,
+                     bulk_reduce_add_f32, issue_wgmma, ld_acquire_s32, ld_pair_s32, nanosleep,
                      red_release_add_s32, smem_tensor, tile_bits, tma_tiles)
 
 _LOG2_E = math.log2(math.e)
@@ -1259,8 +1259,16 @@ class FlashBackwardSm90(WarpSpecializedSm90):
                 starts = cute.make_rmem_tensor(self.num_intervals, Int32)
                 lengths = cute.make_rmem_tensor(self.num_intervals, Int32)
                 for m in cutlass.range_constexpr(self.num_intervals):
-                    starts[m] = mFwdIntervals[mask_batch, mh, safe, m, 0]
-                    lengths[m] = mFwdIntervals[mask_batch, mh, safe, m, 1]
+                    if const_expr(self.row_mask):
+                        # One 8-byte load per (start, length): every pair starts at an
+                        # even int32 offset of a buffer XLA aligns to >= 16 bytes.
+                        lo, n = ld_pair_s32(
+                            mFwdIntervals[mask_batch, mh, safe, m, None].iterator.llvm_ptr)
+                        starts[m] = lo
+                        lengths[m] = n
+                    else:
+                        starts[m] = mFwdIntervals[mask_batch, mh, safe, m, 0]
+                        lengths[m] = mFwdIntervals[mask_batch, mh, safe, m, 1]
                 for r in cutlass.range_constexpr(cute.size(P, mode=[0])):
                     j = row0 + tScS[r, c][0]
                     vis = Boolean(False)

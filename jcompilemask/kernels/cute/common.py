@@ -68,6 +68,17 @@ def ld_acquire_s32(gmem_ptr, *, loc=None, ip=None) -> Int32:
 
 
 @dsl_user_op
+def ld_pair_s32(gmem_ptr, *, loc=None, ip=None):
+    """``ld.global.nc.b64``: two adjacent int32 of read-only global memory (8-byte aligned),
+    e.g. an interval's (start, length), in one load. Returns (first, second)."""
+    p = llvm.ptrtoint(cutlass.Int64.mlir_type, gmem_ptr, loc=loc, ip=ip)
+    v = cutlass.Int64(llvm.inline_asm(
+        cutlass.Int64.mlir_type, [p], "ld.global.nc.b64 $0, [$1];", "=l,l",
+        has_side_effects=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+    return Int32(v), Int32(v >> 32)
+
+
+@dsl_user_op
 def red_release_add_s32(gmem_ptr, value: int, *, loc=None, ip=None) -> None:
     """``red.release.gpu.global.add.s32``: bump a semaphore after this thread's earlier
     writes (and the bulk operations it waited for) are visible GPU-wide."""
