@@ -753,8 +753,9 @@ class BackwardConfig:
       16 query columns): shared prompt (K 2, Kc 13) 64 tests instead of up to 416 (the
       default's bit loop skips, at run time, the column intervals that miss the tile),
       HSTU (K 2, Kc 4) 64 instead of up to 128, CLEAR (K 6, Kc 7) 192 instead of up to
-      224; one 8-byte load per (start, length); static SASS of the shared prompt's masked tile 859 instructions instead of 2649, 0 B stack
-      (NOTES.md, session 13). Residual masks keep their own path. Not yet run on the H200.
+      224. Each (start, length) is one 8-byte load; static SASS of the shared prompt's
+      masked tile: 859 instructions instead of 2649, 0 B stack (NOTES.md, session 13).
+      Residual masks keep their own path. Not yet run on the H200.
 
     ``preferred_backward_config`` picks the default per head dim; ``JCOMPILEMASK_CUTE_BWD_CONFIG``
     (e.g. ``ds_stages=1,stats_early=0``) overrides fields at trace time for benchmarks.
