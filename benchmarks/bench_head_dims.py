@@ -142,12 +142,27 @@ def main(argv=None):
     p.add_argument("--budget-s", type=float, default=1e9)
     p.add_argument("--out", default=None)
     p.add_argument("--smoke", action="store_true")
+    p.add_argument("--prewarm", type=int, default=0, metavar="P",
+                   help="first run every (N, config) untimed in P parallel worker processes "
+                        "(prewarm.py): the timed pass then loads the kernels from the disk "
+                        "caches")
+    p.add_argument("--prewarm-s", type=float, default=200,
+                   help="wall-clock limit of the prewarm phase")
     args = p.parse_args(argv)
     os.environ[EXPERIMENTAL_ENV] = "1"      # the configs under test (read at trace time)
     ns = [int(x) for x in args.ns.split(",")] if not args.smoke else [256]
     xla_ns = {int(x) for x in args.xla_ns.split(",") if x} if not args.smoke else set(ns)
     impls = args.impls.split(",") if not args.smoke else ["jcm-xla"]
     configs = args.configs.split(",")
+    prewarmed = None
+    if args.prewarm > 0:
+        import prewarm as P
+        argv_ = argv if argv is not None else sys.argv[1:]
+        base = P.without(argv_, ("--ns", "--configs", "--out", "--min-repeat-s", "--prewarm",
+                                 "--prewarm-s", "--budget-s"))
+        jobs = [((n, c), ["--ns", str(n), "--configs", c, "--min-repeat-s", "0.001",
+                          "--out", "{out}"]) for n in ns for c in configs]
+        prewarmed = P.run(os.path.abspath(__file__), base, jobs, args.prewarm, args.prewarm_s)
     t0, records = time.time(), []
     kw = dict(min_repeat_s=args.min_repeat_s if not args.smoke else 0.01,
               repeats=5 if not args.smoke else 1, warmup=2 if not args.smoke else 1)
@@ -189,6 +204,8 @@ def main(argv=None):
                 except Exception as e:  # noqa: BLE001 - a peer without this config: say so
                     rec = record(config, n, impl, d, dv, cap,
                                  error=f"{type(e).__name__}: " + " ".join(str(e).split())[:300])
+                if prewarmed is not None:
+                    rec["prewarmed"] = prewarmed.get((n, config), False)
                 records.append(rec)
                 print(json.dumps(rec), flush=True)
                 save()

@@ -60,6 +60,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 import clocks  # noqa: E402  (run id, SM clock / power medians of every record)
+import prewarm as P  # noqa: E402  (--prewarm: configurations compiled in parallel first)
 import timing  # noqa: E402  (one timing method for every impl)
 import workloads as W  # noqa: E402
 from bench_forward import _merge  # noqa: E402  (one merge)
@@ -343,61 +344,15 @@ def table(records):
     return "\n".join(lines)
 
 
-def _without(argv, valued=(), switches=()):
-    """argv less each ``--flag value`` / ``--flag=value`` of ``valued`` and each ``--flag``
-    of ``switches``."""
-    out, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-        elif a in valued:
-            skip = True
-        elif a not in switches and not any(a.startswith(f + "=") for f in valued):
-            out.append(a)
-    return out
-
-
 def prewarm(argv, ns, masks, workers, limit_s):
-    """Compile every (n, mask) configuration of this run in ``workers`` parallel worker
-    processes (this script on one N and one mask, untimed: shortest loops, records thrown
-    away). What they compile lands in the disk caches, so the timed pass that follows loads
-    it. Nothing is timed while they run. Returns {(n, mask): finished in time}."""
-    import subprocess
-    import tempfile
-    base = _without(argv, ("--ns", "--masks", "--out", "--min-repeat-s", "--prewarm",
-                           "--prewarm-s", "--budget-s"), ("--check",))
-    todo = [(n, m) for n in ns for m in masks]
-    tmp = tempfile.mkdtemp(prefix="prewarm-")
-    running, done, t0 = [], {}, time.time()
-    print(f"prewarm: {len(todo)} configurations, {workers} at a time", flush=True)
-    while todo or running:
-        while todo and len(running) < workers:
-            n, m = todo.pop(0)
-            log = open(os.path.join(tmp, f"{m}-{n}.log"), "w")
-            cmd = [sys.executable, os.path.abspath(__file__), *base, "--ns", str(n),
-                   "--masks", m, "--min-repeat-s", "0.001", "--budget-s", "100000",
-                   "--out", os.path.join(tmp, f"{m}-{n}.json")]
-            running.append(((n, m), subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT),
-                            time.time()))
-        for item in list(running):
-            (n, m), proc, start = item
-            if proc.poll() is not None:
-                done[(n, m)] = proc.returncode == 0
-                print(f"prewarm: {m} {n} rc {proc.returncode} in {time.time() - start:.0f} s",
-                      flush=True)
-                running.remove(item)
-        if time.time() - t0 > limit_s:
-            for (n, m), proc, start in running:
-                proc.kill()
-                proc.wait()
-                done[(n, m)] = False
-                print(f"prewarm: {m} {n} stopped after {time.time() - start:.0f} s", flush=True)
-            for n, m in todo:
-                done[(n, m)] = False
-            break
-        time.sleep(0.5)
-    print(f"prewarm: {time.time() - t0:.0f} s", flush=True)
-    return done
+    """Each (n, mask) configuration of this run once in a worker process (this script on
+    one N and one mask, shortest loops, records thrown away; ``prewarm.run``), so the timed
+    pass loads what they compiled. Returns {(n, mask): finished in time}."""
+    base = P.without(argv, ("--ns", "--masks", "--out", "--min-repeat-s", "--prewarm",
+                            "--prewarm-s", "--budget-s"), ("--check",))
+    jobs = [((n, m), ["--ns", str(n), "--masks", m, "--min-repeat-s", "0.001",
+                      "--budget-s", "100000", "--out", "{out}"]) for n in ns for m in masks]
+    return P.run(os.path.abspath(__file__), base, jobs, workers, limit_s)
 
 
 def main(argv=None):

@@ -624,7 +624,9 @@ PY
     export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
     t=tests/gpu/test_cute_head_dims.py
     left() { local l=$(( ${JCM_STAGE_S:-570} - SECONDS )); (( l < $1 )) && echo $(( l > 5 ? l : 5 )) || echo $1; }
-    ok=""
+    # JCM_HDIMS_OK: configs whose smoke passed in an earlier call (session 13, s14a: d256
+    # d192 cap128), timed without repeating it.
+    ok=" ${JCM_HDIMS_OK:-}"
     for c in ${JCM_HDIMS_SMOKE:-cap128 d256 d192 cap64 d256cap}; do   # JCM_HDIMS_SMOKE: a subset, in order
       timeout -k 5 $(left 75) python3 -m pytest -q -x -p no:cacheprovider "$t::test_fully_masked_rows[$c]" \
         > "$OUT/smoke-$c.log" 2>&1
@@ -648,8 +650,10 @@ PY
     [[ $ok == *d192* ]] && cfgs="$cfgs,d192"
     cfgs="$cfgs,d64"
     b=$(left 260)
+    export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1
     timeout -k 5 $b python3 benchmarks/bench_head_dims.py --ns 32768,8192 --configs "$cfgs" \
       --impls jcm-cute,fa4-native,jax-cudnn,jcm-xla --xla-ns 8192 --min-repeat-s 0.15 \
+      ${JCM_HDIMS_PREWARM:+--prewarm $JCM_HDIMS_PREWARM --prewarm-s ${JCM_HDIMS_PREWARM_S:-120}} \
       --budget-s $(( b - 40 )) --out "$OUT/h200-head-dims.json" > "$OUT/bench-hdims.log" 2>&1
     echo "bench rc $? ($SECONDS s; configs $cfgs)"; pkill -9 -f bench_head_dims.py 2>/dev/null
     grep -E '^\{|budget' "$OUT/bench-hdims.log" | cut -c1-330 | tail -40

@@ -149,8 +149,9 @@ def test_bench_total_prewarm(tmp_path):
     mod = _bench_module("bench_total")
     argv = ["--ns", "8", "--masks", "a", "--out", "x.json", "--min-repeat-s=2", "--prewarm",
             "3", "--prewarm-s", "9", "--check", "--impls", "jcm"]
-    assert mod._without(argv, ("--ns", "--masks", "--out", "--min-repeat-s", "--prewarm",
-                               "--prewarm-s"), ("--check",)) == ["--impls", "jcm"]
+    import prewarm
+    assert prewarm.without(argv, ("--ns", "--masks", "--out", "--min-repeat-s", "--prewarm",
+                                  "--prewarm-s"), ("--check",)) == ["--impls", "jcm"]
     recs = mod.main(["--smoke", "--masks", "causal", "--prewarm", "1",
                      "--out", str(tmp_path / "p.json")])
     assert len(recs) == 1 and "error" not in recs[0] and recs[0]["prewarmed"] is True
@@ -276,3 +277,6 @@ def test_bench_head_dims_smoke_records(tmp_path, monkeypatch):
     by = {r["config"]: r for r in recs}
     assert by["d192"]["head_dim"] != by["d192"]["head_dim_v"] and by["d128cap"]["softcap"] == 30.0
     assert json.loads(out.read_text())["smoke"] is True
+    # --prewarm: the configuration first runs untimed in a worker process
+    recs = mod.main(["--smoke", "--configs", "d64", "--prewarm", "1", "--out", str(out)])
+    assert len(recs) == 1 and recs[0]["prewarmed"] is True and "error" not in recs[0]
