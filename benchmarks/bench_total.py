@@ -41,7 +41,11 @@ reference under the tolerance policy (``jcompilemask.testing``).
 
 Configurations run largest N first and stop when ``--budget-s`` is spent; records are
 merged into ``--out`` after each one, each with ``elapsed_s`` (seconds since the start: where
-a device call's budget went).
+a device call's budget went). ``--prewarm P`` first runs every (N, mask) configuration
+untimed in P parallel worker processes (``prewarm.py``), so the timed pass loads compiled
+kernels from the disk caches instead of compiling them (records then carry ``prewarmed``:
+whether their configuration's worker finished); issue 12's 8K + 32K table fits one device
+call only this way.
 """
 from __future__ import annotations
 
