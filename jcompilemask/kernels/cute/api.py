@@ -319,7 +319,8 @@ def disk_cache_key(key):
     ``cute-forward/`` and ``cute-backward/``) lets a new process load a kernel instead of
     compiling it again (tens of seconds per kernel). The key holds the kernel's FFI target
     name (every field of the ForwardKey / BackwardKey), a hash of the package's sources,
-    the cutlass-dsl and tvm-ffi versions and ``$CUTE_DSL_ARCH``, so a change to any of
+    the versions of cutlass-dsl (and of its compiler libraries) and tvm-ffi, and
+    ``$CUTE_DSL_ARCH``, so a change to any of
     them compiles afresh. Off with ``$JCOMPILEMASK_CUTE_DISK_CACHE=0``, and whenever
     ``$JCOMPILEMASK_CUTE_DUMP_DIR`` or ``$JCOMPILEMASK_CUTE_PTXAS_REMARKS`` asks for a
     real compile's by-products.
@@ -335,7 +336,9 @@ def disk_cache_key(key):
     return ffi.KernelKey(
         kind=kind, mask_fingerprint="", shape_class=(key.target_name,), dtypes=(key.dtype,),
         tile_config=(), source_fingerprint=_package_fingerprint(),
-        versions=ffi.versions("nvidia-cutlass-dsl", "apache-tvm-ffi")
+        versions=ffi.versions("nvidia-cutlass-dsl", "nvidia-cutlass-dsl-libs-base",
+                              "nvidia-cutlass-dsl-libs-cu12", "nvidia-cutlass-dsl-libs-cu13",
+                              "apache-tvm-ffi")
         + (("CUTE_DSL_ARCH", os.environ.get("CUTE_DSL_ARCH", "")),))
 
 
