@@ -257,8 +257,7 @@ def bench_flex(mask, n, md, backend, windows, min_repeat_s, eager_block_mask=Fal
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
     dev = "cuda"
     L, b = W.seq_len(mask, n), W.batch_for(n)
-    mm = W.torch_mask_mod(mask, n, md, torch, dev)
-    mb = W.torch_mask_mod(mask, n, md, torch, dev, block_mask=True)
+    mm, mb = W.torch_mask_mods(mask, n, md, torch, dev)
     bsz = None if md is None else b            # metadata-free masks: one block mask for all
     cbm = create_block_mask if eager_block_mask else W.torch_compile_fresh(torch, create_block_mask)
     pre = 1e3 * timing.torch_time(lambda: cbm(mb, bsz, None, L, L, device=dev), warmup=3,

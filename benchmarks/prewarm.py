@@ -44,10 +44,10 @@ def run(script, base, jobs, workers, limit_s):
             name, extra = todo.pop(0)
             tag = "-".join(str(x) for x in (name if isinstance(name, tuple) else (name,)))
             out = os.path.join(tmp, f"{tag}.json")
-            log = open(os.path.join(tmp, f"{tag}.log"), "w")
             cmd = [sys.executable, script, *base, *[a.replace("{out}", out) for a in extra]]
-            running.append((name, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT),
-                            time.time()))
+            with open(os.path.join(tmp, f"{tag}.log"), "w") as log:   # the child keeps its copy
+                proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+            running.append((name, proc, time.time()))
         for item in list(running):
             name, proc, start = item
             if proc.poll() is not None:

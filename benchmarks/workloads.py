@@ -130,6 +130,14 @@ def torch_compile_fresh(torch, fn):
     return torch.compile(fn)
 
 
+def torch_mask_mods(mask, n, md, torch, dev):
+    """(the attention's mask_mod, ``create_block_mask``'s): one function, except CLEAR's
+    block-mask one, which reads its width from a tensor (``torch_mask_mod``)."""
+    mm = torch_mask_mod(mask, n, md, torch, dev)
+    return mm, (torch_mask_mod(mask, n, md, torch, dev, block_mask=True)
+                if mask == "clear" else mm)
+
+
 def torch_mask_mod(mask, n, md, torch, dev, block_mask=False):
     """FlexAttention mask_mod of a workload (per-sequence metadata as device tensors).
     Every length is read from a tensor, never closed over as a Python int: torch.compile

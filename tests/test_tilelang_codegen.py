@@ -103,13 +103,9 @@ def test_fallback_masks_are_refused_with_a_reason():
         generate(cm, TileConfig(64, 64, 64, 64))
 
 
-def test_cache_key_is_typed_and_stable(tmp_path):
-    from jcompilemask.ffi import CompileCache, KernelKey
-    key = KernelKey("tilelang-preprocess", "abc", ("dyn",), ("int32",), (128, 128), "f00",
-                    (("tilelang", "0.1.15"),))
-    assert key.digest() == KernelKey(**{f: getattr(key, f) for f in key.__dataclass_fields__}).digest()
-    assert key.target_name().startswith("jcm_tilelang_preprocess_")
-    cache = CompileCache(tmp_path)
+def _text_artifacts():
+    """(calls, build, save, load) of a cache test: builds count in ``calls``; the artifact
+    is a text file and a load marks what it read."""
     calls = []
 
     def build():
@@ -121,6 +117,17 @@ def test_cache_key_is_typed_and_stable(tmp_path):
 
     def load(path):
         return open(path).read() + "+loaded"
+    return calls, build, save, load
+
+
+def test_cache_key_is_typed_and_stable(tmp_path):
+    from jcompilemask.ffi import CompileCache, KernelKey
+    key = KernelKey("tilelang-preprocess", "abc", ("dyn",), ("int32",), (128, 128), "f00",
+                    (("tilelang", "0.1.15"),))
+    assert key.digest() == KernelKey(**{f: getattr(key, f) for f in key.__dataclass_fields__}).digest()
+    assert key.target_name().startswith("jcm_tilelang_preprocess_")
+    cache = CompileCache(tmp_path)
+    calls, build, save, load = _text_artifacts()
 
     assert cache.get_or_build(key, build, load=load, save=save) == "built+loaded"
     assert CompileCache(tmp_path).get_or_build(key, build, load=load, save=save) == "built+loaded"
@@ -142,18 +149,7 @@ def test_cache_without_reload_keeps_the_build(tmp_path):
     next process loads the saved one; a save that fails warns and keeps the build."""
     from jcompilemask.ffi import CompileCache, KernelKey
     key = KernelKey("cute-forward", "", ("t",), ("bfloat16",), (), "f00", (("x", "1"),))
-    calls = []
-
-    def build():
-        calls.append(1)
-        return "built"
-
-    def save(obj, path):
-        open(path, "w").write(obj)
-
-    def load(path):
-        return open(path).read() + "+loaded"
-
+    calls, build, save, load = _text_artifacts()
     kw = dict(load=load, save=save, reload=False, announce=False)
     assert CompileCache(tmp_path).get_or_build(key, build, **kw) == "built"
     assert CompileCache(tmp_path).get_or_build(key, build, **kw) == "built+loaded"

@@ -11,6 +11,7 @@ never reuses a stale artifact. Writes go through a temporary file and ``os.repla
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import importlib.metadata
@@ -134,7 +135,6 @@ class CompileCache:
                                   RuntimeWarning, stacklevel=2)
                     obj = None
             if obj is None:
-                import contextlib
                 from .._progress import slow_step
                 with (slow_step(f"jcompilemask: building the {key.kind} kernel "
                                 f"(mask {key.mask_fingerprint})") if announce

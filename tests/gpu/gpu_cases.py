@@ -2,6 +2,8 @@
 built-in at sizes that exercise the kernels (wide windows, ragged lengths, padding)."""
 from __future__ import annotations
 
+import importlib.util
+
 import numpy as np
 
 import jcompilemask as jcm
@@ -162,3 +164,22 @@ def compile_checking_remarks(compile_fn, key, monkeypatch, capfd):
     assert "C7512" not in out, (f"ptxas serialized the wgmmas of {key.target_name} (C7512): pick a "
                                 f"config with fewer live registers\n{out[-3000:]}")
     return fn
+
+
+def sm90_gpu_reason():
+    """Why the CuTe kernels cannot run here (None when they can: cutlass-dsl, jax-tvm-ffi and
+    an SM90 GPU visible to JAX)."""
+    if importlib.util.find_spec("cutlass") is None:
+        return "nvidia-cutlass-dsl is not installed"
+    if importlib.util.find_spec("jax_tvm_ffi") is None:
+        return "jax-tvm-ffi is not installed"
+    import jax
+
+    try:
+        gpus = jax.devices("gpu")
+    except RuntimeError:
+        return "no GPU visible to JAX"
+    cc = getattr(gpus[0], "compute_capability", None)
+    if cc is not None and not str(cc).startswith("9"):
+        return f"the kernel needs SM90 (Hopper), found compute capability {cc}"
+    return None

@@ -18,6 +18,8 @@ import pytest
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
+from gpu_cases import sm90_gpu_reason  # noqa: E402  (tests/gpu is on sys.path under pytest)
+
 HAS_CUTLASS = importlib.util.find_spec("cutlass") is not None
 needs_cutlass = pytest.mark.skipif(not HAS_CUTLASS, reason="nvidia-cutlass-dsl is not installed")
 
@@ -86,22 +88,6 @@ def test_export_then_load_in_a_fresh_cache(tmp_path, monkeypatch):
         assert api.kernel_function(key) is built
 
 
-def _sm90_gpu_reason():
-    if not HAS_CUTLASS:
-        return "nvidia-cutlass-dsl is not installed"
-    if importlib.util.find_spec("jax_tvm_ffi") is None:
-        return "jax-tvm-ffi is not installed"
-    import jax
-    try:
-        gpus = jax.devices("gpu")
-    except RuntimeError:
-        return "no GPU visible to JAX"
-    cc = getattr(gpus[0], "compute_capability", None)
-    if cc is not None and not str(cc).startswith("9"):
-        return f"the kernels need SM90 (Hopper), found compute capability {cc}"
-    return None
-
-
 _CHILD = textwrap.dedent("""
     import sys, numpy as np, jax, jax.numpy as jnp
     import jcompilemask as jcm
@@ -127,7 +113,7 @@ _CHILD = textwrap.dedent("""
 
 
 def test_second_process_loads_and_matches_on_gpu(tmp_path):
-    reason = _sm90_gpu_reason()
+    reason = sm90_gpu_reason()
     if reason:
         pytest.skip(reason)
     import numpy as np

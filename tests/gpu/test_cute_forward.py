@@ -16,27 +16,10 @@ import pytest
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
-from gpu_cases import compile_checking_remarks  # noqa: E402  (tests/gpu is on sys.path under pytest)
+from gpu_cases import compile_checking_remarks, sm90_gpu_reason  # noqa: E402  (tests/gpu is on sys.path under pytest)
 
 HAS_CUTLASS = importlib.util.find_spec("cutlass") is not None
 needs_cutlass = pytest.mark.skipif(not HAS_CUTLASS, reason="nvidia-cutlass-dsl is not installed")
-
-
-def _sm90_gpu_reason():
-    if not HAS_CUTLASS:
-        return "nvidia-cutlass-dsl is not installed"
-    if importlib.util.find_spec("jax_tvm_ffi") is None:
-        return "jax-tvm-ffi is not installed"
-    import jax
-
-    try:
-        gpus = jax.devices("gpu")
-    except RuntimeError:
-        return "no GPU visible to JAX"
-    cc = getattr(gpus[0], "compute_capability", None)
-    if cc is not None and not str(cc).startswith("9"):
-        return f"the kernel needs SM90 (Hopper), found compute capability {cc}"
-    return None
 
 
 def test_import_needs_no_gpu():
@@ -312,7 +295,7 @@ def test_variant_matches_reference_on_gpu(head_dim, dtype, softcap, case):
     """Output and LSE within the tolerance policy (jcompilemask.testing) of a float32 reference,
     for each head dim, dtype and soft cap; GQA (4 query heads on 2 KV heads, MQA for fp16),
     ragged Nq / Nk, per-head masks and fully masked rows (random3, random6)."""
-    reason = _sm90_gpu_reason()
+    reason = sm90_gpu_reason()
     if reason:
         pytest.skip(reason)
     import jax
@@ -370,7 +353,7 @@ def _case_inputs(case, seed, key, heads=4, kv_heads=4, B=2, Nq=700, Nk=900):
 
 @pytest.mark.parametrize("case", ["causal", "document", "prefix_window", "random3"])
 def test_matches_reference_on_gpu(case):
-    reason = _sm90_gpu_reason()
+    reason = sm90_gpu_reason()
     if reason:
         pytest.skip(reason)
     import jax
@@ -423,7 +406,7 @@ def test_scheduled_forward_is_bit_identical_on_gpu(case, mode, monkeypatch):
     CTA runs a unit, never its arithmetic: o and lse equal the default grid's bit for bit
     (and so the reference, by the test above). 2 x 4 heads x 6 query tiles = 48 units on
     the GPU's SMs, and on 5 CTAs (num_sms patched) so that each runs ~10."""
-    reason = _sm90_gpu_reason()
+    reason = sm90_gpu_reason()
     if reason:
         pytest.skip(reason)
     import jax
@@ -474,7 +457,7 @@ def test_k_ahead_env(monkeypatch):
 def test_k_ahead_forward_is_bit_identical_on_gpu(case, work_list, monkeypatch):
     """The producer's load order changes when K / V arrive, never the arithmetic: o and lse
     equal the default order's bit for bit, with the bitmap walk and with the work list."""
-    reason = _sm90_gpu_reason()
+    reason = sm90_gpu_reason()
     if reason:
         pytest.skip(reason)
     import jax

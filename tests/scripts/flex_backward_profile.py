@@ -22,8 +22,7 @@ n = int(sys.argv[2]) if len(sys.argv) > 2 else 8192
 dev = "cuda"
 L, b = W.seq_len(mask, n), W.batch_for(n)
 md = W.metadata_for(mask, n)
-mm = W.torch_mask_mod(mask, n, md, torch, dev)
-mb = W.torch_mask_mod(mask, n, md, torch, dev, block_mask=True)
+mm, mb = W.torch_mask_mods(mask, n, md, torch, dev)
 bm = torch.compile(create_block_mask)(mb, None if md is None else b, None, L, L, device=dev)
 bm.mask_mod = mm      # the attention kernel's mask_mod (the same mask, constant width)
 g = torch.Generator(device=dev).manual_seed(0)

@@ -191,13 +191,18 @@ def _options() -> str:
     spills, and remarks such as C7512, wgmmas serialized for want of registers)."""
     import os
     opts = "--enable-tvm-ffi"
-    if os.environ.get("JCOMPILEMASK_CUTE_PTXAS_REMARKS", "") not in ("", "0"):
+    if _ptxas_remarks():
         opts += " remarks{ptx}"
     dump = os.environ.get("JCOMPILEMASK_CUTE_DUMP_DIR")
     if not dump:
         return opts
     os.makedirs(dump, exist_ok=True)
     return f"{opts} --keep-ptx --keep-cubin --dump-dir={dump}"
+
+
+def _ptxas_remarks() -> bool:
+    import os
+    return os.environ.get("JCOMPILEMASK_CUTE_PTXAS_REMARKS", "") not in ("", "0")
 
 
 def _import_cutlass():
@@ -329,8 +334,7 @@ def disk_cache_key(key):
     from ... import ffi
     if os.environ.get(DISK_CACHE_ENV, "1").strip() == "0":
         return None
-    if os.environ.get("JCOMPILEMASK_CUTE_DUMP_DIR") or \
-            os.environ.get("JCOMPILEMASK_CUTE_PTXAS_REMARKS", "") not in ("", "0"):
+    if os.environ.get("JCOMPILEMASK_CUTE_DUMP_DIR") or _ptxas_remarks():
         return None
     kind = "cute-forward" if isinstance(key, ForwardKey) else "cute-backward"
     return ffi.KernelKey(
@@ -347,23 +351,23 @@ def _export(fn, path: str) -> None:
     fn.export_to_c(object_file_path=path, function_name=_EXPORTED)
 
 
-_runtime_preloaded = False
+@functools.lru_cache(maxsize=1)
+def _preload_runtime() -> None:
+    """The DSL's runtime libraries loaded with RTLD_GLOBAL, once: an exported object file's
+    references to them (module loading, launch) resolve against these symbols."""
+    import ctypes
+    import os
+    import cutlass.cute as cute
+    for lib in cute.runtime.find_runtime_libraries(enable_tvm_ffi=False):
+        if os.path.exists(lib):
+            ctypes.CDLL(lib, mode=ctypes.RTLD_GLOBAL)
 
 
 def _load_exported(path: str):
     """The TVM-FFI function of an object file written by :func:`_export`."""
-    global _runtime_preloaded
     _import_cutlass()
-    import ctypes
-    import os
     import cutlass.cute as cute
-    if not _runtime_preloaded:
-        # The DSL's runtime libraries go in with RTLD_GLOBAL first: the object file's
-        # references to them (module loading, launch) resolve against these symbols.
-        for lib in cute.runtime.find_runtime_libraries(enable_tvm_ffi=False):
-            if os.path.exists(lib):
-                ctypes.CDLL(lib, mode=ctypes.RTLD_GLOBAL)
-        _runtime_preloaded = True
+    _preload_runtime()
     module = cute.runtime.load_module(path, enable_tvm_ffi=True)
     return getattr(module, _EXPORTED)
 
