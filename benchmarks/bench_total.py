@@ -381,7 +381,8 @@ def main(argv=None):
                     help="shortest timed loop (s): N back-to-back calls are chosen to last it")
     ap.add_argument("--skip", default="",
                     help="IMPL:MASK pairs not to run, comma-separated (e.g. flex-fa4:causal, "
-                         "where FA4 native is the peer that counts), so a table fits one call")
+                         "where FA4 native is the peer that counts; a variant's record name, "
+                         "e.g. jcm-rm:causal), so a table fits one call")
     ap.add_argument("--budget-s", type=float, default=400)
     ap.add_argument("--out", default=os.path.join(HERE, "results", "h200-total.json"))
     ap.add_argument("--smoke", action="store_true",
@@ -459,6 +460,8 @@ def main(argv=None):
                     continue
                 if impl == "jcm":
                     for tag, env in variants:
+                        if f"{variant_name('jcm', tag)}:{mask}" in skip:
+                            continue             # e.g. --skip jcm-rm:causal
                         if time.time() - t0 > args.budget_s:
                             print(f"budget spent; stopping before jcm {tag} {mask} {n}",
                                   flush=True)
