@@ -394,10 +394,11 @@ def main(argv=None):
                          "FA4's with FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1): a table of "
                          "several N then fits one device call")
     ap.add_argument("--flex-eager-block-mask", default="",
-                    help="comma-separated masks whose FlexAttention block mask is built "
-                         "uncompiled (record field block_mask: eager; its pre_ms is the eager "
-                         "build), e.g. clear: its compiled build sat in ptxas past every "
-                         "device call at 8K")
+                    help="comma-separated masks (MASK, or MASK@N for one length) whose "
+                         "FlexAttention block mask is built uncompiled (record field "
+                         "block_mask: eager; its pre_ms is the eager build), e.g. clear@8192: "
+                         "its compiled build sat in ptxas past every device call at 8K, and "
+                         "the eager build runs out of memory at 32K")
     ap.add_argument("--stack-after-s", type=float, default=0,
                     help="a peer record still running after this many seconds prints every "
                          "thread's Python stack (again each period) to stderr: where a "
@@ -499,6 +500,7 @@ def main(argv=None):
                     if pairs is None:
                         raise RuntimeError("run with impl jcm first (it counts the pairs)")
                     md = W.metadata_for(mask, n)
+                    eager = mask in eager_bm or f"{mask}@{n}" in eager_bm
                     if impl == "fa4-native":
                         pre, f, s = bench_fa4_native(n, win, args.min_repeat_s)
                     elif impl == "jax-cudnn":
@@ -506,9 +508,9 @@ def main(argv=None):
                     else:
                         pre, f, s = bench_flex(mask, n, md, impl.split("-")[1], win,
                                                args.min_repeat_s,
-                                               eager_block_mask=mask in eager_bm)
+                                               eager_block_mask=eager)
                     rec = record(mask, n, impl, pairs, pre, f, s, windows=win)
-                    if impl.startswith("flex") and mask in eager_bm:
+                    if impl.startswith("flex") and eager:
                         rec["block_mask"] = "eager"
                 except Exception as e:  # noqa: BLE001 - a failing impl is recorded
                     rec = failed(impl, mask, n, e)

@@ -447,7 +447,7 @@ PY
     # JCM_BENCH_SKIP=flex-fa4:causal leaves out the causal Flex+FA4 records (FA4 native is
     # issue 12's causal peer) so the 8K CLEAR peer fits the call. JCM_BENCH_MASKS picks the
     # masks (CLEAR's Flex+FA4 record alone compiles for > 175 s at 8K: give it its own call).
-    # JCM_FLEX_EAGER=clear builds CLEAR's FlexAttention block mask uncompiled (its compiled
+    # JCM_FLEX_EAGER=clear@8192 builds CLEAR's 8K FlexAttention block mask uncompiled (its compiled
     # build sat in ptxas past every call at 8K; record field block_mask: eager).
     # JCM_PREWARM=P compiles every (N, mask) in P parallel workers first (bench_total.py
     # --prewarm; JCM_PREWARM_S caps that phase), with FA4's disk cache on, so the timed pass
