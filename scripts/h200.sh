@@ -50,6 +50,7 @@
 #                smoke per config, a subset of tests/gpu/test_cute_head_dims.py, then
 #                benchmarks/bench_head_dims.py (causal 32K + 8K beside FA4 native / cuDNN / xla)
 #   hdimstests   all of tests/gpu/test_cute_head_dims.py (+ the forward's 192/128 cases)
+#   hdimspar     the same spread over JCM_PAR parallel pytest processes (JCM_PAR_SKIP: a regex of ids to leave out)
 #   multigpu     issue 19 on a multi-GPU kind: sharded training step + context parallelism (benchmarks/multi_gpu.py)
 #   kernels      GPU tests of the CuTe forward kernel alone (48 variant cases)
 #   forward      bench_forward (D = 128 causal vs FA4 native, same run) + the step-2 variants
@@ -657,6 +658,47 @@ PY
       --budget-s $(( b - 40 )) --out "$OUT/h200-head-dims.json" > "$OUT/bench-hdims.log" 2>&1
     echo "bench rc $? ($SECONDS s; configs $cfgs)"; pkill -9 -f bench_head_dims.py 2>/dev/null
     grep -E '^\{|budget' "$OUT/bench-hdims.log" | cut -c1-330 | tail -40
+    ;;
+  hdimspar)
+    # The GPU tests of JCM_PAR_FILES (default: issue 15's head-dim file) spread round-robin over
+    # JCM_PAR (default 8) pytest processes on the one GPU: each case compiles its own kernels
+    # (30-40 s of CPU each), so parallel processes fit a file's cases into one call. Cases
+    # whose id matches the regex JCM_PAR_SKIP (passed in an earlier call) are left out. Each
+    # process runs under `timeout JCM_STAGE_S - 20`; the summary counts passed / failed / not
+    # reached per case from the JUnit files.
+    files=${JCM_PAR_FILES:-tests/gpu/test_cute_head_dims.py}
+    python3 -m pytest --collect-only -q -p no:cacheprovider $files 2>/dev/null | grep '::' \
+      | { if [[ -n ${JCM_PAR_SKIP:-} ]]; then grep -Ev "$JCM_PAR_SKIP"; else cat; fi; } > "$OUT/par-ids.txt"
+    np=${JCM_PAR:-8}; echo "$(wc -l < "$OUT/par-ids.txt") cases over $np processes"
+    for i in $(seq 0 $(( np - 1 ))); do
+      awk -v i=$i -v n=$np '(NR - 1) % n == i' "$OUT/par-ids.txt" > "$OUT/par-$i.txt"
+      [[ -s $OUT/par-$i.txt ]] || continue
+      timeout -k 5 $(( ${JCM_STAGE_S:-540} - 20 )) python3 -m pytest -q -rs -p no:cacheprovider \
+        $(cat "$OUT/par-$i.txt") --junitxml="$OUT/junit-par-$i.xml" > "$OUT/pytest-par-$i.log" 2>&1 &
+    done
+    wait; echo "all done ($SECONDS s)"
+    python3 - "$OUT" <<'PY'
+import glob, sys, xml.etree.ElementTree as ET
+out = sys.argv[1]
+want = [l.strip() for l in open(f"{out}/par-ids.txt") if l.strip()]
+seen = {}
+for f in glob.glob(f"{out}/junit-par-*.xml"):
+    for tc in ET.parse(f).getroot().iter("testcase"):
+        name = tc.get("name")
+        kind = "passed"
+        for child in tc:
+            if child.tag in ("failure", "error", "skipped"):
+                kind = child.tag
+        seen[name] = (kind, float(tc.get("time", 0)))
+counts = {}
+for w in want:
+    name = w.split("::")[-1]
+    kind, t = seen.get(name, ("not reached", 0.0))
+    counts[kind] = counts.get(kind, 0) + 1
+    print(f"{kind:12s} {t:6.1f}s {w}")
+print("summary:", counts)
+PY
+    grep -h -E "^(FAILED|ERROR)|Error|assert" "$OUT"/pytest-par-*.log | head -30
     ;;
   hdimstests)
     timeout -k 5 540 python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_cute_head_dims.py \
