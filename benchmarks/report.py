@@ -41,9 +41,9 @@ def _records(path):
 
 
 def load(results_dir):
-    """(forward, preprocess, lowering, total, variants) records, each tagged with the
-    file it came from (``source``)."""
-    fwd, pre, low, total, variants = [], [], [], [], []
+    """(forward, preprocess, lowering, total, variants, head_dims) records, each tagged
+    with the file it came from (``source``)."""
+    fwd, pre, low, total, variants, hdims = [], [], [], [], [], []
     for name in sorted(os.listdir(results_dir)):
         if not name.endswith(".json"):
             continue
@@ -57,6 +57,8 @@ def load(results_dir):
             r = dict(r, source=name)
             if "total_tflops" in r:
                 total.append(r)
+            elif "head_dim" in r and "bwd_ms" in r:
+                hdims.append(r)            # bench_head_dims: fwd / bwd ms per head-dim config
             elif "head_dim" in r and "fwd_tflops" in r:
                 variants.append(r)         # bench_cute_variants: other head dims / cap
             elif "fwd_tflops" in r:
@@ -65,7 +67,39 @@ def load(results_dir):
                 low.append(r)
             elif "ms" in r:
                 pre.append(r)
-    return fwd, pre, low, total, variants
+    return fwd, pre, low, total, variants, hdims
+
+
+def head_dims_table(hdims, ours="jcm-cute"):
+    """Backward ms per head-dim configuration beside the peers of the same run, newest run
+    first; speed = the fastest peer's bwd ms / ours (>= 0.9 is issue 15's line), and the soft
+    cap's cost over the same run's no-cap D 128."""
+    head = ["run", "config (D/Dv, cap)", "N", f"{ours} fwd / bwd ms (MHz)", "peers bwd ms",
+            "speed vs fastest peer", "cap cost (bwd)"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    by = {}
+    for r in hdims:
+        by.setdefault((r.get("run") or r["source"], r["config"], r["n"]), {})[r["impl"]] = r
+    for (run, cfg, n), recs in sorted(by.items(), key=lambda kv: (kv[0][0], kv[0][2]),
+                                      reverse=True):
+        o = recs.get(ours)
+        if o is None:
+            continue
+        peers = {i: r for i, r in recs.items() if i != ours and r.get("bwd_ms")}
+        fast = [r["bwd_ms"] for i, r in peers.items() if not i.startswith("jcm")]
+        cap = ""
+        base = by.get((run, "d128", n), {}).get(ours)
+        if o.get("softcap") and base is not None and o["head_dim"] == 128:
+            cap = f"+{100 * (o['bwd_ms'] / base['bwd_ms'] - 1):.0f}%"
+        mhz = f" ({o['sm_clock_mhz']:.0f})" if o.get("sm_clock_mhz") else ""
+        dims = f"{o['head_dim']}/{o['head_dim_v']}"
+        if o.get("softcap"):
+            dims += f", cap {o['softcap']:g}"
+        named = ", ".join(f"{i} {r['bwd_ms']:.2f}" for i, r in sorted(peers.items())) or "-"
+        speed = f"{min(fast) / o['bwd_ms']:.2f}x" if fast else "-"
+        lines.append(f"| {run} | {cfg} ({dims}) | {_label(n)} | {o['fwd_ms']:.2f} / "
+                     f"{o['bwd_ms']:.2f}{mhz} | {named} | {speed} | {cap} |")
+    return "\n".join(lines) if len(lines) > 2 else ""
 
 
 def variants_table(variants):
@@ -267,7 +301,7 @@ def svg_panels(records, value, title, ylabel, *, log_y=False, ours=None):
 
 def build(results_dir):
     """Write REPORT.md, forward.svg and preprocess.svg; returns the paths written."""
-    fwd, pre, low, total, variants = load(results_dir)
+    fwd, pre, low, total, variants, hdims = load(results_dir)
     fwd, pre = dedupe(fwd, OURS_FWD), dedupe(pre, OURS_PRE)
     # jcm-cute when present (kernel variants such as jcm-cute-st-dqb are extra columns)
     ours_total = ("jcm-cute" if any(r["impl"] == "jcm-cute" for r in total) else
@@ -301,6 +335,9 @@ def build(results_dir):
                   "", "Per-pass times (ms): " + "; ".join(
                       f"{r['impl']} {r['mask']} {_label(r['n'])}: pre {r['pre_ms']}, fwd "
                       f"{r['fwd_ms']}, bwd {r['bwd_ms']}" for r in total) + ".", ""]
+    if hdims:
+        parts += ["## Backward per head-dim configuration (causal; bench_head_dims.py)", "",
+                  head_dims_table(hdims), ""]
     if pre:
         parts += ["## Preprocess (both descriptors), ms", "", preprocess_table(pre), ""]
         notes = sorted({f"{r['impl']}: {r['note']}" for r in pre if r.get("note")})

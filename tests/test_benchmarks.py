@@ -44,8 +44,20 @@ def test_report_tables_ratios_and_svg(tmp_path):
         {"mask": "clear", "n": 1024, "impl": "jcm-tilelang", "ms": 0.1},
         {"mask": "clear", "n": 1024, "impl": "flex-create-block-mask", "ms": 7.0},
     ])
+    hd = dict(mask="causal", n=32768, run="r1", head_dim=128, head_dim_v=128, softcap=None,
+              fwd_ms=10.0)
+    _write(tmp_path / "e-head-dims.json", {"records": [
+        dict(hd, impl="jcm-cute", config="d128", bwd_ms=40.0, sm_clock_mhz=1700.0),
+        dict(hd, impl="fa4-native", config="d128", bwd_ms=36.0),
+        dict(hd, impl="jcm-cute", config="d128cap", softcap=30.0, bwd_ms=46.0),
+        dict(hd, impl="jax-cudnn", config="d128cap", softcap=30.0, bwd_ms=None,
+             error="no soft cap"),
+    ]})
     paths = rep.build(str(tmp_path))
     md = (tmp_path / "REPORT.md").read_text()
+    assert ("| r1 | d128 (128/128) | 32K | 10.00 / 40.00 (1700) | fa4-native 36.00 | 0.90x |  |"
+            in md)
+    assert "| r1 | d128cap (128/128, cap 30) | 32K | 10.00 / 46.00 | - | - | +15% |" in md
     assert "| causal | 2K | 400 | 500 |  | 0.80 |  | 0.80 |" in md
     assert "| hstu | 32K | 600 |  | 300 |  | 2.00 | 2.00 |" in md
     assert "| clear | 1K | 0.1 | 7 | 70.0x |" in md
@@ -65,6 +77,7 @@ def test_report_of_committed_results_builds(tmp_path):
     rep.build(str(tmp_path))
     md = (tmp_path / "REPORT.md").read_text()
     assert "## Forward TF/s" in md and "## Preprocess" in md
+    assert "## Backward per head-dim configuration" in md
 
 
 def test_bench_total_smoke_runs_on_cpu(tmp_path):
