@@ -23,6 +23,7 @@ at 32K) and runs only at ``--xla-ns``. Configurations run in the order given and
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -132,6 +133,38 @@ def record(config, n, impl, d, dv, cap, fwd=None, step=None, windows=(), note=No
     return rec
 
 
+BWD_CONFIG_ENV = "JCOMPILEMASK_CUTE_BWD_CONFIG"
+
+
+def parse_variants(text):
+    """'NAME@CONFIG=CFG;...' -> {NAME: (CONFIG, CFG)} (CFG: FIELD=V,... of BackwardConfig)."""
+    out = {}
+    for item in (x.strip() for x in text.split(";")):
+        if not item:
+            continue
+        head, sep, cfg = item.partition("=")
+        name, at, config = head.partition("@")
+        if not (sep and at and name and cfg) or config not in CONFIGS:
+            raise ValueError(f"--jcm-variants takes NAME@CONFIG=FIELD=V,... with CONFIG in "
+                             f"{sorted(CONFIGS)}, got {item!r}")
+        out[name] = (config, cfg)
+    return out
+
+
+@contextlib.contextmanager
+def backward_config_env(cfg):
+    """$JCOMPILEMASK_CUTE_BWD_CONFIG set to ``cfg`` while the body traces and runs."""
+    old = os.environ.get(BWD_CONFIG_ENV)
+    os.environ[BWD_CONFIG_ENV] = cfg
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(BWD_CONFIG_ENV, None)
+        else:
+            os.environ[BWD_CONFIG_ENV] = old
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--ns", default="8192,32768")
@@ -148,7 +181,15 @@ def main(argv=None):
                         "caches")
     p.add_argument("--prewarm-s", type=float, default=200,
                    help="wall-clock limit of the prewarm phase")
+    p.add_argument("--jcm-variants", default="",
+                   help="backward configs timed beside the default: 'NAME@CONFIG=FIELD=V,...;...' "
+                        "adds impl jcm-cute-NAME at CONFIG with $JCOMPILEMASK_CUTE_BWD_CONFIG set "
+                        "to FIELD=V,... while it runs, e.g. 'sdp@d192=split_sdp=1,ds_stages=1'")
     args = p.parse_args(argv)
+    try:
+        variants = parse_variants(args.jcm_variants)
+    except ValueError as e:
+        p.error(str(e))
     os.environ[EXPERIMENTAL_ENV] = "1"      # the configs under test (read at trace time)
     ns = [int(x) for x in args.ns.split(",")] if not args.smoke else [256]
     xla_ns = {int(x) for x in args.xla_ns.split(",") if x} if not args.smoke else set(ns)
@@ -180,7 +221,8 @@ def main(argv=None):
             d, dv, cap = CONFIGS[config]
             if args.smoke:
                 d, dv = (d // 4, dv // 4)
-            for impl in impls:
+            extra = [f"jcm-cute-{name}" for name, (c, _) in variants.items() if c == config]
+            for impl in impls + (extra if "jcm-cute" in impls else []):
                 if time.time() - t0 > args.budget_s:
                     print(f"budget spent: stopping before {config} {impl} n={n}", flush=True)
                     save()
@@ -191,8 +233,13 @@ def main(argv=None):
                 ikw = dict(kw, windows=win)
                 if impl == "jcm-xla" and not args.smoke:
                     ikw.update(repeats=3, warmup=1, min_repeat_s=0.0, iters=1)
+                name = impl[len("jcm-cute-"):] if impl.startswith("jcm-cute-") else None
                 try:
-                    if impl.startswith("jcm-"):
+                    if name is not None:
+                        with backward_config_env(variants[name][1]):
+                            f, s, note = bench_jcm("jcm-cute", n, b, d, dv, cap, ikw)
+                        note = f"{note}; {BWD_CONFIG_ENV}={variants[name][1]}"
+                    elif impl.startswith("jcm-"):
                         f, s, note = bench_jcm(impl, n, b, d, dv, cap, ikw)
                     elif impl == "fa4-native":
                         f, s, note = bench_fa4(n, b, d, dv, cap, ikw)

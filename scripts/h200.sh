@@ -628,7 +628,12 @@ PY
     # JCM_HDIMS_OK: configs whose smoke passed in an earlier call (session 13, s14a: d256
     # d192 cap128), timed without repeating it.
     ok=" ${JCM_HDIMS_OK:-}"
-    for c in ${JCM_HDIMS_SMOKE:-cap128 d256 d192 cap64 d256cap}; do   # JCM_HDIMS_SMOKE: a subset, in order
+    # JCM_HDIMS_BENCH_ONLY=1: no smoke, no tests (they ran in earlier calls: hdimspar); the
+    # whole call times. JCM_HDIMS_VARIANTS: bench_head_dims.py --jcm-variants (backward
+    # configs beside the default, e.g. 'sdp@d192=split_sdp=1,ds_stages=1').
+    [[ -n ${JCM_HDIMS_BENCH_ONLY:-} ]] && JCM_HDIMS_SMOKE=none
+    for c in ${JCM_HDIMS_SMOKE:-cap128 d256 d192 cap64 d256cap}; do
+      [[ $c == none ]] && break   # JCM_HDIMS_SMOKE: a subset, in order
       timeout -k 5 $(left 75) python3 -m pytest -q -x -p no:cacheprovider "$t::test_fully_masked_rows[$c]" \
         > "$OUT/smoke-$c.log" 2>&1
       rc=$?; pkill -9 -f "pytest -q -x -p no:cacheprovider $t" 2>/dev/null
@@ -636,7 +641,7 @@ PY
       [[ $rc == 0 ]] && ok="$ok $c"
     done
     echo "passed smoke:$ok"
-    timeout -k 5 $(left 200) python3 -m pytest -q -rs -p no:cacheprovider \
+    [[ -z ${JCM_HDIMS_BENCH_ONLY:-} ]] && timeout -k 5 $(left 200) python3 -m pytest -q -rs -p no:cacheprovider \
       "$t::test_builtin_grads[causal-cap128]" "$t::test_builtin_grads[hstu-d256]" \
       "$t::test_builtin_grads[clear-d192]" "$t::test_builtin_grads[document-cap64]" \
       "$t::test_fp16_mqa" "$t::test_random_lowered_specs[0-d256]" "$t::test_random_lowered_specs[0-cap128]" \
@@ -650,9 +655,10 @@ PY
     [[ $ok == *d256\ * || $ok == *d256 ]] && cfgs="$cfgs,d256"
     [[ $ok == *d192* ]] && cfgs="$cfgs,d192"
     cfgs="$cfgs,d64"
-    b=$(left 260)
+    b=$(left ${JCM_HDIMS_BENCH_S:-260})
     export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1
-    timeout -k 5 $b python3 benchmarks/bench_head_dims.py --ns 32768,8192 --configs "$cfgs" \
+    timeout -k 5 $b python3 benchmarks/bench_head_dims.py --ns ${JCM_HDIMS_NS:-32768,8192} --configs "$cfgs" \
+      ${JCM_HDIMS_VARIANTS:+--jcm-variants "$JCM_HDIMS_VARIANTS"} \
       --impls jcm-cute,fa4-native,jax-cudnn,jcm-xla --xla-ns 8192 --min-repeat-s 0.15 \
       ${JCM_HDIMS_PREWARM:+--prewarm $JCM_HDIMS_PREWARM --prewarm-s ${JCM_HDIMS_PREWARM_S:-120}} \
       --budget-s $(( b - 40 )) --out "$OUT/h200-head-dims.json" > "$OUT/bench-hdims.log" 2>&1
@@ -661,44 +667,42 @@ PY
     ;;
   hdimspar)
     # The GPU tests of JCM_PAR_FILES (default: issue 15's head-dim file) spread round-robin over
-    # JCM_PAR (default 8) pytest processes on the one GPU: each case compiles its own kernels
-    # (30-40 s of CPU each), so parallel processes fit a file's cases into one call. Cases
-    # whose id matches the regex JCM_PAR_SKIP (passed in an earlier call) are left out. Each
-    # process runs under `timeout JCM_STAGE_S - 20`; the summary counts passed / failed / not
-    # reached per case from the JUnit files.
+    # JCM_PAR (default 4) pytest processes on the one GPU: each case compiles its own kernels
+    # (30-40 s of CPU, several threads each: 8 processes loaded 16 cores to 47 and finished
+    # no case in 260 s, session 15), so a few parallel processes fit more of a file's cases
+    # into one call; kernels land in the disk cache, so a rerun on the same warm machine
+    # reaches further. Cases whose id matches the regex JCM_PAR_SKIP (passed in an earlier
+    # call) are left out. Each process runs `pytest -v` under `timeout JCM_STAGE_S - 20`
+    # (a killed pytest writes no JUnit: the per-case summary reads the -v logs).
     files=${JCM_PAR_FILES:-tests/gpu/test_cute_head_dims.py}
     python3 -m pytest --collect-only -q -p no:cacheprovider $files 2>/dev/null | grep '::' \
       | { if [[ -n ${JCM_PAR_SKIP:-} ]]; then grep -Ev "$JCM_PAR_SKIP"; else cat; fi; } > "$OUT/par-ids.txt"
-    np=${JCM_PAR:-8}; echo "$(wc -l < "$OUT/par-ids.txt") cases over $np processes"
+    np=${JCM_PAR:-4}; echo "$(wc -l < "$OUT/par-ids.txt") cases over $np processes"
     for i in $(seq 0 $(( np - 1 ))); do
       awk -v i=$i -v n=$np '(NR - 1) % n == i' "$OUT/par-ids.txt" > "$OUT/par-$i.txt"
       [[ -s $OUT/par-$i.txt ]] || continue
-      timeout -k 5 $(( ${JCM_STAGE_S:-540} - 20 )) python3 -m pytest -q -rs -p no:cacheprovider \
-        $(cat "$OUT/par-$i.txt") --junitxml="$OUT/junit-par-$i.xml" > "$OUT/pytest-par-$i.log" 2>&1 &
+      timeout -k 5 $(( ${JCM_STAGE_S:-540} - 20 )) python3 -m pytest -v -rs -p no:cacheprovider \
+        $(cat "$OUT/par-$i.txt") > "$OUT/pytest-par-$i.log" 2>&1 &
     done
     wait; echo "all done ($SECONDS s)"
     python3 - "$OUT" <<'PY'
-import glob, sys, xml.etree.ElementTree as ET
+import glob, re, sys
 out = sys.argv[1]
 want = [l.strip() for l in open(f"{out}/par-ids.txt") if l.strip()]
 seen = {}
-for f in glob.glob(f"{out}/junit-par-*.xml"):
-    for tc in ET.parse(f).getroot().iter("testcase"):
-        name = tc.get("name")
-        kind = "passed"
-        for child in tc:
-            if child.tag in ("failure", "error", "skipped"):
-                kind = child.tag
-        seen[name] = (kind, float(tc.get("time", 0)))
+for f in glob.glob(f"{out}/pytest-par-*.log"):
+    for line in open(f, errors="replace"):
+        m = re.match(r"(\S+::\S+) (PASSED|FAILED|ERROR|SKIPPED)", line)
+        if m:
+            seen[m.group(1)] = m.group(2).lower()
 counts = {}
 for w in want:
-    name = w.split("::")[-1]
-    kind, t = seen.get(name, ("not reached", 0.0))
+    kind = seen.get(w, "not reached")
     counts[kind] = counts.get(kind, 0) + 1
-    print(f"{kind:12s} {t:6.1f}s {w}")
+    print(f"{kind:12s} {w}")
 print("summary:", counts)
 PY
-    grep -h -E "^(FAILED|ERROR)|Error|assert" "$OUT"/pytest-par-*.log | head -30
+    grep -h -E "^(FAILED|ERROR) |^E  " "$OUT"/pytest-par-*.log | head -30
     ;;
   hdimstests)
     timeout -k 5 540 python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_cute_head_dims.py \

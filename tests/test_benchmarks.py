@@ -293,3 +293,18 @@ def test_bench_head_dims_smoke_records(tmp_path, monkeypatch):
     # --prewarm: the configuration first runs untimed in a worker process
     recs = mod.main(["--smoke", "--configs", "d64", "--prewarm", "1", "--out", str(out)])
     assert len(recs) == 1 and recs[0]["prewarmed"] is True and "error" not in recs[0]
+
+
+def test_bench_head_dims_variants_parse_and_scope_the_env(monkeypatch):
+    """--jcm-variants: NAME@CONFIG=CFG items; the config env is set only while a variant runs."""
+    import pytest
+    mod = _bench_module("bench_head_dims")
+    assert mod.parse_variants("sdp@d192=split_sdp=1,ds_stages=1; ss@d128cap=static_stage=1") == {
+        "sdp": ("d192", "split_sdp=1,ds_stages=1"), "ss": ("d128cap", "static_stage=1")}
+    for bad in ("sdp=split_sdp=1", "sdp@d999=split_sdp=1", "sdp@d192"):
+        with pytest.raises(ValueError, match="NAME@CONFIG"):
+            mod.parse_variants(bad)
+    monkeypatch.delenv(mod.BWD_CONFIG_ENV, raising=False)
+    with mod.backward_config_env("split_sdp=1"):
+        assert os.environ[mod.BWD_CONFIG_ENV] == "split_sdp=1"
+    assert mod.BWD_CONFIG_ENV not in os.environ

@@ -1,6 +1,7 @@
 """Static SASS of the CuTe backward's tile loop, ours and FlashAttention-4's, without a GPU.
 
     python tests/scripts/sass_offline.py ours [CONFIG] [--d 128] [--k 1 --kc 1]   # e.g. CONFIG static_stage=1
+        [--dv 128] [--cap 30]     # D != Dv (192 / 128); a soft cap (the config of a capped model)
     python tests/scripts/sass_offline.py fa4                        # FA4's SM90 backward, causal D 128
     python tests/scripts/sass_offline.py ours-fwd [--d 128] | fa4-fwd   # the forwards (K 1 / causal)
 
@@ -85,7 +86,7 @@ def _report(name, usage, lines, spans):
               + ", ".join(f"{k} {v}" for k, v in base.most_common(14)))
 
 
-def ours(config: str, d: int, k: int = 1, kc: int = 1):
+def ours(config: str, d: int, k: int = 1, kc: int = 1, dv=None, cap=None):
     """Our backward at D ``d``; K ``k`` row / Kc ``kc`` column intervals (K 1 / Kc 1: the
     causal key, mask broadcast over batch and heads; otherwise a per-batch mask, as the
     built-ins with metadata: shared prompt K 2 / Kc 13, HSTU 2 / 4, CLEAR 6 / 7)."""
@@ -94,14 +95,16 @@ def ours(config: str, d: int, k: int = 1, kc: int = 1):
     dump = tempfile.mkdtemp(prefix="jcm-sass-")
     os.environ["JCOMPILEMASK_CUTE_DUMP_DIR"] = dump
     os.environ[api.BWD_CONFIG_ENV] = config
-    cfg = api._config_from_env(api.preferred_backward_config(d))
+    cfg = api._config_from_env(api.preferred_backward_config(d, softcap=cap is not None))
     causal = (k, kc) == (1, 1)
     key = api.BackwardKey(dtype="bfloat16", head_dim=d, num_intervals=k, num_bwd_intervals=kc,
-                          broadcast_batch=causal, broadcast_head=True, scale=d ** -0.5, config=cfg)
+                          broadcast_batch=causal, broadcast_head=True, scale=d ** -0.5, config=cfg,
+                          softcap=cap, head_dim_v=dv)
     api.compile_backward(key)
     usage, lines = _sass(dump)
     # From the Q stage's full-barrier wait (+0x10) to the dO stage's release (+0x40).
-    _report(f"ours {cfg.tag} D {d} K {k} Kc {kc}", usage, lines,
+    extra = (f" Dv {dv}" if dv else "") + (f" cap {cap:g}" if cap else "")
+    _report(f"ours {cfg.tag} D {d}{extra} K {k} Kc {kc}", usage, lines,
             _loops(lines, r"TRYWAIT P0, \[UR\d+\+0x10\]", r"SYNCS.ARRIVE.TRANS64.A1T0 RZ, \[UR\d+\+0x40\]"))
 
 
@@ -254,7 +257,10 @@ if __name__ == "__main__":
     elif args[0] == "ours-fwd":
         ours_forward(int(args[args.index("--d") + 1]) if "--d" in args else 128)
     else:
-        opts = {o: int(args[args.index(o) + 1]) for o in ("--d", "--k", "--kc") if o in args}
+        opts = {o: float(args[args.index(o) + 1])
+                for o in ("--d", "--k", "--kc", "--dv", "--cap") if o in args}
         rest = [a for i, a in enumerate(args[1:], 1)
                 if a not in opts and args[i - 1] not in opts]
-        ours(rest[0] if rest else "", opts.get("--d", 128), opts.get("--k", 1), opts.get("--kc", 1))
+        dv = int(opts["--dv"]) if "--dv" in opts else None
+        ours(rest[0] if rest else "", int(opts.get("--d", 128)), int(opts.get("--k", 1)),
+             int(opts.get("--kc", 1)), dv, opts.get("--cap"))
