@@ -23,7 +23,6 @@ at 32K) and runs only at ``--xla-ns``. Configurations run in the order given and
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import os
@@ -34,6 +33,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 import clocks  # noqa: E402
+from bench_total import environment  # noqa: E402  (a variant's env, restored after it)
 import timing  # noqa: E402
 
 CONFIGS = {   # name: (D, Dv, soft cap)
@@ -151,20 +151,6 @@ def parse_variants(text):
     return out
 
 
-@contextlib.contextmanager
-def backward_config_env(cfg):
-    """$JCOMPILEMASK_CUTE_BWD_CONFIG set to ``cfg`` while the body traces and runs."""
-    old = os.environ.get(BWD_CONFIG_ENV)
-    os.environ[BWD_CONFIG_ENV] = cfg
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(BWD_CONFIG_ENV, None)
-        else:
-            os.environ[BWD_CONFIG_ENV] = old
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--ns", default="8192,32768")
@@ -236,7 +222,7 @@ def main(argv=None):
                 name = impl[len("jcm-cute-"):] if impl.startswith("jcm-cute-") else None
                 try:
                     if name is not None:
-                        with backward_config_env(variants[name][1]):
+                        with environment({BWD_CONFIG_ENV: variants[name][1]}):
                             f, s, note = bench_jcm("jcm-cute", n, b, d, dv, cap, ikw)
                         note = f"{note}; {BWD_CONFIG_ENV}={variants[name][1]}"
                     elif impl.startswith("jcm-"):

@@ -49,7 +49,7 @@
 #   hdims        issue 15 (opt-in configs: soft cap in the backward, D 256, 192/128): a hang-guarded
 #                smoke per config, a subset of tests/gpu/test_cute_head_dims.py, then
 #                benchmarks/bench_head_dims.py (causal 32K + 8K beside FA4 native / cuDNN / xla)
-#   hdimstests   all of tests/gpu/test_cute_head_dims.py (+ the forward's 192/128 cases)
+#   hdimstests   all of tests/gpu/test_cute_head_dims.py (+ the forward's 192/128 cases), one process
 #   hdimspar     the same spread over JCM_PAR parallel pytest processes (JCM_PAR_SKIP: a regex of ids to leave out)
 #   multigpu     issue 19 on a multi-GPU kind: sharded training step + context parallelism (benchmarks/multi_gpu.py)
 #   kernels      GPU tests of the CuTe forward kernel alone (48 variant cases)
@@ -665,16 +665,18 @@ PY
     echo "bench rc $? ($SECONDS s; configs $cfgs)"; pkill -9 -f bench_head_dims.py 2>/dev/null
     grep -E '^\{|budget' "$OUT/bench-hdims.log" | cut -c1-330 | tail -40
     ;;
-  hdimspar)
-    # The GPU tests of JCM_PAR_FILES (default: issue 15's head-dim file) spread round-robin over
-    # JCM_PAR (default 4) pytest processes on the one GPU: each case compiles its own kernels
+  hdimspar|hdimstests)
+    # The GPU tests of JCM_PAR_FILES (default: issue 15's head-dim file and the forward's
+    # 192 / 128 compile case) spread round-robin over JCM_PAR pytest processes on the one GPU
+    # (default 4; hdimstests: 1, the whole file in one process): each case compiles its own kernels
     # (30-40 s of CPU, several threads each: 8 processes loaded 16 cores to 47 and finished
     # no case in 260 s, session 15), so a few parallel processes fit more of a file's cases
     # into one call; kernels land in the disk cache, so a rerun on the same warm machine
     # reaches further. Cases whose id matches the regex JCM_PAR_SKIP (passed in an earlier
     # call) are left out. Each process runs `pytest -v` under `timeout JCM_STAGE_S - 20`
     # (a killed pytest writes no JUnit: the per-case summary reads the -v logs).
-    files=${JCM_PAR_FILES:-tests/gpu/test_cute_head_dims.py}
+    files=${JCM_PAR_FILES:-tests/gpu/test_cute_head_dims.py tests/gpu/test_cute_forward.py::test_head_dim_192_128_compiles_for_sm90}
+    [[ $stage == hdimstests ]] && JCM_PAR=${JCM_PAR:-1}
     python3 -m pytest --collect-only -q -p no:cacheprovider $files 2>/dev/null | grep '::' \
       | { if [[ -n ${JCM_PAR_SKIP:-} ]]; then grep -Ev "$JCM_PAR_SKIP"; else cat; fi; } > "$OUT/par-ids.txt"
     np=${JCM_PAR:-4}; echo "$(wc -l < "$OUT/par-ids.txt") cases over $np processes"
@@ -703,13 +705,6 @@ for w in want:
 print("summary:", counts)
 PY
     grep -h -E "^(FAILED|ERROR) |^E  " "$OUT"/pytest-par-*.log | head -30
-    ;;
-  hdimstests)
-    timeout -k 5 540 python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_cute_head_dims.py \
-      "tests/gpu/test_cute_forward.py::test_head_dim_192_128_compiles_for_sm90" \
-      --junitxml="$OUT/junit-hdimstests.xml" > "$OUT/pytest-hdimstests.log" 2>&1
-    echo "pytest rc $?"; pkill -9 -f "tests/gpu/test_cute_head_dims.py" 2>/dev/null
-    tail -40 "$OUT/pytest-hdimstests.log"
     ;;
   multigpu)
     # Issue 19, on a multi-GPU kind (nvidia-h200-x2 / -x4 / -x8; ask status first): the

@@ -305,6 +305,6 @@ def test_bench_head_dims_variants_parse_and_scope_the_env(monkeypatch):
         with pytest.raises(ValueError, match="NAME@CONFIG"):
             mod.parse_variants(bad)
     monkeypatch.delenv(mod.BWD_CONFIG_ENV, raising=False)
-    with mod.backward_config_env("split_sdp=1"):
+    with mod.environment({mod.BWD_CONFIG_ENV: "split_sdp=1"}):
         assert os.environ[mod.BWD_CONFIG_ENV] == "split_sdp=1"
     assert mod.BWD_CONFIG_ENV not in os.environ
