@@ -192,6 +192,25 @@ def test_new_backward_configs_compile_for_sm90(dtype, d, kk, kc, bb, bh, cap, mo
 
 
 @needs_cutlass
+@pytest.mark.parametrize("dtype,d,kk,kc,per_8,cap", [
+    ("bfloat16", 128, 1, 1, 2, None),       # the D 128 default, a quarter of P's exp2 emulated
+    ("float16", 128, 6, 7, 4, None),        # clear-like masked tiles, half
+    ("bfloat16", 64, 2, 4, 4, None),        # the D 64 default (stats_shfl)
+    ("bfloat16", 128, 1, 1, 2, 30.0),       # soft cap: softcap_probs' exp2
+    ("float16", 128, 6, 7, 8, 5.0),         # soft cap, every column
+])
+def test_exp2_emu_compiles_for_sm90(dtype, d, kk, kc, per_8, cap, monkeypatch, capfd):
+    """exp2_emu: `per_8` of every 8 columns of P^T's exp2 on the FMA pipe, on the registry's
+    configs; ptxas serializes no wgmma (C7512) and the key names the knob."""
+    import dataclasses
+    from jcompilemask.kernels.cute.api import BackwardKey, compile_backward, preferred_backward_config
+    cfg = dataclasses.replace(preferred_backward_config(d, dtype, cap is not None), exp2_emu=per_8)
+    key = BackwardKey(dtype, d, kk, kc, False, True, d ** -0.5, cfg, softcap=cap)
+    assert compile_checking_remarks(compile_backward, key, monkeypatch, capfd) is not None
+    assert cfg.tag.endswith(f"_e2e{per_8}") and cfg.tag in key.target_name
+
+
+@needs_cutlass
 def test_split_sdp_at_head_dim_192_128_compiles_for_sm90(monkeypatch, capfd):
     """split_sdp where Dv != D (dV's own tiled MMA, P^T from shared memory): compiles
     without C7512 (the D 192 / 128 default does not use it yet; h200.sh hdims decides)."""
@@ -517,6 +536,34 @@ def test_row_mask_gives_the_default_gradients(name, cute_backward_on, monkeypatc
     base, rows = grads(""), grads("row_mask=1")
     for a, b_ in zip(base, rows):
         np.testing.assert_array_equal(a, b_)
+
+
+@needs_gpu
+@pytest.mark.parametrize("name,per_8,cap,dtype", [
+    ("causal", 2, None, jnp.bfloat16), ("shared_prompt", 4, None, jnp.bfloat16),
+    ("clear", 8, None, jnp.float16), ("hstu", 2, 30.0, jnp.bfloat16), ("clear", 8, 5.0, jnp.float16),
+], ids=lambda v: str(getattr(v, "__name__", v)))
+def test_exp2_emu_grads(name, per_8, cap, dtype, cute_backward_on, monkeypatch):
+    """exp2_emu (P^T's exp2 partly on the FMA pipe, relative error <= 8.6e-5) meets the
+    tolerance policy: D 128, bf16 and fp16, masked tiles (clear), a soft cap (opted in)."""
+    monkeypatch.setenv("JCOMPILEMASK_CUTE_BWD_CONFIG", f"exp2_emu={per_8}")
+    if cap is not None:
+        monkeypatch.setenv(backends.CUTE_EXPERIMENTAL_ENV, "1")
+    rng = np.random.default_rng(13)
+    n, b = (1100 if name == "clear" else 1000), 2
+    md, spec = metadata(name, b, n, rng), SPECS[name]
+    ks = jax.random.split(jax.random.key(9), 4)
+    qx, kx, vx, do = (jax.random.normal(kk, (b, n, h, 128), jnp.float32) for kk, h in zip(ks, (4, 2, 2, 4)))
+    qx = qx * (1.0 if cap is None else 3.0)         # with a cap: logits wide enough to saturate tanh
+    qx, kx, vx, do = (x.astype(dtype) for x in (qx, kx, vx, do))
+
+    def loss(a, b_, c):
+        o = jcm.mask_attention(a, b_, c, spec, metadata=md, implementation="cute", logits_soft_cap=cap)
+        return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32))
+    g = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(qx, kx, vx)
+    g_hi, g_lo = reference_gradients(qx, kx, vx, do, spec.as_dense(md, n, n), softcap=cap)
+    problems = gradient_problems(g, g_hi, g_lo, dtype)
+    assert not problems, "; ".join(problems)
 
 
 def test_explain_says_which_backward_runs(monkeypatch):

@@ -763,6 +763,22 @@ class BackwardConfig:
       224. Each (start, length) is one 8-byte load; static SASS of the shared prompt's
       masked tile: 859 instructions instead of 2649, 0 B stack (NOTES.md, session 13).
       Residual masks keep their own path. Not yet run on the H200.
+    - ``exp2_emu`` (0..8): of every 8 consecutive query columns of a thread's S^T fragment,
+      ``exp2_emu`` compute P^T's exp2 on the FMA pipe (``common.exp2_fma``: Cody-Waite range
+      reduction, a cubic for 2^f, 2^j from the exponent bits; 10 FMA / ALU instructions,
+      relative error <= 8.6e-5, exactly 0 for x < -126 and -inf, NaN kept) instead of
+      MUFU.EX2, spread evenly: column c (0-based, of the thread's 16, or 8 with
+      ``split_sdp``) is emulated when ``(c + 1) * exp2_emu // 8 != c * exp2_emu // 8``
+      (2: columns 3, 7, 11, 15, a quarter of the elements; 4: the odd columns, half; 8:
+      all). With a soft cap the same columns of ``softcap_probs``' exp2 (the third MUFU op
+      per score); the tanh's ex2 stays on the MUFU (its error would reach P multiplied by
+      cap log2 e). 0 (the default) emits the MUFU path alone, SASS unchanged. For MUFU
+      pressure: our warps stalled on MUFU.EX2 in 5.9% of stall samples (ncu, causal 32K),
+      FA4's SM90 backward 2.9%. Static SASS per tile and warp, D 128 default config
+      (unmasked / masked tile): 394 / 919 instructions, 32 MUFU; exp2_emu=2 467 / 992, 24
+      MUFU; 4: 539 / 1064, 16 MUFU; 168 registers, 0 B stack, no C7512. Soft cap 30: MUFU
+      96 -> 88 / 80 at 2 / 4, stack 8 -> 16 / 8 B (8: 56 B, spills in the tile loop); D 64:
+      8 B of stack (one value kept across the tile loop). Not yet run on the H200.
 
     ``preferred_backward_config`` picks the default per head dim; ``JCOMPILEMASK_CUTE_BWD_CONFIG``
     (e.g. ``ds_stages=1,stats_early=0``) overrides fields at trace time for benchmarks.
@@ -792,6 +808,7 @@ class BackwardConfig:
     entry_ahead: bool = False
     split_sdp: bool = False
     row_mask: bool = False
+    exp2_emu: int = 0
 
     def __post_init__(self):
         want = BWD_TILES_SPLIT if self.split_dkv else BWD_TILES
@@ -820,6 +837,9 @@ class BackwardConfig:
         if self.static_stage and (self.num_stages, self.ds_stages) != (2, 2):
             raise ValueError("static_stage needs num_stages=2 and ds_stages=2 (the dS^T buffer "
                              "then alternates with the ring stage)")
+        if not 0 <= self.exp2_emu <= 8:
+            raise ValueError(f"exp2_emu={self.exp2_emu} must be 0..8 (columns of every 8 whose "
+                             "exp2 runs on the FMA pipe)")
         if self.num_stages < 1 or self.ds_stages not in (1, 2):
             raise ValueError(f"num_stages={self.num_stages} must be >= 1 and ds_stages="
                              f"{self.ds_stages} 1 or 2")
@@ -837,7 +857,8 @@ class BackwardConfig:
                 f"{'_ss' if self.static_stage else ''}{'_lp' if self.lse_prefetch else ''}"
                 f"{'_dve' if self.dv_early else '_pe' if self.p_early else ''}"
                 f"{'_dsf' if self.ds_first else ''}{'_ea' if self.entry_ahead and self.work_list else ''}"
-                f"{'_ssdp' if self.split_sdp else ''}{'_rm' if self.row_mask else ''}")
+                f"{'_ssdp' if self.split_sdp else ''}{'_rm' if self.row_mask else ''}"
+                f"{f'_e2e{self.exp2_emu}' if self.exp2_emu else ''}")
 
 
 def preferred_backward_config(head_dim: int, dtype: str = "bfloat16",

@@ -71,8 +71,9 @@ from .api import BackwardConfig, dq_warpgroups
 from .residual_ops import CuteOps
 from .common import (COLUMNS_UNROLLED, INTERVALS_UNROLLED, WarpSpecializedSm90, _as_a_operand,
                      build_tile_list, _rows_view, _unsigned_lt,
-                     bulk_reduce_add_f32, issue_wgmma, ld_acquire_s32, ld_pair_s32, nanosleep,
-                     red_release_add_s32, smem_tensor, tile_bits, tma_tiles)
+                     bulk_reduce_add_f32, exp2_fma, issue_wgmma, ld_acquire_s32, ld_pair_s32,
+                     nanosleep, red_release_add_s32, smem_tensor, tile_bits, tma_tiles)
+from .exp2_fma import emulated_column
 
 _LOG2_E = math.log2(math.e)
 
@@ -898,7 +899,8 @@ class FlashBackwardSm90(WarpSpecializedSm90):
     def probabilities(self, masked: cutlass.Constexpr[bool], t, q_tile, f, cols):
         """P^T = exp2(S^T * scale log2 e - lse log2 e) once S^T is done, masked elements 0
         (with a soft cap, P^T for dV in ``t.rP`` and P^T (1 - t^2) in S); the delta reads
-        that follow it."""
+        that follow it. ``exp2_emu`` of every 8 columns take exp2 on the FMA pipe
+        (``exp2_fma``) instead of the MUFU."""
         si, n_cols, S, lse, delta = t.si, t.n_cols, t.S, t.lse, t.delta
         warpgroup.wait_group(1)
         if const_expr(self.config.stats_shfl):
@@ -911,7 +913,10 @@ class FlashBackwardSm90(WarpSpecializedSm90):
             scale_log2 = Float32(self.scale_log2)
             for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
                 for c in cutlass.range_constexpr(n_cols):
-                    S[r, c] = cute.math.exp2(S[r, c] * scale_log2 - lse[c], fastmath=True)
+                    if const_expr(emulated_column(c, self.config.exp2_emu)):
+                        S[r, c] = exp2_fma(S[r, c] * scale_log2 - lse[c])
+                    else:
+                        S[r, c] = cute.math.exp2(S[r, c] * scale_log2 - lse[c], fastmath=True)
         else:
             self.softcap_tanh(S)                # S^T -> t = tanh(scale S^T / cap)
         if const_expr(masked):
@@ -1084,12 +1089,17 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         """t (S^T after softcap_tanh and the mask; -inf where masked) -> P^T = exp2(t cap
         log2 e - lse2) into rP_rows (the dV operand, input dtype) and P^T (1 - t^2) into S
         (0 where P^T is 0: a masked t of -inf would give 0 * -inf). One live fp32 tile, as
-        without a cap; the (1 - t^2) factor costs no registers beyond the early rP."""
+        without a cap; the (1 - t^2) factor costs no registers beyond the early rP.
+        ``exp2_emu`` of every 8 columns take this exp2 on the FMA pipe (``exp2_fma``: -inf
+        gives exactly 0 there too); the tanh's ex2 and rcp stay on the MUFU."""
         cap_log2 = Float32(self.softcap * _LOG2_E)
         for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
             for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
                 t = S[r, c]
-                p = cute.math.exp2(t * cap_log2 - lse[c], fastmath=True)
+                if const_expr(emulated_column(c, self.config.exp2_emu)):
+                    p = exp2_fma(t * cap_log2 - lse[c])     # -inf (masked) -> exactly 0
+                else:
+                    p = cute.math.exp2(t * cap_log2 - lse[c], fastmath=True)
                 rP_rows[r, c] = p.to(self.dtype)
                 S[r, c] = Float32(0.0) if p == Float32(0.0) else p * (Float32(1.0) - t * t)
 
