@@ -1,5 +1,5 @@
 """Issue 15's timings: causal forward and backward per head-dim configuration, jcompilemask
-(CuTe, opted in to the configs awaiting validation; and the xla backward) beside FA4
+(CuTe, the registry's default for each; and the xla backward) beside FA4
 native and cuDNN, all in one process so the records share one ``run``.
 
     PYTHONPATH=. python3 benchmarks/bench_head_dims.py --ns 8192,32768 \\
@@ -42,7 +42,6 @@ CONFIGS = {   # name: (D, Dv, soft cap)
 }
 HEADS, TOKENS = 8, 131072
 IMPLS = ("jcm-cute", "fa4-native", "jax-cudnn", "jcm-xla")
-EXPERIMENTAL_ENV = "JCOMPILEMASK_CUTE_BWD_EXPERIMENTAL"
 
 
 def _inputs(b, n, h, d, dv, seed):
@@ -176,7 +175,6 @@ def main(argv=None):
         variants = parse_variants(args.jcm_variants)
     except ValueError as e:
         p.error(str(e))
-    os.environ[EXPERIMENTAL_ENV] = "1"      # the configs under test (read at trace time)
     ns = [int(x) for x in args.ns.split(",")] if not args.smoke else [256]
     xla_ns = {int(x) for x in args.xla_ns.split(",") if x} if not args.smoke else set(ns)
     impls = args.impls.split(",") if not args.smoke else ["jcm-xla"]

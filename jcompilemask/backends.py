@@ -32,7 +32,7 @@ import jax
 from ._install import missing, missing_hint, no_gpu_hint, pip_hint
 from ._progress import log_once, slow_step
 from .lower import compiled as _compiled
-from .lower.compiled import DEFAULT_TILES, RESIDUAL_REASON
+from .lower.compiled import DEFAULT_TILES
 from .lower.descriptor import TileConfig
 
 __all__ = ["Backend", "Call", "register", "select", "explain", "preferred_tiles",
@@ -231,8 +231,12 @@ def _explain_regions(cm, chosen) -> list[str]:
         lines.append(head)
         why = region_backend(cm, g)
         if why.startswith("cute") and chosen is not None:
-            why = (f"{chosen} (the interval tables serve it; {chosen} is the backend this "
-                   "call takes)" if chosen != "cute" else "cute (interval tables only)")
+            tables = ("the hull intervals and the residual predicate" if lr.has_residual
+                      else "the interval tables")
+            why = (f"{chosen} ({tables} serve it; {chosen} is the backend this call takes)"
+                   if chosen != "cute" else
+                   "cute (hull intervals, the residual predicate emitted into partial tiles)"
+                   if lr.has_residual else "cute (interval tables only)")
         lines.append(f"    runs on: {why}")
     return lines
 
@@ -281,36 +285,26 @@ def _cute_backend() -> Backend:
         if call.dense_bitmap:
             return ("a dense mask with more than 8 runs per row, kept as a bitmap (the CuTe "
                     "kernels read interval tables); the xla backend checks the bitmap")
-        if call.has_fallback:
-            if call.residual_reason:
-                return (f"residual predicate: {call.residual_reason}; the xla backend evaluates "
-                        "it per element in partial tiles")
-            if not _cute_experimental_enabled():
-                return (f"{RESIDUAL_REASON}; the xla backend evaluates them per element in "
-                        "partial tiles")
+        if call.has_fallback and call.residual_reason:
+            return (f"residual predicate: {call.residual_reason}; the xla backend evaluates "
+                    "it per element in partial tiles")
         if call.dtype not in ("bfloat16", "float16"):
             return f"dtype {call.dtype} (the CuTe kernels take bfloat16 and float16)"
-        from .kernels.cute.api import HEAD_DIM_PAIRS_EXPERIMENTAL, HEAD_DIMS
+        from .kernels.cute.api import HEAD_DIM_PAIRS, HEAD_DIMS
         pair = (call.head_dim, call.head_dim_v)
-        if pair in HEAD_DIM_PAIRS_EXPERIMENTAL:
-            if not _cute_experimental_enabled():
-                return (f"head dims {pair[0]}/{pair[1]}: the CuTe forward is compiled, awaiting "
-                        f"validation on the GPU; set {CUTE_EXPERIMENTAL_ENV}=1 to use it")
-        elif call.head_dim not in HEAD_DIMS or call.head_dim_v != call.head_dim:
+        if pair not in HEAD_DIM_PAIRS and (call.head_dim not in HEAD_DIMS
+                                           or call.head_dim_v != call.head_dim):
             return (f"head dims {call.head_dim}/{call.head_dim_v} (built: D in {HEAD_DIMS} "
-                    f"with Dv == D, and {HEAD_DIM_PAIRS_EXPERIMENTAL} with "
-                    f"{CUTE_EXPERIMENTAL_ENV}=1)")
-        from .lower.compiled import cute_k_reason
-        return cute_k_reason(call.num_intervals)
+                    f"with Dv == D, and (D, Dv) in {HEAD_DIM_PAIRS})")
+        return None     # any K: unrolled up to 8 intervals, a per-tile loop past it
 
     def tiles(call):
         from .kernels.cute import preferred_forward_tiles
         bq, bk = preferred_forward_tiles(call.head_dim if call else 128,
                                          call.dtype if call else "bfloat16")
         bwd = (DEFAULT_TILES.bwd_block_q, DEFAULT_TILES.bwd_block_kv)
-        if call is not None and _cute_experimental_enabled():
-            # The experimental backward configs (D 256, 192 / 128) run other backward tiles;
-            # only with the opt-in, so a default descriptor is the validated one.
+        if call is not None:
+            # The backward configs of D 256 and 192 / 128 run 64 x 64 backward tiles.
             from .kernels.cute.api import preferred_backward_tiles
             if cute_backward_plan(call.head_dim, call.head_dim_v, call.softcap) is None:
                 bwd = preferred_backward_tiles(call.head_dim, call.dtype, call.head_dim_v)
@@ -319,17 +313,14 @@ def _cute_backend() -> Backend:
     def residual_program(desc):
         # Defence in depth: the tables of a residual mask hold hulls, which the kernels
         # would take for the mask itself. supports() refuses such calls unless the
-        # residuals can be emitted into the kernel (and the opt-in is set); a Call built by
-        # hand with has_fallback=False must not run them silently either.
+        # residuals can be emitted into the kernel; a Call built by hand with
+        # has_fallback=False must not run them silently either.
         res = getattr(desc.mask, "residual_regions", ())
         if not res:
             return None
         why = residual_reason_of(desc.mask)
         if why:
             why = f"a residual predicate that cannot run in a kernel: {why}"
-        elif not _cute_experimental_enabled():
-            why = f"a {RESIDUAL_REASON}"
-        if why:
             raise BackendUnavailable(f"the cute backend cannot run this mask: regions "
                                      f"{list(res)} have {why}; use implementation='xla'")
         from .lower.residual_program import ResidualProgram
@@ -394,8 +385,9 @@ def residual_reason_of(cm) -> Optional[str]:
 
 
 CUTE_BACKWARD_ENV = "JCOMPILEMASK_CUTE_BACKWARD"
-# Opt-in to the CuTe configs compiled but not yet validated on the H200: the backward with a
-# soft cap, at D 256 and at 192 / 128, and the forward at 192 / 128. Read at trace time.
+# Opt-in to the one CuTe backward config compiled but not yet run on the H200: D 192 / Dv 128
+# with a soft cap (every other config the CuTe forward accepts has passed the GPU gradient
+# tests). Read at trace time.
 CUTE_EXPERIMENTAL_ENV = "JCOMPILEMASK_CUTE_BWD_EXPERIMENTAL"
 
 
@@ -411,49 +403,34 @@ def _cute_backward_note() -> str:
     if not _cute_backward_enabled():
         return (f"gradients from the xla backward on the CuTe forward's residuals "
                 f"({CUTE_BACKWARD_ENV}=0 turned the CuTe backward off)")
-    if _cute_experimental_enabled():
-        return ("CuTe backward for D 64/128, and (opted in with "
-                f"{CUTE_EXPERIMENTAL_ENV}=1, not yet validated on the GPU) soft cap, D 256 and "
-                "192/128; xla backward on the CuTe forward's residuals otherwise "
-                f"({CUTE_BACKWARD_ENV}=0 uses it always)")
-    return ("CuTe backward for D 64/128 without soft cap; soft cap, D 256 and 192/128: "
-            "compiled, awaiting validation on the GPU (set "
-            f"{CUTE_EXPERIMENTAL_ENV}=1 to use them); xla backward on the CuTe forward's "
-            f"residuals otherwise ({CUTE_BACKWARD_ENV}=0 uses it always)")
+    return ("CuTe backward for every config the CuTe forward runs (D 64 / 128 / 256, 192 / "
+            "128, soft cap, any K, residual predicates), except 192 / 128 with a soft cap "
+            f"(compiled, not yet run on the GPU: {CUTE_EXPERIMENTAL_ENV}=1 opts in); xla "
+            f"backward on the CuTe forward's residuals there ({CUTE_BACKWARD_ENV}=0 uses it "
+            "always)")
 
 
 def cute_backward_plan(d: int, dv: int, softcap, bwd_tiles=None, num_bwd_intervals: int = 0
                        ) -> Optional[str]:
     """None when the CuTe backward kernel would serve gradients of this shape, else why the
     xla backward does (static facts only: head dims, soft cap, the descriptor's backward
-    tiles and column-interval count)."""
-    from .kernels.cute.api import (BWD_HEAD_DIM_PAIRS_EXPERIMENTAL, BWD_HEAD_DIMS,
-                                   BWD_HEAD_DIMS_EXPERIMENTAL, preferred_backward_tiles)
+    tiles)."""
+    from .kernels.cute.api import BWD_HEAD_DIM_PAIRS, BWD_HEAD_DIMS, preferred_backward_tiles
+    del num_bwd_intervals   # any Kc: unrolled up to COLUMNS_UNROLLED, a loop past it
     if not _cute_backward_enabled():
         return f"the CuTe backward is turned off ({CUTE_BACKWARD_ENV}=0)"
-    opt_in = f"set {CUTE_EXPERIMENTAL_ENV}=1 to use it"
-    if d in BWD_HEAD_DIMS and dv == d:
-        if softcap is not None and softcap is not False and not _cute_experimental_enabled():
-            return (f"soft cap at D {d}: the CuTe backward with a soft cap is compiled, awaiting "
-                    f"validation on the GPU; {opt_in}")
-    elif d in BWD_HEAD_DIMS_EXPERIMENTAL and dv == d:
-        if not _cute_experimental_enabled():
-            return f"D {d} backward: compiled, awaiting validation on the GPU; {opt_in}"
-    elif (d, dv) in BWD_HEAD_DIM_PAIRS_EXPERIMENTAL:
-        if not _cute_experimental_enabled():
-            return f"D {d} / Dv {dv} backward: compiled, awaiting validation on the GPU; {opt_in}"
-    else:
-        dims = BWD_HEAD_DIMS + BWD_HEAD_DIMS_EXPERIMENTAL
-        return (f"head dims {d}/{dv} (the CuTe backward is built for D in {dims} with Dv == D, "
-                f"and (D, Dv) in {BWD_HEAD_DIM_PAIRS_EXPERIMENTAL})")
+    capped = softcap is not None and softcap is not False
+    if (d, dv) in BWD_HEAD_DIM_PAIRS:
+        if capped and not _cute_experimental_enabled():
+            return (f"soft cap at D {d} / Dv {dv}: that CuTe backward config is compiled, not "
+                    f"yet run on the GPU; set {CUTE_EXPERIMENTAL_ENV}=1 to use it")
+    elif d not in BWD_HEAD_DIMS or dv != d:
+        return (f"head dims {d}/{dv} (the CuTe backward is built for D in {BWD_HEAD_DIMS} with "
+                f"Dv == D, and (D, Dv) in {BWD_HEAD_DIM_PAIRS})")
     want = preferred_backward_tiles(d, "bfloat16", dv)
     if bwd_tiles is not None and tuple(bwd_tiles) != want:
         return (f"backward tiles {bwd_tiles[0]}x{bwd_tiles[1]} (the kernel for head dims "
                 f"{d}/{dv} runs {want[0]}x{want[1]})")
-    from .kernels.cute.limits import COLUMNS_UNROLLED
-    if num_bwd_intervals > COLUMNS_UNROLLED and not _cute_experimental_enabled():
-        return (f"Kc = {num_bwd_intervals} column intervals: the CuTe backward loops over Kc > "
-                f"{COLUMNS_UNROLLED}, compiled, awaiting validation on the GPU; {opt_in}")
     return None
 
 
@@ -478,10 +455,8 @@ def explain_backward(call: Call) -> str:
     bwd_tiles = None if call.tiles is None else (call.tiles.bwd_block_q, call.tiles.bwd_block_kv)
     why = cute_backward_plan(call.head_dim, call.head_dim_v, call.softcap or None, bwd_tiles)
     if why is None:
-        extra = ("" if (call.head_dim in (64, 128) and call.head_dim_v == call.head_dim
-                        and not call.softcap and not call.has_fallback
-                        and call.num_intervals <= 8)
-                 else f" (opted in with {CUTE_EXPERIMENTAL_ENV}=1: not yet validated on the GPU)")
+        extra = (f" (opted in with {CUTE_EXPERIMENTAL_ENV}=1: not yet run on the GPU)"
+                 if call.head_dim_v != call.head_dim and call.softcap else "")
         return "backward: the CuTe backward kernel" + extra
     return f"backward: xla on the CuTe forward's residuals, because {why}"
 

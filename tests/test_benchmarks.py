@@ -271,13 +271,10 @@ def test_report_prefers_the_peer_of_the_same_run_id(tmp_path):
     assert "| causal | 2K | 400 | 500 |" in (tmp_path / "REPORT.md").read_text()
 
 
-def test_bench_head_dims_smoke_records(tmp_path, monkeypatch):
+def test_bench_head_dims_smoke_records(tmp_path):
     """Issue 15's benchmark at tiny shapes on the CPU (the xla path): one record per
     configuration with the fields the note's tables read."""
     mod = _bench_module("bench_head_dims")
-    # main() opts in to the experimental configs process-wide; undo it after this test
-    # (the opt-in also gates residual masks and K > 8 on the CuTe kernels).
-    monkeypatch.setenv(mod.EXPERIMENTAL_ENV, "0")     # recorded: the undo removes it again
     out = tmp_path / "hd.json"
     recs = mod.main(["--smoke", "--out", str(out)])
     assert [r["config"] for r in recs] == list(mod.CONFIGS)

@@ -254,7 +254,7 @@ def test_explain_mentions_fallback_reasons():
     assert cm.fallback_regions == cm.residual_regions == (0, 1)
     assert "residual predicate: k * k <= q" in text
     assert "residual predicate: k % 3 == q % 3" in text
-    assert text.count("the cute kernels evaluate residuals only with") == 2
+    assert text.count("backend: cute on an SM90 GPU (hull intervals, the residual predicate") == 2
     assert cm.regions[0].residual_reason.startswith("atom `k * k <= q` is not an interval")
     # a lowered rule whose lower bound decreases in q: intervals, but no column view
     cm2 = jcm.compile(MaskSpec([Region((0, q_len), (k + q >= a) & (k <= q))]))

@@ -25,7 +25,6 @@ from hypothesis import assume, given, settings, strategies as st
 import jcompilemask as jcm
 from jcompilemask import backends
 from jcompilemask.lower.analyze import lower_region, solve_k
-from jcompilemask.lower.compiled import RESIDUAL_REASON
 from jcompilemask.spec.expr import Pred
 from jcompilemask.spec import (TRUE, MaskSpec, Region, Scalar, SegmentIds, k, kv_len,
                                maximum, minimum, q, q_len)
@@ -327,8 +326,9 @@ def test_explain_reports_intervals_residuals_and_backend():
     assert "region 0 'causal': rows [0, a): 1 interval(s) in 1 slot(s)" in text
     assert "region 1 'dilated': rows [a, q_len): 1 interval(s) in 1 slot(s)" in text
     assert "residual predicate: (q - k) % 2 == 0" in text
-    assert f"backend: xla ({RESIDUAL_REASON})" in text
-    assert "regions [1] have residual predicates" in text      # region 0 goes along
+    assert ("backend: cute on an SM90 GPU (hull intervals, the residual predicate emitted "
+            "into partial tiles of the forward and backward), else xla") in text
+    assert "backend: cute on an SM90 GPU (interval tables only), else xla" in text
     exact = jcm.compile(jcm.masks.causal()).explain()
     assert "residual" not in exact and "backend: cute on an SM90 GPU" in exact
 
@@ -337,51 +337,54 @@ def test_backends_explain_names_the_residual():
     spec = MaskSpec([Region((0, q_len), (k <= q) & (k % 3 == 0), name="strided")])
     text = backends.explain(mask=spec)
     assert "region 0 'strided': 1 interval(s), residual predicate: k % 3 == 0" in text
-    assert f"runs on: xla ({RESIDUAL_REASON})" in text
-    assert "chosen: xla" in text
+    if backends.get("cute").available() is None:
+        assert "chosen: cute" in text
+        assert "runs on: cute (hull intervals, the residual predicate emitted" in text
+    else:
+        assert "chosen: xla" in text
+        assert ("runs on: xla (the hull intervals and the residual predicate serve it; xla "
+                "is the backend this call takes)") in text
     ok = backends.explain(mask=jcm.masks.causal())
     assert "region 0: 1 interval(s)" in ok and "residual" not in ok.split("preprocess")[0]
 
 
-def test_cute_refuses_residual_masks_with_the_reason():
+def test_cute_takes_residual_masks_it_can_emit():
+    """A residual mask runs on the CuTe kernels (its residual emitted as kernel code; H200:
+    tests/gpu/test_cute_residual.py); one whose residual reads per-token segment ids does
+    not, and the call says why."""
     cute = backends.get("cute")
     cm = _cm((k <= q) & ((q - k) % 2 == 0))
     call = backends.Call(dtype="bfloat16", head_dim=128, head_dim_v=128, num_heads=8,
                          num_kv_heads=8, softcap=False, has_fallback=bool(cm.fallback_regions),
-                         num_intervals=cm.num_intervals)
-    why = cute.supports(call)
-    assert why is not None and RESIDUAL_REASON in why
-    # and the exact block-causal spelling is not refused for its mask
-    exact = _cm(k // 64 <= q // 64)
-    call = backends.Call(dtype="bfloat16", head_dim=128, head_dim_v=128, num_heads=8,
-                         num_kv_heads=8, softcap=False, has_fallback=bool(exact.fallback_regions),
-                         num_intervals=exact.num_intervals)
-    assert not exact.fallback_regions
+                         num_intervals=cm.num_intervals,
+                         residual_reason=backends.residual_reason_of(cm))
+    assert cm.fallback_regions and cute.supports(call) is None
+    refused = dataclasses.replace(call, residual_reason="the residual reads segment ids 'seg'")
+    assert "residual predicate: the residual reads segment ids 'seg'" in cute.supports(refused)
     with pytest.raises(backends.BackendUnavailable, match="cannot run this call"):
-        backends.select("cute", backends.Call(
-            dtype="bfloat16", head_dim=128, head_dim_v=128, num_heads=8, num_kv_heads=8,
-            softcap=False, has_fallback=True, num_intervals=1))
+        backends.select("cute", refused)
 
 
-def test_cute_kernels_never_take_a_residual_descriptor():
-    """Even through a hand-built call, the cute entry points refuse residual masks
-    (before touching the kernels, so this runs without a GPU)."""
-    cm = _cm((k <= q) & ((q - k) % 2 == 0))
-    desc = cm.instantiate(None, 8, 8, block_q=4, block_kv=4, bwd_block_q=4, bwd_block_kv=4)
+def test_cute_kernels_never_take_a_residual_they_cannot_emit():
+    """Even through a hand-built call, the cute entry points refuse a residual mask whose
+    residual cannot become kernel code (before touching the kernels, so this runs without
+    a GPU)."""
+    seg = SegmentIds("seg")
+    cm = _cm((k <= q) & (seg.id(k) % 2 == seg.id(q) % 2))
+    desc = cm.instantiate({"seg": np.zeros((1, 8), np.int32)}, 8, 8, block_q=4, block_kv=4,
+                          bwd_block_q=4, bwd_block_kv=4)
     x = jnp.zeros((1, 8, 1, 64), jnp.bfloat16)
     cute = backends.get("cute")
-    with pytest.raises(backends.BackendUnavailable, match="evaluate residuals only with "
-                       "JCOMPILEMASK_CUTE_BWD_EXPERIMENTAL=1"):
+    with pytest.raises(backends.BackendUnavailable, match="segment ids"):
         cute.forward(x, x, x, desc, 1.0, None)
-    with pytest.raises(backends.BackendUnavailable, match="residual predicate"):
+    with pytest.raises(backends.BackendUnavailable, match="segment ids"):
         cute.backward(x, x, x, desc, 1.0, None, x, None, x)
 
 
-def test_cute_forward_takes_kernel_residuals_only_with_the_opt_in(monkeypatch):
-    """Residuals emitted into the CuTe forward: the registry accepts a residual mask on
-    cute only with the opt-in, never one that reads per-token segment ids; explain says
-    which and why."""
-    from jcompilemask.lower.compiled import CUTE_ANY_K_ENV, region_backend
+def test_registry_and_explain_on_residual_masks():
+    """The registry accepts a residual mask on cute by default, never one that reads
+    per-token segment ids; explain says which and why."""
+    from jcompilemask.lower.compiled import region_backend
     cute = backends.get("cute")
     cm = _cm((k <= q) & ((q - k) % 2 == 0))
     seg = SegmentIds("seg")
@@ -390,21 +393,10 @@ def test_cute_forward_takes_kernel_residuals_only_with_the_opt_in(monkeypatch):
         dtype="bfloat16", head_dim=128, head_dim_v=128, num_heads=8, num_kv_heads=8,
         softcap=False, has_fallback=bool(c.residual_regions), num_intervals=c.num_intervals,
         residual_reason=backends.residual_reason_of(c))
-    monkeypatch.delenv(CUTE_ANY_K_ENV, raising=False)
-    assert RESIDUAL_REASON in cute.supports(mk(cm))
-    assert region_backend(cm, 0) == f"xla ({RESIDUAL_REASON})"
-    monkeypatch.setenv(CUTE_ANY_K_ENV, "1")
     assert cute.supports(mk(cm)) is None
     assert region_backend(cm, 0).startswith("cute on an SM90 GPU (hull intervals")
-    assert "not yet validated" in backends.explain_backward(mk(cm)) or \
-        backends.get("cute").available() is not None
     assert "segment ids 'seg'" in cute.supports(mk(cm_seg))
     assert "segment ids 'seg'" in region_backend(cm_seg, 0)
-    x = jnp.zeros((1, 8, 1, 64), jnp.bfloat16)
-    with pytest.raises(backends.BackendUnavailable, match="segment ids"):
-        cute.forward(x, x, x, cm_seg.instantiate({"seg": np.zeros((1, 8), np.int32)}, 8, 8,
-                                                  block_q=4, block_kv=4, bwd_block_q=4,
-                                                  bwd_block_kv=4), 1.0, None)
 
 
 def test_tilelang_refuses_residuals_and_takes_shared_slots():
@@ -429,24 +421,17 @@ def test_residual_tree_and_evaluator():
     assert _cm(k <= q).slot_residuals(desc, rows, rows) is None
 
 
-def test_cute_takes_any_k_only_with_the_opt_in(monkeypatch):
+def test_cute_takes_any_k():
     """K > 8 (global tokens + a window lower to many runs per row): the CuTe kernels loop
-    over the intervals, compiled but not yet validated on the GPU, so the registry sends
-    such masks to them only with the opt-in; explain() says which and why."""
-    from jcompilemask.lower.compiled import CUTE_ANY_K_ENV, region_backend
+    over the intervals past 8 (validated on the H200, tests/gpu/test_cute_any_k.py), so the
+    registry sends such masks to them; explain() says so."""
+    from jcompilemask.lower.compiled import region_backend
     cute = backends.get("cute")
     call = backends.Call(dtype="bfloat16", head_dim=128, head_dim_v=128, num_heads=8,
                          num_kv_heads=8, softcap=False, has_fallback=False, num_intervals=25)
-    monkeypatch.delenv(CUTE_ANY_K_ENV, raising=False)
-    why = cute.supports(call)
-    assert why is not None and "K = 25" in why and CUTE_ANY_K_ENV in why
-    assert cute.supports(dataclasses.replace(call, num_intervals=8)) is None
+    assert cute.supports(call) is None
     rule = functools.reduce(lambda a, b: a | b, [(k >= 8 * i) & (k < 8 * i + 2) for i in range(12)])
     many = _cm(rule & (k <= q))
     assert many.num_intervals > 8
-    assert region_backend(many, 0).startswith("xla (K = ")
-    assert "awaiting validation" in backends.cute_backward_plan(128, 128, None, (64, 128), 17)
-    monkeypatch.setenv(CUTE_ANY_K_ENV, "1")
-    assert cute.supports(call) is None
     assert region_backend(many, 0).startswith("cute")
     assert backends.cute_backward_plan(128, 128, None, (64, 128), 17) is None

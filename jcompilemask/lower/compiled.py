@@ -82,31 +82,6 @@ def planner() -> Planner:
     return _PLANNER
 
 
-# The CuTe kernels unroll up to this many forward intervals (validated on the H200); past it
-# they loop over any K, compiled but awaiting validation on the GPU, so the registry runs
-# such masks on the CuTe kernels only with $JCOMPILEMASK_CUTE_BWD_EXPERIMENTAL=1
-# (jcompilemask.backends).
-CUTE_MAX_INTERVALS = 8
-CUTE_ANY_K_ENV = "JCOMPILEMASK_CUTE_BWD_EXPERIMENTAL"
-
-
-def cute_any_k_enabled() -> bool:
-    import os
-    return os.environ.get(CUTE_ANY_K_ENV, "0") == "1"
-
-
-def cute_k_reason(k: int, what: str = "intervals per row") -> str | None:
-    """None when the CuTe kernels take K = ``k`` by default or by the opt-in, else why not."""
-    if k <= CUTE_MAX_INTERVALS or cute_any_k_enabled():
-        return None
-    return (f"K = {k} {what}: the cute kernels loop over K > {CUTE_MAX_INTERVALS} intervals, "
-            f"compiled, awaiting validation on the GPU; set {CUTE_ANY_K_ENV}=1 to use them")
-
-
-RESIDUAL_REASON = ("residual predicate: the cute kernels evaluate residuals only with "
-                   f"{CUTE_ANY_K_ENV}=1 (compiled, awaiting validation on the GPU)")
-
-
 def _mask_reason(cm):
     from .residual_program import mask_kernel_reason
     return mask_kernel_reason(cm)
@@ -123,22 +98,13 @@ def region_backend(cm, g: int) -> str:
         why = mask_kernel_reason(cm)
         if why:
             return f"xla (residual predicate: {why})"
-        if not cute_any_k_enabled():
-            return f"xla ({RESIDUAL_REASON})"
-    k_g = cm.region_num_slots[g]
-    why = cute_k_reason(k_g)
-    if why:
-        return f"xla ({why})"
     others = [i for i in cm.residual_regions if i != g]
     if lr.has_residual:
         return ("cute on an SM90 GPU (hull intervals, the residual predicate emitted into "
-                "partial tiles of the forward and backward; opted in), else xla")
-    if others and (not cute_any_k_enabled() or _mask_reason(cm)):
+                "partial tiles of the forward and backward), else xla")
+    if others and _mask_reason(cm):
         return (f"xla: the interval tables serve this region, but regions {others} have "
                 "residual predicates and a mask runs on one backend")
-    why = cute_k_reason(cm.num_intervals, "intervals per row in the whole mask")
-    if why:
-        return f"xla ({why})"
     return "cute on an SM90 GPU (interval tables only), else xla"
 
 
@@ -152,8 +118,9 @@ class CompiledMask:
       residual_regions: the regions whose intervals keep a residual predicate (atoms that
         are not intervals in ``k``, e.g. ``k % 2 == 0``); ``fallback_regions`` is the
         same tuple under its former name. Their hulls are in the interval tables, the
-        residuals are evaluated per element in partial tiles by the ``xla`` backend; the
-        CuTe kernels and the TileLang preprocess refuse such masks.
+        residuals are evaluated per element in partial tiles (the CuTe kernels emit them
+        as code; the ``xla`` backend evaluates the same expressions); the TileLang
+        preprocess refuses such masks (the jnp preprocess builds their descriptors).
       num_intervals: K, forward intervals (slots) per row (max over regions and mask
         heads, at least 1): the most ranges of keys one query row sees. Intervals whose
         row conditions exclude each other, or that overlap, form one slot group; a group

@@ -92,10 +92,9 @@ def fallback_message(spec, index: int, reason: str) -> str:
     label = f" {r.name!r}" if r.name else ""
     where = f"mask {spec.name!r}: " if spec.name else ""
     msg = (f"{where}region {index}{label} (rows [{r.rows[0]}, {r.rows[1]})) keeps a residual "
-           f"predicate, evaluated per element in partial tiles: {reason}. This is slower, "
-           "and by default the GPU kernels do not run such masks (the xla backend does; "
-           "the cute kernels evaluate residuals only with "
-           "JCOMPILEMASK_CUTE_BWD_EXPERIMENTAL=1 until validated on the GPU, issue 16).")
+           f"predicate, evaluated per element in partial tiles: {reason}. This is slower than "
+           "an interval rule (the GPU kernels test it in every partial tile; a residual "
+           "reading per-token segment ids runs on the xla backend).")
     atom = _offending_atom(reason, r.visible)
     fixed = rewrite_atom(atom) if atom is not None else None
     if fixed is not None:

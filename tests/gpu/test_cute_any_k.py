@@ -4,9 +4,8 @@ oracle under the tolerance policy.
 
 Past 8 row intervals the forward's masked tile loops over the row's intervals from the
 table (not unrolled) and skips those that miss the tile; past 16 re-read column intervals
-the backward does the same. Compiled on a machine without a GPU; the registry uses it only
-with ``JCOMPILEMASK_CUTE_BWD_EXPERIMENTAL=1`` until these tests pass on the H200, so each
-test sets it. On a machine without the cute backend they skip with its reason; the
+the backward does the same. The registry runs such masks on the CuTe kernels by default
+since these tests passed on the H200 (2026-12-03). On a machine without the cute backend they skip with its reason; the
 compile-only twins are in test_cute_forward.py / test_cute_backward.py (CI), the registry's
 gate in tests/test_residual_lowering.py.
 
@@ -24,7 +23,7 @@ import jax.numpy as jnp
 
 import jcompilemask as jcm
 from jcompilemask import backends
-from jcompilemask.lower.compiled import CUTE_ANY_K_ENV, region_backend
+from jcompilemask.lower.compiled import region_backend
 from jcompilemask.spec import MaskSpec, Region, Scalar, k, q, q_len
 from gpu_cases import check_attention, random_many_intervals_case  # noqa: E402  (tests/gpu is on sys.path under pytest)
 
@@ -69,7 +68,6 @@ CASES = {
 
 @pytest.fixture
 def any_k_on(monkeypatch):
-    monkeypatch.setenv(CUTE_ANY_K_ENV, "1")
     monkeypatch.setenv(backends.CUTE_BACKWARD_ENV, "1")
 
 

@@ -257,34 +257,39 @@ def test_backward_key_names_of_new_configs():
     assert backward_smem_bytes(256, two_stages) > 232448   # why D 256 runs one stage
 
 
-def test_experimental_configs_are_opt_in(monkeypatch):
-    """Soft cap, D 256 and 192 / 128 reach the CuTe backward only with the opt-in, and the
-    descriptor's backward tiles follow (64 x 64 for D 256 / 192 only when opted in)."""
+def test_registry_runs_every_validated_config(monkeypatch):
+    """Soft cap, D 256 and 192 / 128 reach the CuTe backward by default (validated on the
+    H200), the descriptor's backward tiles follow (64 x 64 for D 256 / 192); 192 / 128 with
+    a soft cap, compiled but not yet run on a GPU, only with the opt-in."""
     monkeypatch.delenv(backends.CUTE_BACKWARD_ENV, raising=False)
     monkeypatch.delenv(backends.CUTE_EXPERIMENTAL_ENV, raising=False)
     plan = backends.cute_backward_plan
-    assert plan(128, 128, None, (64, 128)) is None and plan(64, 64, None, (64, 128)) is None
-    for args in ((128, 128, 5.0, (64, 128)), (256, 256, None, (64, 64)), (192, 128, None, (64, 64))):
-        why = plan(*args)
-        assert "awaiting validation on the GPU" in why and backends.CUTE_EXPERIMENTAL_ENV in why
+    for args in ((128, 128, None, (64, 128)), (64, 64, None, (64, 128)),
+                 (128, 128, 5.0, (64, 128)), (64, 64, 5.0, (64, 128)),
+                 (256, 256, None, (64, 64)), (256, 256, 5.0, (64, 64)),
+                 (192, 128, None, (64, 64))):
+        assert plan(*args) is None, args
+    assert plan(128, 128, None, (64, 128), 40) is None                  # any Kc
+    assert "backward tiles 64x128" in plan(256, 256, None, (64, 128))
+    why = plan(192, 128, 5.0, (64, 64))
+    assert "not yet run on the GPU" in why and backends.CUTE_EXPERIMENTAL_ENV in why
+    assert "head dims 96/96" in plan(96, 96, None)
     cute = backends.get("cute")
 
     def call(d, dv, cap=False):
         return backends.Call(dtype="bfloat16", head_dim=d, head_dim_v=dv, num_heads=4,
                              num_kv_heads=2, softcap=cap, has_fallback=False)
-    assert "awaiting validation" in cute.supports(call(192, 128))
-    assert cute.tiles(call(256, 256)).bwd_block_kv == 128          # validated default tiles
-    assert "awaiting validation" in backends._cute_backward_note()
-    monkeypatch.setenv(backends.CUTE_EXPERIMENTAL_ENV, "1")
-    assert plan(128, 128, 5.0, (64, 128)) is None
-    assert plan(256, 256, None, (64, 64)) is None and plan(192, 128, None, (64, 64)) is None
-    assert "backward tiles 64x128" in plan(256, 256, None, (64, 128))
     assert cute.supports(call(192, 128)) is None
+    assert "head dims 192/64" in cute.supports(call(192, 64))
     t = cute.tiles(call(256, 256))
     assert (t.block_q, t.block_kv, t.bwd_block_q, t.bwd_block_kv) == (128, 80, 64, 64)
     assert cute.tiles(call(192, 128)).bwd_block_kv == 64
+    assert cute.tiles(call(192, 128, True)).bwd_block_kv == 128    # xla backward: default tiles
     assert cute.tiles(call(128, 128, True)).bwd_block_kv == 128
-    assert "opted in" in backends._cute_backward_note()
+    assert "except 192 / 128 with a soft cap" in backends._cute_backward_note()
+    monkeypatch.setenv(backends.CUTE_EXPERIMENTAL_ENV, "1")
+    assert plan(192, 128, 5.0, (64, 64)) is None
+    assert cute.tiles(call(192, 128, True)).bwd_block_kv == 64
 
 
 def _fragment_order_reference(dq, bq=64):
@@ -396,17 +401,16 @@ def test_backward_selection_reasons(monkeypatch):
     x = jnp.zeros((1, 256, 2, 128), jnp.bfloat16)
     monkeypatch.delenv(backends.CUTE_BACKWARD_ENV, raising=False)    # default: on
     assert backends.cute_backward_reason(x, x, desc, None) is None
-    assert "CuTe backward for D 64/128" in backends._cute_backward_note()
+    assert "CuTe backward for every config the CuTe forward runs" in backends._cute_backward_note()
     monkeypatch.setenv(backends.CUTE_BACKWARD_ENV, "0")
     assert "turned off" in backends.cute_backward_reason(x, x, desc, None)
     assert "turned the CuTe backward off" in backends.get("cute").backward_note()  # asked afresh
     monkeypatch.setenv(backends.CUTE_BACKWARD_ENV, "1")
     monkeypatch.delenv(backends.CUTE_EXPERIMENTAL_ENV, raising=False)
     assert backends.cute_backward_reason(x, x, desc, None) is None
-    assert "soft cap at D 128" in backends.cute_backward_reason(x, x, desc, 5.0)
-    assert "awaiting validation" in backends.cute_backward_reason(x, x, desc, 5.0)
+    assert backends.cute_backward_reason(x, x, desc, 5.0) is None
     x256 = jnp.zeros((1, 256, 2, 256), jnp.bfloat16)
-    assert "D 256 backward" in backends.cute_backward_reason(x256, x256, desc, None)
+    assert "backward tiles 64x128" in backends.cute_backward_reason(x256, x256, desc, None)
     x96 = jnp.zeros((1, 256, 2, 96), jnp.bfloat16)
     assert "head dims 96/96" in backends.cute_backward_reason(x96, x96, desc, None)
     other = jcm.compile(jcm.masks.causal()).instantiate(None, 256, 256, block_q=128,
@@ -545,10 +549,8 @@ def test_row_mask_gives_the_default_gradients(name, cute_backward_on, monkeypatc
 ], ids=lambda v: str(getattr(v, "__name__", v)))
 def test_exp2_emu_grads(name, per_8, cap, dtype, cute_backward_on, monkeypatch):
     """exp2_emu (P^T's exp2 partly on the FMA pipe, relative error <= 8.6e-5) meets the
-    tolerance policy: D 128, bf16 and fp16, masked tiles (clear), a soft cap (opted in)."""
+    tolerance policy: D 128, bf16 and fp16, masked tiles (clear), a soft cap."""
     monkeypatch.setenv("JCOMPILEMASK_CUTE_BWD_CONFIG", f"exp2_emu={per_8}")
-    if cap is not None:
-        monkeypatch.setenv(backends.CUTE_EXPERIMENTAL_ENV, "1")
     rng = np.random.default_rng(13)
     n, b = (1100 if name == "clear" else 1000), 2
     md, spec = metadata(name, b, n, rng), SPECS[name]
@@ -579,21 +581,21 @@ def test_explain_says_which_backward_runs(monkeypatch):
         def call(d, dv, cap=False):
             return backends.Call(dtype="bfloat16", head_dim=d, head_dim_v=dv, num_heads=4,
                                  num_kv_heads=2, softcap=cap, has_fallback=False)
-        assert "backward: the CuTe backward kernel" in backends.explain(call(128, 128))
-        text = backends.explain(call(256, 256))
-        assert "chosen: cute" in text and "backward: xla on the CuTe forward's residuals" in text
-        assert "D 256 backward: compiled, awaiting validation on the GPU" in text
-        assert "soft cap at D 128" in backends.explain(call(128, 128, True))
+        for c in (call(128, 128), call(256, 256), call(128, 128, True), call(192, 128)):
+            text = backends.explain(c)
+            assert "chosen: cute" in text and "backward: the CuTe backward kernel" in text
+            assert "opted in" not in text
+        text = backends.explain(call(192, 128, True))
+        assert "backward: xla on the CuTe forward's residuals" in text
+        assert "soft cap at D 192 / Dv 128" in text
         monkeypatch.setenv(backends.CUTE_EXPERIMENTAL_ENV, "1")
-        for c in (call(256, 256), call(128, 128, True), call(192, 128)):
-            assert "backward: the CuTe backward kernel (opted in" in backends.explain(c)
-        # Residual predicates: emitted into both CuTe kernels under the opt-in; one that
-        # cannot run in a kernel (per-token segment ids) keeps the mask on xla.
+        assert "backward: the CuTe backward kernel (opted in" in backends.explain(call(192, 128, True))
+        monkeypatch.delenv(backends.CUTE_EXPERIMENTAL_ENV)
+        # Residual predicates: emitted into both CuTe kernels; one that cannot run in a
+        # kernel (per-token segment ids) keeps the mask on xla.
         fallback = dataclasses.replace(call(128, 128), has_fallback=True)
-        assert "backward: the CuTe backward kernel (opted in" in backends.explain(fallback)
+        assert "backward: the CuTe backward kernel" in backends.explain(fallback)
         segs = dataclasses.replace(fallback, residual_reason="the residual reads segment ids 'seg'")
         assert "backward: xla (the backend that runs the forward)" in backends.explain(segs)
-        monkeypatch.setenv(backends.CUTE_EXPERIMENTAL_ENV, "0")
-        assert "backward: xla (the backend that runs the forward)" in backends.explain(fallback)
     finally:
         backends.register(real)

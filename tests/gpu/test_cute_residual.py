@@ -4,9 +4,9 @@ The tables of a residual mask hold interval hulls; the forward's partial tiles e
 each slot's residual predicate, emitted as kernel code from its expression tree
 (lower/residual_program.py, kernels/cute/residual_ops.py), reading the rows' regions and
 a per-batch parameter table; the CuTe backward does the same in its partial tiles (column
-view, or the forward program per query column without one). Compiled on a machine
-without a GPU, so the registry uses it only with ``JCOMPILEMASK_CUTE_BWD_EXPERIMENTAL=1``,
-which these tests set. Without the cute backend they skip with its reason; the emission
+view, or the forward program per query column without one). The registry runs residual
+masks on the CuTe kernels by default since these tests passed on the H200 (2026-12-03).
+Without the cute backend they skip with its reason; the emission
 logic is checked on CI by tests/test_residual_program.py (numpy twin vs the jnp
 evaluator), the compile by test_cute_forward.py::test_residual_forward_compiles_for_sm90.
 
@@ -24,7 +24,7 @@ import jax.numpy as jnp
 
 import jcompilemask as jcm
 from jcompilemask import backends
-from jcompilemask.lower.compiled import CUTE_ANY_K_ENV, region_backend
+from jcompilemask.lower.compiled import region_backend
 from jcompilemask.spec import MaskSpec, Region, Scalar, Vector, h, k, q, q_len
 from gpu_cases import check_attention, random_residual_case  # noqa: E402  (tests/gpu is on sys.path under pytest)
 
@@ -58,7 +58,7 @@ CASES = {
 
 @pytest.fixture
 def residual_on(monkeypatch):
-    monkeypatch.setenv(CUTE_ANY_K_ENV, "1")
+    monkeypatch.setenv(backends.CUTE_BACKWARD_ENV, "1")
 
 
 def _inputs(b, n, hq, hkv, d, dtype, seed=0):

@@ -24,9 +24,9 @@ from ...ffi.registry import match_varying
 
 _DTYPES = ("bfloat16", "float16")
 HEAD_DIMS = (64, 128, 256)          # Dv == D; validated on the H200 (NOTES.md)
-# (D, Dv) pairs with Dv != D: compiled, not yet run on a GPU (the registry uses them only
-# with $JCOMPILEMASK_CUTE_BWD_EXPERIMENTAL=1).
-HEAD_DIM_PAIRS_EXPERIMENTAL = ((192, 128),)
+# (D, Dv) pairs with Dv != D (DeepSeek-style 192 / 128); validated on the H200 with the
+# backward's (tests/gpu/test_cute_head_dims.py, 2026-12-03).
+HEAD_DIM_PAIRS = ((192, 128),)
 # Dynamic shared memory one CTA may opt into on SM90 (227 KB).
 _SMEM_LIMIT = 232448
 
@@ -134,10 +134,10 @@ class ForwardKey:
             raise ValueError(f"cute forward supports {_DTYPES}, got dtype {self.dtype!r}")
         pair = (self.head_dim, self.head_dim_v)
         if not ((self.head_dim in HEAD_DIMS and self.head_dim_v == self.head_dim)
-                or pair in HEAD_DIM_PAIRS_EXPERIMENTAL):
+                or pair in HEAD_DIM_PAIRS):
             raise ValueError(
                 f"cute forward is built for head dims {HEAD_DIMS} with Dv == D and (D, Dv) in "
-                f"{HEAD_DIM_PAIRS_EXPERIMENTAL}, got {self.head_dim}/{self.head_dim_v}; use the "
+                f"{HEAD_DIM_PAIRS}, got {self.head_dim}/{self.head_dim_v}; use the "
                 "xla backend for other head dims"
             )
         want = preferred_forward_tiles(self.head_dim, self.dtype)
@@ -622,11 +622,10 @@ def cute_forward(q, k, v, fwd_intervals, fwd_tiles, *, scale=None, softcap=None,
 
 
 # ---------------------------------------------------------------------------- backward
-BWD_HEAD_DIMS = (64, 128)           # validated on the H200 (NOTES.md "Backward v1")
-# Compiled (sm_90a, CuTe DSL 4.8.1) but not yet run on a GPU: the registry uses them only
-# with $JCOMPILEMASK_CUTE_BWD_EXPERIMENTAL=1 (backends.cute_backward_reason says so).
-BWD_HEAD_DIMS_EXPERIMENTAL = (256,)
-BWD_HEAD_DIM_PAIRS_EXPERIMENTAL = ((192, 128),)     # (D, Dv), Dv != D: split_dkv
+# Validated on the H200: D 64 / 128 since "Backward v1", with a soft cap and D 256 since
+# 2026-12-03 (every case of tests/gpu/test_cute_head_dims.py; NOTES.md "Session 16").
+BWD_HEAD_DIMS = (64, 128, 256)
+BWD_HEAD_DIM_PAIRS = ((192, 128),)     # (D, Dv), Dv != D: split_dkv; validated without a cap
 BWD_TILES = (64, 128)       # (bwd_block_q, bwd_block_kv): the descriptor's backward tiles
 BWD_TILES_SPLIT = (64, 64)  # ... with BackwardConfig.split_dkv (D 256: preferred_backward_config)
 BWD_CONFIG_ENV = "JCOMPILEMASK_CUTE_BWD_CONFIG"
@@ -750,7 +749,8 @@ class BackwardConfig:
       GEMM units per tile instead of 5) and the half of dK / dV / dQ's head dims that is
       its own, so dK + dV take D registers per thread instead of 2 D (D 256: 128 instead of
       an impossible 256). dS^T is written to shared memory by the first warpgroup alone.
-      Needs 64 x 64 backward tiles (``BWD_TILES_SPLIT``). Not yet run on a GPU.
+      Needs 64 x 64 backward tiles (``BWD_TILES_SPLIT``). Validated on the H200 (D 256,
+      192 / 128: tests/gpu/test_cute_head_dims.py).
 
     - ``row_mask``: a masked tile tests each query column against its K forward row
       intervals (one vector of 2 K values per column, K tests per element) instead of each
@@ -868,8 +868,10 @@ def preferred_backward_config(head_dim: int, dtype: str = "bfloat16",
     ds_stages 1 / 2 and stats_early on / off); at D 128 the lse read before the S^T GEMM
     and the tile body compiled once per ring stage (session 10).
 
-    D 256 is CHOSEN BY ARITHMETIC ON A MACHINE WITHOUT A GPU and must be re-chosen by
-    measurement on the H200 (h200.sh hdims) before the registry uses it by default:
+    D 256 was chosen by arithmetic (below: the one layout that fits) and is the registry's
+    default since every gradient case passed on the H200 (2026-12-03); timed once at causal
+    32K: 138 ms against cuDNN's 119 (run 2026-12-03T05:54:08Z, h200-head-dims.json), so the
+    shape is still to be re-chosen by measurement (h200.sh hdims with --jcm-variants):
     - registers (240 per consumer thread): the 64 x 128 layout gives each warpgroup 64 keys
       x D of dK and of dV, 2 x 64 x 256 / 128 = 256 fp32 registers: it cannot exist. With
       ``split_dkv`` (both warpgroups on the same 64 keys, D split) dK + dV take 128, the dQ
@@ -986,7 +988,7 @@ class BackwardKey:
     scale: float
     config: BackwardConfig = BackwardConfig()
     # logits = cap * tanh(scale * q.k / cap); P recomputed from them and dS times (1 - t^2).
-    # Static per model, like the forward's. Awaiting validation on the H200 (backends.py).
+    # Static per model, like the forward's. Validated on the H200 at D 64 / 128 / 256.
     softcap: float | None = None
     head_dim_v: int | None = None   # None: Dv == D; (192, 128) runs split_dkv (64B-swizzled Q / K)
     # (forward, column) ResidualProgram pair over one parameter table (residual masks).
@@ -1002,15 +1004,15 @@ class BackwardKey:
                 raise ValueError(f"residual programs {self.residual!r} do not fit K="
                                  f"{self.num_intervals}, Kc={self.num_bwd_intervals}")
         if self.head_dim_v is not None and self.head_dim_v != self.head_dim:
-            if (self.head_dim, self.head_dim_v) not in BWD_HEAD_DIM_PAIRS_EXPERIMENTAL:
+            if (self.head_dim, self.head_dim_v) not in BWD_HEAD_DIM_PAIRS:
                 raise ValueError(f"cute backward head dims {self.head_dim}/{self.head_dim_v}: Dv != D "
-                                 f"only as {BWD_HEAD_DIM_PAIRS_EXPERIMENTAL}")
+                                 f"only as {BWD_HEAD_DIM_PAIRS}")
             if not (self.config.split_dkv and self.config.dkv_tma_store):
                 raise ValueError("Dv != D needs BackwardConfig(split_dkv=True, dkv_tma_store=True); "
                                  "use preferred_backward_config(D)")
         if self.softcap is not None and not (math.isfinite(self.softcap) and self.softcap > 0):
             raise ValueError(f"softcap must be None or a positive finite float, got {self.softcap!r}")
-        dims = BWD_HEAD_DIMS + BWD_HEAD_DIMS_EXPERIMENTAL
+        dims = BWD_HEAD_DIMS
         if self.head_dim not in dims and self.dv == self.head_dim:
             raise ValueError(f"cute backward is built for head dims {dims} (Dv == D), "
                              f"got {self.head_dim}; the xla backward serves the others")
@@ -1169,7 +1171,7 @@ def cute_backward(q, k, v, out, lse, do, bwd_intervals, bwd_tiles, fwd_intervals
         ``residual_params`` int32 [Bm, max(W, 1)], as for ``cute_forward``.
     Returns (dq, dk, dv) in the input dtype.
 
-    (D, Dv) = (192, 128): v, out, do and dv are [.., 128] (``BWD_HEAD_DIM_PAIRS_EXPERIMENTAL``).
+    (D, Dv) = (192, 128): v, out, do and dv are [.., 128] (``BWD_HEAD_DIM_PAIRS``).
     """
     B, Nq, Hq, D = q.shape
     Nk, Hkv = k.shape[1], k.shape[2]
@@ -1179,9 +1181,9 @@ def cute_backward(q, k, v, out, lse, do, bwd_intervals, bwd_tiles, fwd_intervals
     if k.shape[0] != B or v.shape[:3] != k.shape[:3] or Hq % Hkv:
         raise ValueError(f"incompatible shapes q{q.shape} k{k.shape} v{v.shape}")
     Dv = v.shape[-1]
-    if ((Dv != D and (D, Dv) not in BWD_HEAD_DIM_PAIRS_EXPERIMENTAL)
+    if ((Dv != D and (D, Dv) not in BWD_HEAD_DIM_PAIRS)
             or out.shape != q.shape[:3] + (Dv,) or do.shape != out.shape):
-        raise ValueError(f"cute backward needs Dv == D or (D, Dv) in {BWD_HEAD_DIM_PAIRS_EXPERIMENTAL}, "
+        raise ValueError(f"cute backward needs Dv == D or (D, Dv) in {BWD_HEAD_DIM_PAIRS}, "
                          f"and out / do shaped [B, Nq, Hq, Dv]; got q{q.shape} v{v.shape} "
                          f"out{out.shape} do{do.shape}")
     if scale is None:

@@ -40,16 +40,15 @@ only after its dQ product of tile t - 1 (the same buffer) completed.
 The static shape (tiles, stages, dS buffers, early statistics) and the options still to
 be measured on the H200 (deterministic dQ order, a shared work list instead of three
 walks of the tile words, dK / dV by TMA store, ...) are `api.BackwardConfig`.
-Validated on the H200 (tests/gpu/test_cute_backward.py); the cute backend uses it by
-default for D 64/128 without soft cap (`backends.cute_backward_reason` says why not
-otherwise; JCOMPILEMASK_CUTE_BACKWARD=0 turns it off).
-
-Compiled, not yet run on a GPU (the registry uses them only with
-JCOMPILEMASK_CUTE_BWD_EXPERIMENTAL=1; NOTES.md "Issue 15"): a soft cap (P recomputed from
-t = tanh(scale s / cap), dS^T multiplied by 1 - t^2 in registers; `softcap_tanh`,
-`softcap_probs`), and D 256 through `BackwardConfig.split_dkv`: 64 x 64 tiles whose 64 keys
-both consumer warpgroups own, each computing the whole S^T / dP^T and its half of D for
-dK, dV and dQ (dK + dV of 64 keys x 256 would not fit one warpgroup's registers).
+Validated on the H200 (tests/gpu/test_cute_backward.py, tests/gpu/test_cute_head_dims.py,
+tests/gpu/test_cute_any_k.py, tests/gpu/test_cute_residual.py); the cute backend uses it
+by default for every configuration the CuTe forward runs but D 192 / Dv 128 with a soft
+cap (`backends.cute_backward_reason` says why not; JCOMPILEMASK_CUTE_BACKWARD=0 turns it
+off): D 64 / 128, a soft cap (P recomputed from t = tanh(scale s / cap), dS^T multiplied
+by 1 - t^2 in registers; `softcap_tanh`, `softcap_probs`), and D 256 / 192 through
+`BackwardConfig.split_dkv`: 64 x 64 tiles whose 64 keys both consumer warpgroups own, each
+computing its half of D for dK, dV and dQ (dK + dV of 64 keys x 256 would not fit one
+warpgroup's registers; ``split_sdp`` splits S^T / dP^T by queries at D 256).
 """
 
 from __future__ import annotations
