@@ -24,6 +24,8 @@
 #   sanitize2    compute-sanitizer (3 tools) on the CuTe kernels without JAX in the process
 #   s9t          session 8's SASS change (warp-uniform warpgroup index): default backward + forward GPU
 #                tests; the jnp preprocess on the GPU vs the CPU at the benchmarks' sizes
+#   s17          session 16's exp2_emu (part of P's exp2 on the FMA pipe) timed beside the default
+#                and FA4 native at 32K, then the GPU tests under the faster
 #   s10          session 9's static_stage (the tile body once per ring stage) and lse_prefetch: each
 #                and both timed beside the default and FA4 native at 32K (causal, hstu), then the
 #                default backward's GPU tests under the fastest
@@ -392,6 +394,19 @@ case $stage in
     # backward's GPU tests under it when it is the faster at causal (JCM_S13_CONFIG forces).
     variants_then_tests s13 causal,hstu "${JCM_S13_CONFIG:-}" ea=entry_ahead=1
     ;;
+  s17)
+    # exp2_emu (session 16; compile-checked: 2 of every 8 columns' exp2 on the FMA pipe, 4: half;
+    # ncu had our warps stalled on MUFU.EX2 in 5.9% of samples, FA4's 2.9%; SASS D 128 per
+    # unmasked tile 392 -> 465 / 537 instructions, MUFU 32 -> 24 / 16, 168 registers, 0 B
+    # stack): timed beside the default and FA4 native at 32K (causal, hstu, shared prompt),
+    # then the default backward's GPU tests under the faster at causal 32K, then its own
+    # gradient cases (tests/gpu/test_cute_backward.py::test_exp2_emu_grads).
+    variants_then_tests s17 causal,hstu,shared_prompt "${JCM_S17_CONFIG:-}" e2=exp2_emu=2 e4=exp2_emu=4
+    left() { local l=$(( ${JCM_STAGE_S:-570} - SECONDS )); (( l < $1 )) && echo $(( l > 5 ? l : 5 )) || echo $1; }
+    timeout -k 5 $(left 120) python3 -m pytest -q -rs -p no:cacheprovider \
+      tests/gpu/test_cute_backward.py::test_exp2_emu_grads > "$OUT/pytest-s17-e2e.log" 2>&1
+    echo "exp2_emu grads rc $? ($SECONDS s)"; pkill -9 -f pytest; tail -4 "$OUT/pytest-s17-e2e.log"
+    ;;
   s10x)
     # Issue 17's one-GPU checks: the CuTe path under shard_map / jax.jit with a sharding
     # (session 9's match_varying fix) and ring attention running the CuTe kernels per step.
@@ -671,13 +686,19 @@ PY
     # (30-40 s of CPU, several threads each: 8 processes loaded 16 cores to 47 and finished
     # no case in 260 s, session 15), so a few parallel processes fit more of a file's cases
     # into one call; kernels land in the disk cache, so a rerun on the same warm machine
-    # reaches further. Cases whose id matches the regex JCM_PAR_SKIP (passed in an earlier
-    # call) are left out. Each process runs `pytest -v` under `timeout JCM_STAGE_S - 20`
+    # reaches further. Cases whose id matches the regex JCM_PAR_SKIP, or equals a line of
+    # the file JCM_PAR_SKIP_FILE (passed in an earlier call: scripts/device-lists/), are
+    # left out. Issue 14's forward work list, the 61 cases left after session 16:
+    #   JCOMPILEMASK_CUTE_FWD_WORK_LIST=1 JCM_PAR_FILES="tests/gpu/test_cute_forward.py
+    #   tests/gpu/test_cute_attention.py" JCM_PAR_SKIP=compiles
+    #   JCM_PAR_SKIP_FILE=scripts/device-lists/fwl-passed.txt bash scripts/h200.sh hdimspar Each process runs `pytest -v` under `timeout JCM_STAGE_S - 20`
     # (a killed pytest writes no JUnit: the per-case summary reads the -v logs).
     files=${JCM_PAR_FILES:-tests/gpu/test_cute_head_dims.py tests/gpu/test_cute_forward.py::test_head_dim_192_128_compiles_for_sm90}
     [[ $stage == hdimstests ]] && JCM_PAR=${JCM_PAR:-1}
     python3 -m pytest --collect-only -q -p no:cacheprovider $files 2>/dev/null | grep '::' \
-      | { if [[ -n ${JCM_PAR_SKIP:-} ]]; then grep -Ev "$JCM_PAR_SKIP"; else cat; fi; } > "$OUT/par-ids.txt"
+      | { if [[ -n ${JCM_PAR_SKIP:-} ]]; then grep -Ev "$JCM_PAR_SKIP"; else cat; fi; } \
+      | { if [[ -n ${JCM_PAR_SKIP_FILE:-} ]]; then grep -vxF -f "$JCM_PAR_SKIP_FILE"; else cat; fi; } \
+      > "$OUT/par-ids.txt"
     np=${JCM_PAR:-4}; echo "$(wc -l < "$OUT/par-ids.txt") cases over $np processes"
     for i in $(seq 0 $(( np - 1 ))); do
       awk -v i=$i -v n=$np '(NR - 1) % n == i' "$OUT/par-ids.txt" > "$OUT/par-$i.txt"
