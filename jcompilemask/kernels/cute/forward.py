@@ -560,22 +560,31 @@ class FlashForwardSm90(WarpSpecializedSm90):
                 build_tile_list(gTiles, n_k_tiles, ch * FWD_LIST_CHUNK, FWD_LIST_CHUNK, sList, sCount, 0)
                 cute.arch.barrier_arrive(barrier_id=_BARRIER_LIST_READY, number_of_threads=self.list_meet)
                 for it in cutlass.range(sCount[0], unroll=1):
-                    prev = self.load_k_then_v(k_ring, v_ring, k_state, kv_state, sList[it] & Int32(0xFFFF), prev)
+                    prev, k_state, kv_state = self.load_k_then_v(
+                        k_ring, v_ring, k_state, kv_state, sList[it] & Int32(0xFFFF), prev)
                 # The chunk's last V before waiting for the consumers to be done with the
                 # list (they need it to get there), then rebuild.
-                prev = self.load_k_then_v(None, v_ring, k_state, kv_state, Int32(-1), prev)
+                prev, k_state, kv_state = self.load_k_then_v(None, v_ring, k_state, kv_state,
+                                                             Int32(-1), prev)
                 cute.arch.barrier(barrier_id=_BARRIER_LIST_FREE, number_of_threads=self.list_meet)
         else:
             for k_tile in cutlass.range(n_k_tiles, unroll=1):
                 if tile_bits(gTiles, k_tile) & Uint32(1) != Uint32(0):
-                    prev = self.load_k_then_v(k_ring, v_ring, k_state, kv_state, k_tile, prev)
-            self.load_k_then_v(None, v_ring, k_state, kv_state, Int32(-1), prev)
+                    prev, k_state, kv_state = self.load_k_then_v(k_ring, v_ring, k_state, kv_state,
+                                                                 k_tile, prev)
+            prev, k_state, kv_state = self.load_k_then_v(None, v_ring, k_state, kv_state,
+                                                         Int32(-1), prev)
         return kv_state
 
     @cute.jit
     def load_k_then_v(self, k_ring, v_ring, k_state, v_state, k_tile, prev):
         """K of ``k_tile`` (unless ``k_ring`` is None), then V of ``prev`` (the tile before,
-        if any) into their rings; returns ``k_tile`` (the tile now owed its V)."""
+        if any) into their rings; returns ``k_tile`` (the tile now owed its V) and the two
+        advanced states. The caller must assign the states it gets back: the DSL carries a
+        value through a dynamic loop or branch only when the region assigns it, or calls a
+        method on it directly — a state advanced inside a ``self.method(...)`` call would
+        leave the region at its old value (every K of the row then went to one stage and the
+        first H200 run died with a launch failure, session 16)."""
         if const_expr(k_ring is not None):
             pipe, atom, src, dst = k_ring
             pipe.producer_acquire(k_state)
@@ -588,7 +597,7 @@ class FlashForwardSm90(WarpSpecializedSm90):
             cute.copy(atom, src[None, prev], dst[None, v_state.index],
                       tma_bar_ptr=pipe.producer_get_barrier(v_state))
             v_state.advance()
-        return k_tile
+        return k_tile, k_state, v_state
 
     # ------------------------------------------------------------------ consumers
     @cute.jit
