@@ -175,3 +175,68 @@ def test_exp2_emu_from_env(monkeypatch):
     key = api.BackwardKey("bfloat16", 128, 1, 1, True, True, 0.125, cfg)
     plain = api.BackwardKey("bfloat16", 128, 1, 1, True, True, 0.125, api.preferred_backward_config(128))
     assert key.target_name != plain.target_name and "_e2e4_" in key.target_name
+
+
+# ------------------------------------------------------------------------------ 1 / y
+_RCP_CLAMP = np.array(e2.RCP_CLAMP_BITS, np.uint32).view(np.float32)
+
+
+def rcp_fma_reference(y):
+    """The kernel's ``rcp_fma`` (``RCP_FMA_PTX``) step for step, in float32."""
+    y = np.asarray(y, np.float32)
+    with np.errstate(invalid="ignore", over="ignore"):
+        yc = np.where(np.isnan(y), y, np.minimum(y, _RCP_CLAMP)).astype(np.float32)
+        r = (np.uint32(e2.RCP_SEED) - yc.view(np.uint32)).astype(np.uint32).view(np.float32)
+        for _ in range(e2.RCP_STEPS):
+            e = _fma32(-yc, r, np.float32(1.0))
+            r = _fma32(r, e, r)
+    return r
+
+
+def test_rcp_constants_are_the_kernels():
+    ptx = e2.RCP_FMA_PTX
+    assert f"0f{e2.RCP_CLAMP_BITS:08X}" in ptx and str(e2.RCP_SEED) in ptx
+    assert _RCP_CLAMP == 2.0 ** 125
+    ops = re.findall(r"^(\w+(?:\.\w+)*)", ptx, re.M)
+    assert ops == (["min.NaN.f32", "mov.b32", "sub.s32", "mov.b32"]
+                   + ["neg.f32", "fma.rn.f32", "fma.rn.f32"] * e2.RCP_STEPS + ["mov.b32"])
+
+
+def test_rcp_within_one_ulp():
+    """Over y in [1, 2^125] (a dense sweep of [1, 2] where the seed's error peaks, and a
+    geometric sweep of the rest): within 1 ulp of the correctly rounded reciprocal, as
+    ``rcp.approx.f32``; the seed alone within 5.1%."""
+    y = np.concatenate([np.linspace(1.0, 2.0, 2_000_001, dtype=np.float32),
+                        np.exp2(np.linspace(0.0, 125.0, 2_000_001)).astype(np.float32)])
+    got = rcp_fma_reference(y)
+    exact = (1.0 / y.astype(np.float64)).astype(np.float32)
+    ulps = np.abs(got.view(np.int32).astype(np.int64) - exact.view(np.int32).astype(np.int64))
+    assert ulps.max() <= 1
+    seed = (np.uint32(e2.RCP_SEED) - y.view(np.uint32)).view(np.float32).astype(np.float64)
+    assert np.abs(seed * y - 1).max() <= 0.051
+
+
+@pytest.mark.parametrize("y,want", [(np.inf, 2.0 ** -125), (np.nan, np.nan), (1.0, 1.0),
+                                    (2.0, 0.5), (2.0 ** 125, 2.0 ** -125), (1e38, 2.0 ** -125)])
+def test_rcp_special_inputs(y, want):
+    """+inf and anything past 2^125 read as 2^125 (the soft cap's t = 1 - 2 r rounds to 1
+    there, as tanh saturates); NaN stays NaN."""
+    got = rcp_fma_reference(np.float32(y))
+    if np.isnan(want):
+        assert np.isnan(got)
+    else:
+        assert got == np.float32(want)
+
+
+def test_softcap_tanh_with_the_emulated_reciprocal():
+    """The backward's t = 1 - 2 / (2^(2 x log2 e) + 1) with ``rcp_fma`` against tanh(x):
+    the same error as with an exact reciprocal (what the forward's default tanh computes
+    with ``rcp.approx``), saturating to +-1 without NaN."""
+    x = np.linspace(-60.0, 60.0, 400_001).astype(np.float32)
+    e = np.exp2(np.float32(2 * np.log2(np.e)) * x).astype(np.float32)
+    ep1 = (e + np.float32(1)).astype(np.float32)
+    t_emu = (np.float32(1) - np.float32(2) * rcp_fma_reference(ep1)).astype(np.float32)
+    t_ref = (np.float32(1) - np.float32(2) * (1.0 / ep1.astype(np.float64)).astype(np.float32))
+    assert np.all(np.isfinite(t_emu)) and np.abs(t_emu).max() <= 1.0
+    assert np.abs(t_emu.astype(np.float64) - t_ref).max() <= 2.4e-7
+    assert np.abs(t_emu.astype(np.float64) - np.tanh(x.astype(np.float64))).max() <= 1e-6

@@ -211,6 +211,24 @@ def test_exp2_emu_compiles_for_sm90(dtype, d, kk, kc, per_8, cap, monkeypatch, c
 
 
 @needs_cutlass
+@pytest.mark.parametrize("dtype,d,kk,kc,exp2_per_8,rcp_per_8", [
+    ("bfloat16", 128, 1, 1, 0, 8),          # the soft cap's reciprocal on the FMA pipe
+    ("bfloat16", 128, 1, 1, 4, 4),          # with half of P's exp2
+    ("float16", 64, 6, 7, 4, 8),
+])
+def test_rcp_emu_compiles_for_sm90(dtype, d, kk, kc, exp2_per_8, rcp_per_8, monkeypatch, capfd):
+    """rcp_emu (soft cap only): the tanh's reciprocal on the FMA pipe, alone and with
+    exp2_emu; ptxas serializes no wgmma (C7512) and the key names the knob."""
+    import dataclasses
+    from jcompilemask.kernels.cute.api import BackwardKey, compile_backward, preferred_backward_config
+    cfg = dataclasses.replace(preferred_backward_config(d, dtype, True), exp2_emu=exp2_per_8,
+                              rcp_emu=rcp_per_8)
+    key = BackwardKey(dtype, d, kk, kc, False, True, d ** -0.5, cfg, softcap=30.0)
+    assert compile_checking_remarks(compile_backward, key, monkeypatch, capfd) is not None
+    assert cfg.tag.endswith(f"_rcp{rcp_per_8}") and cfg.tag in key.target_name
+
+
+@needs_cutlass
 def test_split_sdp_at_head_dim_192_128_compiles_for_sm90(monkeypatch, capfd):
     """split_sdp where Dv != D (dV's own tiled MMA, P^T from shared memory): compiles
     without C7512 (the D 192 / 128 default does not use it yet; h200.sh hdims decides)."""
@@ -543,14 +561,17 @@ def test_row_mask_gives_the_default_gradients(name, cute_backward_on, monkeypatc
 
 
 @needs_gpu
-@pytest.mark.parametrize("name,per_8,cap,dtype", [
-    ("causal", 2, None, jnp.bfloat16), ("shared_prompt", 4, None, jnp.bfloat16),
-    ("clear", 8, None, jnp.float16), ("hstu", 2, 30.0, jnp.bfloat16), ("clear", 8, 5.0, jnp.float16),
+@pytest.mark.parametrize("name,config,cap,dtype", [
+    ("causal", "exp2_emu=2", None, jnp.bfloat16), ("shared_prompt", "exp2_emu=4", None, jnp.bfloat16),
+    ("clear", "exp2_emu=8", None, jnp.float16), ("hstu", "exp2_emu=2", 30.0, jnp.bfloat16),
+    ("clear", "exp2_emu=8", 5.0, jnp.float16), ("hstu", "rcp_emu=8", 30.0, jnp.bfloat16),
+    ("clear", "exp2_emu=4,rcp_emu=8", 5.0, jnp.float16),
 ], ids=lambda v: str(getattr(v, "__name__", v)))
-def test_exp2_emu_grads(name, per_8, cap, dtype, cute_backward_on, monkeypatch):
-    """exp2_emu (P^T's exp2 partly on the FMA pipe, relative error <= 8.6e-5) meets the
-    tolerance policy: D 128, bf16 and fp16, masked tiles (clear), a soft cap."""
-    monkeypatch.setenv("JCOMPILEMASK_CUTE_BWD_CONFIG", f"exp2_emu={per_8}")
+def test_exp2_emu_grads(name, config, cap, dtype, cute_backward_on, monkeypatch):
+    """exp2_emu (P^T's exp2 partly on the FMA pipe, relative error <= 8.6e-5) and rcp_emu
+    (the soft cap's reciprocal there, within 1 ulp) meet the tolerance policy: D 128, bf16
+    and fp16, masked tiles (clear), a soft cap."""
+    monkeypatch.setenv("JCOMPILEMASK_CUTE_BWD_CONFIG", config)
     rng = np.random.default_rng(13)
     n, b = (1100 if name == "clear" else 1000), 2
     md, spec = metadata(name, b, n, rng), SPECS[name]

@@ -779,6 +779,12 @@ class BackwardConfig:
       MUFU; 4: 539 / 1064, 16 MUFU; 168 registers, 0 B stack, no C7512. Soft cap 30: MUFU
       96 -> 88 / 80 at 2 / 4, stack 8 -> 16 / 8 B (8: 56 B, spills in the tile loop); D 64:
       8 B of stack (one value kept across the tile loop). Not yet run on the H200.
+    - ``rcp_emu`` (0..8, soft cap only): the same columns rule for the reciprocal of the
+      soft cap's tanh (1 - 2 / (e + 1), the second of its three MUFU ops per score), taken
+      on the FMA pipe (``common.rcp_fma``: bit-trick seed, three Newton steps, within 1 ulp
+      as ``rcp.approx``; ~8 instructions instead of one MUFU.RCP). With ``exp2_emu`` the
+      capped score's MUFU ops fall from 3 toward 1. Ignored without a soft cap. Not yet run
+      on the H200.
 
     ``preferred_backward_config`` picks the default per head dim; ``JCOMPILEMASK_CUTE_BWD_CONFIG``
     (e.g. ``ds_stages=1,stats_early=0``) overrides fields at trace time for benchmarks.
@@ -809,6 +815,7 @@ class BackwardConfig:
     split_sdp: bool = False
     row_mask: bool = False
     exp2_emu: int = 0
+    rcp_emu: int = 0
 
     def __post_init__(self):
         want = BWD_TILES_SPLIT if self.split_dkv else BWD_TILES
@@ -840,6 +847,9 @@ class BackwardConfig:
         if not 0 <= self.exp2_emu <= 8:
             raise ValueError(f"exp2_emu={self.exp2_emu} must be 0..8 (columns of every 8 whose "
                              "exp2 runs on the FMA pipe)")
+        if not 0 <= self.rcp_emu <= 8:
+            raise ValueError(f"rcp_emu={self.rcp_emu} must be 0..8 (columns of every 8 whose "
+                             "soft-cap reciprocal runs on the FMA pipe)")
         if self.num_stages < 1 or self.ds_stages not in (1, 2):
             raise ValueError(f"num_stages={self.num_stages} must be >= 1 and ds_stages="
                              f"{self.ds_stages} 1 or 2")
@@ -858,7 +868,8 @@ class BackwardConfig:
                 f"{'_dve' if self.dv_early else '_pe' if self.p_early else ''}"
                 f"{'_dsf' if self.ds_first else ''}{'_ea' if self.entry_ahead and self.work_list else ''}"
                 f"{'_ssdp' if self.split_sdp else ''}{'_rm' if self.row_mask else ''}"
-                f"{f'_e2e{self.exp2_emu}' if self.exp2_emu else ''}")
+                f"{f'_e2e{self.exp2_emu}' if self.exp2_emu else ''}"
+                f"{f'_rcp{self.rcp_emu}' if self.rcp_emu else ''}")
 
 
 def preferred_backward_config(head_dim: int, dtype: str = "bfloat16",

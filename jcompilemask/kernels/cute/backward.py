@@ -70,7 +70,7 @@ from .api import BackwardConfig, dq_warpgroups
 from .residual_ops import CuteOps
 from .common import (COLUMNS_UNROLLED, INTERVALS_UNROLLED, WarpSpecializedSm90, _as_a_operand,
                      build_tile_list, _rows_view, _unsigned_lt,
-                     bulk_reduce_add_f32, exp2_fma, issue_wgmma, ld_acquire_s32, ld_pair_s32,
+                     bulk_reduce_add_f32, exp2_fma, issue_wgmma, rcp_fma, ld_acquire_s32, ld_pair_s32,
                      nanosleep, red_release_add_s32, smem_tensor, tile_bits, tma_tiles)
 from .exp2_fma import emulated_column
 
@@ -1076,12 +1076,17 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         """S^T -> t = tanh(scale S^T / cap) in place, as the forward's default tanh
         (``FlashForwardSm90.apply_softcap``): 1 - 2 rcp(ex2(2 log2 e scale / cap * s) + 1),
         |t error| < ~4e-7, saturating to +-1 without NaN; P is then recomputed from the
-        same capped logits the forward's lse saw. 2 MUFU ops per score."""
+        same capped logits the forward's lse saw. 2 MUFU ops per score; ``rcp_emu`` of every
+        8 columns take the reciprocal on the FMA pipe (``rcp_fma``, within 1 ulp as the
+        MUFU's)."""
         pre = Float32(2.0 * _LOG2_E * self.scale / self.softcap)
         for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
             for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
                 e = cute.math.exp2(S[r, c] * pre, fastmath=True)
-                S[r, c] = Float32(1.0) - Float32(2.0) * cute.arch.rcp_approx(e + Float32(1.0))
+                if const_expr(emulated_column(c, self.config.rcp_emu)):
+                    S[r, c] = Float32(1.0) - Float32(2.0) * rcp_fma(e + Float32(1.0))
+                else:
+                    S[r, c] = Float32(1.0) - Float32(2.0) * cute.arch.rcp_approx(e + Float32(1.0))
 
     @cute.jit
     def softcap_probs(self, S, rP_rows, lse):

@@ -13,7 +13,7 @@ from cutlass._mlir.dialects import arith, llvm
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.cutlass_dsl import dsl_user_op
 
-from .exp2_fma import EXP2_FMA_PTX
+from .exp2_fma import EXP2_FMA_PTX, RCP_FMA_PTX
 from .limits import COLUMNS_UNROLLED, INTERVALS_UNROLLED  # noqa: F401  (the kernels' unroll bounds)
 
 
@@ -109,6 +109,18 @@ def exp2_fma(x, *, loc=None, ip=None) -> cutlass.Float32:
     its numpy model, bit for bit: ``exp2_fma_reference`` in tests/test_exp2_emulation.py."""
     return cutlass.Float32(llvm.inline_asm(
         cutlass.Float32.mlir_type, [cutlass.Float32(x).ir_value(loc=loc, ip=ip)], EXP2_FMA_PTX,
+        "=f,f", has_side_effects=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def rcp_fma(y, *, loc=None, ip=None) -> cutlass.Float32:
+    """1 / y in float32 without MUFU.RCP, for y >= 1 (the soft cap's e + 1): a bit-trick
+    seed and three Newton steps on the FMA pipe, within 1 ulp (``rcp.approx``'s accuracy);
+    y past 2^125 (+inf included) is taken as 2^125, NaN gives NaN. The PTX and its
+    constants: ``exp2_fma.py``; its numpy model: ``rcp_fma_reference`` in
+    tests/test_exp2_emulation.py."""
+    return cutlass.Float32(llvm.inline_asm(
+        cutlass.Float32.mlir_type, [cutlass.Float32(y).ir_value(loc=loc, ip=ip)], RCP_FMA_PTX,
         "=f,f", has_side_effects=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
 
 

@@ -54,3 +54,39 @@ EXP2_FMA_PTX = (
     "mul.rn.f32 $0, p, s;\n"
     "}"
 )
+
+
+# --------------------------------------------------------------------------- 1 / y
+# ``common.rcp_fma`` (``BackwardConfig.rcp_emu``): the soft cap's tanh takes 1 / (e + 1),
+# e = 2^(2 scale s / cap log2 e) >= 0, on the MUFU (``rcp.approx``); this computes it on the
+# FMA pipe for y in [1, +inf] (and NaN):
+#
+# 1. clamp y to at most 2^125 with ``min.NaN`` (NaN stays NaN; +inf -> 2^125, whose
+#    reciprocal is still a normal float, so t = 1 - 2 / y rounds to 1 as tanh saturates);
+# 2. r0 = float(RCP_SEED - bits(y)): the exponent negated and the mantissa linearly
+#    approximated, relative error <= 5.1% over y in [1, 2^125];
+# 3. three Newton steps r <- r + r (1 - y r) (a negation and 2 FFMA each: e = fma(-y, r,
+#    1); r = fma(r, e, r)); the error squares each step: 2.6e-3, 6.6e-6, then float32
+#    rounding.
+#
+# Within 1 ulp of the correctly rounded 1 / y (relative error <= 6e-8; the numpy model in
+# tests/test_exp2_emulation.py), as ``rcp.approx.f32`` is. ~8 instructions on the FMA / ALU
+# pipes (FMNMX, IADD, 6 FFMA; ptxas folds the negations) instead of one MUFU.RCP.
+RCP_SEED = 0x7EF311C3
+RCP_CLAMP_BITS = 0x7E000000         # 2^125
+RCP_STEPS = 3
+
+RCP_FMA_PTX = (
+    "{\n"
+    ".reg .f32 yc, r, e;\n"
+    ".reg .b32 b;\n"
+    f"min.NaN.f32 yc, $1, {_f(RCP_CLAMP_BITS)};\n"
+    "mov.b32 b, yc;\n"
+    f"sub.s32 b, {RCP_SEED}, b;\n"
+    "mov.b32 r, b;\n"
+    + "".join("neg.f32 e, yc;\n"
+              "fma.rn.f32 e, e, r, 0f3F800000;\n"
+              "fma.rn.f32 r, r, e, r;\n" for _ in range(RCP_STEPS))
+    + "mov.b32 $0, r;\n"
+    "}"
+)
