@@ -14,5 +14,5 @@ WORKERS ?= $(or $(JCM_TEST_WORKERS),2)
 test:
 	bash -c 'source scripts/env.sh test && python -m pytest tests jcompilemask -q --ignore=tests/gpu --durations=15 -n $(WORKERS) --dist loadfile'
 test-kernels:
-	bash -c 'source scripts/env.sh test,compile && python -m pytest tests/gpu -q -rs -n $(WORKERS) --dist loadfile'
+	bash -c 'source scripts/env.sh test,compile && python -m pytest tests/gpu -q -rs -n $(WORKERS) --dist loadfile --durations=15'
 ci: test test-kernels
