@@ -35,6 +35,7 @@ sys.path.insert(0, HERE)
 import clocks  # noqa: E402
 from bench_total import environment  # noqa: E402  (a variant's env, restored after it)
 import timing  # noqa: E402
+from jcompilemask.kernels.cute.api import BWD_CONFIG_ENV  # noqa: E402  (no cutlass import)
 
 CONFIGS = {   # name: (D, Dv, soft cap)
     "d64": (64, 64, None), "d128": (128, 128, None), "d128cap": (128, 128, 30.0),
@@ -130,9 +131,6 @@ def record(config, n, impl, d, dv, cap, fwd=None, step=None, windows=(), note=No
     if error:
         rec["error"] = error
     return rec
-
-
-BWD_CONFIG_ENV = "JCOMPILEMASK_CUTE_BWD_CONFIG"
 
 
 def parse_variants(text):

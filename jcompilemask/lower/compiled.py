@@ -93,16 +93,14 @@ def region_backend(cm, g: int) -> str:
     ``jcompilemask.backends.explain``). A mask runs on one backend: a region that needs
     ``xla`` takes the whole mask there."""
     lr = cm.regions[g]
+    why = _mask_reason(cm) if cm.residual_regions else None
     if lr.has_residual:
-        from .residual_program import mask_kernel_reason
-        why = mask_kernel_reason(cm)
         if why:
             return f"xla (residual predicate: {why})"
-    others = [i for i in cm.residual_regions if i != g]
-    if lr.has_residual:
         return ("cute on an SM90 GPU (hull intervals, the residual predicate emitted into "
                 "partial tiles of the forward and backward), else xla")
-    if others and _mask_reason(cm):
+    others = [i for i in cm.residual_regions if i != g]
+    if others and why:
         return (f"xla: the interval tables serve this region, but regions {others} have "
                 "residual predicates and a mask runs on one backend")
     return "cute on an SM90 GPU (interval tables only), else xla"

@@ -912,10 +912,7 @@ class FlashBackwardSm90(WarpSpecializedSm90):
             scale_log2 = Float32(self.scale_log2)
             for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
                 for c in cutlass.range_constexpr(n_cols):
-                    if const_expr(emulated_column(c, self.config.exp2_emu)):
-                        S[r, c] = exp2_fma(S[r, c] * scale_log2 - lse[c])
-                    else:
-                        S[r, c] = cute.math.exp2(S[r, c] * scale_log2 - lse[c], fastmath=True)
+                    S[r, c] = self.p_exp2(S[r, c] * scale_log2 - lse[c], c)
         else:
             self.softcap_tanh(S)                # S^T -> t = tanh(scale S^T / cap)
         if const_expr(masked):
@@ -1071,6 +1068,13 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         cute.copy(f.ds_copy, f.ds_copy.retile(rdS), f.tdSsdS[None, None, None, ds_stage])
         cute.arch.fence_view_async_shared()
 
+    def p_exp2(self, x, c: int):
+        """P^T's exp2 of fragment column ``c`` (static): on the FMA pipe (``exp2_fma``) for the
+        ``exp2_emu`` of every 8 columns, else on the MUFU. Both give exactly 0 at -inf."""
+        if emulated_column(c, self.config.exp2_emu):
+            return exp2_fma(x)
+        return cute.math.exp2(x, fastmath=True)
+
     @cute.jit
     def softcap_tanh(self, S):
         """S^T -> t = tanh(scale S^T / cap) in place, as the forward's default tanh
@@ -1100,10 +1104,7 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
             for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
                 t = S[r, c]
-                if const_expr(emulated_column(c, self.config.exp2_emu)):
-                    p = exp2_fma(t * cap_log2 - lse[c])     # -inf (masked) -> exactly 0
-                else:
-                    p = cute.math.exp2(t * cap_log2 - lse[c], fastmath=True)
+                p = self.p_exp2(t * cap_log2 - lse[c], c)     # -inf (masked) -> exactly 0
                 rP_rows[r, c] = p.to(self.dtype)
                 S[r, c] = Float32(0.0) if p == Float32(0.0) else p * (Float32(1.0) - t * t)
 

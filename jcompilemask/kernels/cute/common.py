@@ -107,9 +107,7 @@ def exp2_fma(x, *, loc=None, ip=None) -> cutlass.Float32:
     score's P stays 0, as ``ex2.approx.ftz`` flushes there too), x >= 128 and +inf give
     +inf, NaN gives NaN; never a denormal. The PTX and its constants: ``exp2_fma.py``;
     its numpy model, bit for bit: ``exp2_fma_reference`` in tests/test_exp2_emulation.py."""
-    return cutlass.Float32(llvm.inline_asm(
-        cutlass.Float32.mlir_type, [cutlass.Float32(x).ir_value(loc=loc, ip=ip)], EXP2_FMA_PTX,
-        "=f,f", has_side_effects=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+    return _f32_asm(EXP2_FMA_PTX, x, loc, ip)
 
 
 @dsl_user_op
@@ -119,8 +117,13 @@ def rcp_fma(y, *, loc=None, ip=None) -> cutlass.Float32:
     y past 2^125 (+inf included) is taken as 2^125, NaN gives NaN. The PTX and its
     constants: ``exp2_fma.py``; its numpy model: ``rcp_fma_reference`` in
     tests/test_exp2_emulation.py."""
+    return _f32_asm(RCP_FMA_PTX, y, loc, ip)
+
+
+def _f32_asm(ptx: str, x, loc, ip) -> cutlass.Float32:
+    """One float32 in, one out, through a pure inline-PTX block ($1 -> $0)."""
     return cutlass.Float32(llvm.inline_asm(
-        cutlass.Float32.mlir_type, [cutlass.Float32(y).ir_value(loc=loc, ip=ip)], RCP_FMA_PTX,
+        cutlass.Float32.mlir_type, [cutlass.Float32(x).ir_value(loc=loc, ip=ip)], ptx,
         "=f,f", has_side_effects=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
 
 

@@ -583,8 +583,8 @@ class FlashForwardSm90(WarpSpecializedSm90):
         advanced states. The caller must assign the states it gets back: the DSL carries a
         value through a dynamic loop or branch only when the region assigns it, or calls a
         method on it directly — a state advanced inside a ``self.method(...)`` call would
-        leave the region at its old value (every K of the row then went to one stage and the
-        first H200 run died with a launch failure, session 16)."""
+        leave the region at its old value (every K of the row then went to one stage: an H200
+        launch failure; tests/test_kernel_state_carry.py checks the sources)."""
         if const_expr(k_ring is not None):
             pipe, atom, src, dst = k_ring
             pipe.producer_acquire(k_state)
