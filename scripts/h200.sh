@@ -41,7 +41,7 @@
 #                JCM_PROF_MASK / JCM_PROF_N another workload, beside Flex+FA4)
 #   shfl         stats_shfl, column_skip, the forward's bits path for K <= 8: tests, then timed at 32K
 #   masks16      issue 16's timings: block-causal spellings, dilated window, global tokens + window vs Flex+FA4
-#   fwl          issue 14: the forward's work list (JCOMPILEMASK_CUTE_FWD_WORK_LIST=1): tests, then timed
+#   fwl          issue 14: the forward's work list (the default; =0 the bitmap walk): tests, then timed
 #   fka          issue 14: K(t + 1) before V(t) in the forward's producer (JCOMPILEMASK_CUTE_FWD_K_AHEAD=1),
 #                with / without the work list: bit-identity, tests, then timed beside FA4 native
 #   fsched       issue 14: the forward's longest-first order / persistent CTAs
@@ -561,9 +561,10 @@ PY
     echo "bench rc $? ($SECONDS s)"; pkill -9 -f bench_total; grep -E '^\||budget' "$OUT/bench-cs.log" | tail -8
     ;;
   fwl)
-    # Issue 14 item 1 (compile-checked in session 6): the forward's compact work list
-    # ($JCOMPILEMASK_CUTE_FWD_WORK_LIST=1): the forward GPU tests and the gradient cases
-    # through it, then the forward timed beside the default and FA4 native (32K, 8K).
+    # Issue 14 item 1: the forward's compact work list (the default since session 17, after
+    # all 109 cases below passed under it): the forward GPU tests and the gradient cases
+    # through it, then the forward timed beside the bitmap walk
+    # ($JCOMPILEMASK_CUTE_FWD_WORK_LIST=0, variant bm) and FA4 native (32K, 8K).
     export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
     left() { local l=$(( ${JCM_STAGE_S:-570} - SECONDS )); (( l < $1 )) && echo $(( l > 5 ? l : 5 )) || echo $1; }
     JCOMPILEMASK_CUTE_FWD_WORK_LIST=1 timeout -k 5 $(left 260) python3 -m pytest -q -rs -p no:cacheprovider \
@@ -572,14 +573,14 @@ PY
     echo "pytest rc $? ($SECONDS s)"; pkill -9 -f pytest; tail -6 "$OUT/pytest-fwl.log"
     b=$(left 290)
     timeout -k 5 $b python3 benchmarks/bench_total.py --ns 32768,8192 --masks causal,hstu,shared_prompt \
-      --impls jcm,fa4-native --jcm-variants "base=;fwl=JCOMPILEMASK_CUTE_FWD_WORK_LIST=1" \
+      --impls jcm,fa4-native --jcm-variants "base=;bm=JCOMPILEMASK_CUTE_FWD_WORK_LIST=0" \
       --min-repeat-s 0.25 --budget-s $(( b - 20 )) --out "$OUT/h200-fwd-wl.json" > "$OUT/bench-fwl.log" 2>&1
     echo "bench rc $? ($SECONDS s)"; pkill -9 -f bench_total; grep -E '^\||budget' "$OUT/bench-fwl.log" | tail -12
     ;;
   fka)
     # Issue 14 (compile-checked in session 9): K(t + 1) loaded before V(t)
-    # (JCOMPILEMASK_CUTE_FWD_K_AHEAD=1, FA4's producer order), with and without the work list
-    # (the session-8 win, -3.5% at causal 32K): bit-identity vs the default order under a
+    # (JCOMPILEMASK_CUTE_FWD_K_AHEAD=1, FA4's producer order), with the work list (the
+    # default) and the bitmap walk (WORK_LIST=0): bit-identity vs the default order under a
     # hang guard (an ordering mistake deadlocks), the forward + attention GPU tests under
     # k_ahead + work list, then the forward timed per variant beside FA4 native.
     export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
@@ -594,14 +595,14 @@ PY
       --junitxml="$OUT/junit-fka.xml" > "$OUT/pytest-fka.log" 2>&1
     echo "pytest rc $? ($SECONDS s)"; pkill -9 -f pytest; tail -3 "$OUT/pytest-fka.log"
     timeout -k 5 $(left 300) python3 benchmarks/bench_forward.py --ns ${JCM_BENCH_NS:-32768,8192} \
-      --masks causal,hstu --fa4 --jcm-variants "base=;ka=JCOMPILEMASK_CUTE_FWD_K_AHEAD=1;wl=JCOMPILEMASK_CUTE_FWD_WORK_LIST=1;wlka=JCOMPILEMASK_CUTE_FWD_WORK_LIST=1 JCOMPILEMASK_CUTE_FWD_K_AHEAD=1" \
+      --masks causal,hstu --fa4 --jcm-variants "base=;ka=JCOMPILEMASK_CUTE_FWD_K_AHEAD=1;bm=JCOMPILEMASK_CUTE_FWD_WORK_LIST=0;bmka=JCOMPILEMASK_CUTE_FWD_WORK_LIST=0 JCOMPILEMASK_CUTE_FWD_K_AHEAD=1" \
       --out "$OUT/h200-fwd-ka.json" > "$OUT/bench-fka.log" 2>&1
     echo "bench rc $? ($SECONDS s)"; pkill -9 -f bench_forward; grep -E '^bench|^\{' "$OUT/bench-fka.log" | tail -30 | cut -c1-200
     ;;
   fsched)
     # Issue 14 item 2 (compile-checked in session 7): the forward's longest-first order
-    # (JCOMPILEMASK_CUTE_FWD_SCHEDULE=1) and persistent CTAs (=persistent), with and without
-    # the work list: first the bit-identity tests under a hang guard (a persistent barrier
+    # (JCOMPILEMASK_CUTE_FWD_SCHEDULE=1) and persistent CTAs (=persistent), with the work list
+    # (the default) and the bitmap walk (WORK_LIST=0): first the bit-identity tests under a hang guard (a persistent barrier
     # mismatch hangs), then the forward + attention GPU tests under each, then the
     # forward alone timed per variant beside FA4 native (bench_forward.py).
     export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
@@ -618,7 +619,7 @@ PY
       echo "pytest $mode rc $? ($SECONDS s)"; pkill -9 -f pytest; tail -3 "$OUT/pytest-fsched-$mode.log"
     done
     timeout -k 5 $(left 300) python3 benchmarks/bench_forward.py --ns ${JCM_BENCH_NS:-32768,2048} \
-      --masks causal,hstu --fa4 --jcm-variants "base=;ls=JCOMPILEMASK_CUTE_FWD_SCHEDULE=1;lp=JCOMPILEMASK_CUTE_FWD_SCHEDULE=persistent;wl=JCOMPILEMASK_CUTE_FWD_WORK_LIST=1;lpwl=JCOMPILEMASK_CUTE_FWD_SCHEDULE=persistent JCOMPILEMASK_CUTE_FWD_WORK_LIST=1" \
+      --masks causal,hstu --fa4 --jcm-variants "base=;ls=JCOMPILEMASK_CUTE_FWD_SCHEDULE=1;lp=JCOMPILEMASK_CUTE_FWD_SCHEDULE=persistent;bm=JCOMPILEMASK_CUTE_FWD_WORK_LIST=0;lpbm=JCOMPILEMASK_CUTE_FWD_SCHEDULE=persistent JCOMPILEMASK_CUTE_FWD_WORK_LIST=0" \
       --out "$OUT/h200-fwd-sched.json" > "$OUT/bench-fsched.log" 2>&1
     echo "bench rc $? ($SECONDS s)"; pkill -9 -f bench_forward; grep -E '^bench' "$OUT/bench-fsched.log" | tail -30
     ;;
@@ -688,10 +689,11 @@ PY
     # into one call; kernels land in the disk cache, so a rerun on the same warm machine
     # reaches further. Cases whose id matches the regex JCM_PAR_SKIP, or equals a line of
     # the file JCM_PAR_SKIP_FILE (passed in an earlier call: scripts/device-lists/), are
-    # left out. Issue 14's forward work list, the 61 cases left after session 16:
+    # left out. E.g. session 17 ran the 61 forward cases left after session 16 (all passed):
     #   JCOMPILEMASK_CUTE_FWD_WORK_LIST=1 JCM_PAR_FILES="tests/gpu/test_cute_forward.py
     #   tests/gpu/test_cute_attention.py" JCM_PAR_SKIP=compiles
-    #   JCM_PAR_SKIP_FILE=scripts/device-lists/fwl-passed.txt bash scripts/h200.sh hdimspar Each process runs `pytest -v` under `timeout JCM_STAGE_S - 20`
+    #   JCM_PAR_SKIP_FILE=scripts/device-lists/fwl-passed.txt bash scripts/h200.sh hdimspar
+    # Each process runs `pytest -v` under `timeout JCM_STAGE_S - 20`
     # (a killed pytest writes no JUnit: the per-case summary reads the -v logs).
     files=${JCM_PAR_FILES:-tests/gpu/test_cute_head_dims.py tests/gpu/test_cute_forward.py::test_head_dim_192_128_compiles_for_sm90}
     [[ $stage == hdimstests ]] && JCM_PAR=${JCM_PAR:-1}

@@ -170,9 +170,15 @@ def test_work_list_forward_compiles_for_sm90(head_dim, num_intervals):
 def test_work_list_env(monkeypatch):
     from jcompilemask.kernels.cute import api
     monkeypatch.delenv(api.FWD_WORK_LIST_ENV, raising=False)
+    assert api._fwd_work_list(128, 128, 128, 128, 2)          # the default
+    monkeypatch.setenv(api.FWD_WORK_LIST_ENV, "0")
     assert not api._fwd_work_list(128, 128, 128, 128, 2)
     monkeypatch.setenv(api.FWD_WORK_LIST_ENV, "1")
     assert api._fwd_work_list(128, 128, 128, 128, 2)
+    monkeypatch.setenv(api.FWD_WORK_LIST_ENV, "yes")
+    with pytest.raises(ValueError, match="JCOMPILEMASK_CUTE_FWD_WORK_LIST"):
+        api._fwd_work_list(128, 128, 128, 128, 2)
+    monkeypatch.delenv(api.FWD_WORK_LIST_ENV, raising=False)
     bq, bk = api.preferred_forward_tiles(256)
     assert not api._fwd_work_list(256, 256, bq, bk, 2)       # 2 KB more than D 256's 2 stages fit
 
