@@ -74,6 +74,15 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 bundle=cute
 [[ $stage == tilelang ]] && bundle=tilelang
 # h200-pair.sh unpacks once for both of its stages (two concurrent unpacks would race).
+# JCM_BUNDLE_READY=1 skips the unpack on a machine still warm from the last call; when the
+# machine was released in between (~30 s idle: a fresh one, nothing unpacked) the bundle's
+# marker module is missing and the unpack runs anyway (session 17 lost a call to that).
+ready_mod=cutlass
+[[ $bundle == tilelang ]] && ready_mod=tilelang
+if [[ -n ${JCM_BUNDLE_READY:-} ]] && ! python3 -c "import $ready_mod" >/dev/null 2>&1; then
+  echo "JCM_BUNDLE_READY set but $ready_mod is not importable (a fresh machine): unpacking $bundle"
+  unset JCM_BUNDLE_READY
+fi
 [[ -n ${JCM_BUNDLE_READY:-} ]] || python3 ".device-stage/$bundle/install.py" >/dev/null \
   || { echo "install of $bundle failed"; exit 2; }
 python3 -c 'import sympy, jax; print("sympy", sympy.__version__, "jax", jax.__version__, jax.devices())'
