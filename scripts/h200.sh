@@ -44,6 +44,8 @@
 #   fwl          issue 14: the forward's work list (the default; =0 the bitmap walk): tests, then timed
 #   fka          issue 14: K(t + 1) before V(t) in the forward's producer (JCOMPILEMASK_CUTE_FWD_K_AHEAD=1),
 #                with / without the work list: bit-identity, tests, then timed beside FA4 native
+#   fgm          issue 14: group_mask (masked tiles' rows as column-group bit words): bit-identity,
+#                then timed beside the default and FA4 native, then the forward tests under it
 #   fsched       issue 14: the forward's longest-first order / persistent CTAs
 #                (JCOMPILEMASK_CUTE_FWD_SCHEDULE=1 / persistent) and work list: tests, then the
 #                forward timed per variant beside FA4 native
@@ -607,6 +609,29 @@ PY
       --masks causal,hstu --fa4 --jcm-variants "base=;ka=JCOMPILEMASK_CUTE_FWD_K_AHEAD=1;bm=JCOMPILEMASK_CUTE_FWD_WORK_LIST=0;bmka=JCOMPILEMASK_CUTE_FWD_WORK_LIST=0 JCOMPILEMASK_CUTE_FWD_K_AHEAD=1" \
       --out "$OUT/h200-fwd-ka.json" > "$OUT/bench-fka.log" 2>&1
     echo "bench rc $? ($SECONDS s)"; pkill -9 -f bench_forward; grep -E '^bench|^\{' "$OUT/bench-fka.log" | tail -30 | cut -c1-200
+    ;;
+  fgm)
+    # Issue 14 item 3 (compile-checked in session 17): group_mask — a masked tile's rows as
+    # column-group bit words ($JCOMPILEMASK_CUTE_FWD_GROUP_MASK=1; SASS per masked tile, D 128:
+    # K 1 765 -> 627, K 2 893 -> 675, K 6 1661 -> 875 instructions; unmasked unchanged):
+    # bit-identity vs the default (7 cases, hang-guarded), the forward + attention GPU tests
+    # under it, then the forward timed beside the default and FA4 native (32K, 8K; clear and
+    # shared prompt are the masks with the most masked tiles).
+    export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
+    left() { local l=$(( ${JCM_STAGE_S:-570} - SECONDS )); (( l < $1 )) && echo $(( l > 5 ? l : 5 )) || echo $1; }
+    timeout -k 5 $(left 200) python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_cute_forward.py \
+      -k "group_mask_forward_is_bit_identical" > "$OUT/pytest-fgm-ident.log" 2>&1
+    rc=$?; echo "identity rc $rc ($SECONDS s)"; pkill -9 -f pytest; tail -4 "$OUT/pytest-fgm-ident.log"
+    (( rc == 0 )) || exit 3
+    b=$(left 240)
+    timeout -k 5 $b python3 benchmarks/bench_forward.py --ns ${JCM_BENCH_NS:-32768,8192} \
+      --masks clear,shared_prompt,hstu,causal --fa4 --jcm-variants "base=;gm=JCOMPILEMASK_CUTE_FWD_GROUP_MASK=1" \
+      --out "$OUT/h200-fwd-gm.json" > "$OUT/bench-fgm.log" 2>&1
+    echo "bench rc $? ($SECONDS s)"; pkill -9 -f bench_forward; grep -E '^bench|^\{' "$OUT/bench-fgm.log" | tail -30 | cut -c1-200
+    JCOMPILEMASK_CUTE_FWD_GROUP_MASK=1 timeout -k 5 $(left 200) python3 -m pytest -q -rs -p no:cacheprovider \
+      tests/gpu/test_cute_forward.py "tests/gpu/test_cute_attention.py::test_builtin" -k "not compiles" \
+      --junitxml="$OUT/junit-fgm.xml" > "$OUT/pytest-fgm.log" 2>&1
+    echo "pytest rc $? ($SECONDS s)"; pkill -9 -f pytest; tail -3 "$OUT/pytest-fgm.log"
     ;;
   fsched)
     # Issue 14 item 2 (compile-checked in session 7): the forward's longest-first order

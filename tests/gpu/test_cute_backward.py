@@ -28,23 +28,30 @@ from gpu_cases import SPECS, compile_checking_remarks, gradient_problems, metada
 
 HAS_CUTLASS = importlib.util.find_spec("cutlass") is not None
 needs_cutlass = pytest.mark.skipif(not HAS_CUTLASS, reason="nvidia-cutlass-dsl is not installed")
+# Compile checks of opt-in benchmark knobs (not what the registry runs): `make test-kernels-all`
+# runs them, CI's `make test-kernels` leaves them out (pyproject.toml's `knob` marker).
+knob = pytest.mark.knob
 _why = backends.get("cute").available()
 needs_gpu = pytest.mark.skipif(_why is not None, reason=f"cute backend unavailable: {_why}")
 
 
 # -- compile-only (CI) -------------------------------------------------------------------
 @needs_cutlass
-@pytest.mark.parametrize("dtype,d,kk,kc,bb,bh", [
-    ("bfloat16", 128, 1, 1, True, True),       # causal-like
-    ("bfloat16", 64, 2, 4, False, True),       # hstu-like, per-batch
-    ("float16", 128, 6, 7, False, False),      # clear-like, per-head
-    ("bfloat16", 128, 1, 0, False, True),      # no column view: forward row intervals
+@pytest.mark.parametrize("dtype,d,kk,kc,bb,bh,det", [
+    ("bfloat16", 128, 1, 1, True, True, False),       # causal-like
+    ("bfloat16", 64, 2, 4, False, True, False),       # hstu-like, per-batch
+    ("float16", 128, 6, 7, False, False, False),      # clear-like, per-head
+    ("bfloat16", 128, 1, 0, False, True, False),      # no column view: forward row intervals
+    ("bfloat16", 128, 2, 4, False, True, True),       # mask_attention(deterministic=True)
+    ("float16", 64, 1, 1, True, True, True),
 ])
-def test_backward_compiles_for_sm90(dtype, d, kk, kc, bb, bh, monkeypatch, capfd):
+def test_backward_compiles_for_sm90(dtype, d, kk, kc, bb, bh, det, monkeypatch, capfd):
+    import dataclasses
     from jcompilemask.kernels.cute.api import BackwardKey, compile_backward, preferred_backward_config
-    # The config the registry runs (work list, dK / dV by TMA store); ptxas must not
-    # serialize its wgmmas.
-    key = BackwardKey(dtype, d, kk, kc, bb, bh, d ** -0.5, preferred_backward_config(d, dtype))
+    # The config the registry runs (work list, dK / dV by TMA store; deterministic as
+    # cute_backward sets it); ptxas must not serialize its wgmmas.
+    cfg = dataclasses.replace(preferred_backward_config(d, dtype), deterministic=det)
+    key = BackwardKey(dtype, d, kk, kc, bb, bh, d ** -0.5, cfg)
     assert compile_checking_remarks(compile_backward, key, monkeypatch, capfd) is not None
     assert key.target_name.startswith("jcompilemask_cute_bwd_")
 
@@ -105,6 +112,7 @@ def test_column_bits_compiles_for_sm90(d, kk, kc):
 
 
 @needs_cutlass
+@knob
 @pytest.mark.parametrize("d,kk,kc,cap", [(128, 2, 13, None), (64, 2, 4, 30.0), (128, 25, 26, None)])
 def test_row_mask_compiles_for_sm90(d, kk, kc, cap):
     """row_mask: masked tiles tested against the row intervals (shared prompt K 2 / Kc 13 on
@@ -118,6 +126,7 @@ def test_row_mask_compiles_for_sm90(d, kk, kc, cap):
 
 
 @needs_cutlass
+@knob
 @pytest.mark.parametrize("d,changes", [(128, dict(ds_stages=1)), (128, dict(stats_early=True)),
                                        (128, dict(lse_early=True, release_do_early=True)),
                                        (64, dict(ds_stages=1, release_do_early=True)),
@@ -194,10 +203,10 @@ def test_new_backward_configs_compile_for_sm90(dtype, d, kk, kc, bb, bh, cap, mo
 @needs_cutlass
 @pytest.mark.parametrize("dtype,d,kk,kc,per_8,cap", [
     ("bfloat16", 128, 1, 1, 2, None),       # the D 128 default, a quarter of P's exp2 emulated
-    ("float16", 128, 6, 7, 4, None),        # clear-like masked tiles, half
-    ("bfloat16", 64, 2, 4, 4, None),        # the D 64 default (stats_shfl)
-    ("bfloat16", 128, 1, 1, 2, 30.0),       # soft cap: softcap_probs' exp2
-    ("float16", 128, 6, 7, 8, 5.0),         # soft cap, every column
+    pytest.param("float16", 128, 6, 7, 4, None, marks=knob),   # clear-like masked tiles, half
+    pytest.param("bfloat16", 64, 2, 4, 4, None, marks=knob),   # the D 64 default (stats_shfl)
+    pytest.param("bfloat16", 128, 1, 1, 2, 30.0, marks=knob),  # soft cap: softcap_probs' exp2
+    pytest.param("float16", 128, 6, 7, 8, 5.0, marks=knob),    # soft cap, every column
 ])
 def test_exp2_emu_compiles_for_sm90(dtype, d, kk, kc, per_8, cap, monkeypatch, capfd):
     """exp2_emu: `per_8` of every 8 columns of P^T's exp2 on the FMA pipe, on the registry's
@@ -213,8 +222,8 @@ def test_exp2_emu_compiles_for_sm90(dtype, d, kk, kc, per_8, cap, monkeypatch, c
 @needs_cutlass
 @pytest.mark.parametrize("dtype,d,kk,kc,exp2_per_8,rcp_per_8", [
     ("bfloat16", 128, 1, 1, 0, 8),          # the soft cap's reciprocal on the FMA pipe
-    ("bfloat16", 128, 1, 1, 4, 4),          # with half of P's exp2
-    ("float16", 64, 6, 7, 4, 8),
+    pytest.param("bfloat16", 128, 1, 1, 4, 4, marks=knob),     # with half of P's exp2
+    pytest.param("float16", 64, 6, 7, 4, 8, marks=knob),
 ])
 def test_rcp_emu_compiles_for_sm90(dtype, d, kk, kc, exp2_per_8, rcp_per_8, monkeypatch, capfd):
     """rcp_emu (soft cap only): the tanh's reciprocal on the FMA pipe, alone and with
@@ -229,6 +238,7 @@ def test_rcp_emu_compiles_for_sm90(dtype, d, kk, kc, exp2_per_8, rcp_per_8, monk
 
 
 @needs_cutlass
+@knob
 def test_split_sdp_at_head_dim_192_128_compiles_for_sm90(monkeypatch, capfd):
     """split_sdp where Dv != D (dV's own tiled MMA, P^T from shared memory): compiles
     without C7512 (the D 192 / 128 default does not use it yet; h200.sh hdims decides)."""

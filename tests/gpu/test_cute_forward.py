@@ -20,6 +20,9 @@ from gpu_cases import compile_checking_remarks, sm90_gpu_reason  # noqa: E402  (
 
 HAS_CUTLASS = importlib.util.find_spec("cutlass") is not None
 needs_cutlass = pytest.mark.skipif(not HAS_CUTLASS, reason="nvidia-cutlass-dsl is not installed")
+# Compile checks of opt-in benchmark knobs (not what the registry runs): `make test-kernels-all`
+# runs them, CI's `make test-kernels` leaves them out (pyproject.toml's `knob` marker).
+knob = pytest.mark.knob
 
 
 def test_import_needs_no_gpu():
@@ -142,11 +145,16 @@ def test_tile_states_of_causal():
 def test_compiles_for_sm90(num_intervals, broadcast_batch, broadcast_head, monkeypatch, capfd):
     from jcompilemask.kernels.cute.api import ForwardKey, compile_forward
 
-    key = ForwardKey("bfloat16", 128, 128, num_intervals, 128, 128, broadcast_batch, broadcast_head, 128**-0.5)
+    from jcompilemask.kernels.cute.api import _fwd_work_list
+    monkeypatch.delenv("JCOMPILEMASK_CUTE_FWD_WORK_LIST", raising=False)
+    key = ForwardKey("bfloat16", 128, 128, num_intervals, 128, 128, broadcast_batch, broadcast_head, 128**-0.5,
+                     work_list=_fwd_work_list(128, 128, 128, 128, 2))     # the registry's default
+    assert key.work_list
     assert compile_checking_remarks(compile_forward, key, monkeypatch, capfd) is not None
 
 
 @needs_cutlass
+@knob
 def test_bits_path_below_k8_compiles_for_sm90():
     """The benchmark knob bits_above (clear's K 6 through the bit-mask path, slots unrolled)."""
     from jcompilemask.kernels.cute.api import ForwardKey, compile_forward
@@ -247,14 +255,33 @@ VARIANTS = [(d, dt, cap, _K_OF[dt, cap]) for d in (64, 128, 256) for dt in ("bfl
 
 @needs_cutlass
 @pytest.mark.parametrize("head_dim,dtype,softcap,num_intervals", VARIANTS)
-def test_variant_compiles_for_sm90(head_dim, dtype, softcap, num_intervals):
+def test_variant_compiles_for_sm90(head_dim, dtype, softcap, num_intervals, monkeypatch):
+    """Each head dim x dtype x soft cap as the registry compiles it (its tiles, stages and
+    the work list where it fits); the bitmap walk (``$JCOMPILEMASK_CUTE_FWD_WORK_LIST=0``)
+    at D 64 / 128 is a knob case below."""
+    from jcompilemask.kernels.cute.api import (ForwardKey, _fwd_work_list, compile_forward,
+                                               preferred_forward_stages, preferred_forward_tiles)
+
+    monkeypatch.delenv("JCOMPILEMASK_CUTE_FWD_WORK_LIST", raising=False)
+    bq, bk = preferred_forward_tiles(head_dim, dtype)
+    stages = preferred_forward_stages(head_dim, dtype)
+    key = ForwardKey(dtype, head_dim, head_dim, num_intervals, bq, bk, *_BROADCAST_OF_K[num_intervals],
+                     head_dim**-0.5, num_stages=stages, softcap=softcap,
+                     work_list=_fwd_work_list(head_dim, head_dim, bq, bk, stages))
+    assert compile_forward(key) is not None
+
+
+@needs_cutlass
+@knob
+@pytest.mark.parametrize("head_dim,softcap,num_intervals", [(64, None, 6), (128, 30.0, 2)])
+def test_bitmap_walk_compiles_for_sm90(head_dim, softcap, num_intervals):
+    """The forward without the work list (``$JCOMPILEMASK_CUTE_FWD_WORK_LIST=0``)."""
     from jcompilemask.kernels.cute.api import (ForwardKey, compile_forward, preferred_forward_stages,
                                                preferred_forward_tiles)
-
-    bq, bk = preferred_forward_tiles(head_dim, dtype)
-    key = ForwardKey(dtype, head_dim, head_dim, num_intervals, bq, bk, *_BROADCAST_OF_K[num_intervals],
-                     head_dim**-0.5, num_stages=preferred_forward_stages(head_dim, dtype), softcap=softcap)
-    assert compile_forward(key) is not None
+    bq, bk = preferred_forward_tiles(head_dim)
+    key = ForwardKey("bfloat16", head_dim, head_dim, num_intervals, bq, bk, False, True,
+                     head_dim**-0.5, num_stages=preferred_forward_stages(head_dim), softcap=softcap)
+    assert compile_forward(key) is not None and not key.target_name.endswith("_wl")
 
 
 @needs_cutlass
@@ -383,8 +410,9 @@ def test_matches_reference_on_gpu(case):
 
 
 @needs_cutlass
-@pytest.mark.parametrize("persistent", [False, True])
-@pytest.mark.parametrize("case", ["plain", "gqa_per_batch_k6", "residual", "work_list"])
+@pytest.mark.parametrize("case,persistent", [("work_list", True)] + [
+    pytest.param(c, p, marks=knob) for c in ("plain", "gqa_per_batch_k6", "residual", "work_list")
+    for p in (False, True) if (c, p) != ("work_list", True)])
 def test_scheduled_forward_compiles_for_sm90(case, persistent):
     """The forward on a 1-D grid in the host's work-unit order, or on persistent CTAs
     dealt that order (issue 14 item 2): plain, per-batch masks with K 6, with a residual
@@ -436,7 +464,8 @@ def test_scheduled_forward_is_bit_identical_on_gpu(case, mode, monkeypatch):
 
 
 @needs_cutlass
-@pytest.mark.parametrize("case", ["plain", "work_list", "persistent_work_list"])
+@pytest.mark.parametrize("case", ["work_list", pytest.param("plain", marks=knob),
+                                  pytest.param("persistent_work_list", marks=knob)])
 def test_k_ahead_forward_compiles_for_sm90(case):
     """K(t + 1) loaded before V(t) (issue 14, FA4's producer order): the bitmap walk, the
     work list (its chunk's last V issued before the list is freed) and persistent CTAs."""
@@ -477,6 +506,77 @@ def test_k_ahead_forward_is_bit_identical_on_gpu(case, work_list, monkeypatch):
     for flag in ("0", "1"):
         monkeypatch.setenv(api.FWD_K_AHEAD_ENV, flag)
         f = jax.jit(lambda *a: api.cute_forward(*a))      # traced per run (a new lambda)
+        outs.append([np.asarray(x) for x in f(q, k, v, jnp.asarray(iv), jnp.asarray(tiles))])
+    (o0, l0), (o1, l1) = outs
+    assert np.array_equal(o0.view(np.uint16), o1.view(np.uint16))
+    assert np.array_equal(l0, l1, equal_nan=True)
+
+
+@needs_cutlass
+@knob
+@pytest.mark.parametrize("head_dim,num_intervals,softcap", [(128, 6, None), (128, 1, None), (64, 2, 30.0),
+                                                           (256, 6, None)])
+def test_group_mask_forward_compiles_for_sm90(head_dim, num_intervals, softcap):
+    """group_mask (issue 14 item 3): a masked tile's rows as column-group bit words (D 128
+    K 6 SASS per masked tile 1661 -> 875 instructions, NOTES.md); D 256's 80-key tiles
+    have 10 groups per column of a pair."""
+    from jcompilemask.kernels.cute.api import (ForwardKey, _fwd_work_list, compile_forward,
+                                               preferred_forward_stages, preferred_forward_tiles)
+    bq, bk = preferred_forward_tiles(head_dim)
+    stages = preferred_forward_stages(head_dim)
+    key = ForwardKey("bfloat16", head_dim, head_dim, num_intervals, bq, bk, False, num_intervals < 6,
+                     head_dim**-0.5, num_stages=stages, softcap=softcap, group_mask=True,
+                     work_list=_fwd_work_list(head_dim, head_dim, bq, bk, stages))
+    assert compile_forward(key) is not None and key.target_name.endswith("_gm")
+
+
+def test_group_mask_env_and_key(monkeypatch):
+    from jcompilemask.kernels.cute import api
+    monkeypatch.delenv(api.FWD_GROUP_MASK_ENV, raising=False)
+    assert not api._fwd_group_mask()
+    monkeypatch.setenv(api.FWD_GROUP_MASK_ENV, "1")
+    assert api._fwd_group_mask()
+    monkeypatch.setenv(api.FWD_GROUP_MASK_ENV, "on")
+    with pytest.raises(ValueError, match="0 or 1"):
+        api._fwd_group_mask()
+    base = dict(dtype="bfloat16", head_dim=128, head_dim_v=128, block_q=128, block_kv=128,
+                broadcast_batch=False, broadcast_head=True, scale=0.1)
+    with pytest.raises(ValueError, match="group_mask"):
+        api.ForwardKey(**base, num_intervals=9, group_mask=True)        # K > 8: the bits path
+    assert api.ForwardKey(**base, num_intervals=8, group_mask=True).target_name.endswith("_gm")
+
+
+@pytest.mark.parametrize("head_dim,case,softcap", [(128, "random6", None), (128, "random3", None),
+                                                   (128, "causal", None), (128, "random6", 5.0),
+                                                   (64, "random6", None), (256, "random6", None),
+                                                   (256, "prefix_window", None)])
+def test_group_mask_forward_is_bit_identical_on_gpu(head_dim, case, softcap, monkeypatch):
+    """group_mask changes how a masked tile finds its visible keys, not which: o and lse
+    equal the default's bit for bit (ragged Nq 700 / Nk 900, per-head masks, fully masked
+    rows, GQA; D 256's 80-key tiles)."""
+    reason = sm90_gpu_reason()
+    if reason:
+        pytest.skip(reason)
+    import jax
+    import jax.numpy as jnp
+
+    from jcompilemask.kernels.cute import api
+    from jcompilemask.kernels.cute.testing import check_case_intervals, tiles_from_intervals
+
+    B, Nq, Nk, H = 2, 700, 900, 4
+    if not case.startswith("random"):
+        Nk = Nq
+    iv, _ = check_case_intervals(case, np.random.default_rng(3), B, Nq, Nk, H)
+    bq, bk = api.preferred_forward_tiles(head_dim)
+    tiles = tiles_from_intervals(iv, Nk, bq, bk)
+    kq, kk, kv = jax.random.split(jax.random.PRNGKey(11), 3)
+    q = jax.random.normal(kq, (B, Nq, H, head_dim)).astype(jnp.bfloat16)
+    k = jax.random.normal(kk, (B, Nk, 2, head_dim)).astype(jnp.bfloat16)
+    v = jax.random.normal(kv, (B, Nk, 2, head_dim)).astype(jnp.bfloat16)
+    outs = []
+    for flag in ("0", "1"):
+        monkeypatch.setenv(api.FWD_GROUP_MASK_ENV, flag)
+        f = jax.jit(lambda *a: api.cute_forward(*a, softcap=softcap, block_q=bq, block_kv=bk))
         outs.append([np.asarray(x) for x in f(q, k, v, jnp.asarray(iv), jnp.asarray(tiles))])
     (o0, l0), (o1, l1) = outs
     assert np.array_equal(o0.view(np.uint16), o1.view(np.uint16))

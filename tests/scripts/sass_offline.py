@@ -3,7 +3,8 @@
     python tests/scripts/sass_offline.py ours [CONFIG] [--d 128] [--k 1 --kc 1]   # e.g. CONFIG static_stage=1
         [--dv 128] [--cap 30]     # D != Dv (192 / 128); a soft cap (the config of a capped model)
     python tests/scripts/sass_offline.py fa4                        # FA4's SM90 backward, causal D 128
-    python tests/scripts/sass_offline.py ours-fwd [--d 128] | fa4-fwd   # the forwards (K 1 / causal)
+    python tests/scripts/sass_offline.py ours-fwd [--d 128] [--k 1] [FIELD=VALUE,...] | fa4-fwd
+        # the forwards (ours: K intervals, ForwardKey changes such as group_mask=1; FA4: causal)
 
 Compiles for sm_90a (``CUTE_DSL_ARCH``), keeps the cubin, disassembles it with ``cuobjdump``
 (the ``nvidia-cuda-cuobjdump`` / ``nvidia-cuda-nvdisasm`` wheels; ``$CUOBJDUMP_DIR`` is their
@@ -181,17 +182,25 @@ def fa4_forward():
     _hgmma_blocks(lines)
 
 
-def ours_forward(d: int):
+def ours_forward(d: int, k: int = 1, fields: str = ""):
+    """Our forward as the registry compiles it (tiles, stages, the work list where it fits)
+    for K intervals (K > 1: per-batch, per-head masks), with ForwardKey FIELD=VALUE,...
+    changes (e.g. group_mask=1)."""
     sys.path.insert(0, ROOT)
     from jcompilemask.kernels.cute import api
     dump = tempfile.mkdtemp(prefix="jcm-sass-")
     os.environ["JCOMPILEMASK_CUTE_DUMP_DIR"] = dump
     bq, bk = api.preferred_forward_tiles(d)
-    key = api.ForwardKey("bfloat16", d, d, 1, bq, bk, True, True, d ** -0.5,
-                         num_stages=api.preferred_forward_stages(d))
+    stages = api.preferred_forward_stages(d)
+    changes = {}
+    for item in filter(None, fields.split(",")):
+        name, value = item.split("=")
+        changes[name] = int(value) if name == "bits_above" else value not in ("0", "false", "False")
+    key = api.ForwardKey("bfloat16", d, d, k, bq, bk, k == 1, k == 1, d ** -0.5, num_stages=stages,
+                         work_list=api._fwd_work_list(d, d, bq, bk, stages), **changes)
     api.compile_forward(key)
     usage, lines = _sass(dump)
-    print(f"ours forward D {d} K 1: {usage}, {len(lines)} SASS lines")
+    print(f"ours forward D {d} K {k} {fields or '(default)'}: {usage}, {len(lines)} SASS lines")
     _hgmma_blocks(lines)
 
 
@@ -255,7 +264,10 @@ if __name__ == "__main__":
     elif args[0] == "fa4-fwd":
         fa4_forward()
     elif args[0] == "ours-fwd":
-        ours_forward(int(args[args.index("--d") + 1]) if "--d" in args else 128)
+        rest = [a for i, a in enumerate(args[1:], 1)
+                if a not in ("--d", "--k") and args[i - 1] not in ("--d", "--k")]
+        ours_forward(int(args[args.index("--d") + 1]) if "--d" in args else 128,
+                     int(args[args.index("--k") + 1]) if "--k" in args else 1, rest[0] if rest else "")
     else:
         opts = {o: float(args[args.index(o) + 1])
                 for o in ("--d", "--k", "--kc", "--dv", "--cap") if o in args}

@@ -100,8 +100,8 @@ class ForwardKey:
     # the tile skipped) into bit masks; 8 is the validated default, lower values are a
     # benchmark knob ($JCOMPILEMASK_CUTE_FWD_BITS_ABOVE; issue 14 item 3).
     bits_above: int = 8
-    # The compact work list in the forward (issue 14 item 1; $JCOMPILEMASK_CUTE_FWD_WORK_LIST=1
-    # for benchmarks until measured): producer and consumers iterate the row's visited key
+    # The compact work list in the forward (issue 14 item 1; what cute_forward compiles where
+    # it fits, see _fwd_work_list): producer and consumers iterate the row's visited key
     # tiles instead of walking every tile's bits.
     work_list: bool = False
     # A 1-D grid over work units in the host's order (issue 14 item 2;
@@ -115,6 +115,11 @@ class ForwardKey:
     # K(t + 1) loaded before V(t) (FA4's SM90 producer order; issue 14;
     # $JCOMPILEMASK_CUTE_FWD_K_AHEAD=1 for benchmarks until measured).
     k_ahead: bool = False
+    # A masked tile's visibility built per row as bit words of column groups from each
+    # interval's ends (FlashForwardSm90.apply_mask_groups; issue 14 item 3;
+    # $JCOMPILEMASK_CUTE_FWD_GROUP_MASK=1 for benchmarks until measured). Only for K <=
+    # bits_above without a residual program (the per-interval paths); rejected otherwise.
+    group_mask: bool = False
 
     @property
     def o_buffer(self) -> bool:
@@ -160,6 +165,9 @@ class ForwardKey:
             raise ValueError(f"softcap must be None or a positive finite float, got {self.softcap!r}")
         if self.softcap_fast_tanh and self.softcap is None:
             raise ValueError("softcap_fast_tanh needs a softcap")
+        if self.group_mask and (self.residual is not None or self.num_intervals > self.bits_above):
+            raise ValueError("ForwardKey(group_mask=True) serves K <= bits_above intervals without "
+                             "a residual program (those take the bit-mask path already)")
 
     @property
     def target_name(self) -> str:
@@ -176,6 +184,7 @@ class ForwardKey:
             + ("_ls" if self.schedule and not self.persistent else "")
             + ("_lp" if self.persistent else "")
             + ("_ka" if self.k_ahead else "")
+            + ("_gm" if self.group_mask else "")
         )
 
 
@@ -266,7 +275,7 @@ def compile_forward(key: ForwardKey):
             num_stages=key.num_stages, softcap=key.softcap, softcap_fast_tanh=key.softcap_fast_tanh,
             residual=key.residual, bits_above=key.bits_above, work_list=key.work_list,
             schedule=key.schedule, persistent=key.persistent, o_buffer=key.o_buffer,
-            k_ahead=key.k_ahead,
+            k_ahead=key.k_ahead, group_mask=key.group_mask,
         )
         inputs = [bhsd(nq, hq, key.head_dim), bhsd(nk, hkv, key.head_dim), bhsd(nk, hkv, key.head_dim_v),
                   intervals, tiles]
@@ -408,6 +417,7 @@ FWD_BITS_ABOVE_ENV = "JCOMPILEMASK_CUTE_FWD_BITS_ABOVE"
 FWD_WORK_LIST_ENV = "JCOMPILEMASK_CUTE_FWD_WORK_LIST"
 FWD_SCHEDULE_ENV = "JCOMPILEMASK_CUTE_FWD_SCHEDULE"
 FWD_K_AHEAD_ENV = "JCOMPILEMASK_CUTE_FWD_K_AHEAD"
+FWD_GROUP_MASK_ENV = "JCOMPILEMASK_CUTE_FWD_GROUP_MASK"
 # L2 bytes the K / V of one group of heads may take (forward_schedule): the H100 / H200's
 # 50 MB L2, as FlashAttention's longest-first scheduler assumes.
 L2_BYTES = 50 * 1024 * 1024
@@ -468,6 +478,17 @@ def _fwd_k_ahead() -> bool:
     text = os.environ.get(FWD_K_AHEAD_ENV, "0").strip()
     if text not in ("0", "1", ""):
         raise ValueError(f"{FWD_K_AHEAD_ENV}={text!r}: 0 or 1")
+    return text == "1"
+
+
+def _fwd_group_mask() -> bool:
+    """``$JCOMPILEMASK_CUTE_FWD_GROUP_MASK=1`` (read at trace time; a benchmark knob until
+    measured): masked tiles build each row's visibility as column-group bit words
+    (FlashForwardSm90.apply_mask_groups) where K <= bits_above and no residual predicate."""
+    import os
+    text = os.environ.get(FWD_GROUP_MASK_ENV, "0").strip()
+    if text not in ("0", "1", ""):
+        raise ValueError(f"{FWD_GROUP_MASK_ENV}={text!r}: 0 or 1")
     return text == "1"
 
 
@@ -603,6 +624,8 @@ def cute_forward(q, k, v, fwd_intervals, fwd_tiles, *, scale=None, softcap=None,
         work_list=_fwd_work_list(D, Dv, block_q, block_kv,
                                  num_stages or preferred_forward_stages(D, jnp.dtype(q.dtype).name)),
         schedule=schedule, persistent=persistent, k_ahead=_fwd_k_ahead(),
+        group_mask=_fwd_group_mask() and (residual is None or residual.exact)
+        and K <= _fwd_bits_above(),
     )
     extra = ()
     if key.residual is not None:

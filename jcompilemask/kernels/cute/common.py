@@ -36,6 +36,16 @@ def _unsigned_lt(a, b, *, loc=None, ip=None) -> Boolean:
     )
 
 
+def _group_run(lo, hi, groups: int):
+    """Bit g of a Uint32 for each g in [0, groups) with lo <= 8 g < hi (Int32 ends, lo <= hi
+    or both <= 0; groups < 32): the groups of 8 columns whose first column an interval
+    [lo, hi) covers, for ``forward.apply_mask_groups``. ceil(x / 8) of a clamped
+    non-negative x is (x + 7) >> 3; both shifts stay below 32."""
+    a = cutlass.min((cutlass.max(lo, Int32(0)) + Int32(7)) >> Int32(3), Int32(groups))
+    b = cutlass.min((cutlass.max(hi, Int32(0)) + Int32(7)) >> Int32(3), Int32(groups))
+    return (Uint32(1) << Uint32(b)) - (Uint32(1) << Uint32(a))
+
+
 @dsl_user_op
 def bulk_reduce_add_f32(dst_gmem, src_smem, num_bytes: int, *, loc=None, ip=None) -> None:
     """``cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32``: adds `num_bytes`

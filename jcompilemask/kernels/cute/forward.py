@@ -52,7 +52,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
 from .residual_ops import CuteOps
-from .common import (INTERVALS_UNROLLED, WarpSpecializedSm90, _as_a_operand, _rows_view, _tree,
+from .common import (INTERVALS_UNROLLED, WarpSpecializedSm90, _as_a_operand, _group_run, _rows_view, _tree,
                      _unsigned_lt, build_tile_list, issue_wgmma, smem_tensor, tile_bits, tma_tiles)
 
 # Named barrier ids. 0 is __syncthreads; the two consumer warpgroups each own one
@@ -93,6 +93,7 @@ class FlashForwardSm90(WarpSpecializedSm90):
         softcap_fast_tanh: bool = False,
         residual=None,
         bits_above: int = INTERVALS_UNROLLED,
+        group_mask: bool = False,
         work_list: bool = False,
         schedule: bool = False,
         persistent: bool = False,
@@ -165,6 +166,12 @@ class FlashForwardSm90(WarpSpecializedSm90):
             self.intervals_as_bits = True
         self.intervals_in_registers = not self.intervals_as_bits and (
             head_dim_v < 256 or num_intervals <= 4)
+        # group_mask (issue 14 item 3, a benchmark knob): a masked tile's visibility per row is
+        # built as two bit words, one per column of the thread's column pairs, from each
+        # interval's two clamped ends (apply_mask_groups), instead of one subtract-compare
+        # per interval and element; with the K <= 8 slots unrolled (registers or reloaded).
+        self.group_mask = group_mask and not self.intervals_as_bits
+        assert not self.group_mask or block_kv // 8 < 32
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -845,6 +852,9 @@ class FlashForwardSm90(WarpSpecializedSm90):
             starts, lengths = row_intervals
         else:
             starts, lengths = self.load_intervals(tScS, *row_intervals)
+        if const_expr(self.group_mask):
+            self.apply_mask_groups(acc_S_rows, tScS, k_tile, starts, lengths, seqlen_k)
+            return
         col0 = k_tile * self.block_kv
         for r in cutlass.range_constexpr(cute.size(acc_S_rows, mode=[0])):
             for c in cutlass.range_constexpr(cute.size(acc_S_rows, mode=[1])):
@@ -853,6 +863,35 @@ class FlashForwardSm90(WarpSpecializedSm90):
                 for m in cutlass.range_constexpr(self.num_intervals):
                     visible = visible | _unsigned_lt(col - starts[r, m], lengths[r, m])
                 keep = visible & (col < seqlen_k)
+                acc_S_rows[r, c] = acc_S_rows[r, c] if keep else -Float32.inf
+
+    @cute.jit
+    def apply_mask_groups(self, acc_S_rows, tScS, k_tile, starts, lengths, seqlen_k):
+        """apply_mask by column groups. In an SM90 accumulator a thread's columns of a row are
+        pairs: column c of ``_rows_view`` sits at offset 8 * (c // 2) + c % 2 from the
+        thread's first column (mode (column pair, group of 8, N) of the fragment, the N
+        atoms adjacent). So for each of the pair's two columns u the groups an interval
+        [s, e) covers are a run, g in [ceil((s - u) / 8), ceil((e - u) / 8)): per row and
+        interval two clamped ends and a shifted difference per u build bit word u; each
+        element then tests one bit. Columns past Nk are cleared the same way."""
+        ncols = cute.size(acc_S_rows, mode=[1])
+        groups = ncols // 2
+        col0 = k_tile * self.block_kv
+        for r in cutlass.range_constexpr(cute.size(acc_S_rows, mode=[0])):
+            base = col0 + tScS[r, 0][1]
+            word0 = Uint32(0)
+            word1 = Uint32(0)
+            for m in cutlass.range_constexpr(self.num_intervals):
+                s = starts[r, m] - base
+                e = s + lengths[r, m]
+                word0 = word0 | _group_run(s, e, groups)
+                word1 = word1 | _group_run(s - 1, e - 1, groups)
+            k_end = seqlen_k - base
+            word0 = word0 & _group_run(Int32(0), k_end, groups)
+            word1 = word1 & _group_run(Int32(-1), k_end - 1, groups)
+            for c in cutlass.range_constexpr(ncols):
+                word = word0 if const_expr(c % 2 == 0) else word1
+                keep = word & Uint32(1 << (c // 2)) != Uint32(0)
                 acc_S_rows[r, c] = acc_S_rows[r, c] if keep else -Float32.inf
 
     @cute.jit
