@@ -614,7 +614,7 @@ PY
     # Issue 14 item 3 (compile-checked in session 17): group_mask — a masked tile's rows as
     # column-group bit words ($JCOMPILEMASK_CUTE_FWD_GROUP_MASK=1; SASS per masked tile, D 128:
     # K 1 765 -> 627, K 2 893 -> 675, K 6 1661 -> 875 instructions; unmasked unchanged):
-    # bit-identity vs the default (7 cases, hang-guarded), the forward + attention GPU tests
+    # bit-identity vs the default (8 cases, hang-guarded), the forward + attention GPU tests
     # under it, then the forward timed beside the default and FA4 native (32K, 8K; clear and
     # shared prompt are the masks with the most masked tiles).
     export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}

@@ -55,8 +55,7 @@ def test_group_words_match_direct_tests(block_kv):
         seqlen_k = int(rng.integers(1, 4 * block_kv))
         col0 = block_kv * int(rng.integers(0, (seqlen_k + block_kv - 1) // block_kv + 1))
         # starts around the tile (inside, left, right, far), lengths 0 .. past the tile
-        starts = [int(x) for x in col0 + rng.integers(-2 * block_kv, 2 * block_kv, k)]
-        starts = [max(s, 0) for s in starts]
+        starts = [int(x) for x in col0 + rng.integers(-2 * block_kv, 2 * block_kv, k)]   # < 0 too
         lengths = [int(x) for x in rng.choice([0, 1, 2, 7, 8, 9, 15, 16, 17, block_kv,
                                                int(rng.integers(0, 3 * block_kv))], k)]
         lane = int(rng.integers(0, 32))

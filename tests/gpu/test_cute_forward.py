@@ -515,11 +515,12 @@ def test_k_ahead_forward_is_bit_identical_on_gpu(case, work_list, monkeypatch):
 @needs_cutlass
 @knob
 @pytest.mark.parametrize("head_dim,num_intervals,softcap", [(128, 6, None), (128, 1, None), (64, 2, 30.0),
-                                                           (256, 6, None)])
+                                                           (256, 6, None), (128, 25, None)])
 def test_group_mask_forward_compiles_for_sm90(head_dim, num_intervals, softcap):
     """group_mask (issue 14 item 3): a masked tile's rows as column-group bit words (D 128
     K 6 SASS per masked tile 1661 -> 875 instructions, NOTES.md); D 256's 80-key tiles
-    have 10 groups per column of a pair."""
+    have 10 groups per column of a pair; K 25 takes the bit-mask path (intervals that reach
+    into the tile OR their runs in)."""
     from jcompilemask.kernels.cute.api import (ForwardKey, _fwd_work_list, compile_forward,
                                                preferred_forward_stages, preferred_forward_tiles)
     bq, bk = preferred_forward_tiles(head_dim)
@@ -541,19 +542,17 @@ def test_group_mask_env_and_key(monkeypatch):
         api._fwd_group_mask()
     base = dict(dtype="bfloat16", head_dim=128, head_dim_v=128, block_q=128, block_kv=128,
                 broadcast_batch=False, broadcast_head=True, scale=0.1)
-    with pytest.raises(ValueError, match="group_mask"):
-        api.ForwardKey(**base, num_intervals=9, group_mask=True)        # K > 8: the bits path
-    assert api.ForwardKey(**base, num_intervals=8, group_mask=True).target_name.endswith("_gm")
+    assert api.ForwardKey(**base, num_intervals=25, group_mask=True).target_name.endswith("_gm")
 
 
 @pytest.mark.parametrize("head_dim,case,softcap", [(128, "random6", None), (128, "random3", None),
                                                    (128, "causal", None), (128, "random6", 5.0),
                                                    (64, "random6", None), (256, "random6", None),
-                                                   (256, "prefix_window", None)])
+                                                   (256, "prefix_window", None), (128, "random12", None)])
 def test_group_mask_forward_is_bit_identical_on_gpu(head_dim, case, softcap, monkeypatch):
     """group_mask changes how a masked tile finds its visible keys, not which: o and lse
     equal the default's bit for bit (ragged Nq 700 / Nk 900, per-head masks, fully masked
-    rows, GQA; D 256's 80-key tiles)."""
+    rows, GQA; D 256's 80-key tiles; K 12 on the bit-mask path)."""
     reason = sm90_gpu_reason()
     if reason:
         pytest.skip(reason)

@@ -117,8 +117,8 @@ class ForwardKey:
     k_ahead: bool = False
     # A masked tile's visibility built per row as bit words of column groups from each
     # interval's ends (FlashForwardSm90.apply_mask_groups; issue 14 item 3;
-    # $JCOMPILEMASK_CUTE_FWD_GROUP_MASK=1 for benchmarks until measured). Only for K <=
-    # bits_above without a residual program (the per-interval paths); rejected otherwise.
+    # $JCOMPILEMASK_CUTE_FWD_GROUP_MASK=1 for benchmarks until measured). Any K (on the
+    # bit-mask path, intervals that reach into the tile); not with a residual program.
     group_mask: bool = False
 
     @property
@@ -165,9 +165,9 @@ class ForwardKey:
             raise ValueError(f"softcap must be None or a positive finite float, got {self.softcap!r}")
         if self.softcap_fast_tanh and self.softcap is None:
             raise ValueError("softcap_fast_tanh needs a softcap")
-        if self.group_mask and (self.residual is not None or self.num_intervals > self.bits_above):
-            raise ValueError("ForwardKey(group_mask=True) serves K <= bits_above intervals without "
-                             "a residual program (those take the bit-mask path already)")
+        if self.group_mask and self.residual is not None:
+            raise ValueError("ForwardKey(group_mask=True) serves masks without a residual program "
+                             "(partial tiles of a residual mask evaluate it per element)")
 
     @property
     def target_name(self) -> str:
@@ -484,7 +484,7 @@ def _fwd_k_ahead() -> bool:
 def _fwd_group_mask() -> bool:
     """``$JCOMPILEMASK_CUTE_FWD_GROUP_MASK=1`` (read at trace time; a benchmark knob until
     measured): masked tiles build each row's visibility as column-group bit words
-    (FlashForwardSm90.apply_mask_groups) where K <= bits_above and no residual predicate."""
+    (FlashForwardSm90.apply_mask_groups) where the mask has no residual predicate."""
     import os
     text = os.environ.get(FWD_GROUP_MASK_ENV, "0").strip()
     if text not in ("0", "1", ""):
@@ -624,8 +624,7 @@ def cute_forward(q, k, v, fwd_intervals, fwd_tiles, *, scale=None, softcap=None,
         work_list=_fwd_work_list(D, Dv, block_q, block_kv,
                                  num_stages or preferred_forward_stages(D, jnp.dtype(q.dtype).name)),
         schedule=schedule, persistent=persistent, k_ahead=_fwd_k_ahead(),
-        group_mask=_fwd_group_mask() and (residual is None or residual.exact)
-        and K <= _fwd_bits_above(),
+        group_mask=_fwd_group_mask() and (residual is None or residual.exact),
     )
     extra = ()
     if key.residual is not None:

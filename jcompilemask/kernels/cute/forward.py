@@ -169,8 +169,10 @@ class FlashForwardSm90(WarpSpecializedSm90):
         # group_mask (issue 14 item 3, a benchmark knob): a masked tile's visibility per row is
         # built as two bit words, one per column of the thread's column pairs, from each
         # interval's two clamped ends (apply_mask_groups), instead of one subtract-compare
-        # per interval and element; with the K <= 8 slots unrolled (registers or reloaded).
-        self.group_mask = group_mask and not self.intervals_as_bits
+        # per interval and element.
+        # On the bit-mask path (K > bits_above) an interval that reaches into the tile ORs
+        # its runs into the words (apply_mask_bits_groups); residual masks keep their path.
+        self.group_mask = group_mask and self.residual is None
         assert not self.group_mask or block_kv // 8 < 32
 
     # ------------------------------------------------------------------ host side
@@ -903,6 +905,9 @@ class FlashForwardSm90(WarpSpecializedSm90):
         col0 = k_tile * self.block_kv
         col_end = col0 + self.block_kv
         ncols = cute.size(acc_S_rows, mode=[1])
+        if const_expr(self.group_mask and self.residual is None):
+            self.apply_mask_bits_groups(acc_S_rows, tScS, col0, col_end, row_intervals, seqlen_k)
+            return
         nwords = (ncols + 31) // 32
         seen = cute.make_rmem_tensor(nwords, Uint32)
         for r in cutlass.range_constexpr(cute.size(acc_S_rows, mode=[0])):
@@ -933,6 +938,46 @@ class FlashForwardSm90(WarpSpecializedSm90):
             for c in cutlass.range_constexpr(ncols):
                 col = col0 + tScS[r, c][1]
                 keep = (seen[c // 32] & Uint32(1 << (c % 32)) != Uint32(0)) & in_range & (col < seqlen_k)
+                acc_S_rows[r, c] = acc_S_rows[r, c] if keep else -Float32.inf
+
+    @cute.jit
+    def apply_mask_bits_groups(self, acc_S_rows, tScS, col0, col_end, row_intervals, seqlen_k):
+        """apply_mask_bits with group_mask: an interval that reaches into the tile ORs its
+        column-group runs into the row's two words (as apply_mask_groups) instead of testing
+        each column; the K slots unrolled up to INTERVALS_UNROLLED, else a loop."""
+        mIntervals, q_tile, seqlen_q, mask_batch, mask_head = row_intervals[:5]
+        ncols = cute.size(acc_S_rows, mode=[1])
+        groups = ncols // 2
+        words = cute.make_rmem_tensor(2, Uint32)
+        for r in cutlass.range_constexpr(cute.size(acc_S_rows, mode=[0])):
+            row = q_tile * self.block_q + tScS[r, 0][0]
+            in_range = row < seqlen_q
+            safe_row = row if in_range else 0
+            base = col0 + tScS[r, 0][1]
+            words[0] = Uint32(0)
+            words[1] = Uint32(0)
+            if const_expr(self.num_intervals <= INTERVALS_UNROLLED):
+                for m in cutlass.range_constexpr(self.num_intervals):
+                    start = mIntervals[mask_batch, mask_head, safe_row, m, 0]
+                    length = mIntervals[mask_batch, mask_head, safe_row, m, 1]
+                    if (length > 0) & (start < col_end) & (start + length > col0):
+                        s = start - base
+                        words[0] = words[0] | _group_run(s, s + length, groups)
+                        words[1] = words[1] | _group_run(s - 1, s + length - 1, groups)
+            else:
+                for m in cutlass.range(self.num_intervals, unroll=1):
+                    start = mIntervals[mask_batch, mask_head, safe_row, m, 0]
+                    length = mIntervals[mask_batch, mask_head, safe_row, m, 1]
+                    if (length > 0) & (start < col_end) & (start + length > col0):
+                        s = start - base
+                        words[0] = words[0] | _group_run(s, s + length, groups)
+                        words[1] = words[1] | _group_run(s - 1, s + length - 1, groups)
+            k_end = seqlen_k - base
+            word0 = words[0] & _group_run(Int32(0), k_end, groups)
+            word1 = words[1] & _group_run(Int32(-1), k_end - 1, groups)
+            for c in cutlass.range_constexpr(ncols):
+                word = word0 if const_expr(c % 2 == 0) else word1
+                keep = (word & Uint32(1 << (c // 2)) != Uint32(0)) & in_range
                 acc_S_rows[r, c] = acc_S_rows[r, c] if keep else -Float32.inf
 
     @cute.jit
