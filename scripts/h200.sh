@@ -615,8 +615,9 @@ PY
     # column-group bit words ($JCOMPILEMASK_CUTE_FWD_GROUP_MASK=1; SASS per masked tile, D 128:
     # K 1 765 -> 627, K 2 893 -> 675, K 6 1661 -> 875 instructions; unmasked unchanged):
     # bit-identity vs the default (8 cases, hang-guarded), the forward + attention GPU tests
-    # under it, then the forward timed beside the default and FA4 native (32K, 8K; clear and
-    # shared prompt are the masks with the most masked tiles).
+    # under it, then the forward timed beside the default, k_ahead (session 16's state-carry
+    # fix passed its bit-identity cases in session 17) and FA4 native (32K by default,
+    # JCM_BENCH_NS; clear and shared prompt are the masks with the most masked tiles).
     export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
     left() { local l=$(( ${JCM_STAGE_S:-570} - SECONDS )); (( l < $1 )) && echo $(( l > 5 ? l : 5 )) || echo $1; }
     timeout -k 5 $(left 200) python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_cute_forward.py \
@@ -624,8 +625,9 @@ PY
     rc=$?; echo "identity rc $rc ($SECONDS s)"; pkill -9 -f pytest; tail -4 "$OUT/pytest-fgm-ident.log"
     (( rc == 0 )) || exit 3
     b=$(left 240)
-    timeout -k 5 $b python3 benchmarks/bench_forward.py --ns ${JCM_BENCH_NS:-32768,8192} \
-      --masks clear,shared_prompt,hstu,causal --fa4 --jcm-variants "base=;gm=JCOMPILEMASK_CUTE_FWD_GROUP_MASK=1" \
+    timeout -k 5 $b python3 benchmarks/bench_forward.py --ns ${JCM_BENCH_NS:-32768} \
+      --masks clear,shared_prompt,hstu,causal --fa4 \
+      --jcm-variants "${JCM_FGM_VARIANTS:-base=;gm=JCOMPILEMASK_CUTE_FWD_GROUP_MASK=1;ka=JCOMPILEMASK_CUTE_FWD_K_AHEAD=1}" \
       --out "$OUT/h200-fwd-gm.json" > "$OUT/bench-fgm.log" 2>&1
     echo "bench rc $? ($SECONDS s)"; pkill -9 -f bench_forward; grep -E '^bench|^\{' "$OUT/bench-fgm.log" | tail -30 | cut -c1-200
     JCOMPILEMASK_CUTE_FWD_GROUP_MASK=1 timeout -k 5 $(left 200) python3 -m pytest -q -rs -p no:cacheprovider \
