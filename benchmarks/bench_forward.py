@@ -126,11 +126,12 @@ def bench_jcm(ns, heads=8, dim=128) -> list[dict]:
     return records
 
 
-def bench_masks(ns, masks, variants=(("", {}),)) -> list[dict]:
+def bench_masks(ns, masks, variants=(("", {}),), save=None) -> list[dict]:
     """jcm-cute forward through the public API on the paper workloads (docs/workloads.md):
     descriptors from the real preprocess (built once, outside the timed region). Each
     ``variants`` entry (tag, {ENV: value}) is timed with its environment set while tracing
-    (bench_total.parse_variants: ``--jcm-variants``); impl ``jcm-cute-<tag>``."""
+    (bench_total.parse_variants: ``--jcm-variants``); impl ``jcm-cute-<tag>``. ``save``, if
+    given, is called with the records so far after each one (a run cut short keeps them)."""
     import jax
     import jax.numpy as jnp
 
@@ -168,6 +169,8 @@ def bench_masks(ns, masks, variants=(("", {}),)) -> list[dict]:
                       f"{rec['fwd_tflops']:.1f} TF/s sm {rec.get('sm_clock_mhz')} MHz", flush=True)
                 print(json.dumps(rec), flush=True)  # the record survives a killed run
                 records.append(rec)
+                if save is not None:
+                    save(records)
             del q, k, v
     return records
 
@@ -234,15 +237,20 @@ def main():
             print(f"fa4-native not measured: {type(err).__name__}: {err}", flush=True)
     if args.bench:
         records += bench_jcm(ns)
-    if args.masks:
-        from bench_total import parse_variants
-        records += bench_masks(ns, args.masks.split(","), parse_variants(args.jcm_variants))
-    if records:
+    def save(recs):
         os.makedirs(os.path.dirname(args.out), exist_ok=True)
-        merged = _merge(args.out, records)
+        merged = _merge(args.out, recs)
         with open(args.out, "w") as f:
             json.dump({"device": "NVIDIA H200", "run": clocks.run_id(), "records": merged}, f,
                       indent=1)
+
+    if args.masks:
+        from bench_total import parse_variants
+        done = list(records)
+        records += bench_masks(ns, args.masks.split(","), parse_variants(args.jcm_variants),
+                               save=lambda recs: save(done + recs))
+    if records:
+        save(records)
         print(f"{'impl':12s} {'mask':8s} {'n':>6s} {'fwd_ms':>9s} {'TF/s':>7s}")
         for r in records:
             print(f"{r['impl']:12s} {r['mask']:8s} {r['n']:6d} {r['fwd_ms']:9.3f} {r['fwd_tflops']:7.1f}")
