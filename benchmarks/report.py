@@ -85,7 +85,8 @@ def head_dims_table(hdims, ours="jcm-cute"):
         o = recs.get(ours)
         if o is None:
             continue
-        peers = {i: r for i, r in recs.items() if i != ours and r.get("bwd_ms")}
+        peers = {i: r for i, r in recs.items()
+                 if i not in (ours, "jcm-xla") and r.get("bwd_ms")}     # xla: its own table
         fast = [r["bwd_ms"] for i, r in peers.items() if not i.startswith("jcm")]
         cap = ""
         base = by.get((run, "d128", n), {}).get(ours)
@@ -99,6 +100,37 @@ def head_dims_table(hdims, ours="jcm-cute"):
         speed = f"{min(fast) / o['bwd_ms']:.2f}x" if fast else "-"
         lines.append(f"| {run} | {cfg} ({dims}) | {_label(n)} | {o['fwd_ms']:.2f} / "
                      f"{o['bwd_ms']:.2f}{mhz} | {named} | {speed} | {cap} |")
+    return "\n".join(lines) if len(lines) > 2 else ""
+
+
+def xla_backward_table(hdims):
+    """The ``xla`` backward on the GPU per head-dim configuration beside the fastest peer and
+    ``jcm-cute`` of the same run (issue 15: what a configuration on the fallback path pays),
+    newest run first; "x peer" = xla bwd ms / the fastest peer's."""
+    head = ["run", "config (D/Dv, cap)", "N", "xla fwd / bwd ms", "jcm-cute bwd ms",
+            "fastest peer bwd ms", "x peer"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    by = {}
+    for r in hdims:
+        by.setdefault((r.get("run") or r["source"], r["config"], r["n"]), {})[r["impl"]] = r
+    for (run, cfg, n), recs in sorted(by.items(), key=lambda kv: (kv[0][0], kv[0][2]),
+                                      reverse=True):
+        x = recs.get("jcm-xla")
+        if x is None or not x.get("bwd_ms"):
+            continue
+        peers = {i: r["bwd_ms"] for i, r in recs.items() if not i.startswith("jcm") and r.get("bwd_ms")}
+        ours = recs.get("jcm-cute", {}).get("bwd_ms")
+        dims = f"{x['head_dim']}/{x['head_dim_v']}"
+        if x.get("softcap"):
+            dims += f", cap {x['softcap']:g}"
+        ours_s = f"{ours:.2f}" if ours else "-"
+        if peers:
+            name = min(peers, key=peers.get)
+            peer_s, ratio = f"{name} {peers[name]:.2f}", f"{x['bwd_ms'] / peers[name]:.1f}x"
+        else:
+            peer_s = ratio = "-"
+        lines.append(f"| {run} | {cfg} ({dims}) | {_label(n)} | {x['fwd_ms']:.2f} / "
+                     f"{x['bwd_ms']:.2f} | {ours_s} | {peer_s} | {ratio} |")
     return "\n".join(lines) if len(lines) > 2 else ""
 
 
@@ -338,6 +370,9 @@ def build(results_dir):
     if hdims:
         parts += ["## Backward per head-dim configuration (causal; bench_head_dims.py)", "",
                   head_dims_table(hdims), ""]
+        xla = xla_backward_table(hdims)
+        if xla:
+            parts += ["### The `xla` backward on the GPU (the fallback path), same runs", "", xla, ""]
     if pre:
         parts += ["## Preprocess (both descriptors), ms", "", preprocess_table(pre), ""]
         notes = sorted({f"{r['impl']}: {r['note']}" for r in pre if r.get("note")})

@@ -52,12 +52,16 @@ def test_report_tables_ratios_and_svg(tmp_path):
         dict(hd, impl="jcm-cute", config="d128cap", softcap=30.0, bwd_ms=46.0),
         dict(hd, impl="jax-cudnn", config="d128cap", softcap=30.0, bwd_ms=None,
              error="no soft cap"),
+        dict(hd, impl="jcm-xla", config="d128", bwd_ms=720.0, fwd_ms=180.0),
+        dict(hd, impl="jcm-xla", config="d128cap", softcap=30.0, bwd_ms=730.0, fwd_ms=181.0),
     ]})
     paths = rep.build(str(tmp_path))
     md = (tmp_path / "REPORT.md").read_text()
     assert ("| r1 | d128 (128/128) | 32K | 10.00 / 40.00 (1700) | fa4-native 36.00 | 0.90x |  |"
             in md)
     assert "| r1 | d128cap (128/128, cap 30) | 32K | 10.00 / 46.00 | - | - | +15% |" in md
+    assert "| r1 | d128 (128/128) | 32K | 180.00 / 720.00 | 40.00 | fa4-native 36.00 | 20.0x |" in md
+    assert "| r1 | d128cap (128/128, cap 30) | 32K | 181.00 / 730.00 | 46.00 | - | - |" in md
     assert "| causal | 2K | 400 | 500 |  | 0.80 |  | 0.80 |" in md
     assert "| hstu | 32K | 600 |  | 300 |  | 2.00 | 2.00 |" in md
     assert "| clear | 1K | 0.1 | 7 | 70.0x |" in md
