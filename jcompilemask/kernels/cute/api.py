@@ -29,6 +29,9 @@ HEAD_DIMS = (64, 128, 256)          # Dv == D; validated on the H200 (NOTES.md)
 HEAD_DIM_PAIRS = ((192, 128),)
 # Dynamic shared memory one CTA may opt into on SM90 (227 KB).
 _SMEM_LIMIT = 232448
+# Shared memory the forward's work list adds: one chunk of tile indices (FWD_LIST_CHUNK
+# int32) and its count / barrier words.
+_WORK_LIST_SMEM = 4 * 512 + 32
 
 
 def preferred_forward_tiles(head_dim: int, dtype: str = "bfloat16") -> tuple[int, int]:
@@ -126,7 +129,7 @@ class ForwardKey:
         """Persistent kernels stage O in a buffer of its own where shared memory allows
         (D <= 128), so the next unit's Q loads under this unit's epilogue."""
         base = forward_smem_bytes(self.head_dim, self.block_q, self.block_kv, self.num_stages,
-                                  head_dim_v=self.head_dim_v) + (4 * 512 + 32 if self.work_list else 0)
+                                  head_dim_v=self.head_dim_v) + (_WORK_LIST_SMEM if self.work_list else 0)
         return self.persistent and base + 2 * self.block_q * self.head_dim_v + 1024 <= _SMEM_LIMIT
 
     def __post_init__(self):
@@ -155,7 +158,7 @@ class ForwardKey:
         if self.num_intervals < 1:
             raise ValueError(f"interval count K must be >= 1, got {self.num_intervals}")
         smem = forward_smem_bytes(self.head_dim, self.block_q, self.block_kv, self.num_stages,
-                                  head_dim_v=self.head_dim_v) + (4 * 512 + 32 if self.work_list else 0)
+                                  head_dim_v=self.head_dim_v) + (_WORK_LIST_SMEM if self.work_list else 0)
         if self.num_stages < 1 or smem > _SMEM_LIMIT:
             raise ValueError(
                 f"num_stages={self.num_stages} at head dim {self.head_dim} needs {smem} bytes of "
@@ -439,6 +442,15 @@ def _fwd_bits_above() -> int:
     return value
 
 
+def _env_flag(name: str, default: str) -> bool:
+    """A 0 / 1 switch from ``$name`` (read at trace time; unset or empty: `default`)."""
+    import os
+    text = os.environ.get(name, "").strip() or default
+    if text not in ("0", "1"):
+        raise ValueError(f"{name}={text!r}: 0 or 1")
+    return text == "1"
+
+
 def _fwd_work_list(d, dv, block_q, block_kv, num_stages) -> bool:
     """Whether the forward iterates a compact work list (the producer warp turns the row's
     tile words into a list of visited key tiles; both sides walk the list) rather than every
@@ -448,15 +460,8 @@ def _fwd_work_list(d, dv, block_q, block_kv, num_stages) -> bool:
     causal 8K -2.7%, hstu 8K -2.1%) and all 109 cases of test_cute_forward.py +
     test_cute_attention.py passed under it (sessions 16-17). ``$JCOMPILEMASK_CUTE_FWD_WORK_LIST=0``
     (read at trace time) walks the bitmap instead, for comparison."""
-    import os
-    text = os.environ.get(FWD_WORK_LIST_ENV, "1").strip()
-    if text not in ("0", "1", ""):
-        raise ValueError(f"{FWD_WORK_LIST_ENV}={text!r}: 0 (walk every tile word) or 1 "
-                         "(the default: a compact work list)")
-    if text == "0":
-        return False
-    return forward_smem_bytes(d, block_q, block_kv, num_stages, head_dim_v=dv) + 4 * 512 + 32 \
-        <= _SMEM_LIMIT
+    return _env_flag(FWD_WORK_LIST_ENV, "1") and forward_smem_bytes(
+        d, block_q, block_kv, num_stages, head_dim_v=dv) + _WORK_LIST_SMEM <= _SMEM_LIMIT
 
 
 def _fwd_schedule() -> tuple[bool, bool]:
@@ -474,22 +479,14 @@ def _fwd_schedule() -> tuple[bool, bool]:
 def _fwd_k_ahead() -> bool:
     """``$JCOMPILEMASK_CUTE_FWD_K_AHEAD=1`` (read at trace time; a benchmark knob until
     measured): the forward's producer issues K(t + 1) before V(t)."""
-    import os
-    text = os.environ.get(FWD_K_AHEAD_ENV, "0").strip()
-    if text not in ("0", "1", ""):
-        raise ValueError(f"{FWD_K_AHEAD_ENV}={text!r}: 0 or 1")
-    return text == "1"
+    return _env_flag(FWD_K_AHEAD_ENV, "0")
 
 
 def _fwd_group_mask() -> bool:
     """``$JCOMPILEMASK_CUTE_FWD_GROUP_MASK=1`` (read at trace time; a benchmark knob until
     measured): masked tiles build each row's visibility as column-group bit words
     (FlashForwardSm90.apply_mask_groups) where the mask has no residual predicate."""
-    import os
-    text = os.environ.get(FWD_GROUP_MASK_ENV, "0").strip()
-    if text not in ("0", "1", ""):
-        raise ValueError(f"{FWD_GROUP_MASK_ENV}={text!r}: 0 or 1")
-    return text == "1"
+    return _env_flag(FWD_GROUP_MASK_ENV, "0")
 
 
 def num_sms(default: int = 132) -> int:

@@ -46,6 +46,12 @@ def _group_run(lo, hi, groups: int):
     return (Uint32(1) << Uint32(b)) - (Uint32(1) << Uint32(a))
 
 
+def _pair_runs(lo, hi, groups: int):
+    """(_group_run for the first column of a thread's column pairs, for the second): bit g
+    of word u for lo <= 8 g + u < hi, the columns 8 apart in an SM90 accumulator row."""
+    return _group_run(lo, hi, groups), _group_run(lo - 1, hi - 1, groups)
+
+
 @dsl_user_op
 def bulk_reduce_add_f32(dst_gmem, src_smem, num_bytes: int, *, loc=None, ip=None) -> None:
     """``cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32``: adds `num_bytes`

@@ -52,7 +52,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
 from .residual_ops import CuteOps
-from .common import (INTERVALS_UNROLLED, WarpSpecializedSm90, _as_a_operand, _group_run, _rows_view, _tree,
+from .common import (INTERVALS_UNROLLED, WarpSpecializedSm90, _as_a_operand, _pair_runs, _rows_view, _tree,
                      _unsigned_lt, build_tile_list, issue_wgmma, smem_tensor, tile_bits, tma_tiles)
 
 # Named barrier ids. 0 is __syncthreads; the two consumer warpgroups each own one
@@ -876,8 +876,7 @@ class FlashForwardSm90(WarpSpecializedSm90):
         [s, e) covers are a run, g in [ceil((s - u) / 8), ceil((e - u) / 8)): per row and
         interval two clamped ends and a shifted difference per u build bit word u; each
         element then tests one bit. Columns past Nk are cleared the same way."""
-        ncols = cute.size(acc_S_rows, mode=[1])
-        groups = ncols // 2
+        groups = cute.size(acc_S_rows, mode=[1]) // 2
         col0 = k_tile * self.block_kv
         for r in cutlass.range_constexpr(cute.size(acc_S_rows, mode=[0])):
             base = col0 + tScS[r, 0][1]
@@ -885,16 +884,24 @@ class FlashForwardSm90(WarpSpecializedSm90):
             word1 = Uint32(0)
             for m in cutlass.range_constexpr(self.num_intervals):
                 s = starts[r, m] - base
-                e = s + lengths[r, m]
-                word0 = word0 | _group_run(s, e, groups)
-                word1 = word1 | _group_run(s - 1, e - 1, groups)
-            k_end = seqlen_k - base
-            word0 = word0 & _group_run(Int32(0), k_end, groups)
-            word1 = word1 & _group_run(Int32(-1), k_end - 1, groups)
-            for c in cutlass.range_constexpr(ncols):
-                word = word0 if const_expr(c % 2 == 0) else word1
-                keep = word & Uint32(1 << (c // 2)) != Uint32(0)
-                acc_S_rows[r, c] = acc_S_rows[r, c] if keep else -Float32.inf
+                run0, run1 = _pair_runs(s, s + lengths[r, m], groups)
+                word0 = word0 | run0
+                word1 = word1 | run1
+            self.mask_by_words(acc_S_rows, r, word0, word1, base, seqlen_k)
+
+    @cute.jit
+    def mask_by_words(self, acc_S_rows, r, word0, word1, base, seqlen_k):
+        """Row r of S kept where bit c // 2 of word c % 2 is set and the column is below Nk
+        (apply_mask_groups' words; `base`: the thread's first column of the row); -inf
+        elsewhere."""
+        ncols = cute.size(acc_S_rows, mode=[1])
+        below0, below1 = _pair_runs(Int32(0), seqlen_k - base, ncols // 2)
+        word0 = word0 & below0
+        word1 = word1 & below1
+        for c in cutlass.range_constexpr(ncols):
+            word = word0 if const_expr(c % 2 == 0) else word1
+            keep = word & Uint32(1 << (c // 2)) != Uint32(0)
+            acc_S_rows[r, c] = acc_S_rows[r, c] if keep else -Float32.inf
 
     @cute.jit
     def apply_mask_bits(self, acc_S_rows, tScS, k_tile, row_intervals, seqlen_k):
@@ -946,8 +953,7 @@ class FlashForwardSm90(WarpSpecializedSm90):
         column-group runs into the row's two words (as apply_mask_groups) instead of testing
         each column; the K slots unrolled up to INTERVALS_UNROLLED, else a loop."""
         mIntervals, q_tile, seqlen_q, mask_batch, mask_head = row_intervals[:5]
-        ncols = cute.size(acc_S_rows, mode=[1])
-        groups = ncols // 2
+        groups = cute.size(acc_S_rows, mode=[1]) // 2
         words = cute.make_rmem_tensor(2, Uint32)
         for r in cutlass.range_constexpr(cute.size(acc_S_rows, mode=[0])):
             row = q_tile * self.block_q + tScS[r, 0][0]
@@ -958,27 +964,27 @@ class FlashForwardSm90(WarpSpecializedSm90):
             words[1] = Uint32(0)
             if const_expr(self.num_intervals <= INTERVALS_UNROLLED):
                 for m in cutlass.range_constexpr(self.num_intervals):
-                    start = mIntervals[mask_batch, mask_head, safe_row, m, 0]
-                    length = mIntervals[mask_batch, mask_head, safe_row, m, 1]
-                    if (length > 0) & (start < col_end) & (start + length > col0):
-                        s = start - base
-                        words[0] = words[0] | _group_run(s, s + length, groups)
-                        words[1] = words[1] | _group_run(s - 1, s + length - 1, groups)
+                    self.add_interval_runs(words, mIntervals, mask_batch, mask_head, safe_row, m,
+                                           col0, col_end, base, groups)
             else:
                 for m in cutlass.range(self.num_intervals, unroll=1):
-                    start = mIntervals[mask_batch, mask_head, safe_row, m, 0]
-                    length = mIntervals[mask_batch, mask_head, safe_row, m, 1]
-                    if (length > 0) & (start < col_end) & (start + length > col0):
-                        s = start - base
-                        words[0] = words[0] | _group_run(s, s + length, groups)
-                        words[1] = words[1] | _group_run(s - 1, s + length - 1, groups)
-            k_end = seqlen_k - base
-            word0 = words[0] & _group_run(Int32(0), k_end, groups)
-            word1 = words[1] & _group_run(Int32(-1), k_end - 1, groups)
-            for c in cutlass.range_constexpr(ncols):
-                word = word0 if const_expr(c % 2 == 0) else word1
-                keep = (word & Uint32(1 << (c // 2)) != Uint32(0)) & in_range
-                acc_S_rows[r, c] = acc_S_rows[r, c] if keep else -Float32.inf
+                    self.add_interval_runs(words, mIntervals, mask_batch, mask_head, safe_row, m,
+                                           col0, col_end, base, groups)
+            # Rows past Nq (their table row is row 0's) see nothing.
+            self.mask_by_words(acc_S_rows, r, words[0] if in_range else Uint32(0),
+                               words[1] if in_range else Uint32(0), base, seqlen_k)
+
+    @cute.jit
+    def add_interval_runs(self, words, mIntervals, mask_batch, mask_head, row, m, col0, col_end,
+                          base, groups):
+        """ORs slot m's interval of `row` into `words` (rmem, 2) when it reaches into the
+        key tile [col0, col_end)."""
+        start = mIntervals[mask_batch, mask_head, row, m, 0]
+        length = mIntervals[mask_batch, mask_head, row, m, 1]
+        if (length > 0) & (start < col_end) & (start + length > col0):
+            run0, run1 = _pair_runs(start - base, start - base + length, groups)
+            words[0] = words[0] | run0
+            words[1] = words[1] | run1
 
     @cute.jit
     def residual_bits(self, seen, acc_S_rows, tScS, r, row, safe_row, col0, col_end,
