@@ -70,6 +70,18 @@ def load(results_dir):
     return fwd, pre, low, total, variants, hdims
 
 
+def _by_run_config(hdims):
+    """{(run, config, n): {impl: record}} of bench_head_dims records."""
+    by = {}
+    for r in hdims:
+        by.setdefault((r.get("run") or r["source"], r["config"], r["n"]), {})[r["impl"]] = r
+    return by
+
+
+def _newest_first(by):
+    return sorted(by.items(), key=lambda kv: (kv[0][0], kv[0][2]), reverse=True)
+
+
 def head_dims_table(hdims, ours="jcm-cute"):
     """Backward ms per head-dim configuration beside the peers of the same run, newest run
     first; speed = the fastest peer's bwd ms / ours (>= 0.9 is issue 15's line), and the soft
@@ -77,11 +89,8 @@ def head_dims_table(hdims, ours="jcm-cute"):
     head = ["run", "config (D/Dv, cap)", "N", f"{ours} fwd / bwd ms (MHz)", "peers bwd ms",
             "speed vs fastest peer", "cap cost (bwd)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    by = {}
-    for r in hdims:
-        by.setdefault((r.get("run") or r["source"], r["config"], r["n"]), {})[r["impl"]] = r
-    for (run, cfg, n), recs in sorted(by.items(), key=lambda kv: (kv[0][0], kv[0][2]),
-                                      reverse=True):
+    by = _by_run_config(hdims)
+    for (run, cfg, n), recs in _newest_first(by):
         o = recs.get(ours)
         if o is None:
             continue
@@ -110,11 +119,7 @@ def xla_backward_table(hdims):
     head = ["run", "config (D/Dv, cap)", "N", "xla fwd / bwd ms", "jcm-cute bwd ms",
             "fastest peer bwd ms", "x peer"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    by = {}
-    for r in hdims:
-        by.setdefault((r.get("run") or r["source"], r["config"], r["n"]), {})[r["impl"]] = r
-    for (run, cfg, n), recs in sorted(by.items(), key=lambda kv: (kv[0][0], kv[0][2]),
-                                      reverse=True):
+    for (run, cfg, n), recs in _newest_first(_by_run_config(hdims)):
         x = recs.get("jcm-xla")
         if x is None or not x.get("bwd_ms"):
             continue

@@ -103,6 +103,15 @@ bwd_default_tests() {
   echo "pytest $1 rc $? ($SECONDS s)"; pkill -9 -f pytest; tail -4 "$OUT/pytest-$1.log"
 }
 
+# A forward switch's bit-identity tests (tests/gpu/test_cute_forward.py -k "$2") under a
+# hang guard of $3 seconds, log tagged $1; the stage stops (exit 3) unless they pass.
+identity_gate() {
+  timeout -k 5 "$3" python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_cute_forward.py \
+    -k "$2" > "$OUT/pytest-$1-ident.log" 2>&1
+  local rc=$?; echo "identity rc $rc ($SECONDS s)"; pkill -9 -f pytest; tail -4 "$OUT/pytest-$1-ident.log"
+  (( rc == 0 )) || exit 3
+}
+
 # Backward config variants (NAME=FIELD=VALUE,...) timed beside the default and FA4 native
 # at 32K on MASKS (one run, $OUT/h200-bwd-TAG.json), then the default backward's GPU tests
 # under the variant fastest at causal 32K when that is not the default; FORCED (non-empty)
@@ -596,10 +605,7 @@ PY
     # k_ahead + work list, then the forward timed per variant beside FA4 native.
     export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
     left() { local l=$(( ${JCM_STAGE_S:-570} - SECONDS )); (( l < $1 )) && echo $(( l > 5 ? l : 5 )) || echo $1; }
-    timeout -k 5 $(left 120) python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_cute_forward.py \
-      -k "k_ahead_forward_is_bit_identical" > "$OUT/pytest-fka-ident.log" 2>&1
-    rc=$?; echo "identity rc $rc ($SECONDS s)"; pkill -9 -f pytest; tail -4 "$OUT/pytest-fka-ident.log"
-    (( rc == 0 )) || exit 3
+    identity_gate fka k_ahead_forward_is_bit_identical $(left 120)
     JCOMPILEMASK_CUTE_FWD_K_AHEAD=1 JCOMPILEMASK_CUTE_FWD_WORK_LIST=1 timeout -k 5 $(left 200) \
       python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_cute_forward.py \
       "tests/gpu/test_cute_attention.py::test_builtin" -k "not compiles" \
@@ -620,10 +626,7 @@ PY
     # JCM_BENCH_NS; clear and shared prompt are the masks with the most masked tiles).
     export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
     left() { local l=$(( ${JCM_STAGE_S:-570} - SECONDS )); (( l < $1 )) && echo $(( l > 5 ? l : 5 )) || echo $1; }
-    timeout -k 5 $(left 200) python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_cute_forward.py \
-      -k "group_mask_forward_is_bit_identical" > "$OUT/pytest-fgm-ident.log" 2>&1
-    rc=$?; echo "identity rc $rc ($SECONDS s)"; pkill -9 -f pytest; tail -4 "$OUT/pytest-fgm-ident.log"
-    (( rc == 0 )) || exit 3
+    identity_gate fgm group_mask_forward_is_bit_identical $(left 200)
     b=$(left 240)
     timeout -k 5 $b python3 benchmarks/bench_forward.py --ns ${JCM_BENCH_NS:-32768} \
       --masks clear,shared_prompt,hstu,causal --fa4 \
@@ -643,10 +646,7 @@ PY
     # forward alone timed per variant beside FA4 native (bench_forward.py).
     export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
     left() { local l=$(( ${JCM_STAGE_S:-570} - SECONDS )); (( l < $1 )) && echo $(( l > 5 ? l : 5 )) || echo $1; }
-    timeout -k 5 $(left 120) python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_cute_forward.py \
-      -k "scheduled_forward_is_bit_identical" > "$OUT/pytest-fsched-ident.log" 2>&1
-    rc=$?; echo "identity rc $rc ($SECONDS s)"; pkill -9 -f pytest; tail -4 "$OUT/pytest-fsched-ident.log"
-    (( rc == 0 )) || exit 3
+    identity_gate fsched scheduled_forward_is_bit_identical $(left 120)
     for mode in persistent 1; do
       JCOMPILEMASK_CUTE_FWD_SCHEDULE=$mode JCOMPILEMASK_CUTE_FWD_WORK_LIST=1 timeout -k 5 $(left 130) \
         python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_cute_forward.py \

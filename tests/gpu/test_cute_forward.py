@@ -366,22 +366,41 @@ def test_variant_matches_reference_on_gpu(head_dim, dtype, softcap, case):
     assert np.all(np.transpose(np.asarray(o.astype(jnp.float32)), (0, 2, 1, 3))[empty] == 0)
 
 
-def _case_inputs(case, seed, key, heads=4, kv_heads=4, B=2, Nq=700, Nk=900):
-    """A check case's intervals and tile states (128 x 128) and bf16 q, k, v (Nk = Nq except
-    for random3)."""
+def _case_inputs(case, seed, key, heads=4, kv_heads=4, B=2, Nq=700, Nk=900, head_dim=128):
+    """A check case's intervals and tile states (the head dim's forward tiles: 128 x 128 at
+    D 128) and bf16 q, k, v (Nk = Nq except for the random cases)."""
     import jax
     import jax.numpy as jnp
 
+    from jcompilemask.kernels.cute.api import preferred_forward_tiles
     from jcompilemask.kernels.cute.testing import check_case_intervals, tiles_from_intervals
-    if case != "random3":
+    if not case.startswith("random"):
         Nk = Nq
     iv, _ = check_case_intervals(case, np.random.default_rng(seed), B, Nq, Nk, heads)
-    tiles = tiles_from_intervals(iv, Nk, 128, 128)
+    tiles = tiles_from_intervals(iv, Nk, *preferred_forward_tiles(head_dim))
     kq, kk, kv = jax.random.split(jax.random.PRNGKey(key), 3)
-    q = jax.random.normal(kq, (B, Nq, heads, 128)).astype(jnp.bfloat16)
-    k = jax.random.normal(kk, (B, Nk, kv_heads, 128)).astype(jnp.bfloat16)
-    v = jax.random.normal(kv, (B, Nk, kv_heads, 128)).astype(jnp.bfloat16)
+    q = jax.random.normal(kq, (B, Nq, heads, head_dim)).astype(jnp.bfloat16)
+    k = jax.random.normal(kk, (B, Nk, kv_heads, head_dim)).astype(jnp.bfloat16)
+    v = jax.random.normal(kv, (B, Nk, kv_heads, head_dim)).astype(jnp.bfloat16)
     return q, k, v, iv, tiles
+
+
+def _assert_switch_is_bit_identical(monkeypatch, env, inputs, **kwargs):
+    """cute_forward's o and lse with ``$env`` = 0 and = 1 (each traced afresh) are equal bit
+    for bit on `inputs` (_case_inputs' q, k, v, intervals, tiles)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jcompilemask.kernels.cute import api
+    q, k, v, iv, tiles = inputs
+    outs = []
+    for flag in ("0", "1"):
+        monkeypatch.setenv(env, flag)
+        f = jax.jit(lambda *a: api.cute_forward(*a, **kwargs))      # a new lambda: traced per run
+        outs.append([np.asarray(x) for x in f(q, k, v, jnp.asarray(iv), jnp.asarray(tiles))])
+    (o0, l0), (o1, l1) = outs
+    assert np.array_equal(o0.view(np.uint16), o1.view(np.uint16))
+    assert np.array_equal(l0, l1, equal_nan=True)
 
 
 @pytest.mark.parametrize("case", ["causal", "document", "prefix_window", "random3"])
@@ -495,21 +514,10 @@ def test_k_ahead_forward_is_bit_identical_on_gpu(case, work_list, monkeypatch):
     reason = sm90_gpu_reason()
     if reason:
         pytest.skip(reason)
-    import jax
-    import jax.numpy as jnp
-
     from jcompilemask.kernels.cute import api
 
-    q, k, v, iv, tiles = _case_inputs(case, 2, 8, kv_heads=2)
     monkeypatch.setenv(api.FWD_WORK_LIST_ENV, work_list)
-    outs = []
-    for flag in ("0", "1"):
-        monkeypatch.setenv(api.FWD_K_AHEAD_ENV, flag)
-        f = jax.jit(lambda *a: api.cute_forward(*a))      # traced per run (a new lambda)
-        outs.append([np.asarray(x) for x in f(q, k, v, jnp.asarray(iv), jnp.asarray(tiles))])
-    (o0, l0), (o1, l1) = outs
-    assert np.array_equal(o0.view(np.uint16), o1.view(np.uint16))
-    assert np.array_equal(l0, l1, equal_nan=True)
+    _assert_switch_is_bit_identical(monkeypatch, api.FWD_K_AHEAD_ENV, _case_inputs(case, 2, 8, kv_heads=2))
 
 
 @needs_cutlass
@@ -556,27 +564,9 @@ def test_group_mask_forward_is_bit_identical_on_gpu(head_dim, case, softcap, mon
     reason = sm90_gpu_reason()
     if reason:
         pytest.skip(reason)
-    import jax
-    import jax.numpy as jnp
-
     from jcompilemask.kernels.cute import api
-    from jcompilemask.kernels.cute.testing import check_case_intervals, tiles_from_intervals
 
-    B, Nq, Nk, H = 2, 700, 900, 4
-    if not case.startswith("random"):
-        Nk = Nq
-    iv, _ = check_case_intervals(case, np.random.default_rng(3), B, Nq, Nk, H)
     bq, bk = api.preferred_forward_tiles(head_dim)
-    tiles = tiles_from_intervals(iv, Nk, bq, bk)
-    kq, kk, kv = jax.random.split(jax.random.PRNGKey(11), 3)
-    q = jax.random.normal(kq, (B, Nq, H, head_dim)).astype(jnp.bfloat16)
-    k = jax.random.normal(kk, (B, Nk, 2, head_dim)).astype(jnp.bfloat16)
-    v = jax.random.normal(kv, (B, Nk, 2, head_dim)).astype(jnp.bfloat16)
-    outs = []
-    for flag in ("0", "1"):
-        monkeypatch.setenv(api.FWD_GROUP_MASK_ENV, flag)
-        f = jax.jit(lambda *a: api.cute_forward(*a, softcap=softcap, block_q=bq, block_kv=bk))
-        outs.append([np.asarray(x) for x in f(q, k, v, jnp.asarray(iv), jnp.asarray(tiles))])
-    (o0, l0), (o1, l1) = outs
-    assert np.array_equal(o0.view(np.uint16), o1.view(np.uint16))
-    assert np.array_equal(l0, l1, equal_nan=True)
+    _assert_switch_is_bit_identical(monkeypatch, api.FWD_GROUP_MASK_ENV,
+                                    _case_inputs(case, 3, 11, kv_heads=2, head_dim=head_dim),
+                                    softcap=softcap, block_q=bq, block_kv=bk)
