@@ -528,7 +528,16 @@ PY
       else re=regex:BackwardSm90; script=$peer; args=$pargs; fi
       timeout -k 5 $(left 150) ncu --clock-control none --kernel-name $re --launch-skip 1 --launch-count 1 \
         $sec -o /tmp/prof-$who python3 $script $args > "$OUT/ncu-run-$who.log" 2>&1
-      echo "ncu $who rc $? ($SECONDS s)"; pkill -9 -f _backward_profile; tail -2 "$OUT/ncu-run-$who.log"
+      rc=$?; echo "ncu $who rc $rc ($SECONDS s)"; pkill -9 -f _backward_profile; tail -2 "$OUT/ncu-run-$who.log"
+      # Session 18: ours segfaulted under ncu while loading its kernels from the disk cache
+      # (an exported object file) right after they were compiled outside ncu; once more
+      # with the disk cache off (the kernels compiled in the profiled process, as before
+      # the disk cache existed).
+      if [[ $who == jcm && $rc == 139 ]]; then
+        JCOMPILEMASK_CUTE_DISK_CACHE=0 timeout -k 5 $(left 170) ncu --clock-control none --kernel-name $re \
+          --launch-skip 1 --launch-count 1 $sec -o /tmp/prof-$who -f python3 $script $args > "$OUT/ncu-run-$who-nocache.log" 2>&1
+        echo "ncu $who (disk cache off) rc $? ($SECONDS s)"; pkill -9 -f _backward_profile; tail -2 "$OUT/ncu-run-$who-nocache.log"
+      fi
       if [[ -f /tmp/prof-$who.ncu-rep ]]; then
         timeout 40 ncu -i /tmp/prof-$who.ncu-rep --page details > "$OUT/ncu-$who.txt" 2>&1
         timeout 60 ncu -i /tmp/prof-$who.ncu-rep --page source --csv --print-source sass > /tmp/sass-$who.csv 2>&1

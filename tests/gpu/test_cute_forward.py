@@ -23,6 +23,18 @@ needs_cutlass = pytest.mark.skipif(not HAS_CUTLASS, reason="nvidia-cutlass-dsl i
 # Compile checks of opt-in benchmark knobs (not what the registry runs): `make test-kernels-all`
 # runs them, CI's `make test-kernels` leaves them out (pyproject.toml's `knob` marker).
 knob = pytest.mark.knob
+_FWD_SWITCH_ENVS = ("JCOMPILEMASK_CUTE_FWD_WORK_LIST", "JCOMPILEMASK_CUTE_FWD_GROUP_MASK",
+                    "JCOMPILEMASK_CUTE_FWD_SCHEDULE", "JCOMPILEMASK_CUTE_FWD_K_AHEAD",
+                    "JCOMPILEMASK_CUTE_FWD_BITS_ABOVE")
+
+
+def registry_switches(monkeypatch, head_dim, head_dim_v, block_q, block_kv, num_stages, **changes):
+    """The ForwardKey switch fields the registry compiles by default (api.forward_switches
+    with no JCOMPILEMASK_CUTE_FWD_* variable set), updated by ``changes``."""
+    from jcompilemask.kernels.cute import api
+    for name in _FWD_SWITCH_ENVS:
+        monkeypatch.delenv(name, raising=False)
+    return {**api.forward_switches(head_dim, head_dim_v, block_q, block_kv, num_stages), **changes}
 
 
 def test_import_needs_no_gpu():
@@ -145,11 +157,9 @@ def test_tile_states_of_causal():
 def test_compiles_for_sm90(num_intervals, broadcast_batch, broadcast_head, monkeypatch, capfd):
     from jcompilemask.kernels.cute.api import ForwardKey, compile_forward
 
-    from jcompilemask.kernels.cute.api import _fwd_work_list
-    monkeypatch.delenv("JCOMPILEMASK_CUTE_FWD_WORK_LIST", raising=False)
     key = ForwardKey("bfloat16", 128, 128, num_intervals, 128, 128, broadcast_batch, broadcast_head, 128**-0.5,
-                     work_list=_fwd_work_list(128, 128, 128, 128, 2))     # the registry's default
-    assert key.work_list
+                     **registry_switches(monkeypatch, 128, 128, 128, 128, 2))    # the registry's default
+    assert key.work_list and key.group_mask
     assert compile_checking_remarks(compile_forward, key, monkeypatch, capfd) is not None
 
 
@@ -204,15 +214,17 @@ def test_bits_above_env(monkeypatch):
 
 @needs_cutlass
 @pytest.mark.parametrize("head_dim,num_intervals,softcap", [(128, 25, None), (64, 9, 30.0), (256, 32, None)])
-def test_any_k_compiles_for_sm90(head_dim, num_intervals, softcap):
-    """K > 8: a masked tile loops over the row's intervals (not unrolled), skipping those
-    that miss the tile (ptxas, D 128 / 64 / 256 at K 25: no stack)."""
+def test_any_k_compiles_for_sm90(head_dim, num_intervals, softcap, monkeypatch):
+    """K > 8: a masked tile walks the row's intervals (not unrolled), skipping those that
+    miss the tile, into its bit words (ptxas, D 128 / 64 / 256 at K 25: no stack)."""
     from jcompilemask.kernels.cute.api import (ForwardKey, compile_forward, preferred_forward_stages,
                                                preferred_forward_tiles)
 
     bq, bk = preferred_forward_tiles(head_dim)
+    stages = preferred_forward_stages(head_dim)
     key = ForwardKey("bfloat16", head_dim, head_dim, num_intervals, bq, bk, False, False,
-                     head_dim**-0.5, num_stages=preferred_forward_stages(head_dim), softcap=softcap)
+                     head_dim**-0.5, num_stages=stages, softcap=softcap,
+                     **registry_switches(monkeypatch, head_dim, head_dim, bq, bk, stages))
     assert compile_forward(key) is not None
 
 
@@ -259,15 +271,14 @@ def test_variant_compiles_for_sm90(head_dim, dtype, softcap, num_intervals, monk
     """Each head dim x dtype x soft cap as the registry compiles it (its tiles, stages and
     the work list where it fits); the bitmap walk (``$JCOMPILEMASK_CUTE_FWD_WORK_LIST=0``)
     at D 64 / 128 is a knob case below."""
-    from jcompilemask.kernels.cute.api import (ForwardKey, _fwd_work_list, compile_forward,
-                                               preferred_forward_stages, preferred_forward_tiles)
+    from jcompilemask.kernels.cute.api import (ForwardKey, compile_forward, preferred_forward_stages,
+                                               preferred_forward_tiles)
 
-    monkeypatch.delenv("JCOMPILEMASK_CUTE_FWD_WORK_LIST", raising=False)
     bq, bk = preferred_forward_tiles(head_dim, dtype)
     stages = preferred_forward_stages(head_dim, dtype)
     key = ForwardKey(dtype, head_dim, head_dim, num_intervals, bq, bk, *_BROADCAST_OF_K[num_intervals],
                      head_dim**-0.5, num_stages=stages, softcap=softcap,
-                     work_list=_fwd_work_list(head_dim, head_dim, bq, bk, stages))
+                     **registry_switches(monkeypatch, head_dim, head_dim, bq, bk, stages))
     assert compile_forward(key) is not None
 
 
@@ -287,14 +298,16 @@ def test_bitmap_walk_compiles_for_sm90(head_dim, softcap, num_intervals):
 @needs_cutlass
 @pytest.mark.parametrize("dtype,softcap,num_intervals", [("bfloat16", None, 1), ("float16", None, 2),
                                                         ("bfloat16", 30.0, 6)])
-def test_head_dim_192_128_compiles_for_sm90(dtype, softcap, num_intervals):
+def test_head_dim_192_128_compiles_for_sm90(dtype, softcap, num_intervals, monkeypatch):
     """DeepSeek-style D 192 / Dv 128 (compiled; the registry runs it only with the opt-in)."""
     from jcompilemask.kernels.cute.api import (ForwardKey, compile_forward, preferred_forward_stages,
                                                preferred_forward_tiles)
 
     bq, bk = preferred_forward_tiles(192, dtype)
+    stages = preferred_forward_stages(192, dtype)
     key = ForwardKey(dtype, 192, 128, num_intervals, bq, bk, *_BROADCAST_OF_K[num_intervals],
-                     192**-0.5, num_stages=preferred_forward_stages(192, dtype), softcap=softcap)
+                     192**-0.5, num_stages=stages, softcap=softcap,
+                     **registry_switches(monkeypatch, 192, 128, bq, bk, stages))
     assert compile_forward(key) is not None
     assert "_d192x128_" in key.target_name
 
@@ -524,24 +537,25 @@ def test_k_ahead_forward_is_bit_identical_on_gpu(case, work_list, monkeypatch):
 @knob
 @pytest.mark.parametrize("head_dim,num_intervals,softcap", [(128, 6, None), (128, 1, None), (64, 2, 30.0),
                                                            (256, 6, None), (128, 25, None)])
-def test_group_mask_forward_compiles_for_sm90(head_dim, num_intervals, softcap):
-    """group_mask (issue 14 item 3): a masked tile's rows as column-group bit words (D 128
-    K 6 SASS per masked tile 1661 -> 875 instructions, NOTES.md); D 256's 80-key tiles
-    have 10 groups per column of a pair; K 25 takes the bit-mask path (intervals that reach
-    into the tile OR their runs in)."""
-    from jcompilemask.kernels.cute.api import (ForwardKey, _fwd_work_list, compile_forward,
-                                               preferred_forward_stages, preferred_forward_tiles)
+def test_without_group_mask_compiles_for_sm90(head_dim, num_intervals, softcap, monkeypatch):
+    """The opt-out of group_mask ($JCOMPILEMASK_CUTE_FWD_GROUP_MASK=0): a masked tile tests
+    each interval per element (D 128 K 6 SASS per masked tile 875 -> 1661 instructions,
+    NOTES.md); K 25 on the bit-mask path one interval at a time."""
+    from jcompilemask.kernels.cute.api import (ForwardKey, compile_forward, preferred_forward_stages,
+                                               preferred_forward_tiles)
     bq, bk = preferred_forward_tiles(head_dim)
     stages = preferred_forward_stages(head_dim)
     key = ForwardKey("bfloat16", head_dim, head_dim, num_intervals, bq, bk, False, num_intervals < 6,
-                     head_dim**-0.5, num_stages=stages, softcap=softcap, group_mask=True,
-                     work_list=_fwd_work_list(head_dim, head_dim, bq, bk, stages))
-    assert compile_forward(key) is not None and key.target_name.endswith("_gm")
+                     head_dim**-0.5, num_stages=stages, softcap=softcap,
+                     **registry_switches(monkeypatch, head_dim, head_dim, bq, bk, stages, group_mask=False))
+    assert compile_forward(key) is not None and not key.target_name.endswith("_gm")
 
 
 def test_group_mask_env_and_key(monkeypatch):
     from jcompilemask.kernels.cute import api
     monkeypatch.delenv(api.FWD_GROUP_MASK_ENV, raising=False)
+    assert api._fwd_group_mask()                                   # the default (session 18)
+    monkeypatch.setenv(api.FWD_GROUP_MASK_ENV, "0")
     assert not api._fwd_group_mask()
     monkeypatch.setenv(api.FWD_GROUP_MASK_ENV, "1")
     assert api._fwd_group_mask()

@@ -23,8 +23,9 @@ from jcompilemask.kernels.cute import api  # noqa: E402
 
 def kernels():
     """(name, compile thunk) of the defaults the registry runs on built-in masks."""
-    fwd = lambda d, k, bb, bh: api.ForwardKey("bfloat16", d, d, k, *api.preferred_forward_tiles(d),
-                                              bb, bh, d ** -0.5, api.preferred_forward_stages(d))
+    fwd = lambda d, k, bb, bh: api.ForwardKey(
+        "bfloat16", d, d, k, *api.preferred_forward_tiles(d), bb, bh, d ** -0.5, api.preferred_forward_stages(d),
+        **api.forward_switches(d, d, *api.preferred_forward_tiles(d), api.preferred_forward_stages(d)))
     bwd = lambda dt, d, k, kc, bb, bh: api.BackwardKey(dt, d, k, kc, bb, bh, d ** -0.5,
                                                        api.preferred_backward_config(d, dt))
     yield "fwd d128 K1 (causal)", lambda: api.compile_forward(fwd(128, 1, True, True))

@@ -59,7 +59,8 @@ def run(path):
     import math
     import torch
     from jcompilemask.kernels.cute.api import (BackwardKey, ForwardKey, compile_backward,
-                                               compile_forward, preferred_backward_config,
+                                               compile_forward, forward_switches,
+                                               preferred_backward_config,
                                                preferred_forward_stages)
     z = np.load(path)
     d, n = int(z["d"]), int(z["n"])
@@ -73,8 +74,9 @@ def run(path):
     fwd_tiles = torch.from_numpy(z["fwd_tiles"].astype(np.uint32)).to(dev).contiguous()
     Bm, Hm, _, K, _ = fwd_iv.shape
     bq, bk = int(z["block_q"]), int(z["block_kv"])
-    fkey = ForwardKey("bfloat16", D, D, K, bq, bk, Bm == 1, Hm == 1, scale,
-                      num_stages=preferred_forward_stages(D, "bfloat16"))
+    stages = preferred_forward_stages(D, "bfloat16")
+    fkey = ForwardKey("bfloat16", D, D, K, bq, bk, Bm == 1, Hm == 1, scale, num_stages=stages,
+                      **forward_switches(D, D, bq, bk, stages))
     fwd = compile_forward(fkey)
     o = torch.empty((B, N, Hq, D), dtype=torch.bfloat16, device=dev)
     lse = torch.empty((B, Hq, N), dtype=torch.float32, device=dev)

@@ -183,9 +183,9 @@ def fa4_forward():
 
 
 def ours_forward(d: int, k: int = 1, fields: str = ""):
-    """Our forward as the registry compiles it (tiles, stages, the work list where it fits)
-    for K intervals (K > 1: per-batch, per-head masks), with ForwardKey FIELD=VALUE,...
-    changes (e.g. group_mask=1)."""
+    """Our forward as the registry compiles it (tiles, stages, api.forward_switches) for K
+    intervals (K > 1: per-batch, per-head masks), with ForwardKey FIELD=VALUE,...
+    changes (e.g. group_mask=0)."""
     sys.path.insert(0, ROOT)
     from jcompilemask.kernels.cute import api
     dump = tempfile.mkdtemp(prefix="jcm-sass-")
@@ -196,8 +196,9 @@ def ours_forward(d: int, k: int = 1, fields: str = ""):
     for item in filter(None, fields.split(",")):
         name, value = item.split("=")
         changes[name] = int(value) if name == "bits_above" else value not in ("0", "false", "False")
+    switches = {**api.forward_switches(d, d, bq, bk, stages), **changes}
     key = api.ForwardKey("bfloat16", d, d, k, bq, bk, k == 1, k == 1, d ** -0.5, num_stages=stages,
-                         work_list=api._fwd_work_list(d, d, bq, bk, stages), **changes)
+                         **switches)
     api.compile_forward(key)
     usage, lines = _sass(dump)
     print(f"ours forward D {d} K {k} {fields or '(default)'}: {usage}, {len(lines)} SASS lines")

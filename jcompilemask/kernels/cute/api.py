@@ -119,9 +119,10 @@ class ForwardKey:
     # $JCOMPILEMASK_CUTE_FWD_K_AHEAD=1 for benchmarks until measured).
     k_ahead: bool = False
     # A masked tile's visibility built per row as bit words of column groups from each
-    # interval's ends (FlashForwardSm90.apply_mask_groups; issue 14 item 3;
-    # $JCOMPILEMASK_CUTE_FWD_GROUP_MASK=1 for benchmarks until measured). Any K (on the
-    # bit-mask path, intervals that reach into the tile); not with a residual program.
+    # interval's ends (FlashForwardSm90.apply_mask_groups; issue 14 item 3; what
+    # cute_forward compiles, see _fwd_group_mask; $JCOMPILEMASK_CUTE_FWD_GROUP_MASK=0 opts
+    # out). Any K (on the bit-mask path, intervals that reach into the tile); not with a
+    # residual program.
     group_mask: bool = False
 
     @property
@@ -483,10 +484,33 @@ def _fwd_k_ahead() -> bool:
 
 
 def _fwd_group_mask() -> bool:
-    """``$JCOMPILEMASK_CUTE_FWD_GROUP_MASK=1`` (read at trace time; a benchmark knob until
-    measured): masked tiles build each row's visibility as column-group bit words
-    (FlashForwardSm90.apply_mask_groups) where the mask has no residual predicate."""
-    return _env_flag(FWD_GROUP_MASK_ENV, "0")
+    """Whether masked tiles build each row's visibility as column-group bit words
+    (FlashForwardSm90.apply_mask_groups; masks without a residual predicate). The default:
+    the H200 measured clear (K 6, nearly every visited tile masked) 2.204 -> 1.705 ms at 8K
+    and 3.528 -> 2.433 ms at 32K, and causal / hstu / shared prompt at 32K unchanged within
+    1% (runs 2026-12-03T14:12:32Z and the 8K run after it; bench_forward.py); its 8
+    bit-identity cases and all 118 cases of test_cute_forward.py + test_cute_attention.py
+    passed under it (session 18). ``$JCOMPILEMASK_CUTE_FWD_GROUP_MASK=0`` (read at trace
+    time) tests each interval per element instead, for comparison."""
+    return _env_flag(FWD_GROUP_MASK_ENV, "1")
+
+
+def forward_switches(head_dim: int, head_dim_v: int, block_q: int, block_kv: int, num_stages: int,
+                     residual=None) -> dict:
+    """The ForwardKey fields that ``cute_forward`` takes from the environment (read at
+    trace time) for a kernel of these sizes: ``bits_above``, ``work_list``, ``schedule``,
+    ``persistent``, ``k_ahead`` and ``group_mask`` (never with a residual program). With no
+    ``JCOMPILEMASK_CUTE_FWD_*`` variable set these are the defaults the registry runs, so a
+    compile test that builds its key with them compiles what users get.
+
+    >>> sorted(forward_switches(128, 128, 128, 128, 2))
+    ['bits_above', 'group_mask', 'k_ahead', 'persistent', 'schedule', 'work_list']
+    """
+    schedule, persistent = _fwd_schedule()
+    return dict(bits_above=_fwd_bits_above(),
+                work_list=_fwd_work_list(head_dim, head_dim_v, block_q, block_kv, num_stages),
+                schedule=schedule, persistent=persistent, k_ahead=_fwd_k_ahead(),
+                group_mask=_fwd_group_mask() and residual is None)
 
 
 def num_sms(default: int = 132) -> int:
@@ -609,19 +633,15 @@ def cute_forward(q, k, v, fwd_intervals, fwd_tiles, *, scale=None, softcap=None,
         )
     if scale is None:
         scale = 1.0 / math.sqrt(D)
-    schedule, persistent = _fwd_schedule()
+    stages = num_stages or preferred_forward_stages(D, jnp.dtype(q.dtype).name)
+    residual = None if residual is None or residual.exact else residual
     key = ForwardKey(
         dtype=jnp.dtype(q.dtype).name, head_dim=D, head_dim_v=Dv, num_intervals=K,
         block_q=block_q, block_kv=block_kv, broadcast_batch=(Bm == 1 and B > 1),
-        broadcast_head=(Hm == 1 and Hq > 1), scale=float(scale),
-        num_stages=num_stages or preferred_forward_stages(D, jnp.dtype(q.dtype).name),
+        broadcast_head=(Hm == 1 and Hq > 1), scale=float(scale), num_stages=stages,
         softcap=None if softcap is None else float(softcap), softcap_fast_tanh=softcap_fast_tanh,
-        residual=None if residual is None or residual.exact else residual,
-        bits_above=_fwd_bits_above(),
-        work_list=_fwd_work_list(D, Dv, block_q, block_kv,
-                                 num_stages or preferred_forward_stages(D, jnp.dtype(q.dtype).name)),
-        schedule=schedule, persistent=persistent, k_ahead=_fwd_k_ahead(),
-        group_mask=_fwd_group_mask() and (residual is None or residual.exact),
+        residual=residual,
+        **forward_switches(D, Dv, block_q, block_kv, stages, residual=residual),
     )
     extra = ()
     if key.residual is not None:
