@@ -732,7 +732,10 @@ PY
     # (30-40 s of CPU, several threads each: 8 processes loaded 16 cores to 47 and finished
     # no case in 260 s, session 15), so a few parallel processes fit more of a file's cases
     # into one call; kernels land in the disk cache, so a rerun on the same warm machine
-    # reaches further. Cases whose id matches the regex JCM_PAR_SKIP, or equals a line of
+    # reaches further. JCM_PAR_ONLY (a regex) keeps only the ids it matches, e.g. the D 192
+    # cases under a backward config override (JCOMPILEMASK_CUTE_BWD_CONFIG applies to every
+    # head dim): JCM_PAR_FILES=tests/gpu/test_cute_head_dims.py JCM_PAR_ONLY='d192'.
+    # Cases whose id matches the regex JCM_PAR_SKIP, or equals a line of
     # the file JCM_PAR_SKIP_FILE (passed in an earlier call: scripts/device-lists/), are
     # left out. E.g. session 17 ran the 61 forward cases left after session 16 (all passed):
     #   JCOMPILEMASK_CUTE_FWD_WORK_LIST=1 JCM_PAR_FILES="tests/gpu/test_cute_forward.py
@@ -743,6 +746,7 @@ PY
     files=${JCM_PAR_FILES:-tests/gpu/test_cute_head_dims.py tests/gpu/test_cute_forward.py::test_head_dim_192_128_compiles_for_sm90}
     [[ $stage == hdimstests ]] && JCM_PAR=${JCM_PAR:-1}
     python3 -m pytest --collect-only -q -p no:cacheprovider $files 2>/dev/null | grep '::' \
+      | { if [[ -n ${JCM_PAR_ONLY:-} ]]; then grep -E "$JCM_PAR_ONLY"; else cat; fi; } \
       | { if [[ -n ${JCM_PAR_SKIP:-} ]]; then grep -Ev "$JCM_PAR_SKIP"; else cat; fi; } \
       | { if [[ -n ${JCM_PAR_SKIP_FILE:-} ]]; then grep -vxF -f "$JCM_PAR_SKIP_FILE"; else cat; fi; } \
       > "$OUT/par-ids.txt"
