@@ -239,6 +239,21 @@ def test_rcp_emu_compiles_for_sm90(dtype, d, kk, kc, exp2_per_8, rcp_per_8, monk
 
 @needs_cutlass
 @knob
+@pytest.mark.parametrize("dtype,d,kk,kc", [("bfloat16", 128, 1, 1), ("float16", 64, 6, 7),
+                                           ("bfloat16", 256, 2, 4)])
+def test_softcap_r_compiles_for_sm90(dtype, d, kk, kc, monkeypatch, capfd):
+    """softcap_r (the soft cap's score kept as r = 1 / (e + 1); tests/test_softcap_r.py
+    models its arithmetic): D 128 / 64 and D 256's split_sdp; no wgmma serialized (C7512)."""
+    import dataclasses
+    from jcompilemask.kernels.cute.api import BackwardKey, compile_backward, preferred_backward_config
+    cfg = dataclasses.replace(preferred_backward_config(d, dtype, True), softcap_r=True)
+    key = BackwardKey(dtype, d, kk, kc, False, True, d ** -0.5, cfg, softcap=30.0)
+    assert compile_checking_remarks(compile_backward, key, monkeypatch, capfd) is not None
+    assert "_scr" in key.target_name
+
+
+@needs_cutlass
+@knob
 def test_split_sdp_at_head_dim_192_128_compiles_for_sm90(monkeypatch, capfd):
     """split_sdp where Dv != D (dV's own tiled MMA, P^T from shared memory): compiles
     without C7512 (the D 192 / 128 default does not use it yet; h200.sh hdims decides)."""
@@ -575,12 +590,14 @@ def test_row_mask_gives_the_default_gradients(name, cute_backward_on, monkeypatc
     ("causal", "exp2_emu=2", None, jnp.bfloat16), ("shared_prompt", "exp2_emu=4", None, jnp.bfloat16),
     ("clear", "exp2_emu=8", None, jnp.float16), ("hstu", "exp2_emu=2", 30.0, jnp.bfloat16),
     ("clear", "exp2_emu=8", 5.0, jnp.float16), ("hstu", "rcp_emu=8", 30.0, jnp.bfloat16),
-    ("clear", "exp2_emu=4,rcp_emu=8", 5.0, jnp.float16),
+    ("clear", "exp2_emu=4,rcp_emu=8", 5.0, jnp.float16), ("hstu", "softcap_r=1", 30.0, jnp.bfloat16),
+    ("clear", "softcap_r=1", 5.0, jnp.float16), ("shared_prompt", "softcap_r=1,rcp_emu=8", 20.0, jnp.bfloat16),
 ], ids=lambda v: str(getattr(v, "__name__", v)))
 def test_exp2_emu_grads(name, config, cap, dtype, cute_backward_on, monkeypatch):
-    """exp2_emu (P^T's exp2 partly on the FMA pipe, relative error <= 8.6e-5) and rcp_emu
-    (the soft cap's reciprocal there, within 1 ulp) meet the tolerance policy: D 128, bf16
-    and fp16, masked tiles (clear), a soft cap."""
+    """exp2_emu (P^T's exp2 partly on the FMA pipe, relative error <= 8.6e-5), rcp_emu
+    (the soft cap's reciprocal there, within 1 ulp) and softcap_r (the capped score as r,
+    the factor 4 in the final scale) meet the tolerance policy: D 128, bf16 and fp16,
+    masked tiles (clear), a soft cap."""
     monkeypatch.setenv("JCOMPILEMASK_CUTE_BWD_CONFIG", config)
     rng = np.random.default_rng(13)
     n, b = (1100 if name == "clear" else 1000), 2

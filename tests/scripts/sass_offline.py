@@ -83,8 +83,9 @@ def _report(name, usage, lines, spans):
         ops = _mix(lines[a:b + 1])
         base = collections.Counter(o.split(".")[0] for o in ops)
         uni = sum(v for k, v in base.items() if k.startswith("U") and k != "UBLKRED")
-        print(f"  tile loop copy at SASS line {a}: {len(ops)} instructions, {uni} uniform; "
-              + ", ".join(f"{k} {v}" for k, v in base.most_common(14)))
+        local = base.get("LDL", 0) + base.get("STL", 0)
+        print(f"  tile loop copy at SASS line {a}: {len(ops)} instructions, {uni} uniform, "
+              f"{local} local (LDL / STL); " + ", ".join(f"{k} {v}" for k, v in base.most_common(14)))
 
 
 def ours(config: str, d: int, k: int = 1, kc: int = 1, dv=None, cap=None):

@@ -835,6 +835,14 @@ class BackwardConfig:
       capped score's MUFU ops fall from 3 toward 1. Ignored without a soft cap. Not yet run
       on the H200.
 
+    - ``softcap_r`` (soft cap only): the capped score kept as r = 1 / (e + 1) (t = 1 - 2 r)
+      rather than t: P^T's exponent is one FFMA of r against a per-column constant (cap
+      log2 e - lse2), the gradient factor (1 - t^2) / 4 = r (1 - r) one FFMA (exact near
+      saturation, where 1 - t * t of a rounded t is not), the factor 4 folded into dQ's and
+      dK's final scale (``backward_grad_scale``), and the P^T = 0 guard only in masked tiles
+      (the mask writes r = +inf): 3 instructions fewer per score (the cap costs +16.5-20.7%
+      over no cap, issue 15's line is 15%: run 2026-12-03T14:20:06Z). Not yet run on the H200.
+
     ``preferred_backward_config`` picks the default per head dim; ``JCOMPILEMASK_CUTE_BWD_CONFIG``
     (e.g. ``ds_stages=1,stats_early=0``) overrides fields at trace time for benchmarks.
     """
@@ -865,6 +873,7 @@ class BackwardConfig:
     row_mask: bool = False
     exp2_emu: int = 0
     rcp_emu: int = 0
+    softcap_r: bool = False
 
     def __post_init__(self):
         want = BWD_TILES_SPLIT if self.split_dkv else BWD_TILES
@@ -918,7 +927,8 @@ class BackwardConfig:
                 f"{'_dsf' if self.ds_first else ''}{'_ea' if self.entry_ahead and self.work_list else ''}"
                 f"{'_ssdp' if self.split_sdp else ''}{'_rm' if self.row_mask else ''}"
                 f"{f'_e2e{self.exp2_emu}' if self.exp2_emu else ''}"
-                f"{f'_rcp{self.rcp_emu}' if self.rcp_emu else ''}")
+                f"{f'_rcp{self.rcp_emu}' if self.rcp_emu else ''}"
+                f"{'_scr' if self.softcap_r else ''}")
 
 
 def preferred_backward_config(head_dim: int, dtype: str = "bfloat16",
@@ -1305,4 +1315,17 @@ def cute_backward(q, k, v, out, lse, do, bwd_intervals, bwd_tiles, fwd_intervals
     dq_acc, _, dk, dv = match_varying(call(*operands), *operands)
     # One fused XLA pass: un-permute, scale, cast.
     dq = dq_fragment_unpermute(dq_acc, Nq, D, block_q)
-    return (dq * np.float32(scale)).astype(q.dtype), dk, dv
+    return (dq * np.float32(backward_grad_scale(scale, softcap, config))).astype(q.dtype), dk, dv
+
+
+def backward_grad_scale(scale: float, softcap, config: BackwardConfig) -> float:
+    """The factor on dQ (after the kernel) and dK (its epilogue, ``FlashBackwardSm90.grad_scale``):
+    the softmax scale, times 4 where ``config.softcap_r`` leaves a quarter of the soft cap's
+    gradient factor in dS^T.
+
+    >>> backward_grad_scale(0.125, None, BackwardConfig(softcap_r=True))
+    0.125
+    >>> backward_grad_scale(0.125, 30.0, BackwardConfig(softcap_r=True))
+    0.5
+    """
+    return float(scale) * (4.0 if softcap is not None and config.softcap_r else 1.0)

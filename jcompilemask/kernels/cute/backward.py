@@ -165,6 +165,9 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         # and dlogit / ds = scale * (1 - t^2) (the scale is applied to dQ / dK at the end).
         self.softcap = None if softcap is None else float(softcap)
         self.config = config
+        # dK's epilogue factor (dQ's is api.backward_grad_scale, applied after the kernel):
+        # the softmax scale, times 4 with ``softcap_r`` (S^T then holds P^T (1 - t^2) / 4).
+        self.grad_scale = float(scale) * (4.0 if self.softcap is not None and config.softcap_r else 1.0)
         self.block_q = config.block_q
         self.block_kv = config.block_kv
         self.num_stages = config.num_stages
@@ -914,17 +917,23 @@ class FlashBackwardSm90(WarpSpecializedSm90):
                 for c in cutlass.range_constexpr(n_cols):
                     S[r, c] = self.p_exp2(S[r, c] * scale_log2 - lse[c], c)
         else:
-            self.softcap_tanh(S)                # S^T -> t = tanh(scale S^T / cap)
+            self.softcap_tanh(S)                # S^T -> t = tanh(scale S^T / cap) (softcap_r: r)
         if const_expr(masked):
-            # With a cap the mask writes t = -inf: exp2 then gives P = 0.
+            # With a cap the mask writes t = -inf (softcap_r: r = +inf): exp2 then gives P = 0.
+            fill = 0.0
+            if const_expr(self.softcap is not None):
+                fill = math.inf if const_expr(self.config.softcap_r) else -math.inf
             self.apply_mask(S, f.tScS, q_tile, cols.starts, cols.lengths, cols.exact, f.mFwdIntervals,
                             f.mBwdIntervals, f.seqlen_q, f.seqlen_k, f.k_tile, cols.mh, f.mask_batch,
-                            f.residual_args, 0.0 if const_expr(self.softcap is None) else -math.inf)
+                            f.residual_args, fill)
         if const_expr(self.softcap is not None):
-            # P^T for dV (bf16 / fp16 registers) and, in S, P^T (1 - t^2): the gradient of
-            # the capped logits is that times (dP^T - delta).
+            # P^T for dV (bf16 / fp16 registers) and, in S, P^T (1 - t^2) (softcap_r: a
+            # quarter of it): the gradient of the capped logits is that times (dP^T - delta).
             t.rP = cute.make_rmem_tensor_like(t.acc_S, self.dtype)
-            self.softcap_probs(S, _rows_view(t.rP), lse)
+            if const_expr(self.config.softcap_r):
+                self.softcap_probs_r(masked, S, _rows_view(t.rP), lse)
+            else:
+                self.softcap_probs(S, _rows_view(t.rP), lse)
         if const_expr(self.config.stats_shfl):
             for c in cutlass.range_constexpr(n_cols):
                 delta[c] = cute.arch.shuffle_sync(t.own_delta[c % 2], 4 * (c // 2) + t.lane % 4)
@@ -1088,9 +1097,13 @@ class FlashBackwardSm90(WarpSpecializedSm90):
             for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
                 e = cute.math.exp2(S[r, c] * pre, fastmath=True)
                 if const_expr(emulated_column(c, self.config.rcp_emu)):
-                    S[r, c] = Float32(1.0) - Float32(2.0) * rcp_fma(e + Float32(1.0))
+                    rcp = rcp_fma(e + Float32(1.0))
                 else:
-                    S[r, c] = Float32(1.0) - Float32(2.0) * cute.arch.rcp_approx(e + Float32(1.0))
+                    rcp = cute.arch.rcp_approx(e + Float32(1.0))
+                if const_expr(self.config.softcap_r):
+                    S[r, c] = rcp                   # t = 1 - 2 r, left to softcap_probs_r
+                else:
+                    S[r, c] = Float32(1.0) - Float32(2.0) * rcp
 
     @cute.jit
     def softcap_probs(self, S, rP_rows, lse):
@@ -1107,6 +1120,30 @@ class FlashBackwardSm90(WarpSpecializedSm90):
                 p = self.p_exp2(t * cap_log2 - lse[c], c)     # -inf (masked) -> exactly 0
                 rP_rows[r, c] = p.to(self.dtype)
                 S[r, c] = Float32(0.0) if p == Float32(0.0) else p * (Float32(1.0) - t * t)
+
+    @cute.jit
+    def softcap_probs_r(self, masked: cutlass.Constexpr[bool], S, rP_rows, lse):
+        """``softcap_r``: softcap_probs from r = 1 / (e + 1) (t = 1 - 2 r; S^T after
+        softcap_tanh and the mask, +inf where masked). P^T = exp2(r (-2 cap log2 e) + (cap
+        log2 e - lse2)): one FFMA per score (the column's constant once per column), and
+        (1 - t^2) / 4 = r (1 - r) = FFMA(-r, r, r): exact near t = +-1, where 1 - t * t of a
+        rounded t loses its digits. The factor 4 moves to dQ's and dK's final scale
+        (``grad_scale``). The 0 guard only in masked tiles: there r = +inf gives P^T = 0 and
+        r (1 - r) NaN; elsewhere r is finite, or NaN from a NaN score, which propagates."""
+        cap_log2 = Float32(self.softcap * _LOG2_E)
+        minus_2cap_log2 = Float32(-2.0 * self.softcap * _LOG2_E)
+        for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
+            lse[c] = cap_log2 - lse[c]          # the column's constant, in place (lse's last use)
+        for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
+            for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
+                rc = S[r, c]
+                p = self.p_exp2(rc * minus_2cap_log2 + lse[c], c)
+                rP_rows[r, c] = p.to(self.dtype)
+                quarter = rc - rc * rc
+                if const_expr(masked):
+                    S[r, c] = Float32(0.0) if p == Float32(0.0) else p * quarter
+                else:
+                    S[r, c] = p * quarter
 
     @cute.jit
     def dq_and_dk(self, f, rdS, ds_stage, state, pipeline_do, si):
@@ -1379,7 +1416,7 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         coords = _rows_view(thr.partition_C(cute.make_identity_tensor((self.block_kv, self.head_dim))))
         dK = _rows_view(acc_dK)
         dV = _rows_view(acc_dV)
-        scale = Float32(self.scale)
+        scale = Float32(self.grad_scale)
         for r in cutlass.range_constexpr(cute.size(dK, mode=[0])):
             row = k_tile * self.block_kv + coords[r, 0][0]
             if row < seqlen_k:
@@ -1405,7 +1442,7 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         if const_expr(self.head_dim_v != self.head_dim):
             smem_store_v = cute.make_tiled_copy_C(stmatrix, tiled_mma_dv).get_slice(tidx)
         rdK = cute.make_rmem_tensor_like(acc_dK, self.dtype)
-        rdK.store((acc_dK.load() * Float32(self.scale)).to(self.dtype))
+        rdK.store((acc_dK.load() * Float32(self.grad_scale)).to(self.dtype))
         cute.copy(smem_store, smem_store.retile(rdK), smem_store.partition_D(sK[None, None, 0]))
         rdV = cute.make_rmem_tensor_like(acc_dV, self.dtype)
         rdV.store(acc_dV.load().to(self.dtype))
