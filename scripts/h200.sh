@@ -46,6 +46,7 @@
 #                with / without the work list: bit-identity, tests, then timed beside FA4 native
 #   fgm          issue 14: group_mask (masked tiles' rows as column-group bit words): bit-identity,
 #                then timed beside the default and FA4 native, then the forward tests under it
+#   fwdtable     issue 14's acceptance table at one N (JCM_BENCH_NS): Flex+FA4, then jcm + FA4 native
 #   fsched       issue 14: the forward's longest-first order / persistent CTAs
 #                (JCOMPILEMASK_CUTE_FWD_SCHEDULE=1 / persistent) and work list: tests, then the
 #                forward timed per variant beside FA4 native
@@ -646,6 +647,23 @@ PY
       tests/gpu/test_cute_forward.py "tests/gpu/test_cute_attention.py::test_builtin" -k "not compiles" \
       --junitxml="$OUT/junit-fgm.xml" > "$OUT/pytest-fgm.log" 2>&1
     echo "pytest rc $? ($SECONDS s)"; pkill -9 -f pytest; tail -3 "$OUT/pytest-fgm.log"
+    ;;
+  fwdtable)
+    # Issue 14's acceptance table for one N per call (JCM_BENCH_NS, default 32768; 8192 and
+    # 2048 in later calls: Flex's torch.compile of four masks does not fit one call at every
+    # N): Flex+FA4 on hstu / shared prompt / clear first (its compiles are the long part;
+    # torch's inductor cache stays on a warm machine), then the jcm default (work list +
+    # group_mask) on all four masks beside FA4 native causal, one JCM_RUN_ID for both files.
+    export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
+    left() { local l=$(( ${JCM_STAGE_S:-570} - SECONDS )); (( l < $1 )) && echo $(( l > 5 ? l : 5 )) || echo $1; }
+    ns=${JCM_BENCH_NS:-32768}
+    b=$(left ${JCM_FLEX_S:-330})
+    timeout -k 5 $b python3 benchmarks/bench_peers.py --ns $ns --masks ${JCM_FLEX_MASKS:-clear,shared_prompt,hstu} \
+      --impls flex-fa4 --budget-s $(( b - 30 )) --out "$OUT/h200-forward-peers.json" > "$OUT/bench-peers.log" 2>&1
+    echo "peers rc $? ($SECONDS s)"; pkill -9 -f bench_peers; grep -E '^\{' "$OUT/bench-peers.log" | cut -c1-200
+    timeout -k 5 $(left 300) python3 benchmarks/bench_forward.py --ns $ns --masks causal,hstu,shared_prompt,clear \
+      --fa4 --out "$OUT/h200-forward.json" > "$OUT/bench-fwd.log" 2>&1
+    echo "forward rc $? ($SECONDS s)"; pkill -9 -f bench_forward; grep -E '^bench' "$OUT/bench-fwd.log" | tail -12
     ;;
   fsched)
     # Issue 14 item 2 (compile-checked in session 7): the forward's longest-first order
