@@ -23,16 +23,14 @@ needs_cutlass = pytest.mark.skipif(not HAS_CUTLASS, reason="nvidia-cutlass-dsl i
 # Compile checks of opt-in benchmark knobs (not what the registry runs): `make test-kernels-all`
 # runs them, CI's `make test-kernels` leaves them out (pyproject.toml's `knob` marker).
 knob = pytest.mark.knob
-_FWD_SWITCH_ENVS = ("JCOMPILEMASK_CUTE_FWD_WORK_LIST", "JCOMPILEMASK_CUTE_FWD_GROUP_MASK",
-                    "JCOMPILEMASK_CUTE_FWD_SCHEDULE", "JCOMPILEMASK_CUTE_FWD_K_AHEAD",
-                    "JCOMPILEMASK_CUTE_FWD_BITS_ABOVE")
 
 
 def registry_switches(monkeypatch, head_dim, head_dim_v, block_q, block_kv, num_stages, **changes):
     """The ForwardKey switch fields the registry compiles by default (api.forward_switches
     with no JCOMPILEMASK_CUTE_FWD_* variable set), updated by ``changes``."""
     from jcompilemask.kernels.cute import api
-    for name in _FWD_SWITCH_ENVS:
+    for name in (api.FWD_WORK_LIST_ENV, api.FWD_GROUP_MASK_ENV, api.FWD_SCHEDULE_ENV,
+                 api.FWD_K_AHEAD_ENV, api.FWD_BITS_ABOVE_ENV):
         monkeypatch.delenv(name, raising=False)
     return {**api.forward_switches(head_dim, head_dim_v, block_q, block_kv, num_stages), **changes}
 

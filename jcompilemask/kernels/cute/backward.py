@@ -66,7 +66,7 @@ from cutlass import Boolean, Float32, Int32, Uint32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-from .api import BackwardConfig, dq_warpgroups
+from .api import BackwardConfig, backward_grad_scale, dq_warpgroups
 from .residual_ops import CuteOps
 from .common import (COLUMNS_UNROLLED, INTERVALS_UNROLLED, WarpSpecializedSm90, _as_a_operand,
                      build_tile_list, _rows_view, _unsigned_lt,
@@ -165,9 +165,8 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         # and dlogit / ds = scale * (1 - t^2) (the scale is applied to dQ / dK at the end).
         self.softcap = None if softcap is None else float(softcap)
         self.config = config
-        # dK's epilogue factor (dQ's is api.backward_grad_scale, applied after the kernel):
-        # the softmax scale, times 4 with ``softcap_r`` (S^T then holds P^T (1 - t^2) / 4).
-        self.grad_scale = float(scale) * (4.0 if self.softcap is not None and config.softcap_r else 1.0)
+        # dK's epilogue factor, the one cute_backward applies to dQ after the kernel.
+        self.grad_scale = backward_grad_scale(scale, self.softcap, config)
         self.block_q = config.block_q
         self.block_kv = config.block_kv
         self.num_stages = config.num_stages
