@@ -108,12 +108,16 @@ class ForwardKey:
     # tiles instead of walking every tile's bits.
     work_list: bool = False
     # A 1-D grid over work units in the host's order (issue 14 item 2;
-    # $JCOMPILEMASK_CUTE_FWD_SCHEDULE=1 for benchmarks until measured): longest first by the
+    # $JCOMPILEMASK_CUTE_FWD_SCHEDULE=1, a benchmark knob): longest first by the
     # descriptor's visited-tile counts, heads grouped so their K / V fit in L2
     # (forward_schedule); the kernel then also reads that order, int32 [B * Hq * Tq].
+    # Measured slower than the default grid with the work list (run 2026-12-03T17:23:20Z,
+    # h200-fwd-variants.json, fwd ms): causal 32K 14.62 -> 14.79, 2K 1.205 -> 1.282; hstu
+    # 32K 17.08 -> 17.08, 2K 1.349 -> 1.422.
     schedule: bool = False
     # Persistent CTAs (issue 14 item 2; $JCOMPILEMASK_CUTE_FWD_SCHEDULE=persistent): one per
     # SM, each running its row of persistent_schedule's table; implies the order above.
+    # Slower still in the same run: causal 32K 14.95, 2K 1.287; hstu 17.27, 1.427.
     persistent: bool = False
     # K(t + 1) loaded before V(t) (FA4's SM90 producer order; issue 14;
     # $JCOMPILEMASK_CUTE_FWD_K_AHEAD=1 for benchmarks until measured).
@@ -467,7 +471,7 @@ def _fwd_work_list(d, dv, block_q, block_kv, num_stages) -> bool:
 
 def _fwd_schedule() -> tuple[bool, bool]:
     """(schedule, persistent) from ``$JCOMPILEMASK_CUTE_FWD_SCHEDULE`` (read at trace time; a
-    benchmark knob until measured): ``1`` runs the forward's work units in
+    benchmark knob, measured slower than the default grid: see ForwardKey.schedule): ``1`` runs the forward's work units in
     ``forward_schedule``'s order, ``persistent`` on one CTA per SM in that order
     (``persistent_schedule``); ``0`` or unset: the default grid."""
     import os
@@ -841,7 +845,11 @@ class BackwardConfig:
       saturation, where 1 - t * t of a rounded t is not), the factor 4 folded into dQ's and
       dK's final scale (``backward_grad_scale``), and the P^T = 0 guard only in masked tiles
       (the mask writes r = +inf): 3 instructions fewer per score (the cap costs +16.5-20.7%
-      over no cap, issue 15's line is 15%: run 2026-12-03T14:20:06Z). Not yet run on the H200.
+      over no cap, issue 15's line is 15%: run 2026-12-03T14:20:06Z). Timed on the H200, no
+      gain (run 2026-12-03T17:34:16Z, causal D 128 cap 30, bwd ms): 32K 44.64 -> 44.69, 8K
+      11.78 -> 11.84: 104 fewer instructions per tile do not shorten it, so instruction
+      issue is not what the capped tile waits on (not yet profiled). Opt-in; its GPU
+      gradient cases have not run.
 
     ``preferred_backward_config`` picks the default per head dim; ``JCOMPILEMASK_CUTE_BWD_CONFIG``
     (e.g. ``ds_stages=1,stats_early=0``) overrides fields at trace time for benchmarks.
@@ -969,9 +977,15 @@ def preferred_backward_config(head_dim: int, dtype: str = "bfloat16",
         # of 96 columns); registers dK 48 + dV 32 + S^T 32 + dP^T 32 + dQ half 48; shared
         # memory K 24 KB + V 16 KB + 2 x (Q 24 KB + dO 16 KB) + dS 16 KB + dQ 48 KB + list
         # 8 KB = ~193 KB, so two stages fit. By arithmetic, like D 256 (see above).
-        return BackwardConfig(block_q=64, block_kv=64, num_stages=2, split_dkv=True,
-                              work_list=True, dkv_tma_store=True, column_registers=2,
-                              column_bits=8)
+        # split_sdp (S^T / dP^T split by queries, each computed once; P^T through the second
+        # dS buffer, hence ds_stages=1): causal bwd ms 78.31 -> 68.52 at 32K, 20.46 -> 17.94
+        # at 8K (run 2026-12-03T14:20:06Z, h200-head-dims.json; FA4 native 58.54 / 15.52);
+        # all 12 D 192 gradient cases of tests/gpu/test_cute_head_dims.py passed under it
+        # (session 19). 168 registers, 0 B stack; 347 / 596 instructions per unmasked /
+        # masked tile copy instead of 465 / 924.
+        return BackwardConfig(block_q=64, block_kv=64, num_stages=2, ds_stages=1, split_dkv=True,
+                              split_sdp=True, work_list=True, dkv_tma_store=True,
+                              column_registers=2, column_bits=8)
     if head_dim == 256:
         return BackwardConfig(block_q=64, block_kv=64, num_stages=1, ds_stages=1, split_dkv=True,
                               split_sdp=True, work_list=True, dkv_tma_store=True,
