@@ -46,6 +46,8 @@
 #                with / without the work list: bit-identity, tests, then timed beside FA4 native
 #   fgm          issue 14: group_mask (masked tiles' rows as column-group bit words): bit-identity,
 #                then timed beside the default and FA4 native, then the forward tests under it
+#   frt          issue 14: rescale_tail (O's rescale beside P's conversion): bit-identity, timed
+#                beside the default and FA4 native, then the forward + attention tests under it
 #   fwdtable     issue 14's acceptance table at one N (JCM_BENCH_NS): Flex+FA4, then jcm + FA4 native
 #   fsched       issue 14: the forward's longest-first order / persistent CTAs
 #                (JCOMPILEMASK_CUTE_FWD_SCHEDULE=1 / persistent) and work list: tests, then the
@@ -652,6 +654,26 @@ PY
       tests/gpu/test_cute_forward.py "tests/gpu/test_cute_attention.py::test_builtin" -k "not compiles" \
       --junitxml="$OUT/junit-fgm.xml" > "$OUT/pytest-fgm.log" 2>&1
     echo "pytest rc $? ($SECONDS s)"; pkill -9 -f pytest; tail -3 "$OUT/pytest-fgm.log"
+    ;;
+  frt)
+    # Issue 14 (compile-checked in session 19): rescale_tail — O's rescale in the tile loop's
+    # tail beside P's conversion ($JCOMPILEMASK_CUTE_FWD_RESCALE_TAIL=1; the 32 F2FP and 64
+    # FMUL interleave instead of two bursts): bit-identity vs the default (6 cases,
+    # hang-guarded), the forward timed beside the default and FA4 native (32K, 8K, 2K by
+    # default: JCM_BENCH_NS), then the forward + attention GPU tests under it.
+    export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
+    left() { local l=$(( ${JCM_STAGE_S:-570} - SECONDS )); (( l < $1 )) && echo $(( l > 5 ? l : 5 )) || echo $1; }
+    identity_gate frt rescale_tail_forward_is_bit_identical $(left 180)
+    b=$(left 240)
+    timeout -k 5 $b python3 benchmarks/bench_forward.py --ns ${JCM_BENCH_NS:-32768,8192,2048} \
+      --masks causal,hstu,shared_prompt --fa4 \
+      --jcm-variants "${JCM_FRT_VARIANTS:-base=;rt=JCOMPILEMASK_CUTE_FWD_RESCALE_TAIL=1}" \
+      --out "$OUT/h200-fwd-rt.json" > "$OUT/bench-frt.log" 2>&1
+    echo "bench rc $? ($SECONDS s)"; pkill -9 -f bench_forward; grep -E '^bench' "$OUT/bench-frt.log" | tail -30 | cut -c1-200
+    JCOMPILEMASK_CUTE_FWD_RESCALE_TAIL=1 timeout -k 5 $(left 200) python3 -m pytest -q -rs -p no:cacheprovider \
+      tests/gpu/test_cute_forward.py "tests/gpu/test_cute_attention.py::test_builtin" -k "not compiles" \
+      --junitxml="$OUT/junit-frt.xml" > "$OUT/pytest-frt.log" 2>&1
+    echo "pytest rc $? ($SECONDS s)"; pkill -9 -f pytest; tail -3 "$OUT/pytest-frt.log"
     ;;
   fwdtable)
     # Issue 14's acceptance table for one N per call (JCM_BENCH_NS, default 32768; 8192 and

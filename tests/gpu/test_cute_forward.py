@@ -30,7 +30,7 @@ def registry_switches(monkeypatch, head_dim, head_dim_v, block_q, block_kv, num_
     with no JCOMPILEMASK_CUTE_FWD_* variable set), updated by ``changes``."""
     from jcompilemask.kernels.cute import api
     for name in (api.FWD_WORK_LIST_ENV, api.FWD_GROUP_MASK_ENV, api.FWD_SCHEDULE_ENV,
-                 api.FWD_K_AHEAD_ENV, api.FWD_BITS_ABOVE_ENV):
+                 api.FWD_K_AHEAD_ENV, api.FWD_BITS_ABOVE_ENV, api.FWD_RESCALE_TAIL_ENV):
         monkeypatch.delenv(name, raising=False)
     return {**api.forward_switches(head_dim, head_dim_v, block_q, block_kv, num_stages), **changes}
 
@@ -580,5 +580,54 @@ def test_group_mask_forward_is_bit_identical_on_gpu(head_dim, case, softcap, mon
 
     bq, bk = api.preferred_forward_tiles(head_dim)
     _assert_switch_is_bit_identical(monkeypatch, api.FWD_GROUP_MASK_ENV,
+                                    _case_inputs(case, 3, 11, kv_heads=2, head_dim=head_dim),
+                                    softcap=softcap, block_q=bq, block_kv=bk)
+
+
+@needs_cutlass
+@pytest.mark.parametrize("head_dim,num_intervals,softcap", [
+    (128, 1, None),                                  # the causal-like default
+    pytest.param(128, 6, None, marks=knob), pytest.param(64, 2, 30.0, marks=knob),
+    pytest.param(256, 6, None, marks=knob), pytest.param(128, 25, None, marks=knob)])
+def test_rescale_tail_compiles_for_sm90(head_dim, num_intervals, softcap, monkeypatch):
+    """rescale_tail ($JCOMPILEMASK_CUTE_FWD_RESCALE_TAIL=1, issue 14): O's rescale in the tile
+    loop's tail beside P's conversion, on the registry's switches; no stack (SASS at D 128
+    K 1, NOTES.md "Session 19": per unmasked tile 382 + 102 instructions in the join, F2FP
+    and FMUL interleaved, against 450 + 38 with the 32 F2FP alone at the join)."""
+    from jcompilemask.kernels.cute.api import (ForwardKey, compile_forward, preferred_forward_stages,
+                                               preferred_forward_tiles)
+    bq, bk = preferred_forward_tiles(head_dim)
+    stages = preferred_forward_stages(head_dim)
+    key = ForwardKey("bfloat16", head_dim, head_dim, num_intervals, bq, bk, False, num_intervals < 6,
+                     head_dim**-0.5, num_stages=stages, softcap=softcap,
+                     **registry_switches(monkeypatch, head_dim, head_dim, bq, bk, stages, rescale_tail=True))
+    assert compile_forward(key) is not None and key.target_name.endswith("_rt")
+
+
+def test_rescale_tail_env(monkeypatch):
+    from jcompilemask.kernels.cute import api
+    monkeypatch.delenv(api.FWD_RESCALE_TAIL_ENV, raising=False)
+    assert not api._fwd_rescale_tail() and not api.forward_switches(128, 128, 128, 128, 2)["rescale_tail"]
+    monkeypatch.setenv(api.FWD_RESCALE_TAIL_ENV, "1")
+    assert api._fwd_rescale_tail() and api.forward_switches(128, 128, 128, 128, 2)["rescale_tail"]
+    monkeypatch.setenv(api.FWD_RESCALE_TAIL_ENV, "yes")
+    with pytest.raises(ValueError, match="0 or 1"):
+        api._fwd_rescale_tail()
+
+
+@pytest.mark.parametrize("head_dim,case,softcap", [(128, "causal", None), (128, "random6", None),
+                                                   (128, "random6", 5.0), (64, "random3", None),
+                                                   (256, "random6", None), (128, "random12", None)])
+def test_rescale_tail_forward_is_bit_identical_on_gpu(head_dim, case, softcap, monkeypatch):
+    """rescale_tail moves O's rescale, not its arithmetic (the same products in the same
+    order): o and lse equal the default's bit for bit (ragged Nq 700 / Nk 900, per-head
+    masks, fully masked rows, GQA, a soft cap, K 12 on the bit-mask path)."""
+    reason = sm90_gpu_reason()
+    if reason:
+        pytest.skip(reason)
+    from jcompilemask.kernels.cute import api
+
+    bq, bk = api.preferred_forward_tiles(head_dim)
+    _assert_switch_is_bit_identical(monkeypatch, api.FWD_RESCALE_TAIL_ENV,
                                     _case_inputs(case, 3, 11, kv_heads=2, head_dim=head_dim),
                                     softcap=softcap, block_q=bq, block_kv=bk)

@@ -128,6 +128,10 @@ class ForwardKey:
     # out). Any K (on the bit-mask path, intervals that reach into the tile); not with a
     # residual program.
     group_mask: bool = False
+    # O's rescale by each step's row factors in the tile loop's common tail, beside the P
+    # conversion the compiler sinks there (FlashForwardSm90.rescale_tail; issue 14;
+    # $JCOMPILEMASK_CUTE_FWD_RESCALE_TAIL=1 for benchmarks until measured).
+    rescale_tail: bool = False
 
     @property
     def o_buffer(self) -> bool:
@@ -193,6 +197,7 @@ class ForwardKey:
             + ("_lp" if self.persistent else "")
             + ("_ka" if self.k_ahead else "")
             + ("_gm" if self.group_mask else "")
+            + ("_rt" if self.rescale_tail else "")
         )
 
 
@@ -283,7 +288,7 @@ def compile_forward(key: ForwardKey):
             num_stages=key.num_stages, softcap=key.softcap, softcap_fast_tanh=key.softcap_fast_tanh,
             residual=key.residual, bits_above=key.bits_above, work_list=key.work_list,
             schedule=key.schedule, persistent=key.persistent, o_buffer=key.o_buffer,
-            k_ahead=key.k_ahead, group_mask=key.group_mask,
+            k_ahead=key.k_ahead, group_mask=key.group_mask, rescale_tail=key.rescale_tail,
         )
         inputs = [bhsd(nq, hq, key.head_dim), bhsd(nk, hkv, key.head_dim), bhsd(nk, hkv, key.head_dim_v),
                   intervals, tiles]
@@ -426,6 +431,7 @@ FWD_WORK_LIST_ENV = "JCOMPILEMASK_CUTE_FWD_WORK_LIST"
 FWD_SCHEDULE_ENV = "JCOMPILEMASK_CUTE_FWD_SCHEDULE"
 FWD_K_AHEAD_ENV = "JCOMPILEMASK_CUTE_FWD_K_AHEAD"
 FWD_GROUP_MASK_ENV = "JCOMPILEMASK_CUTE_FWD_GROUP_MASK"
+FWD_RESCALE_TAIL_ENV = "JCOMPILEMASK_CUTE_FWD_RESCALE_TAIL"
 # L2 bytes the K / V of one group of heads may take (forward_schedule): the H100 / H200's
 # 50 MB L2, as FlashAttention's longest-first scheduler assumes.
 L2_BYTES = 50 * 1024 * 1024
@@ -499,22 +505,31 @@ def _fwd_group_mask() -> bool:
     return _env_flag(FWD_GROUP_MASK_ENV, "1")
 
 
+def _fwd_rescale_tail() -> bool:
+    """``$JCOMPILEMASK_CUTE_FWD_RESCALE_TAIL=1`` (read at trace time; a benchmark knob until
+    measured): O's rescale in the tile loop's tail, beside P's conversion
+    (ForwardKey.rescale_tail)."""
+    return _env_flag(FWD_RESCALE_TAIL_ENV, "0")
+
+
 def forward_switches(head_dim: int, head_dim_v: int, block_q: int, block_kv: int, num_stages: int,
                      residual=None) -> dict:
     """The ForwardKey fields that ``cute_forward`` takes from the environment (read at
     trace time) for a kernel of these sizes: ``bits_above``, ``work_list``, ``schedule``,
-    ``persistent``, ``k_ahead`` and ``group_mask`` (never with a residual program). With no
-    ``JCOMPILEMASK_CUTE_FWD_*`` variable set these are the defaults the registry runs, so a
-    compile test that builds its key with them compiles what users get.
+    ``persistent``, ``k_ahead``, ``group_mask`` (never with a residual program) and
+    ``rescale_tail``. With no ``JCOMPILEMASK_CUTE_FWD_*`` variable set these are the
+    defaults the registry runs, so a compile test that builds its key with them compiles
+    what users get.
 
     >>> sorted(forward_switches(128, 128, 128, 128, 2))
-    ['bits_above', 'group_mask', 'k_ahead', 'persistent', 'schedule', 'work_list']
+    ['bits_above', 'group_mask', 'k_ahead', 'persistent', 'rescale_tail', 'schedule', 'work_list']
     """
     schedule, persistent = _fwd_schedule()
     return dict(bits_above=_fwd_bits_above(),
                 work_list=_fwd_work_list(head_dim, head_dim_v, block_q, block_kv, num_stages),
                 schedule=schedule, persistent=persistent, k_ahead=_fwd_k_ahead(),
-                group_mask=_fwd_group_mask() and residual is None)
+                group_mask=_fwd_group_mask() and residual is None,
+                rescale_tail=_fwd_rescale_tail())
 
 
 def num_sms(default: int = 132) -> int:

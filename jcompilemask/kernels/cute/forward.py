@@ -94,6 +94,7 @@ class FlashForwardSm90(WarpSpecializedSm90):
         residual=None,
         bits_above: int = INTERVALS_UNROLLED,
         group_mask: bool = False,
+        rescale_tail: bool = False,
         work_list: bool = False,
         schedule: bool = False,
         persistent: bool = False,
@@ -174,6 +175,15 @@ class FlashForwardSm90(WarpSpecializedSm90):
         # its runs into the words (apply_mask_bits_groups); residual masks keep their path.
         self.group_mask = group_mask and self.residual is None
         assert not self.group_mask or block_kv // 8 < 32
+        # rescale_tail (issue 14, a benchmark knob): O's rescale by the step's row factor runs
+        # in the tile loop's common tail, after the branch on the tile's kind, instead of at
+        # the end of each step. The compiler sinks the steps' identical conversion of P to
+        # the input dtype into that tail anyway (SASS: 32 F2FP back to back at the join, the
+        # 64 FMULs of the rescale before the branch), so the two bursts could not interleave;
+        # ncu (causal 32K, session 19) had the F2FPs at 8.6% of our stall samples, mostly
+        # `math` throttle, against FA4's 2.2%, whose F2FPs and FMULs share one block.
+        # Bit-identical results: the same products in the same order.
+        self.rescale_tail = rescale_tail
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -641,6 +651,12 @@ class FlashForwardSm90(WarpSpecializedSm90):
         row_sum = cute.make_rmem_tensor(num_rows, Float32)
         row_max.fill(-Float32.inf)
         row_sum.fill(0.0)
+        # rescale_tail: the last step's row factors, applied to O in the loop's tail (1 after
+        # the first tile, whose O is still zero).
+        row_scale = None
+        if const_expr(self.rescale_tail):
+            row_scale = cute.make_rmem_tensor(num_rows, Float32)
+            row_scale.fill(1.0)
 
         # The row's K intervals, loaded once, when registers allow (see __init__);
         # otherwise apply_mask reloads them from the (L1-resident) table per masked tile.
@@ -682,11 +698,13 @@ class FlashForwardSm90(WarpSpecializedSm90):
                         if needs_mask:
                             kv_state = self.mma_step(
                                 kv_state, k_tile, True, wg_mma_qk, wg_mma_pv, tSrQ, tSrK, tOrV, tOrP, acc_O,
-                                tScS, row_max, row_sum, row_intervals, seqlen_k, pipeline_k, pipeline_v, wg)
+                                tScS, row_max, row_sum, row_intervals, seqlen_k, pipeline_k, pipeline_v, wg,
+                                row_scale)
                         else:
                             kv_state = self.mma_step(
                                 kv_state, k_tile, False, wg_mma_qk, wg_mma_pv, tSrQ, tSrK, tOrV, tOrP, acc_O,
-                                tScS, row_max, row_sum, row_intervals, seqlen_k, pipeline_k, pipeline_v, wg)
+                                tScS, row_max, row_sum, row_intervals, seqlen_k, pipeline_k, pipeline_v, wg,
+                                row_scale)
                     else:
                         # With the list the first tile's mask bit is at hand: a full first
                         # tile skips the mask (issue 14 item 1), at the cost of a third
@@ -697,6 +715,8 @@ class FlashForwardSm90(WarpSpecializedSm90):
                         else:
                             self.mma_first(kv_state, k_tile, wg_mma_qk, tSrQ, tSrK, tOrP, tScS, row_max,
                                            row_sum, row_intervals, seqlen_k, pipeline_k, False)
+                    if const_expr(self.rescale_tail):
+                        self.rescale_o(acc_O, row_scale)
                     started = Boolean(True)
                 cute.arch.barrier_arrive(barrier_id=_BARRIER_LIST_FREE, number_of_threads=self.list_meet)
         for k_tile in cutlass.range(0 if const_expr(self.work_list) else n_k_tiles, unroll=1):
@@ -707,16 +727,20 @@ class FlashForwardSm90(WarpSpecializedSm90):
                     if needs_mask:
                         kv_state = self.mma_step(
                             kv_state, k_tile, True, wg_mma_qk, wg_mma_pv, tSrQ, tSrK, tOrV, tOrP, acc_O,
-                            tScS, row_max, row_sum, row_intervals, seqlen_k, pipeline_k, pipeline_v, wg)
+                            tScS, row_max, row_sum, row_intervals, seqlen_k, pipeline_k, pipeline_v, wg,
+                                row_scale)
                     else:
                         kv_state = self.mma_step(
                             kv_state, k_tile, False, wg_mma_qk, wg_mma_pv, tSrQ, tSrK, tOrV, tOrP, acc_O,
-                            tScS, row_max, row_sum, row_intervals, seqlen_k, pipeline_k, pipeline_v, wg)
+                            tScS, row_max, row_sum, row_intervals, seqlen_k, pipeline_k, pipeline_v, wg,
+                                row_scale)
                 else:
                     # The first visited tile is always masked: cheap once, and it saves a
                     # third copy of the softmax body.
                     self.mma_first(kv_state, k_tile, wg_mma_qk, tSrQ, tSrK, tOrP, tScS, row_max, row_sum,
                                    row_intervals, seqlen_k, pipeline_k)
+                if const_expr(self.rescale_tail):
+                    self.rescale_o(acc_O, row_scale)
                 started = Boolean(True)
         if const_expr(self.o_buffer):
             # Every S = Q K^T of the unit has completed (each step waited for its S): the
@@ -725,7 +749,10 @@ class FlashForwardSm90(WarpSpecializedSm90):
             q_state.advance()
         if started:
             pipeline_v.consumer_wait(kv_state)
-            issue_wgmma(wg_mma_pv, acc_O, tOrP, tOrV[None, None, None, kv_state.index], False)
+            v_stage = kv_state.index
+            if const_expr(self.rescale_tail):
+                v_stage = cute.arch.make_warp_uniform(v_stage)     # as in mma_step
+            issue_wgmma(wg_mma_pv, acc_O, tOrP, tOrV[None, None, None, v_stage], False)
             warpgroup.wait_group(0)
             pipeline_v.consumer_release(kv_state)
             if const_expr(self.persistent):
@@ -746,7 +773,10 @@ class FlashForwardSm90(WarpSpecializedSm90):
         """S of the first visited tile, softmax, P into registers; its P@V waits for the next step."""
         acc_S = cute.make_rmem_tensor(wg_mma_qk.partition_shape_C((self.block_q, self.block_kv)), Float32)
         pipeline_k.consumer_wait(kv_state)
-        issue_wgmma(wg_mma_qk, acc_S, tSrQ[None, None, None, 0], tSrK[None, None, None, kv_state.index], True)
+        k_stage = kv_state.index
+        if const_expr(self.rescale_tail):
+            k_stage = cute.arch.make_warp_uniform(k_stage)     # as in mma_step
+        issue_wgmma(wg_mma_qk, acc_S, tSrQ[None, None, None, 0], tSrK[None, None, None, k_stage], True)
         warpgroup.wait_group(0)
         pipeline_k.consumer_release(kv_state)
         acc_S_rows = _rows_view(acc_S)
@@ -760,16 +790,24 @@ class FlashForwardSm90(WarpSpecializedSm90):
     @cute.jit
     def mma_step(self, kv_state, k_tile, masked: cutlass.Constexpr[bool], wg_mma_qk, wg_mma_pv,
                  tSrQ, tSrK, tOrV, tOrP, acc_O, tScS, row_max, row_sum, row_intervals, seqlen_k,
-                 pipeline_k, pipeline_v, wg):
-        """S_t = Q K_t^T is issued before O += P_{t-1} V_{t-1}; softmax of S_t overlaps that GEMM."""
+                 pipeline_k, pipeline_v, wg, row_scale=None):
+        """S_t = Q K_t^T is issued before O += P_{t-1} V_{t-1}; softmax of S_t overlaps that GEMM.
+        With ``rescale_tail`` the row factors go to ``row_scale`` and the caller rescales O."""
         v_state = kv_state.clone()
         kv_state.advance()
         acc_S = cute.make_rmem_tensor(wg_mma_qk.partition_shape_C((self.block_q, self.block_kv)), Float32)
         pipeline_k.consumer_wait(kv_state)
         self.sched_wait(wg)
-        issue_wgmma(wg_mma_qk, acc_S, tSrQ[None, None, None, 0], tSrK[None, None, None, kv_state.index], True)
+        k_stage, v_stage = kv_state.index, v_state.index
+        if const_expr(self.rescale_tail):
+            # Stage indices marked warp-uniform: with O's rescale in the loop's tail ptxas
+            # otherwise kept them in vector registers and moved every GMMA descriptor over
+            # (32 R2UR per tile).
+            k_stage = cute.arch.make_warp_uniform(k_stage)
+            v_stage = cute.arch.make_warp_uniform(v_stage)
+        issue_wgmma(wg_mma_qk, acc_S, tSrQ[None, None, None, 0], tSrK[None, None, None, k_stage], True)
         pipeline_v.consumer_wait(v_state)
-        issue_wgmma(wg_mma_pv, acc_O, tOrP, tOrV[None, None, None, v_state.index], False)
+        issue_wgmma(wg_mma_pv, acc_O, tOrP, tOrV[None, None, None, v_stage], False)
         self.sched_signal(wg)
         warpgroup.wait_group(1)
         pipeline_k.consumer_release(kv_state)
@@ -778,16 +816,23 @@ class FlashForwardSm90(WarpSpecializedSm90):
             self.apply_softcap(acc_S)
         if const_expr(masked):
             self.apply_mask(acc_S_rows, tScS, k_tile, row_intervals, seqlen_k)
-        row_scale = cute.make_rmem_tensor(row_max.shape, Float32)
+        if const_expr(not self.rescale_tail):
+            row_scale = cute.make_rmem_tensor(row_max.shape, Float32)
         self.online_softmax(acc_S_rows, row_max, row_sum, row_scale)
         warpgroup.wait_group(0)
         pipeline_v.consumer_release(v_state)
         tOrP.store(_as_a_operand(acc_S).load().to(self.dtype))
+        if const_expr(not self.rescale_tail):
+            self.rescale_o(acc_O, row_scale)
+        return kv_state
+
+    @cute.jit
+    def rescale_o(self, acc_O, row_scale):
+        """O *= the row factors of the last softmax step (O's P V of that step done)."""
         acc_O_rows = _rows_view(acc_O)
         for r in cutlass.range_constexpr(cute.size(acc_O_rows, mode=[0])):
             for c in cutlass.range_constexpr(cute.size(acc_O_rows, mode=[1])):
                 acc_O_rows[r, c] = acc_O_rows[r, c] * row_scale[r]
-        return kv_state
 
     @cute.jit
     def sched_wait(self, wg):
