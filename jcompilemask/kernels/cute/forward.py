@@ -728,12 +728,12 @@ class FlashForwardSm90(WarpSpecializedSm90):
                         kv_state = self.mma_step(
                             kv_state, k_tile, True, wg_mma_qk, wg_mma_pv, tSrQ, tSrK, tOrV, tOrP, acc_O,
                             tScS, row_max, row_sum, row_intervals, seqlen_k, pipeline_k, pipeline_v, wg,
-                                row_scale)
+                            row_scale)
                     else:
                         kv_state = self.mma_step(
                             kv_state, k_tile, False, wg_mma_qk, wg_mma_pv, tSrQ, tSrK, tOrV, tOrP, acc_O,
                             tScS, row_max, row_sum, row_intervals, seqlen_k, pipeline_k, pipeline_v, wg,
-                                row_scale)
+                            row_scale)
                 else:
                     # The first visited tile is always masked: cheap once, and it saves a
                     # third copy of the softmax body.
