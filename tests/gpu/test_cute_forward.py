@@ -591,9 +591,9 @@ def test_group_mask_forward_is_bit_identical_on_gpu(head_dim, case, softcap, mon
     pytest.param(256, 6, None, marks=knob), pytest.param(128, 25, None, marks=knob)])
 def test_rescale_tail_compiles_for_sm90(head_dim, num_intervals, softcap, monkeypatch):
     """rescale_tail ($JCOMPILEMASK_CUTE_FWD_RESCALE_TAIL=1, issue 14): O's rescale in the tile
-    loop's tail beside P's conversion, on the registry's switches; no stack (SASS at D 128
-    K 1, NOTES.md "Session 19": per unmasked tile 382 + 102 instructions in the join, F2FP
-    and FMUL interleaved, against 450 + 38 with the 32 F2FP alone at the join)."""
+    loop's tail beside P's conversion (and, with the work list, the row's first tile out of
+    the loop), on the registry's switches; no stack (SASS at D 128 K 1, NOTES.md "Session
+    19": 493 instructions per unmasked tile with F2FP and FMUL interleaved, against 513)."""
     from jcompilemask.kernels.cute.api import (ForwardKey, compile_forward, preferred_forward_stages,
                                                preferred_forward_tiles)
     bq, bk = preferred_forward_tiles(head_dim)
