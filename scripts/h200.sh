@@ -115,6 +115,25 @@ identity_gate() {
   (( rc == 0 )) || exit 3
 }
 
+# A forward switch (ENV=1) as a candidate default: its bit-identity cases under a hang guard
+# (IDENT_S seconds at most), the forward timed with VARIANTS beside FA4 native at NS
+# (JCM_BENCH_NS overrides) on MASKS, then the forward + attention GPU tests under it.
+# Usage: forward_switch_stage TAG IDENT_TESTS IDENT_S ENV NS MASKS VARIANTS
+forward_switch_stage() {
+  local tag=$1 ident=$2 ident_s=$3 env=$4 ns=$5 masks=$6 variants=$7
+  export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
+  left() { local l=$(( ${JCM_STAGE_S:-570} - SECONDS )); (( l < $1 )) && echo $(( l > 5 ? l : 5 )) || echo $1; }
+  identity_gate "$tag" "$ident" $(left "$ident_s")
+  timeout -k 5 $(left 240) python3 benchmarks/bench_forward.py --ns ${JCM_BENCH_NS:-$ns} \
+    --masks "$masks" --fa4 --jcm-variants "$variants" \
+    --out "$OUT/h200-fwd-$tag.json" > "$OUT/bench-$tag.log" 2>&1
+  echo "bench rc $? ($SECONDS s)"; pkill -9 -f bench_forward; grep -E '^bench|^\{' "$OUT/bench-$tag.log" | tail -30 | cut -c1-200
+  env "$env=1" timeout -k 5 $(left 200) python3 -m pytest -q -rs -p no:cacheprovider \
+    tests/gpu/test_cute_forward.py "tests/gpu/test_cute_attention.py::test_builtin" -k "not compiles" \
+    --junitxml="$OUT/junit-$tag.xml" > "$OUT/pytest-$tag.log" 2>&1
+  echo "pytest rc $? ($SECONDS s)"; pkill -9 -f pytest; tail -3 "$OUT/pytest-$tag.log"
+}
+
 # Backward config variants (NAME=FIELD=VALUE,...) timed beside the default and FA4 native
 # at 32K on MASKS (one run, $OUT/h200-bwd-TAG.json), then the default backward's GPU tests
 # under the variant fastest at causal 32K when that is not the default; FORCED (non-empty)
@@ -637,23 +656,13 @@ PY
     # Issue 14 item 3 (compile-checked in session 17): group_mask — a masked tile's rows as
     # column-group bit words ($JCOMPILEMASK_CUTE_FWD_GROUP_MASK=1; SASS per masked tile, D 128:
     # K 1 765 -> 627, K 2 893 -> 675, K 6 1661 -> 875 instructions; unmasked unchanged):
-    # bit-identity vs the default (8 cases, hang-guarded), the forward + attention GPU tests
-    # under it, then the forward timed beside the default, k_ahead (session 16's state-carry
-    # fix passed its bit-identity cases in session 17) and FA4 native (32K by default,
-    # JCM_BENCH_NS; clear and shared prompt are the masks with the most masked tiles).
-    export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
-    left() { local l=$(( ${JCM_STAGE_S:-570} - SECONDS )); (( l < $1 )) && echo $(( l > 5 ? l : 5 )) || echo $1; }
-    identity_gate fgm group_mask_forward_is_bit_identical $(left 200)
-    b=$(left 240)
-    timeout -k 5 $b python3 benchmarks/bench_forward.py --ns ${JCM_BENCH_NS:-32768} \
-      --masks clear,shared_prompt,hstu,causal --fa4 \
-      --jcm-variants "${JCM_FGM_VARIANTS:-base=;gm=JCOMPILEMASK_CUTE_FWD_GROUP_MASK=1;ka=JCOMPILEMASK_CUTE_FWD_K_AHEAD=1}" \
-      --out "$OUT/h200-fwd-gm.json" > "$OUT/bench-fgm.log" 2>&1
-    echo "bench rc $? ($SECONDS s)"; pkill -9 -f bench_forward; grep -E '^bench|^\{' "$OUT/bench-fgm.log" | tail -30 | cut -c1-200
-    JCOMPILEMASK_CUTE_FWD_GROUP_MASK=1 timeout -k 5 $(left 200) python3 -m pytest -q -rs -p no:cacheprovider \
-      tests/gpu/test_cute_forward.py "tests/gpu/test_cute_attention.py::test_builtin" -k "not compiles" \
-      --junitxml="$OUT/junit-fgm.xml" > "$OUT/pytest-fgm.log" 2>&1
-    echo "pytest rc $? ($SECONDS s)"; pkill -9 -f pytest; tail -3 "$OUT/pytest-fgm.log"
+    # bit-identity vs the default (8 cases, hang-guarded), the forward timed beside the
+    # default, k_ahead (session 16's state-carry fix passed its bit-identity cases in session
+    # 17) and FA4 native (32K by default, JCM_BENCH_NS; clear and shared prompt are the masks
+    # with the most masked tiles), then the forward + attention GPU tests under it.
+    forward_switch_stage fgm group_mask_forward_is_bit_identical 200 JCOMPILEMASK_CUTE_FWD_GROUP_MASK \
+      32768 clear,shared_prompt,hstu,causal \
+      "${JCM_FGM_VARIANTS:-base=;gm=JCOMPILEMASK_CUTE_FWD_GROUP_MASK=1;ka=JCOMPILEMASK_CUTE_FWD_K_AHEAD=1}"
     ;;
   frt)
     # Issue 14 (compile-checked in session 19): rescale_tail — O's rescale in the tile loop's
@@ -661,19 +670,9 @@ PY
     # FMUL interleave instead of two bursts): bit-identity vs the default (6 cases,
     # hang-guarded), the forward timed beside the default and FA4 native (32K, 8K, 2K by
     # default: JCM_BENCH_NS), then the forward + attention GPU tests under it.
-    export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
-    left() { local l=$(( ${JCM_STAGE_S:-570} - SECONDS )); (( l < $1 )) && echo $(( l > 5 ? l : 5 )) || echo $1; }
-    identity_gate frt rescale_tail_forward_is_bit_identical $(left 180)
-    b=$(left 240)
-    timeout -k 5 $b python3 benchmarks/bench_forward.py --ns ${JCM_BENCH_NS:-32768,8192,2048} \
-      --masks causal,hstu,shared_prompt --fa4 \
-      --jcm-variants "${JCM_FRT_VARIANTS:-base=;rt=JCOMPILEMASK_CUTE_FWD_RESCALE_TAIL=1}" \
-      --out "$OUT/h200-fwd-rt.json" > "$OUT/bench-frt.log" 2>&1
-    echo "bench rc $? ($SECONDS s)"; pkill -9 -f bench_forward; grep -E '^bench' "$OUT/bench-frt.log" | tail -30 | cut -c1-200
-    JCOMPILEMASK_CUTE_FWD_RESCALE_TAIL=1 timeout -k 5 $(left 200) python3 -m pytest -q -rs -p no:cacheprovider \
-      tests/gpu/test_cute_forward.py "tests/gpu/test_cute_attention.py::test_builtin" -k "not compiles" \
-      --junitxml="$OUT/junit-frt.xml" > "$OUT/pytest-frt.log" 2>&1
-    echo "pytest rc $? ($SECONDS s)"; pkill -9 -f pytest; tail -3 "$OUT/pytest-frt.log"
+    forward_switch_stage frt rescale_tail_forward_is_bit_identical 180 JCOMPILEMASK_CUTE_FWD_RESCALE_TAIL \
+      32768,8192,2048 causal,hstu,shared_prompt \
+      "${JCM_FRT_VARIANTS:-base=;rt=JCOMPILEMASK_CUTE_FWD_RESCALE_TAIL=1}"
     ;;
   fwdtable)
     # Issue 14's acceptance table for one N per call (JCM_BENCH_NS, default 32768; 8192 and

@@ -506,15 +506,20 @@ def test_k_ahead_forward_compiles_for_sm90(case):
     assert compile_forward(key) is not None and key.target_name.endswith("_ka")
 
 
-def test_k_ahead_env(monkeypatch):
+@pytest.mark.parametrize("env,reader,field", [("FWD_K_AHEAD_ENV", "_fwd_k_ahead", "k_ahead"),
+                                               ("FWD_RESCALE_TAIL_ENV", "_fwd_rescale_tail", "rescale_tail")])
+def test_opt_in_switch_env(env, reader, field, monkeypatch):
+    """The forward's 0 / 1 benchmark switches: off unless set, on with 1 (and in
+    forward_switches, what cute_forward compiles), anything else an error naming 0 or 1."""
     from jcompilemask.kernels.cute import api
-    monkeypatch.delenv(api.FWD_K_AHEAD_ENV, raising=False)
-    assert not api._fwd_k_ahead()
-    monkeypatch.setenv(api.FWD_K_AHEAD_ENV, "1")
-    assert api._fwd_k_ahead()
-    monkeypatch.setenv(api.FWD_K_AHEAD_ENV, "yes")
+    name, read = getattr(api, env), getattr(api, reader)
+    monkeypatch.delenv(name, raising=False)
+    assert not read() and not api.forward_switches(128, 128, 128, 128, 2)[field]
+    monkeypatch.setenv(name, "1")
+    assert read() and api.forward_switches(128, 128, 128, 128, 2)[field]
+    monkeypatch.setenv(name, "yes")
     with pytest.raises(ValueError, match="0 or 1"):
-        api._fwd_k_ahead()
+        read()
 
 
 @pytest.mark.parametrize("work_list", ["0", "1"])
@@ -602,17 +607,6 @@ def test_rescale_tail_compiles_for_sm90(head_dim, num_intervals, softcap, monkey
                      head_dim**-0.5, num_stages=stages, softcap=softcap,
                      **registry_switches(monkeypatch, head_dim, head_dim, bq, bk, stages, rescale_tail=True))
     assert compile_forward(key) is not None and key.target_name.endswith("_rt")
-
-
-def test_rescale_tail_env(monkeypatch):
-    from jcompilemask.kernels.cute import api
-    monkeypatch.delenv(api.FWD_RESCALE_TAIL_ENV, raising=False)
-    assert not api._fwd_rescale_tail() and not api.forward_switches(128, 128, 128, 128, 2)["rescale_tail"]
-    monkeypatch.setenv(api.FWD_RESCALE_TAIL_ENV, "1")
-    assert api._fwd_rescale_tail() and api.forward_switches(128, 128, 128, 128, 2)["rescale_tail"]
-    monkeypatch.setenv(api.FWD_RESCALE_TAIL_ENV, "yes")
-    with pytest.raises(ValueError, match="0 or 1"):
-        api._fwd_rescale_tail()
 
 
 @pytest.mark.parametrize("head_dim,case,softcap", [(128, "causal", None), (128, "random6", None),

@@ -688,6 +688,11 @@ class FlashForwardSm90(WarpSpecializedSm90):
         # word. Jumping straight to the next compute tile (brev + clz over whole words)
         # measured 4-5% slower on the H200 (NOTES.md), so the plain walk stays.
         started = Boolean(False)
+        # The operands every step / first tile takes after (kv_state, k_tile[, masked]).
+        step_args = (wg_mma_qk, wg_mma_pv, tSrQ, tSrK, tOrV, tOrP, acc_O, tScS, row_max, row_sum,
+                     row_intervals, seqlen_k, pipeline_k, pipeline_v, wg, row_scale)
+        first_args = (wg_mma_qk, tSrQ, tSrK, tOrP, tScS, row_max, row_sum, row_intervals, seqlen_k,
+                      pipeline_k)
         if const_expr(self.work_list):
             sList, sCount = work
             for ch in cutlass.range(cute.ceil_div(n_k_tiles, FWD_LIST_CHUNK), unroll=1):
@@ -697,53 +702,23 @@ class FlashForwardSm90(WarpSpecializedSm90):
                     # The row's first tile out of the loop: the loop body then joins two
                     # step kinds, not three (fewer register moves at the join).
                     if (not started) & (sCount[0] > 0):
-                        entry = sList[0]
-                        k_tile = entry & Int32(0xFFFF)
-                        needs_mask = (entry >> Int32(16) != Int32(0)) | (k_tile == ragged_tile)
-                        if needs_mask:
-                            self.mma_first(kv_state, k_tile, wg_mma_qk, tSrQ, tSrK, tOrP, tScS, row_max,
-                                           row_sum, row_intervals, seqlen_k, pipeline_k, True)
-                        else:
-                            self.mma_first(kv_state, k_tile, wg_mma_qk, tSrQ, tSrK, tOrP, tScS, row_max,
-                                           row_sum, row_intervals, seqlen_k, pipeline_k, False)
+                        k_tile, needs_mask = self.list_tile(sList[0], ragged_tile)
+                        self.first_either(needs_mask, kv_state, k_tile, first_args)
                         started = Boolean(True)
                         first_it = Int32(1)
                 for it in cutlass.range(first_it, sCount[0], unroll=1):
-                    entry = sList[it]
-                    k_tile = entry & Int32(0xFFFF)
-                    needs_mask = (entry >> Int32(16) != Int32(0)) | (k_tile == ragged_tile)
+                    k_tile, needs_mask = self.list_tile(sList[it], ragged_tile)
                     if const_expr(self.rescale_tail):
-                        if needs_mask:
-                            kv_state = self.mma_step(
-                                kv_state, k_tile, True, wg_mma_qk, wg_mma_pv, tSrQ, tSrK, tOrV, tOrP, acc_O,
-                                tScS, row_max, row_sum, row_intervals, seqlen_k, pipeline_k, pipeline_v, wg,
-                                row_scale)
-                        else:
-                            kv_state = self.mma_step(
-                                kv_state, k_tile, False, wg_mma_qk, wg_mma_pv, tSrQ, tSrK, tOrV, tOrP, acc_O,
-                                tScS, row_max, row_sum, row_intervals, seqlen_k, pipeline_k, pipeline_v, wg,
-                                row_scale)
+                        kv_state = self.step_either(needs_mask, kv_state, k_tile, step_args)
                         self.rescale_o(acc_O, row_scale)
                     else:
                         if started:
-                            if needs_mask:
-                                kv_state = self.mma_step(
-                                    kv_state, k_tile, True, wg_mma_qk, wg_mma_pv, tSrQ, tSrK, tOrV, tOrP, acc_O,
-                                    tScS, row_max, row_sum, row_intervals, seqlen_k, pipeline_k, pipeline_v, wg)
-                            else:
-                                kv_state = self.mma_step(
-                                    kv_state, k_tile, False, wg_mma_qk, wg_mma_pv, tSrQ, tSrK, tOrV, tOrP, acc_O,
-                                    tScS, row_max, row_sum, row_intervals, seqlen_k, pipeline_k, pipeline_v, wg)
+                            kv_state = self.step_either(needs_mask, kv_state, k_tile, step_args)
                         else:
                             # With the list the first tile's mask bit is at hand: a full first
                             # tile skips the mask (issue 14 item 1), at the cost of a third
                             # copy of the softmax body.
-                            if needs_mask:
-                                self.mma_first(kv_state, k_tile, wg_mma_qk, tSrQ, tSrK, tOrP, tScS, row_max,
-                                               row_sum, row_intervals, seqlen_k, pipeline_k, True)
-                            else:
-                                self.mma_first(kv_state, k_tile, wg_mma_qk, tSrQ, tSrK, tOrP, tScS, row_max,
-                                               row_sum, row_intervals, seqlen_k, pipeline_k, False)
+                            self.first_either(needs_mask, kv_state, k_tile, first_args)
                         started = Boolean(True)
                 cute.arch.barrier_arrive(barrier_id=_BARRIER_LIST_FREE, number_of_threads=self.list_meet)
         for k_tile in cutlass.range(0 if const_expr(self.work_list) else n_k_tiles, unroll=1):
@@ -751,21 +726,11 @@ class FlashForwardSm90(WarpSpecializedSm90):
             if bits & Uint32(1) != Uint32(0):
                 needs_mask = (bits & Uint32(2) != Uint32(0)) | (k_tile == ragged_tile)
                 if started:
-                    if needs_mask:
-                        kv_state = self.mma_step(
-                            kv_state, k_tile, True, wg_mma_qk, wg_mma_pv, tSrQ, tSrK, tOrV, tOrP, acc_O,
-                            tScS, row_max, row_sum, row_intervals, seqlen_k, pipeline_k, pipeline_v, wg,
-                            row_scale)
-                    else:
-                        kv_state = self.mma_step(
-                            kv_state, k_tile, False, wg_mma_qk, wg_mma_pv, tSrQ, tSrK, tOrV, tOrP, acc_O,
-                            tScS, row_max, row_sum, row_intervals, seqlen_k, pipeline_k, pipeline_v, wg,
-                            row_scale)
+                    kv_state = self.step_either(needs_mask, kv_state, k_tile, step_args)
                 else:
                     # The first visited tile is always masked: cheap once, and it saves a
                     # third copy of the softmax body.
-                    self.mma_first(kv_state, k_tile, wg_mma_qk, tSrQ, tSrK, tOrP, tScS, row_max, row_sum,
-                                   row_intervals, seqlen_k, pipeline_k)
+                    self.mma_first(kv_state, k_tile, *first_args)
                 if const_expr(self.rescale_tail):
                     self.rescale_o(acc_O, row_scale)
                 started = Boolean(True)
@@ -793,6 +758,31 @@ class FlashForwardSm90(WarpSpecializedSm90):
             pipeline_q.consumer_release(q_state)
             q_state.advance()
         return q_state, kv_state
+
+    @cute.jit
+    def list_tile(self, entry, ragged_tile):
+        """(key tile, whether it needs the mask) of a work-list entry: tile index in the low
+        16 bits, the masked flag above; the ragged last tile is always masked."""
+        k_tile = entry & Int32(0xFFFF)
+        return k_tile, (entry >> Int32(16) != Int32(0)) | (k_tile == ragged_tile)
+
+    @cute.jit
+    def step_either(self, needs_mask, kv_state, k_tile, step_args):
+        """``mma_step`` for a masked or a full tile (a run-time choice between the two
+        compiled bodies); returns the advanced ring state."""
+        if needs_mask:
+            kv_state = self.mma_step(kv_state, k_tile, True, *step_args)
+        else:
+            kv_state = self.mma_step(kv_state, k_tile, False, *step_args)
+        return kv_state
+
+    @cute.jit
+    def first_either(self, needs_mask, kv_state, k_tile, first_args):
+        """``mma_first`` for a masked or a full first tile."""
+        if needs_mask:
+            self.mma_first(kv_state, k_tile, *first_args, True)
+        else:
+            self.mma_first(kv_state, k_tile, *first_args, False)
 
     @cute.jit
     def mma_first(self, kv_state, k_tile, wg_mma_qk, tSrQ, tSrK, tOrP, tScS, row_max, row_sum,
