@@ -39,6 +39,10 @@
 #   prof8        ncu on one causal 32K backward of ours and one of FA4's, same call
 #                (JCM_PROF_PASS=fwd: the two forwards; JCM_PROF_ALL=0 skips the all-kernel listing;
 #                JCM_PROF_MASK / JCM_PROF_N another workload, beside Flex+FA4)
+#   parts        issue 12: the XLA pieces around the backward kernel timed alone, every kernel of
+#                ours and FA4's causal steps listed with its duration (ncu; JCM_PROF_N, default 8K)
+#   qb           issue 12: dq_blocked (the dQ slot in 8-column blocks): XLA pieces timed, bit-identity,
+#                timed beside the default and FA4 native at 8K + 32K
 #   shfl         stats_shfl, column_skip, the forward's bits path for K <= 8: tests, then timed at 32K
 #   masks16      issue 16's timings: block-causal spellings, dilated window, global tokens + window vs Flex+FA4
 #   fwl          issue 14: the forward's work list (the default; =0 the bitmap walk): tests, then timed
@@ -542,9 +546,11 @@ PY
     # A second prof8 on a warm machine must not report the last call's profiles (session 19:
     # ncu refused to overwrite them, and the summary below read the old ones).
     rm -f /tmp/prof-jcm.ncu-rep /tmp/prof-fa4.ncu-rep /tmp/sass-jcm.csv /tmp/sass-fa4.csv
+    # JCM_PROF_DETAIL=0: only the every-kernel listing below (no per-launch profiles).
+    [[ ${JCM_PROF_DETAIL:-1} == 0 ]] || {
     timeout -k 5 $(left 120) python3 tests/scripts/gpu_backward_profile.py $pm $pn > "$OUT/prof-warm.log" 2>&1
-    echo "compile outside ncu rc $? ($SECONDS s)"
-    for who in jcm fa4; do
+    echo "compile outside ncu rc $? ($SECONDS s)"; }
+    [[ ${JCM_PROF_DETAIL:-1} == 0 ]] || for who in jcm fa4; do
       args="$pm $pn"
       if [[ ${JCM_PROF_PASS:-bwd} == fwd ]]; then
         if [[ $who == jcm ]]; then re=regex:FlashForwardSm90; script=tests/scripts/gpu_backward_profile.py
@@ -592,6 +598,40 @@ PY
     done
     [[ -f /tmp/sass-jcm.csv && -f /tmp/sass-fa4.csv ]] && python3 tests/scripts/ncu_sass_summary.py \
       /tmp/sass-jcm.csv /tmp/sass-fa4.csv --top 30 > "$OUT/ncu-compare.txt" 2>&1 && head -75 "$OUT/ncu-compare.txt"
+    ;;
+  parts)
+    # Issue 12: what the backward's figure holds besides the kernel. The XLA pieces around
+    # it timed alone (dQ un-permute + scale + cast, the same from a blocked slot order, the
+    # cast alone, delta, the zeroed accumulator; gpu_dq_post_time.py), then every kernel of
+    # ours and FA4's causal steps with its duration under ncu (prof8's listing), at
+    # JCM_PROF_N (default 8192: the cell where the kernel is the smallest share).
+    left() { local l=$(( ${JCM_STAGE_S:-570} - SECONDS )); (( l < $1 )) && echo $(( l > 5 ? l : 5 )) || echo $1; }
+    export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
+    timeout -k 5 $(left 120) python3 tests/scripts/gpu_dq_post_time.py ${JCM_PROF_N:-8192} > "$OUT/parts-post.log" 2>&1
+    echo "post rc $? ($SECONDS s)"; grep -E '^\{' "$OUT/parts-post.log" | cut -c1-220
+    JCM_BUNDLE_READY=1 JCM_PROF_DETAIL=0 JCM_PROF_N=${JCM_PROF_N:-8192} JCM_STAGE_S=$(left 450) bash scripts/h200.sh prof8
+    ;;
+  qb)
+    # Issue 12 (session 20): dq_blocked — the dQ slot in 8-column blocks (64-bit stores), so
+    # the un-permute after the kernel moves 32-byte runs instead of gathering 8-byte pieces.
+    # The XLA pieces around the kernel timed alone (gpu_dq_post_time.py at 8K), the
+    # bit-identity cases (JCM_QB_TESTS, a -k filter; default the causal D 128 one), then the
+    # backward timed beside the default and FA4 native (JCM_BENCH_NS, default 8K and 32K).
+    left() { local l=$(( ${JCM_STAGE_S:-570} - SECONDS )); (( l < $1 )) && echo $(( l > 5 ? l : 5 )) || echo $1; }
+    export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
+    export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1
+    timeout -k 5 $(left 90) python3 tests/scripts/gpu_dq_post_time.py 8192 > "$OUT/parts-post.log" 2>&1
+    echo "post rc $? ($SECONDS s)"; grep -E '^\{' "$OUT/parts-post.log" | cut -c1-200
+    JCOMPILEMASK_CUTE_BACKWARD=1 timeout -k 5 $(left 150) python3 -m pytest -q -rs -p no:cacheprovider \
+      tests/gpu/test_cute_backward.py -k "dq_blocked_gives and (${JCM_QB_TESTS:-causal})" \
+      > "$OUT/pytest-qb.log" 2>&1
+    echo "identity rc $? ($SECONDS s)"; pkill -9 -f pytest; tail -3 "$OUT/pytest-qb.log"
+    b=$(left 330)
+    timeout -k 5 $b python3 benchmarks/bench_total.py --ns ${JCM_BENCH_NS:-8192,32768} \
+      --masks ${JCM_BENCH_MASKS:-causal,shared_prompt} --impls jcm,fa4-native --min-repeat-s 0.25 \
+      --jcm-variants "base=;qb=JCOMPILEMASK_CUTE_BWD_CONFIG=dq_blocked=1" --budget-s $(( b - 20 )) \
+      --out "$OUT/h200-bwd-qb.json" > "$OUT/bench-qb.log" 2>&1
+    echo "bench rc $? ($SECONDS s)"; pkill -9 -f bench_total; grep -E '^\{' "$OUT/bench-qb.log" | cut -c1-190
     ;;
   shfl)
     # Session 6's compile-checked knobs, tested then timed: stats_shfl (lse / delta by shfl),

@@ -162,7 +162,14 @@ def test_row_mask_compiles_for_sm90(d, kk, kc, cap):
                                                   dkv_tma_store=True, column_registers=2, column_bits=0,
                                                   column_skip=True, entry_ahead=True)),
                                        (64, dict(work_list=True, list_chunk=16, deterministic=True,
-                                                 stats_shfl=True, entry_ahead=True))])
+                                                 stats_shfl=True, entry_ahead=True)),
+                                       # dq_blocked (64-bit dQ stores in 8-column blocks) on
+                                       # the D 128 default, and with one dQ warpgroup
+                                       (128, dict(lse_prefetch=True, static_stage=True, work_list=True,
+                                                  dkv_tma_store=True, column_registers=2, column_bits=0,
+                                                  column_skip=True, dq_blocked=True)),
+                                       (64, dict(work_list=True, dkv_tma_store=True, stats_shfl=True,
+                                                 deterministic=True, dq_blocked=True))])
 def test_backward_config_variants_compile_for_sm90(d, changes):
     """The configs benchmarked against the default (one dS buffer, late statistics)."""
     import dataclasses
@@ -337,10 +344,12 @@ def test_registry_runs_every_validated_config(monkeypatch):
     assert cute.tiles(call(192, 128, True)).bwd_block_kv == 64
 
 
-def _fragment_order_reference(dq, bq=64):
+def _fragment_order_reference(dq, bq=64, blocked=False):
     """The kernel's dQ slot order written out element by element (the SM90 m64 wgmma
     accumulator: thread t = 32 warp + 4 lq + lr holds rows 16 warp + lq (+8), columns
-    8 g + 2 lr (+1) of its warpgroup's part; float4 chunks, thread-major)."""
+    8 g + 2 lr (+1) of its warpgroup's part; float4 chunks, thread-major). ``blocked``
+    (``dq_blocked``): 8-column blocks of (row, 8 floats), as each thread's 64-bit stores
+    place them at 128 warp + 2 lane (+ 64 for the row + 8) of block g."""
     from jcompilemask.kernels.cute.api import dq_warpgroups
     b, nq, hq, d = dq.shape
     tq = -(-nq // bq)
@@ -357,6 +366,9 @@ def _fragment_order_reference(dq, bq=64):
                             row = t_q * bq + 16 * warp + 8 * h + lq
                             col = w * n_w + 8 * g + 2 * lr + p
                             off = w * bq * n_w + g * 512 + t * 4 + 2 * h + p
+                            if blocked:
+                                off = (w * bq * n_w + g * 512 + 128 * warp + 2 * (t % 32)
+                                       + 64 * h + p)
                             slots[:, :, t_q, off] = dq[:, row, :, col] if row < nq else 0.0
     return slots
 
@@ -365,11 +377,13 @@ def test_dq_fragment_order_round_trip():
     """The per-tile dQ slots (the registers' fragment order) map back to [B, Nq, Hq, D]
     exactly, ragged last tile included, for both dQ splits (pure JAX, any machine)."""
     from jcompilemask.kernels.cute.api import dq_fragment_unpermute
-    for b, nq, hq, d in ((2, 150, 3, 64), (1, 128, 2, 128)):
-        dq = np.random.default_rng(0).normal(size=(b, nq, hq, d)).astype(np.float32)
-        slots = _fragment_order_reference(dq)
-        assert not np.isnan(slots).any()
-        np.testing.assert_array_equal(np.asarray(dq_fragment_unpermute(jnp.asarray(slots), nq, d)), dq)
+    for blocked in (False, True):
+        for b, nq, hq, d in ((2, 150, 3, 64), (1, 128, 2, 128), (1, 64, 1, 192), (1, 70, 1, 256)):
+            dq = np.random.default_rng(0).normal(size=(b, nq, hq, d)).astype(np.float32)
+            slots = _fragment_order_reference(dq, blocked=blocked)
+            assert not np.isnan(slots).any()
+            np.testing.assert_array_equal(
+                np.asarray(dq_fragment_unpermute(jnp.asarray(slots), nq, d, blocked=blocked)), dq)
 
 
 def test_dq_turns_count_lower_visiting_key_tiles():
@@ -584,6 +598,36 @@ def test_row_mask_gives_the_default_gradients(name, cute_backward_on, monkeypatc
 
     base, rows = grads(""), grads("row_mask=1")
     for a, b_ in zip(base, rows):
+        np.testing.assert_array_equal(a, b_)
+
+
+@needs_gpu
+@pytest.mark.parametrize("name,d,dv,dtype", [
+    ("causal", 128, 128, jnp.bfloat16), ("shared_prompt", 64, 64, jnp.float16),
+    ("hstu", 256, 256, jnp.bfloat16), ("clear", 192, 128, jnp.bfloat16),
+], ids=lambda v: str(getattr(v, "__name__", v)))
+def test_dq_blocked_gives_identical_gradients(name, d, dv, dtype, cute_backward_on, monkeypatch):
+    """dq_blocked moves where each dQ value sits in the accumulator slot, not what is added
+    or in which order: with the deterministic dQ order all three gradients equal the
+    default's bit for bit, at every dQ split (one or two dQ warpgroups, split_sdp, Dv != D)."""
+    rng = np.random.default_rng(12)
+    n = 700
+    md, spec = metadata(name, 2, n, rng), SPECS[name]
+    ks = jax.random.split(jax.random.key(6), 4)
+    qx, kx = (jax.random.normal(kk, (2, n, 4, d), jnp.float32).astype(dtype) for kk in ks[:2])
+    vx, do = (jax.random.normal(kk, (2, n, 4, dv), jnp.float32).astype(dtype) for kk in ks[2:])
+
+    def grads(config):
+        monkeypatch.setenv("JCOMPILEMASK_CUTE_BWD_CONFIG", config)
+
+        def loss(a, b_, c):
+            o = jcm.mask_attention(a, b_, c, spec, metadata=md, implementation="cute",
+                                   deterministic=True)
+            return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32))
+        return [np.asarray(x) for x in jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(qx, kx, vx)]
+
+    base, blocked = grads(""), grads("dq_blocked=1")
+    for a, b_ in zip(base, blocked):
         np.testing.assert_array_equal(a, b_)
 
 

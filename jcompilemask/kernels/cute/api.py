@@ -865,6 +865,16 @@ class BackwardConfig:
       11.78 -> 11.84: 104 fewer instructions per tile do not shorten it, so instruction
       issue is not what the capped tile waits on (not yet profiled). Opt-in; its GPU
       gradient cases have not run.
+    - ``dq_blocked``: the order of each query tile's float32 dQ slot (what the dQ warp
+      adds to global memory, byte for byte as the consumers left it in shared memory).
+      Off: fragment order, each thread's 4 floats of one 8-column group (2 rows x 2
+      columns) as one 128-bit store, thread-major; the un-permute after the kernel
+      (``dq_fragment_unpermute``) then gathers 8-byte pieces at strides (a 10-d transpose).
+      On: column blocks of 8 floats, (block, row, 8 floats) — each thread's 2 columns of
+      a row as one 64-bit store (a warp's 32 stores are 256 contiguous bytes: no bank
+      conflict), twice the stores; the un-permute is then a transpose of 32-byte runs.
+      The same values added in the same order: dQ is bit-identical. Not yet run on the
+      H200.
 
     ``preferred_backward_config`` picks the default per head dim; ``JCOMPILEMASK_CUTE_BWD_CONFIG``
     (e.g. ``ds_stages=1,stats_early=0``) overrides fields at trace time for benchmarks.
@@ -897,6 +907,7 @@ class BackwardConfig:
     exp2_emu: int = 0
     rcp_emu: int = 0
     softcap_r: bool = False
+    dq_blocked: bool = False
 
     def __post_init__(self):
         want = BWD_TILES_SPLIT if self.split_dkv else BWD_TILES
@@ -951,7 +962,7 @@ class BackwardConfig:
                 f"{'_ssdp' if self.split_sdp else ''}{'_rm' if self.row_mask else ''}"
                 f"{f'_e2e{self.exp2_emu}' if self.exp2_emu else ''}"
                 f"{f'_rcp{self.rcp_emu}' if self.rcp_emu else ''}"
-                f"{'_scr' if self.softcap_r else ''}")
+                f"{'_scr' if self.softcap_r else ''}{'_qb' if self.dq_blocked else ''}")
 
 
 def preferred_backward_config(head_dim: int, dtype: str = "bfloat16",
@@ -1222,16 +1233,30 @@ def compile_backward(key: BackwardKey):
         return fn
 
 
-def dq_fragment_unpermute(acc, nq: int, head_dim: int, block_q: int = BWD_TILES[0]):
+def dq_fragment_unpermute(acc, nq: int, head_dim: int, block_q: int = BWD_TILES[0],
+                          blocked: bool = False):
     """[B, Hq, Tq, block_q * D] dQ accumulator slots -> [B, Nq, Hq, D].
 
     Each query tile's slot holds, per dQ warpgroup w (``dq_warpgroups``), its
     block_q x (D / W) accumulator in the order the registers leave the threads: float4
     chunk g (columns 8g..8g+7 of the warpgroup's part), thread t = 32 * warp + 4 * lq + lr,
     then (row half h, column pair p). The element is row 16 * warp + 8 * h + lq,
-    column w * D / W + 8 g + 2 lr + p — the SM90 wgmma accumulator layout (m64nNk16)."""
+    column w * D / W + 8 g + 2 lr + p — the SM90 wgmma accumulator layout (m64nNk16).
+    With ``blocked`` (``BackwardConfig.dq_blocked``) the slot is (column block of 8, row,
+    column within the block): D / 8 blocks of block_q x 8 floats.
+
+    >>> import numpy as np
+    >>> dq = np.arange(2 * 64 * 1 * 64, dtype=np.float32).reshape(2, 64, 1, 64)
+    >>> slots = dq.reshape(2, 1, 64, 1, 8, 8).transpose(0, 3, 1, 4, 2, 5).reshape(2, 1, 1, -1)
+    >>> bool((np.asarray(dq_fragment_unpermute(slots, 64, 64, blocked=True)) == dq).all())
+    True
+    """
     assert block_q == 64, "the fragment order is that of one m64 wgmma per warpgroup"
     b, hq, tq, slot = acc.shape
+    if blocked:
+        x = acc.reshape(b, hq, tq, head_dim // 8, block_q, 8)
+        x = jnp.transpose(x, (0, 2, 4, 1, 3, 5))            # b tq row | hq block 8
+        return x.reshape(b, tq * block_q, hq, head_dim)[:, :nq]
     w = dq_warpgroups(head_dim)
     g = head_dim // w // 8
     x = acc.reshape(b, hq, tq, w, g, 4, 8, 4, 2, 2)      # w g warp lq lr h p
@@ -1343,7 +1368,7 @@ def cute_backward(q, k, v, out, lse, do, bwd_intervals, bwd_tiles, fwd_intervals
                 turns, jnp.zeros(acc_shape, f32), jnp.zeros(sem_shape, jnp.int32), *extra)
     dq_acc, _, dk, dv = match_varying(call(*operands), *operands)
     # One fused XLA pass: un-permute, scale, cast.
-    dq = dq_fragment_unpermute(dq_acc, Nq, D, block_q)
+    dq = dq_fragment_unpermute(dq_acc, Nq, D, block_q, blocked=config.dq_blocked)
     return (dq * np.float32(backward_grad_scale(scale, softcap, config))).astype(q.dtype), dk, dv
 
 

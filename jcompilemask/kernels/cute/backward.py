@@ -752,10 +752,20 @@ class FlashBackwardSm90(WarpSpecializedSm90):
             frags.tKVsdS = mma_dkv.make_fragment_A(mma_dkv.partition_A(sdS_t))
         # This thread's float4 chunks of its warpgroup's dQ tile in shared memory: chunk g
         # of thread t at 4 t + 512 g (fragment order: 128-bit stores, no bank conflicts).
+        # dq_blocked: column block g of 8 floats holds rows 0..63 at 8 floats each; thread
+        # t = 32 warp + lane keeps rows 16 warp + lane // 4 (+ 8), columns 2 (lane % 4) (+ 1)
+        # of the block, at 128 warp + 2 lane (+ 64 for the row + 8): 64-bit stores, a warp's
+        # 32 of them contiguous.
         dq_region = 0 if const_expr(self.dq_single_wg) else wg * self.dq_wg_floats
-        frags.sdQ_thr = cute.make_tensor(
-            sdQ.iterator + dq_region + (tidx % self.threads_per_wg) * 4,
-            cute.make_layout((4, self.dq_chunks), stride=(1, 4 * self.threads_per_wg)))
+        t_wg = tidx % self.threads_per_wg
+        if const_expr(self.config.dq_blocked):
+            frags.sdQ_thr = cute.make_tensor(
+                sdQ.iterator + dq_region + (t_wg // 32) * 128 + (t_wg % 32) * 2,
+                cute.make_layout(((2, 2), self.dq_chunks), stride=((1, 64), 512)))
+        else:
+            frags.sdQ_thr = cute.make_tensor(
+                sdQ.iterator + dq_region + t_wg * 4,
+                cute.make_layout((4, self.dq_chunks), stride=(1, 4 * self.threads_per_wg)))
 
         # The CTA's keys' column intervals (Kc per key), loaded once per head.
         kc = self.num_bwd_intervals
@@ -1160,7 +1170,8 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         warpgroup.wait_group(1)
         if state.count > 0:
             self.dq_buffer_wait(f.wg)
-        cute.autovec_copy(cute.make_tensor(acc_dQ.iterator, cute.make_layout((4, self.dq_chunks))), f.sdQ_thr)
+        dq_regs = ((2, 2), self.dq_chunks) if const_expr(self.config.dq_blocked) else (4, self.dq_chunks)
+        cute.autovec_copy(cute.make_tensor(acc_dQ.iterator, cute.make_layout(dq_regs)), f.sdQ_thr)
         cute.arch.fence_view_async_shared()
         cute.arch.barrier_arrive(barrier_id=int(Bar.DQ_FULL) + self.dq_wg_index(f.wg),
                                  number_of_threads=self.threads_per_wg + 32)
