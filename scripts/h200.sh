@@ -611,6 +611,20 @@ PY
     echo "post rc $? ($SECONDS s)"; grep -E '^\{' "$OUT/parts-post.log" | cut -c1-220
     JCM_BUNDLE_READY=1 JCM_PROF_DETAIL=0 JCM_PROF_N=${JCM_PROF_N:-8192} JCM_STAGE_S=$(left 450) bash scripts/h200.sh prof8
     ;;
+  masks16)
+    # Issue 16's timings (benchmarks/workloads.py MASKS_16): the block-causal mask written
+    # with k // 64 <= q // 64 beside its interval spelling (jcm alone: the 1.1x line), a
+    # dilated causal window and 16 global tokens + a 256-wide window beside Flex+FA4, forward
+    # + backward, at JCM_BENCH_NS (default 8192; 32K in its own call: Flex's compiles).
+    export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
+    export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1
+    b=${JCM_BENCH_S:-480}
+    timeout -k 5 $b python3 benchmarks/bench_total.py --ns ${JCM_BENCH_NS:-8192} \
+      --masks ${JCM_BENCH_MASKS:-dilated_window,global_window,block_causal,block_causal_intervals} --impls jcm,flex-fa4 \
+      --skip flex-fa4:block_causal,flex-fa4:block_causal_intervals --min-repeat-s 0.25 \
+      --budget-s $(( b - 20 )) --out "$OUT/h200-masks16.json" > "$OUT/bench-masks16.log" 2>&1
+    echo "bench rc $? ($SECONDS s)"; pkill -9 -f bench_total; grep -E '^\{' "$OUT/bench-masks16.log" | cut -c1-230
+    ;;
   qb)
     # Issue 12 (session 20): dq_blocked — the dQ slot in 8-column blocks (64-bit stores), so
     # the un-permute after the kernel moves 32-byte runs instead of gathering 8-byte pieces.

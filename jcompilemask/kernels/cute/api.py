@@ -130,7 +130,10 @@ class ForwardKey:
     group_mask: bool = False
     # O's rescale by each step's row factors in the tile loop's common tail, beside the P
     # conversion the compiler sinks there (FlashForwardSm90.rescale_tail; issue 14;
-    # $JCOMPILEMASK_CUTE_FWD_RESCALE_TAIL=1 for benchmarks until measured).
+    # $JCOMPILEMASK_CUTE_FWD_RESCALE_TAIL=1). Bit-identical (6 cases on the H200) and
+    # slower at every point timed (run 2026-12-03T21:56:51Z, fwd ms, causal 32K 14.45 ->
+    # 14.92, 8K 3.92 -> 4.02, 2K 1.198 -> 1.227; hstu / shared prompt +0.2-1.6%):
+    # a benchmark knob, off.
     rescale_tail: bool = False
 
     @property
@@ -506,8 +509,8 @@ def _fwd_group_mask() -> bool:
 
 
 def _fwd_rescale_tail() -> bool:
-    """``$JCOMPILEMASK_CUTE_FWD_RESCALE_TAIL=1`` (read at trace time; a benchmark knob until
-    measured): O's rescale in the tile loop's tail, beside P's conversion
+    """``$JCOMPILEMASK_CUTE_FWD_RESCALE_TAIL=1`` (read at trace time; a benchmark knob,
+    measured slower: see ForwardKey.rescale_tail): O's rescale in the tile loop's tail, beside P's conversion
     (ForwardKey.rescale_tail)."""
     return _env_flag(FWD_RESCALE_TAIL_ENV, "0")
 
@@ -873,8 +876,13 @@ class BackwardConfig:
       On: column blocks of 8 floats, (block, row, 8 floats) — each thread's 2 columns of
       a row as one 64-bit store (a warp's 32 stores are 256 contiguous bytes: no bank
       conflict), twice the stores; the un-permute is then a transpose of 32-byte runs.
-      The same values added in the same order: dQ is bit-identical. Not yet run on the
-      H200.
+      The same values added in the same order: dQ is bit-identical (causal D 128 on the
+      H200). Measured slower, so off: the un-permute was never the cost — XLA runs the
+      fragment-order one at 0.200 ms against 0.189 for the bare scale + cast of the same
+      537 MB at 8K (``tests/scripts/gpu_dq_post_time.py``, run 2026-12-03T21:17:13Z), and
+      the 8 extra stores per tile cost more: bwd ms causal 8K 10.26 -> 10.44, 32K 38.23 ->
+      38.54, shared prompt 8K 9.146 -> 9.153, 32K 32.45 -> 32.74 (same run,
+      ``h200-bwd-variants.json``).
 
     ``preferred_backward_config`` picks the default per head dim; ``JCOMPILEMASK_CUTE_BWD_CONFIG``
     (e.g. ``ds_stages=1,stats_early=0``) overrides fields at trace time for benchmarks.
