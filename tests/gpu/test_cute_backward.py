@@ -574,6 +574,19 @@ def test_repeated_gradients_are_identical(deterministic, cute_backward_on):
                 np.testing.assert_array_equal(again[0], first[0])
 
 
+def _deterministic_grads(monkeypatch, config, spec, md, qx, kx, vx, do):
+    """dQ, dK, dV (numpy) of sum(out * do) through the CuTe backward under
+    ``$JCOMPILEMASK_CUTE_BWD_CONFIG=config``, dQ added in the deterministic order (so two
+    configs that add the same values in the same order compare bit for bit)."""
+    monkeypatch.setenv("JCOMPILEMASK_CUTE_BWD_CONFIG", config)
+
+    def loss(a, b_, c):
+        o = jcm.mask_attention(a, b_, c, spec, metadata=md, implementation="cute",
+                               deterministic=True)
+        return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32))
+    return [np.asarray(x) for x in jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(qx, kx, vx)]
+
+
 @needs_gpu
 @pytest.mark.parametrize("name", ["shared_prompt", "clear"])
 def test_row_mask_gives_the_default_gradients(name, cute_backward_on, monkeypatch):
@@ -588,13 +601,7 @@ def test_row_mask_gives_the_default_gradients(name, cute_backward_on, monkeypatc
                       for kk in ks)
 
     def grads(config):
-        monkeypatch.setenv("JCOMPILEMASK_CUTE_BWD_CONFIG", config)
-
-        def loss(a, b_, c):
-            o = jcm.mask_attention(a, b_, c, spec, metadata=md, implementation="cute",
-                                   deterministic=True)
-            return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32))
-        return [np.asarray(x) for x in jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(qx, kx, vx)]
+        return _deterministic_grads(monkeypatch, config, spec, md, qx, kx, vx, do)
 
     base, rows = grads(""), grads("row_mask=1")
     for a, b_ in zip(base, rows):
@@ -618,13 +625,7 @@ def test_dq_blocked_gives_identical_gradients(name, d, dv, dtype, cute_backward_
     vx, do = (jax.random.normal(kk, (2, n, 4, dv), jnp.float32).astype(dtype) for kk in ks[2:])
 
     def grads(config):
-        monkeypatch.setenv("JCOMPILEMASK_CUTE_BWD_CONFIG", config)
-
-        def loss(a, b_, c):
-            o = jcm.mask_attention(a, b_, c, spec, metadata=md, implementation="cute",
-                                   deterministic=True)
-            return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32))
-        return [np.asarray(x) for x in jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(qx, kx, vx)]
+        return _deterministic_grads(monkeypatch, config, spec, md, qx, kx, vx, do)
 
     base, blocked = grads(""), grads("dq_blocked=1")
     for a, b_ in zip(base, blocked):

@@ -42,14 +42,11 @@ lse = jnp.zeros((b, h, n), jnp.float32)
 s = np.float32(0.088)
 
 
-def blocked(x):
-    x = x.reshape(b, h, tq, d // 8, bq, 8)
-    return jnp.transpose(x, (0, 2, 4, 1, 3, 5)).reshape(b, tq * bq, h, d)
-
 
 pieces = {
     "dq_post": (jax.jit(lambda x: (dq_fragment_unpermute(x, n, d) * s).astype(jnp.bfloat16)), (acc,)),
-    "dq_post_blocked": (jax.jit(lambda x: (blocked(x) * s).astype(jnp.bfloat16)), (acc,)),
+    "dq_post_blocked": (jax.jit(lambda x: (dq_fragment_unpermute(x, n, d, blocked=True) * s)
+                                .astype(jnp.bfloat16)), (acc,)),
     "dq_cast": (jax.jit(lambda x: (x * s).astype(jnp.bfloat16)), (acc,)),
     "delta": (jax.jit(lambda a, c, l: softmax_delta(a, c, l)), (o, do, lse)),
     "dq_zeros": (jax.jit(lambda: jnp.zeros((b, h, tq, bq * d), jnp.float32)), ()),

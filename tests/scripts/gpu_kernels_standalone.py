@@ -112,12 +112,8 @@ def run(path):
     from jcompilemask.kernels.cute.api import dq_warpgroups
     w = dq_warpgroups(D)
     g = D // w // 8
-    if cfg.dq_blocked:       # (8-column block, row, 8 floats) slots
-        x = acc.cpu().numpy().reshape(B, Hq, Tq, D // 8, bbq, 8)
-        x = np.transpose(x, (0, 2, 4, 1, 3, 5)).reshape(B, Tq * bbq, Hq, D)[:, :N]
-    else:
-        x = acc.cpu().numpy().reshape(B, Hq, Tq, w, g, 4, 8, 4, 2, 2)
-        x = np.transpose(x, (0, 2, 5, 8, 6, 1, 3, 4, 7, 9)).reshape(B, Tq * bbq, Hq, D)[:, :N]
+    x = acc.cpu().numpy().reshape(B, Hq, Tq, w, g, 4, 8, 4, 2, 2)
+    x = np.transpose(x, (0, 2, 5, 8, 6, 1, 3, 4, 7, 9)).reshape(B, Tq * bbq, Hq, D)[:, :N]
     dq = x * scale
 
     # float32 dense reference (torch autograd), GQA by repeating K / V heads.

@@ -510,8 +510,8 @@ def _fwd_group_mask() -> bool:
 
 def _fwd_rescale_tail() -> bool:
     """``$JCOMPILEMASK_CUTE_FWD_RESCALE_TAIL=1`` (read at trace time; a benchmark knob,
-    measured slower: see ForwardKey.rescale_tail): O's rescale in the tile loop's tail, beside P's conversion
-    (ForwardKey.rescale_tail)."""
+    measured slower): O's rescale in the tile loop's tail, beside P's conversion
+    (ForwardKey.rescale_tail, which cites the run)."""
     return _env_flag(FWD_RESCALE_TAIL_ENV, "0")
 
 
