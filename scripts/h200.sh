@@ -74,6 +74,7 @@
 #                preprocess benchmark
 #   sanitize     compute-sanitizer memcheck + racecheck over a small CuTe backward run
 #   profile      ncu on one clear forward launch at 32K (why 53 TF/s)
+#   bsched       the backward's key columns in the host's order (BackwardConfig.schedule) beside the grid: bwd ms per order policy
 #   train        end-to-end Qwen3-0.6B training tokens/s (benchmarks/train_e2e.py), jcm vs cuDNN vs dense XLA at 8K and 32K (build .device-stage/train with scripts/train_bundle.sh; carry it too)
 set -uo pipefail
 stage=${1:?stage: correctness | bwdv1 | kernels | forward | peers | peers2k | peers32 | total | tilelang | sanitize | profile | v1prof | v5tests | v5bench | hdims | multigpu | ...}
@@ -646,6 +647,24 @@ PY
       --jcm-variants "base=;qb=JCOMPILEMASK_CUTE_BWD_CONFIG=dq_blocked=1" --budget-s $(( b - 20 )) \
       --out "$OUT/h200-bwd-qb.json" > "$OUT/bench-qb.log" 2>&1
     echo "bench rc $? ($SECONDS s)"; pkill -9 -f bench_total; grep -E '^\{' "$OUT/bench-qb.log" | cut -c1-190
+    ;;
+  bsched)
+    # Issue 12 / 16 (session 21): the backward's key columns in the host's order
+    # (BackwardConfig.schedule, api.backward_schedule) beside the default grid, with each
+    # order policy ($JCOMPILEMASK_CUTE_BWD_ORDER: hoist, global, group), FA4 native beside
+    # causal. The masks whose long columns start late in the grid (causal / shared prompt 8K:
+    # the last head's; CLEAR's text keys; the 16 global keys) at JCM_BENCH_NS (default 32K
+    # and 8K). Every (N, mask) compiled first in JCM_PREWARM parallel workers (default 8).
+    export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
+    export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1
+    b=${JCM_BENCH_S:-540}
+    sc="JCOMPILEMASK_CUTE_BWD_CONFIG=schedule=1"
+    timeout -k 5 $b python3 benchmarks/bench_total.py --ns ${JCM_BENCH_NS:-32768,8192} \
+      --masks ${JCM_BENCH_MASKS:-global_window,clear,causal,shared_prompt} --impls jcm,fa4-native \
+      --prewarm ${JCM_PREWARM:-8} --prewarm-s ${JCM_PREWARM_S:-200} --min-repeat-s 0.25 \
+      --jcm-variants "${JCM_SCHED_VARIANTS:-base=;hoist=$sc;glob=$sc JCOMPILEMASK_CUTE_BWD_ORDER=global;grp=$sc JCOMPILEMASK_CUTE_BWD_ORDER=group}" \
+      --budget-s $(( b - 20 )) --out "$OUT/h200-bwd-sched.json" > "$OUT/bench-sched.log" 2>&1
+    echo "bench rc $? ($SECONDS s)"; pkill -9 -f bench_total; grep -E '^\{|prewarm' "$OUT/bench-sched.log" | cut -c1-200
     ;;
   shfl)
     # Session 6's compile-checked knobs, tested then timed: stats_shfl (lse / delta by shfl),

@@ -68,10 +68,13 @@ def test_named_barrier_ids_are_distinct_and_fit():
 
 
 @needs_cutlass
-@pytest.mark.parametrize("case", ["dilated", "divisor", "two_regions", "no_column_view"])
+@pytest.mark.parametrize("case", ["dilated", "divisor", "two_regions", "no_column_view",
+                                  "dilated_schedule"])
 def test_residual_backward_compiles_for_sm90(case):
     """Residual predicates in the backward's partial tiles: the column program per key row,
-    or (no column view) the forward program per query column with its row's region."""
+    or (no column view) the forward program per query column with its row's region; and
+    the residual entry with the host's column order (``schedule``)."""
+    import dataclasses
     from jcompilemask.kernels.cute.api import BackwardKey, compile_backward, preferred_backward_config
     from jcompilemask.lower.residual_program import ResidualProgram
     d = Scalar("d", min=1, max=9)
@@ -80,10 +83,11 @@ def test_residual_backward_compiles_for_sm90(case):
              "two_regions": [Region((0, 10), (k <= q) & (k % 2 == 0)),
                              Region((10, q_len), (k <= q) & (k % 3 == 0))],
              "no_column_view": [Region((0, q_len), (k <= q) & (k >= q % 97 * 3) & (k % 2 == 0))]}
-    cm = jcm.compile(MaskSpec(rules[case]), warn=False)
+    cm = jcm.compile(MaskSpec(rules[case.replace("_schedule", "")]), warn=False)
     pair = ResidualProgram.pair(cm)
+    cfg = dataclasses.replace(preferred_backward_config(128), schedule=case.endswith("_schedule"))
     key = BackwardKey("bfloat16", 128, cm.num_intervals, cm.num_bwd_intervals, False, True,
-                      128 ** -0.5, preferred_backward_config(128), residual=pair)
+                      128 ** -0.5, cfg, residual=pair)
     assert compile_backward(key) is not None
     assert f"_r{pair[0].tag}{pair[1].tag}" in key.target_name
 
@@ -169,7 +173,13 @@ def test_row_mask_compiles_for_sm90(d, kk, kc, cap):
                                                   dkv_tma_store=True, column_registers=2, column_bits=0,
                                                   column_skip=True, dq_blocked=True)),
                                        (64, dict(work_list=True, dkv_tma_store=True, stats_shfl=True,
-                                                 deterministic=True, dq_blocked=True))])
+                                                 deterministic=True, dq_blocked=True)),
+                                       # schedule (the host's column order, a 1-D grid) on
+                                       # the D 128 default, and on the walk at D 64
+                                       (128, dict(lse_prefetch=True, static_stage=True, work_list=True,
+                                                  dkv_tma_store=True, column_registers=2, column_bits=0,
+                                                  column_skip=True, schedule=True)),
+                                       (64, dict(stats_shfl=True, schedule=True))])
 def test_backward_config_variants_compile_for_sm90(d, changes):
     """The configs benchmarked against the default (one dS buffer, late statistics)."""
     import dataclasses
@@ -630,6 +640,46 @@ def test_dq_blocked_gives_identical_gradients(name, d, dv, dtype, cute_backward_
     base, blocked = grads(""), grads("dq_blocked=1")
     for a, b_ in zip(base, blocked):
         np.testing.assert_array_equal(a, b_)
+
+
+@needs_gpu
+@pytest.mark.parametrize("name,d,dv,dtype,policy", [
+    ("causal", 128, 128, jnp.bfloat16, "hoist"), ("shared_prompt", 64, 64, jnp.float16, "global"),
+    ("clear", 128, 128, jnp.bfloat16, "group"), ("hstu", 256, 256, jnp.bfloat16, "hoist"),
+    ("clear", 192, 128, jnp.bfloat16, "hoist"), ("dilated_window", 128, 128, jnp.bfloat16, "hoist"),
+], ids=lambda v: str(getattr(v, "__name__", v)))
+def test_schedule_gives_the_default_gradients(name, d, dv, dtype, policy, cute_backward_on,
+                                              monkeypatch):
+    """schedule changes which block runs a key column, not what the column computes: dK and
+    dV equal the default grid's bit for bit (one block owns a key tile); dQ, added by
+    every column in whatever order the blocks run, meets the tolerance policy. Residual
+    masks take the schedule's residual entry (the dilated window: window 128, dilation 2)."""
+    rng = np.random.default_rng(14)
+    n = 900 if name != "clear" else 1100
+    if name == "dilated_window":
+        md, spec = None, MaskSpec([Region((0, q_len), (k <= q) & (k > q - 128) & ((q - k) % 2 == 0))])
+    else:
+        md, spec = metadata(name, 2, n, rng), SPECS[name]
+    ks = jax.random.split(jax.random.key(7), 4)
+    hs = (4, 2, 2, 4)            # GQA: 2 query heads per KV head
+    qx, kx = (jax.random.normal(kk, (2, n, h, d), jnp.float32).astype(dtype) for kk, h in zip(ks[:2], hs))
+    vx, do = (jax.random.normal(kk, (2, n, h, dv), jnp.float32).astype(dtype) for kk, h in zip(ks[2:], hs[2:]))
+
+    def grads(config):
+        monkeypatch.setenv("JCOMPILEMASK_CUTE_BWD_CONFIG", config)
+        monkeypatch.setenv("JCOMPILEMASK_CUTE_BWD_ORDER", policy)
+
+        def loss(a, b_, c):
+            o = jcm.mask_attention(a, b_, c, spec, metadata=md, implementation="cute")
+            return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32))
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(qx, kx, vx)
+
+    base, sched = grads("schedule=0"), grads("schedule=1")
+    np.testing.assert_array_equal(np.asarray(base[1]), np.asarray(sched[1]))
+    np.testing.assert_array_equal(np.asarray(base[2]), np.asarray(sched[2]))
+    g_hi, g_lo = reference_gradients(qx, kx, vx, do, spec.as_dense(md, n, n))
+    problems = gradient_problems(sched, g_hi, g_lo, dtype)
+    assert not problems, "; ".join(problems)
 
 
 @needs_gpu

@@ -884,6 +884,19 @@ class BackwardConfig:
       38.54, shared prompt 8K 9.146 -> 9.153, 32K 32.45 -> 32.74 (same run,
       ``h200-bwd-variants.json``).
 
+    - ``schedule``: a 1-D grid whose block i runs the key column (work unit) the host put
+      at position i of ``backward_schedule``'s order: the longest columns first, so the
+      grid's tail is made of short ones. With the default 3-D grid the blocks of the last
+      (batch, head) start at the end of the launch, its longest column among them; a
+      greedy replay of the launch on 132 SMs (each column costing 5 us + 2.4 us per
+      visited tile, 3.0 per masked one; the grid-order replay lands within ~3% of the
+      measured kernels) gives causal 8K 10.21 -> 10.07 ms (the bound is 10.07), shared
+      prompt 8K 8.72 -> 8.58, CLEAR 32K 6.16 -> 4.94, 16 global tokens + window 32K 3.02
+      -> 1.72 (its key tile 0, visited by every query tile, starts last for the last
+      head). Costs one dependent global load (the unit) per block. Excludes
+      ``deterministic`` (its dQ turns rely on the launch order). ``$JCOMPILEMASK_CUTE_BWD_ORDER``
+      picks the host order for benchmarks (``backward_schedule``'s ``policy``).
+
     ``preferred_backward_config`` picks the default per head dim; ``JCOMPILEMASK_CUTE_BWD_CONFIG``
     (e.g. ``ds_stages=1,stats_early=0``) overrides fields at trace time for benchmarks.
     """
@@ -916,6 +929,7 @@ class BackwardConfig:
     rcp_emu: int = 0
     softcap_r: bool = False
     dq_blocked: bool = False
+    schedule: bool = False
 
     def __post_init__(self):
         want = BWD_TILES_SPLIT if self.split_dkv else BWD_TILES
@@ -950,6 +964,10 @@ class BackwardConfig:
         if not 0 <= self.rcp_emu <= 8:
             raise ValueError(f"rcp_emu={self.rcp_emu} must be 0..8 (columns of every 8 whose "
                              "soft-cap reciprocal runs on the FMA pipe)")
+        if self.schedule and self.deterministic:
+            raise ValueError("schedule (a host order of the key columns) excludes deterministic: "
+                             "the deterministic dQ turns wait on lower key tiles, which must "
+                             "have lower block indices")
         if self.num_stages < 1 or self.ds_stages not in (1, 2):
             raise ValueError(f"num_stages={self.num_stages} must be >= 1 and ds_stages="
                              f"{self.ds_stages} 1 or 2")
@@ -970,7 +988,8 @@ class BackwardConfig:
                 f"{'_ssdp' if self.split_sdp else ''}{'_rm' if self.row_mask else ''}"
                 f"{f'_e2e{self.exp2_emu}' if self.exp2_emu else ''}"
                 f"{f'_rcp{self.rcp_emu}' if self.rcp_emu else ''}"
-                f"{'_scr' if self.softcap_r else ''}{'_qb' if self.dq_blocked else ''}")
+                f"{'_scr' if self.softcap_r else ''}{'_qb' if self.dq_blocked else ''}"
+                f"{'_sch' if self.schedule else ''}")
 
 
 def preferred_backward_config(head_dim: int, dtype: str = "bfloat16",
@@ -1231,6 +1250,11 @@ def compile_backward(key: BackwardKey):
                                                    assumed_align=4),
                      cute.runtime.make_fake_tensor(cutlass.Int32, (bm, max(key.residual[0].width, 1)),
                                                    stride=(sym64(), 1), assumed_align=4)]
+        if cfg.schedule:
+            # The work-unit order int32 [B * Hkv * Tk] (an operand, after the residual's).
+            entry = kernel.with_residual_schedule if key.residual is not None else kernel.with_schedule
+            args.append(cute.runtime.make_fake_tensor(cutlass.Int32, (sym(),), stride=(1,),
+                                                      assumed_align=4))
         args += [dq_acc(), sem(), bshd(dtype, nk, hkv), bshd(dtype, nk, hkv, dim=key.dv)]
         fn = cute.compile(
             entry, *args,
@@ -1283,6 +1307,81 @@ def dq_turns(bwd_tiles, num_q_tiles: int):
     return jnp.cumsum(visits, axis=2) - visits
 
 
+BWD_ORDER_ENV = "JCOMPILEMASK_CUTE_BWD_ORDER"
+BWD_ORDER_POLICIES = ("hoist", "group", "global")
+
+
+def _bwd_order_policy() -> str:
+    """``$JCOMPILEMASK_CUTE_BWD_ORDER`` (read at trace time): ``backward_schedule``'s policy
+    under ``BackwardConfig.schedule``; ``hoist`` when unset."""
+    import os
+    policy = os.environ.get(BWD_ORDER_ENV, "").strip() or "hoist"
+    if policy not in BWD_ORDER_POLICIES:
+        raise ValueError(f"{BWD_ORDER_ENV}={policy!r}: choose one of {BWD_ORDER_POLICIES}")
+    return policy
+
+
+def _popcount_visited(tiles, xp):
+    """Visited tiles per row of 2-bit tile states (bit 0 of each pair): int32 [..., rows]."""
+    x = tiles.astype(xp.uint32) & xp.uint32(0x55555555)
+    x = (x & xp.uint32(0x33333333)) + ((x >> xp.uint32(2)) & xp.uint32(0x33333333))
+    x = (x + (x >> xp.uint32(4))) & xp.uint32(0x0F0F0F0F)
+    x = (x * xp.uint32(0x01010101)) >> xp.uint32(24)
+    return x.astype(xp.int32).sum(axis=-1, dtype=xp.int32)
+
+
+def backward_schedule(bwd_tiles, batch: int, num_heads: int, num_kv_heads: int,
+                      heads_per_group: int, *, num_ctas: int | None = None,
+                      policy: str = "hoist", xp=jnp):
+    """The order in which the backward's 1-D grid (``BackwardConfig.schedule``) runs its
+    work units, ``unit = (b * Hkv + kv_head) * Tk + k_tile`` (one key column of a KV head,
+    all its query heads): int32 [B * Hkv * Tk], a permutation.
+
+    A unit's weight is its visited query tiles, summed over the KV head's query heads
+    (from ``bwd_tiles``, uint32 [Bm, Hm, Tk, W], 2 state bits per tile, bit 0 = visited),
+    so the order serves any mask. ``policy``:
+
+    - ``group``: units grouped by ``heads_per_group`` consecutive (batch, kv head) pairs
+      (their Q / dO stay in L2 while the group runs), heaviest first inside a group;
+    - ``global``: heaviest first over all units;
+    - ``hoist`` (default): ``group``, except that units heavier than their group's work
+      per CTA (group total / ``num_ctas``, the SM count by default) go first of all,
+      heaviest first: a column no group could hide (16 global keys seen by every query)
+      starts at once instead of with its group.
+
+    Ties keep the launch order of the default grid. ``xp``: ``jax.numpy`` (traced, inside
+    ``cute_backward``) or ``numpy`` (tests).
+
+    >>> import numpy as np
+    >>> tiles = np.array([[[[0x15], [0x14], [0x10]]]], np.uint32)   # causal: 3, 2, 1 visited
+    >>> backward_schedule(tiles, 2, 1, 1, 1, num_ctas=2, policy="group", xp=np).tolist()
+    [0, 1, 2, 3, 4, 5]
+    >>> tiles = np.array([[[[0x55], [0x1], [0x1], [0x1]]]], np.uint32)  # column 0 seen by all
+    >>> backward_schedule(tiles, 2, 1, 1, 1, num_ctas=2, policy="hoist", xp=np).tolist()
+    [0, 4, 1, 2, 3, 5, 6, 7]
+    """
+    if policy not in BWD_ORDER_POLICIES:
+        raise ValueError(f"policy={policy!r}: choose one of {BWD_ORDER_POLICIES}")
+    Bm, Hm, Tk, _ = bwd_tiles.shape
+    group_size = num_heads // num_kv_heads
+    counts = xp.broadcast_to(_popcount_visited(bwd_tiles, xp), (batch, num_heads, Tk))
+    counts = counts.reshape(batch, num_kv_heads, group_size, Tk).sum(axis=2, dtype=xp.int32)
+    counts = counts.reshape(-1)
+    unit = xp.arange(batch * num_kv_heads * Tk, dtype=xp.int32)
+    pair = unit // Tk                                       # b * Hkv + kv head
+    if policy == "global":
+        return xp.lexsort((unit, -counts)).astype(xp.int32)
+    grp = pair // max(1, int(heads_per_group))
+    if policy == "group":
+        return xp.lexsort((unit, -counts, grp)).astype(xp.int32)
+    n_groups = -(-(batch * num_kv_heads) // max(1, int(heads_per_group)))
+    totals = xp.zeros((n_groups,), xp.int32).at[grp].add(counts) if xp is jnp \
+        else np.bincount(grp, weights=counts, minlength=n_groups).astype(np.int32)
+    per_cta = totals[grp] // max(1, int(num_ctas if num_ctas is not None else num_sms()))
+    first = xp.where(counts > per_cta, -1, grp)
+    return xp.lexsort((unit, -counts, first)).astype(xp.int32)
+
+
 def cute_backward(q, k, v, out, lse, do, bwd_intervals, bwd_tiles, fwd_intervals, bwd_exact, *,
                   scale=None, dlse=None, block_q=BWD_TILES[0], block_kv=BWD_TILES[1],
                   deterministic=False, softcap=None, residual=None, row_region=None,
@@ -1327,9 +1426,10 @@ def cute_backward(q, k, v, out, lse, do, bwd_intervals, bwd_tiles, fwd_intervals
         raise ValueError(f"bwd_tiles shape {bwd_tiles.shape} does not match {block_q}x{block_kv} "
                          f"backward tiles of Nq={Nq}, Nk={Nk}")
     dtype_name = jnp.dtype(q.dtype).name
+    preferred = preferred_backward_config(D, dtype_name, softcap is not None)
     config = _config_from_env(dataclasses.replace(
-        preferred_backward_config(D, dtype_name, softcap is not None), block_q=block_q, block_kv=block_kv,
-        deterministic=bool(deterministic)))
+        preferred, block_q=block_q, block_kv=block_kv, deterministic=bool(deterministic),
+        schedule=preferred.schedule and not deterministic))
     key = BackwardKey(
         dtype=dtype_name, head_dim=D, num_intervals=K, num_bwd_intervals=Kc,
         broadcast_batch=(Bm == 1), broadcast_head=(Hm == 1), scale=float(scale), config=config,
@@ -1374,6 +1474,11 @@ def cute_backward(q, k, v, out, lse, do, bwd_intervals, bwd_tiles, fwd_intervals
     operands = (q, k, v, do, lse2, delta, bwd_intervals.astype(jnp.int32),
                 bwd_tiles.astype(jnp.uint32), fwd_intervals.astype(jnp.int32), exact,
                 turns, jnp.zeros(acc_shape, f32), jnp.zeros(sem_shape, jnp.int32), *extra)
+    if config.schedule:
+        operands += (backward_schedule(
+            bwd_tiles, B, Hq, Hkv, kv_heads_per_l2_group(Nq, D * (Hq // Hkv), Dv * (Hq // Hkv),
+                                                         jnp.dtype(q.dtype).itemsize),
+            policy=_bwd_order_policy()),)
     dq_acc, _, dk, dv = match_varying(call(*operands), *operands)
     # One fused XLA pass: un-permute, scale, cast.
     dq = dq_fragment_unpermute(dq_acc, Nq, D, block_q, blocked=config.dq_blocked)

@@ -296,9 +296,69 @@ class FlashBackwardSm90(WarpSpecializedSm90):
                      mParams, stream)
 
     @cute.jit
+    def with_schedule(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mdO: cute.Tensor,
+        mLSE2: cute.Tensor,
+        mDelta: cute.Tensor,
+        mBwdIntervals: cute.Tensor,
+        mBwdTiles: cute.Tensor,
+        mFwdIntervals: cute.Tensor,
+        mBwdExact: cute.Tensor,
+        mDqRank: cute.Tensor,
+        mdQinit: cute.Tensor,
+        mSemInit: cute.Tensor,
+        mSchedule: cute.Tensor,
+        mdQaccum: cute.Tensor,
+        mSem: cute.Tensor,
+        mdK: cute.Tensor,
+        mdV: cute.Tensor,
+        stream,
+    ):
+        """The entry with a work-unit order (``config.schedule``): int32 [B * Hkv * Tk], a
+        permutation of the units ``(batch * Hkv + head_kv) * Tk + k_tile``
+        (api.backward_schedule); block i runs unit mSchedule[i]."""
+        self._launch(mQ, mK, mV, mdO, mLSE2, mDelta, mBwdIntervals, mBwdTiles, mFwdIntervals,
+                     mBwdExact, mDqRank, mdQinit, mSemInit, mdQaccum, mSem, mdK, mdV, None, None,
+                     stream, mSchedule)
+
+    @cute.jit
+    def with_residual_schedule(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mdO: cute.Tensor,
+        mLSE2: cute.Tensor,
+        mDelta: cute.Tensor,
+        mBwdIntervals: cute.Tensor,
+        mBwdTiles: cute.Tensor,
+        mFwdIntervals: cute.Tensor,
+        mBwdExact: cute.Tensor,
+        mDqRank: cute.Tensor,
+        mdQinit: cute.Tensor,
+        mSemInit: cute.Tensor,
+        mRegion: cute.Tensor,
+        mParams: cute.Tensor,
+        mSchedule: cute.Tensor,
+        mdQaccum: cute.Tensor,
+        mSem: cute.Tensor,
+        mdK: cute.Tensor,
+        mdV: cute.Tensor,
+        stream,
+    ):
+        """``with_residual`` and ``with_schedule`` together."""
+        self._launch(mQ, mK, mV, mdO, mLSE2, mDelta, mBwdIntervals, mBwdTiles, mFwdIntervals,
+                     mBwdExact, mDqRank, mdQinit, mSemInit, mdQaccum, mSem, mdK, mdV, mRegion,
+                     mParams, stream, mSchedule)
+
+    @cute.jit
     def _launch(self, mQ, mK, mV, mdO, mLSE2, mDelta, mBwdIntervals, mBwdTiles, mFwdIntervals,
                 mBwdExact, mDqRank, mdQinit, mSemInit, mdQaccum, mSem, mdK, mdV, mRegion, mParams,
-                stream):
+                stream, mSchedule=None):
         # mdQinit / mSemInit are the zero-filled inputs XLA aliases to mdQaccum / mSem.
         # (B, N, H, D) -> (N, D, H, B) for the TMA tiles.
         rows_first = lambda t: cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0]))  # noqa: E731
@@ -374,14 +434,18 @@ class FlashBackwardSm90(WarpSpecializedSm90):
 
         self.shared_storage = SharedStorage
         num_k_tiles = cute.ceil_div(mK.shape[1], bk)
+        grid = [num_k_tiles, mK.shape[2], mK.shape[0]]
+        if const_expr(self.config.schedule):
+            grid = [num_k_tiles * mK.shape[2] * mK.shape[0], 1, 1]
         self.kernel(
             mQ_tma, mK_tma, mV_tma, mdO_tma, mLSE2, mDelta, mBwdIntervals, mBwdTiles,
             mFwdIntervals, mBwdExact, mdQaccum, mdK, mdV, mDqRank, mSem,
             tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_do, tma_atom_lse, tma_atom_delta,
             tma_atom_dk, tma_atom_dv, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, sQ_layout, sK_layout, sdS_layout,
             mQ.shape[1], mQ.shape[2], *(() if const_expr(self.residual is None) else (mRegion, mParams)),
+            **({"mSchedule": mSchedule} if const_expr(self.config.schedule) else {}),
         ).launch(
-            grid=[num_k_tiles, mK.shape[2], mK.shape[0]],
+            grid=grid,
             block=[self.num_threads, 1, 1],
             stream=stream,
             min_blocks_per_mp=1,
@@ -424,6 +488,7 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         num_heads: Int32,
         mRegion: Optional[cute.Tensor] = None,
         mParams: Optional[cute.Tensor] = None,
+        mSchedule: Optional[cute.Tensor] = None,
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
@@ -459,6 +524,14 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         work = (sList, sCount)
 
         k_tile, head_kv, batch = cute.arch.block_idx()
+        if const_expr(self.config.schedule):
+            # The host's order (api.backward_schedule: long key columns first, heads grouped
+            # for L2): block k_tile runs unit (batch * Hkv + head_kv) * Tk + k_tile.
+            unit = cute.arch.make_warp_uniform(mSchedule[k_tile])
+            n_k_tiles = cute.ceil_div(mK.shape[0], self.block_kv)
+            k_tile = unit % n_k_tiles
+            head_kv = (unit // n_k_tiles) % mK.shape[2]
+            batch = unit // (n_k_tiles * mK.shape[2])
         group = num_heads // mK.shape[2]
         mask_batch = 0 if const_expr(self.broadcast_batch) else batch
         n_q_tiles = cute.ceil_div(seqlen_q, self.block_q)
@@ -625,7 +698,8 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         zero on entry) equals this key tile's rank among the key tiles that visit the query
         tile (mDqRank, an exclusive count over the column-major tile states); after its
         adds have completed, it bumps the semaphore with release semantics. Lower key
-        tiles of a (batch, head) have lower block indices, so they are resident or done."""
+        tiles of a (batch, head) have lower block indices, so they are resident or done
+        (which is why ``config.schedule``, a host order of the blocks, excludes it)."""
         lane = cute.arch.lane_idx()
         meet = self.threads_per_wg + 32
         nbytes = self.dq_wg_floats * 4
