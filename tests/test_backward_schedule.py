@@ -62,6 +62,14 @@ def test_every_policy_gives_a_permutation_in_its_order(p, policy):
     elif policy == "group":
         assert np.all(np.diff(groups) >= 0), "groups run one after another"
         assert np.all(np.diff(counts)[np.diff(groups) == 0] <= 0), "heaviest first in a group"
+    elif policy == "tail":
+        w = _unit_counts(tiles, b, hq, hkv) + api.BWD_BLOCK_COST_TILES
+        after = w.sum() - np.cumsum(w)
+        late = w * (ctas - 1) - after > (ctas * w.sum()) // w.size
+        n = int(late.sum())
+        assert sorted(order[:n].tolist()) == np.flatnonzero(late).tolist(), "late units first"
+        assert np.all(np.diff(counts[:n]) <= 0)
+        assert np.all(np.diff(order[n:]) > 0), "the rest in the grid's order"
     else:
         totals = np.bincount(order // tk // group, weights=_unit_counts(tiles, b, hq, hkv)[order])
         hoisted = counts > totals[groups] // ctas
@@ -80,6 +88,22 @@ def test_ties_keep_the_grid_order():
     for policy in api.BWD_ORDER_POLICIES:
         assert backward_schedule(tiles, 2, 2, 2, 2, num_ctas=4, policy=policy, xp=np).tolist() \
             == list(range(20))
+
+
+def test_tail_moves_only_the_columns_that_would_end_last():
+    """Causal, 2 batches x 2 heads, 8 key tiles (16 query tiles) on 4 CTAs: no column
+    ends much after the rest, the grid's order stays. 16 global keys + a window (the
+    key tile 0 of each head is visited by every query tile): on 8 CTAs the last head's
+    moves to the front (the earlier heads' start early enough), nothing else moves."""
+    desc = jcm.compile(masks.causal()).instantiate(None, 1024, 1024, preprocess="jnp")
+    order = backward_schedule(np.asarray(desc.bwd_tiles), 2, 2, 2, 1, num_ctas=4, policy="tail", xp=np)
+    assert order.tolist() == list(range(32))
+    from jcompilemask.spec import MaskSpec, Region, k, q, q_len
+    spec = MaskSpec([Region((0, q_len), (k <= q) & ((k < 16) | (k > q - 256)))])
+    desc = jcm.compile(spec).instantiate(None, 2048, 2048, preprocess="jnp")
+    order = backward_schedule(np.asarray(desc.bwd_tiles), 2, 2, 2, 1, num_ctas=8, policy="tail", xp=np)
+    tk = 2048 // 128
+    assert order.tolist() == [3 * tk] + [u for u in range(4 * tk) if u != 3 * tk]
 
 
 def test_runs_under_jit():

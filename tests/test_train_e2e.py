@@ -238,3 +238,18 @@ def test_smoke_writes_records_and_table(e2e, tmp_path):
         import xml.etree.ElementTree as ET
         root = ET.fromstring((tmp_path / "train.svg").read_text())
         assert sum(1 for el in root.iter() if el.tag.endswith("rect")) >= 2 + 2
+
+
+def test_dense_baseline_in_a_fresh_process(e2e, tmp_path, monkeypatch):
+    """--dense-process on: the xla-dense records come from a child process with the same run
+    id, merged after the others (on a GPU that is the default: the dense step's buffer
+    then meets an empty allocator)."""
+    monkeypatch.setenv("JCM_RUN_ID", "test-run")
+    out = tmp_path / "train.json"
+    records = e2e.main(["--smoke", "--workloads", "hstu", "--impls", "jcm,xla-dense",
+                        "--dense-process", "on", "--out", str(out)])
+    assert [r["impl"] for r in records] == ["jcm", "xla-dense"]
+    dense = records[1]
+    assert dense["status"] == "ok" and dense["run"] == records[0]["run"] == "test-run", dense
+    assert dense["loss_last"] < dense["loss_first"]
+    assert [r["impl"] for r in json.loads(out.read_text())["records"]] == ["jcm", "xla-dense"]

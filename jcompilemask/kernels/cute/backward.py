@@ -492,6 +492,11 @@ class FlashBackwardSm90(WarpSpecializedSm90):
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
+        k_tile, head_kv, batch = cute.arch.block_idx()
+        unit = Int32(0)
+        if const_expr(self.config.schedule):
+            # The block's work unit, read first: its latency overlaps the barrier setup.
+            unit = mSchedule[k_tile]
         if warp_idx == 0:
             for atom in (tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_do, tma_atom_lse, tma_atom_delta):
                 cpasync.prefetch_descriptor(atom)
@@ -523,11 +528,10 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         sCount = storage.sCount.get_tensor(cute.make_layout(2))
         work = (sList, sCount)
 
-        k_tile, head_kv, batch = cute.arch.block_idx()
         if const_expr(self.config.schedule):
-            # The host's order (api.backward_schedule: long key columns first, heads grouped
-            # for L2): block k_tile runs unit (batch * Hkv + head_kv) * Tk + k_tile.
-            unit = cute.arch.make_warp_uniform(mSchedule[k_tile])
+            # The host's order (api.backward_schedule: long key columns first): block i
+            # runs unit (batch * Hkv + head_kv) * Tk + k_tile = mSchedule[i].
+            unit = cute.arch.make_warp_uniform(unit)
             n_k_tiles = cute.ceil_div(mK.shape[0], self.block_kv)
             k_tile = unit % n_k_tiles
             head_kv = (unit // n_k_tiles) % mK.shape[2]
