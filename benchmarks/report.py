@@ -70,6 +70,63 @@ def load(results_dir):
     return fwd, pre, low, total, variants, hdims
 
 
+def load_train(results_dir):
+    """Records of the end-to-end training files (``*train-e2e*.json``, train_e2e.py), the
+    out-of-memory and skipped ones included, each tagged with its ``source``."""
+    out = []
+    for name in sorted(os.listdir(results_dir)):
+        if not (name.endswith(".json") and "train-e2e" in name):
+            continue
+        with open(os.path.join(results_dir, name)) as f:
+            head = json.load(f)
+        if isinstance(head, dict) and head.get("smoke"):
+            continue
+        out += [dict(r, source=name) for r in _records(os.path.join(results_dir, name))]
+    return out
+
+
+def train_table(train):
+    """Tokens/s per (run, model, N, workload): jcm against every comparison of the same
+    run (cuDNN causal is the right mask only on ``causal``: elsewhere a speed-of-light
+    reference, marked), the attention share of jcm's step, the compiled step's memory."""
+    by = {}
+    for r in train:
+        by.setdefault((r.get("run", "?"), r["model"], r["n"], r["workload"]), {})[r["impl"]] = r
+    rest = {(k[0], k[1], k[2]): v["no-attention"] for k, v in by.items() if "no-attention" in v}
+    rows = ["| run | model | N | workload | jcm tok/s (attention ms) | cuDNN causal tok/s | "
+            "jcm / cuDNN | dense-mask XLA | peak GiB (jcm) |",
+            "|---|---|---|---|---|---|---|---|---|"]
+
+    def tok(r):
+        if r is None:
+            return "-"
+        if r.get("status") != "ok":
+            return r.get("status", "error")
+        return f"{r['tokens_per_s']:,.0f}"
+    for (run, model, n, wl), impls in sorted(by.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2],
+                                                                            WORKLOAD_ORDER.get(kv[0][3], 9))):
+        if set(impls) == {"no-attention"}:
+            continue
+        j, c, d = impls.get("jcm"), impls.get("cudnn-causal"), impls.get("xla-dense")
+        att = f" ({j['attention_ms']:.0f})" if j and j.get("attention_ms") is not None else ""
+        ratio = (f"{j['tokens_per_s'] / c['tokens_per_s']:.2f}x" if j and c and
+                 j.get("status") == c.get("status") == "ok" else "-")
+        cud = tok(c) + (" [wrong mask]" if c and c.get("status") == "ok" and wl != "causal" else "")
+        dense = tok(d)
+        if j and d and j.get("status") == d.get("status") == "ok":
+            dense += f" ({j['tokens_per_s'] / d['tokens_per_s']:.2f}x)"
+        peak = f"{j['peak_gib']:.1f}" if j and j.get("peak_gib") is not None else "-"
+        rows.append(f"| {run} | {model} | {_label(n)} | {wl} | {tok(j)}{att} | {cud} | {ratio} | "
+                    f"{dense} | {peak} |")
+    notes = [f"rest of the step without attention, {model} {_label(n)} (run {run}): "
+             f"{r['step_ms']:.0f} ms" for (run, model, n), r in sorted(rest.items())
+             if r.get("status") == "ok"]
+    return "\n".join(rows) + ("\n\n" + "; ".join(notes) + "." if notes else "")
+
+
+WORKLOAD_ORDER = {"document": 0, "hstu": 1, "shared_prompt": 2, "causal": 3}
+
+
 def _by_run_config(hdims):
     """{(run, config, n): {impl: record}} of bench_head_dims records."""
     by = {}
@@ -390,6 +447,14 @@ def build(results_dir):
         written.append(path)
     if low:
         parts += ["## Lowering and jnp instantiate on the CPU", "", lowering_table(low), ""]
+    train = load_train(results_dir)
+    if train:
+        parts += ["## End-to-end training (train_e2e.py: Qwen3-style decoder, AdamW, remat, "
+                  "32768 tokens a step)", "", train_table(train), ""]
+        parts += [f"![training]({os.path.splitext(n)[0]}.png)" for n in
+                  sorted({r["source"] for r in train})
+                  if os.path.exists(os.path.join(results_dir, os.path.splitext(n)[0] + ".png"))]
+        parts += [""]
     path = os.path.join(results_dir, "REPORT.md")
     with open(path, "w") as f:
         f.write("\n".join(parts))

@@ -82,6 +82,31 @@ def test_report_of_committed_results_builds(tmp_path):
     md = (tmp_path / "REPORT.md").read_text()
     assert "## Forward TF/s" in md and "## Preprocess" in md
     assert "## Backward per head-dim configuration" in md
+    assert "## End-to-end training" in md
+
+
+def test_report_training_table(tmp_path):
+    rep = _report()
+    base = dict(model="m", run="r", peak_gib=35.0)
+    _write(tmp_path / "h200-train-e2e.json", {"run": "r", "records": [
+        dict(base, workload="hstu", n=8192, impl="jcm", status="ok", tokens_per_s=90000.0,
+             step_ms=360.0, attention_ms=120.0),
+        dict(base, workload="hstu", n=8192, impl="cudnn-causal", status="ok", tokens_per_s=60000.0,
+             step_ms=540.0),
+        dict(base, workload="hstu", n=8192, impl="xla-dense", status="oom", error="RESOURCE_EXHAUSTED"),
+        dict(base, workload="hstu", n=8192, impl="no-attention", status="ok", tokens_per_s=1.0,
+             step_ms=240.0),
+        dict(base, workload="causal", n=8192, impl="jcm", status="ok", tokens_per_s=50000.0,
+             step_ms=600.0),
+        dict(base, workload="causal", n=8192, impl="xla-dense", status="ok", tokens_per_s=25000.0,
+             step_ms=1200.0),
+    ]})
+    rep.build(str(tmp_path))
+    md = (tmp_path / "REPORT.md").read_text()
+    assert "| r | m | 8K | hstu | 90,000 (120) | 60,000 [wrong mask] | 1.50x | oom | 35.0 |" in md
+    assert "| r | m | 8K | causal | 50,000 | - | - | 25,000 (2.00x) | 35.0 |" in md
+    assert md.index("| hstu |") < md.index("| causal |")
+    assert "rest of the step without attention, m 8K (run r): 240 ms" in md
 
 
 def test_bench_total_smoke_runs_on_cpu(tmp_path):
