@@ -885,17 +885,35 @@ class BackwardConfig:
       ``h200-bwd-variants.json``).
 
     - ``schedule``: a 1-D grid whose block i runs the key column (work unit) the host put
-      at position i of ``backward_schedule``'s order: the longest columns first, so the
-      grid's tail is made of short ones. With the default 3-D grid the blocks of the last
-      (batch, head) start at the end of the launch, its longest column among them; a
-      greedy replay of the launch on 132 SMs (each column costing 5 us + 2.4 us per
-      visited tile, 3.0 per masked one; the grid-order replay lands within ~3% of the
-      measured kernels) gives causal 8K 10.21 -> 10.07 ms (the bound is 10.07), shared
-      prompt 8K 8.72 -> 8.58, CLEAR 32K 6.16 -> 4.94, 16 global tokens + window 32K 3.02
-      -> 1.72 (its key tile 0, visited by every query tile, starts last for the last
-      head). Costs one dependent global load (the unit) per block. Excludes
-      ``deterministic`` (its dQ turns rely on the launch order). ``$JCOMPILEMASK_CUTE_BWD_ORDER``
-      picks the host order for benchmarks (``backward_schedule``'s ``policy``).
+      at position i of ``backward_schedule``'s order, so that long columns do not start
+      last. With the default 3-D grid the blocks of the last (batch, head) start at the end
+      of the launch, its longest columns among them. A greedy replay of the launch on 132
+      SMs (a column costing 5 us + 2.4 us per visited tile, 3.0 per masked one) lands
+      within ~3% of the measured grid-order kernels at 32K. Costs one dependent global
+      load (the unit) per block. Excludes ``deterministic`` (its dQ turns rely on the
+      launch order). ``$JCOMPILEMASK_CUTE_BWD_ORDER`` picks the host order
+      (``backward_schedule``'s ``policy``). Bit-identical dK / dV and dQ within the
+      tolerance policy (6 cases on the H200, session 21). Measured (bwd ms, default grid
+      -> ``hoist`` / ``group`` / ``global``; runs 2026-12-04T03:09:19Z, 03:18:22Z,
+      03:32:08Z, ``h200-bwd-variants.json``):
+
+      | mask | N | grid | hoist | group | global |
+      |---|---|---|---|---|---|
+      | 16 global keys + window 256 | 32K | 2.989 | **2.121** | 3.008 | 2.123 |
+      | 16 global keys + window 256 | 8K | 2.246 | **2.163** | 2.239 | |
+      | CLEAR | 32K | 6.738 | **5.556** | 6.582 | 5.526 |
+      | CLEAR | 8K | 4.602 | **4.461** | 4.535 | |
+      | causal | 32K | **37.36** | 37.57 | 37.70 | 40.56 |
+      | causal | 8K | **10.09** | 10.11 | 10.20 | |
+      | shared prompt | 32K | 31.83 | 32.05 | **31.60** | 34.28 |
+      | shared prompt | 8K | **8.864** | 9.104 | 9.018 | |
+      | dilated window | 8K | **1.536** | 1.596 | | |
+
+      Long columns that start late (global keys, CLEAR's text keys) gain 3-29%; the
+      masks without them lose 0.2-3.9% (the unit's load before anything else can start;
+      ``global`` also loses L2 reuse at 32K: +8.6% on causal), so it stays off by default.
+      The ``tail`` policy (the grid's order, only the late columns moved) and the unit
+      read first thing in the kernel were built after these runs: not yet timed.
 
     ``preferred_backward_config`` picks the default per head dim; ``JCOMPILEMASK_CUTE_BWD_CONFIG``
     (e.g. ``ds_stages=1,stats_early=0``) overrides fields at trace time for benchmarks.
