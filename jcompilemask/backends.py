@@ -368,7 +368,9 @@ def _cute_backend() -> Backend:
                                  desc.fwd_intervals, desc.bwd_exact, scale=scale, dlse=dlse,
                                  block_q=desc.tiles.bwd_block_q,
                                  block_kv=desc.tiles.bwd_block_kv, deterministic=deterministic,
-                                 softcap=softcap, **extra)
+                                 softcap=softcap,
+                                 exact_columns=bool(getattr(desc.mask, "column_view_exact", False)),
+                                 **extra)
 
     return Backend(name="cute", priority=10, tiles=tiles, available=available,
                    supports=supports, forward=forward, backward=backward,

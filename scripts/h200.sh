@@ -74,6 +74,7 @@
 #                preprocess benchmark
 #   sanitize     compute-sanitizer memcheck + racecheck over a small CuTe backward run
 #   profile      ncu on one clear forward launch at 32K (why 53 TF/s)
+#   s21          session 21's candidates (exact_columns, column_words, residual_words, the tail order): tests, then timed
 #   bsched       the backward's key columns in the host's order (BackwardConfig.schedule) beside the grid: bwd ms per order policy
 #   train        end-to-end Qwen3-0.6B training tokens/s (benchmarks/train_e2e.py), jcm vs cuDNN vs dense XLA at 8K and 32K (build .device-stage/train with scripts/train_bundle.sh; carry it too)
 set -uo pipefail
@@ -665,6 +666,41 @@ PY
       --jcm-variants "${JCM_SCHED_VARIANTS:-base=;hoist=$sc;glob=$sc JCOMPILEMASK_CUTE_BWD_ORDER=global;grp=$sc JCOMPILEMASK_CUTE_BWD_ORDER=group}" \
       --budget-s $(( b - 20 )) --out "$OUT/h200-bwd-sched.json" > "$OUT/bench-sched.log" 2>&1
     echo "bench rc $? ($SECONDS s)"; pkill -9 -f bench_total; grep -E '^\{|prewarm' "$OUT/bench-sched.log" | cut -c1-200
+    ;;
+  s21)
+    # Session 21's compile-checked candidates (issue 16's dilated / global-window masks, and
+    # every masked tile): BackwardKey.exact_columns ($JCOMPILEMASK_CUTE_BWD_EXACT_COLUMNS=1:
+    # one-region masks drop the row path), BackwardConfig.column_words (masked tiles from
+    # column-group words), the forward's residual_words ($JCOMPILEMASK_CUTE_FWD_RESIDUAL_WORDS=1)
+    # and the backward's `tail` column order. First their bit-identity / gradient cases in
+    # JCM_PAR parallel pytest processes (default 4), then bwd / fwd ms beside the default at
+    # JCM_BENCH_NS (default 8192) on JCM_BENCH_MASKS.
+    left() { local l=$(( ${JCM_STAGE_S:-570} - SECONDS )); (( l < $1 )) && echo $(( l > 5 ? l : 5 )) || echo $1; }
+    export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
+    export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1
+    if [[ ${JCM_S21_TESTS:-1} == 1 ]]; then
+      python3 -m pytest --collect-only -q -p no:cacheprovider tests/gpu/test_cute_backward.py tests/gpu/test_cute_residual.py 2>/dev/null \
+        | grep -E 'exact_columns_and_column_words_give|residual_words_forward_is_bit|schedule_gives' > "$OUT/s21-ids.txt"
+      np=${JCM_PAR:-4}; echo "$(wc -l < "$OUT/s21-ids.txt") cases over $np processes"
+      for i in $(seq 0 $(( np - 1 ))); do
+        awk -v i=$i -v n=$np '(NR - 1) % n == i' "$OUT/s21-ids.txt" > /tmp/s21-$i.txt
+        [[ -s /tmp/s21-$i.txt ]] || continue
+        JCOMPILEMASK_CUTE_BACKWARD=1 timeout -k 5 $(left 260) python3 -m pytest -v -rs -p no:cacheprovider \
+          $(cat /tmp/s21-$i.txt) > "$OUT/pytest-s21-$i.log" 2>&1 &
+      done
+      wait; echo "tests done ($SECONDS s)"
+      cat "$OUT"/pytest-s21-*.log | grep -E "(PASSED|FAILED|ERROR)( |$)" | sed 's/ *\[.*//' | sort | uniq -c | sort -rn | head -40
+      grep -h -E "^E  " "$OUT"/pytest-s21-*.log | head -12
+    fi
+    b=$(left 400)
+    sc="JCOMPILEMASK_CUTE_BWD_CONFIG=schedule=1 JCOMPILEMASK_CUTE_BWD_ORDER=tail"
+    xc="JCOMPILEMASK_CUTE_BWD_EXACT_COLUMNS=1"
+    timeout -k 5 $b python3 benchmarks/bench_total.py --ns ${JCM_BENCH_NS:-8192} \
+      --masks ${JCM_BENCH_MASKS:-dilated_window,global_window,causal,shared_prompt,clear} --impls jcm \
+      --min-repeat-s 0.25 \
+      --jcm-variants "${JCM_S21_VARIANTS:-base=;xc=$xc;xccw=$xc JCOMPILEMASK_CUTE_BWD_CONFIG=column_words=1;rw=JCOMPILEMASK_CUTE_FWD_RESIDUAL_WORDS=1;tail=$sc}" \
+      --budget-s $(( b - 20 )) --out "$OUT/h200-s21.json" > "$OUT/bench-s21.log" 2>&1
+    echo "bench rc $? ($SECONDS s)"; pkill -9 -f bench_total; grep -E '^\{' "$OUT/bench-s21.log" | cut -c1-170
     ;;
   shfl)
     # Session 6's compile-checked knobs, tested then timed: stats_shfl (lse / delta by shfl),

@@ -232,6 +232,21 @@ class CompiledMask:
     def mask_heads(self) -> int:
         return self.spec.mask_heads
 
+    @property
+    def column_view_exact(self) -> bool:
+        """True when every descriptor of this mask has an exact column view (``bwd_exact``
+        all True): a column view exists (Kc > 0) and the spec has one region, so no region
+        can lie inside another at run time (``lower.preprocess.region_row_ranges``). The
+        CuTe backward then compiles its masked tiles without the row path.
+
+        >>> import jcompilemask as jcm
+        >>> jcm.compile(jcm.masks.causal()).column_view_exact
+        True
+        >>> jcm.compile(jcm.masks.hstu()).column_view_exact
+        False
+        """
+        return self.num_bwd_intervals > 0 and len(self.regions) == 1
+
     # -- reporting ------------------------------------------------------------------------
     def explain(self) -> str:
         """Per region: its forward intervals (hull expressions and slots), the residual

@@ -93,6 +93,40 @@ def test_residual_backward_compiles_for_sm90(case):
 
 
 @needs_cutlass
+@pytest.mark.parametrize("case,exact_columns,column_words", [
+    ("causal", True, False), ("dilated", True, True),
+    pytest.param("global", False, True, marks=knob), pytest.param("clear", False, True, marks=knob),
+    pytest.param("two_regions", False, True, marks=knob), pytest.param("any_kc", True, True, marks=knob)])
+def test_exact_columns_and_column_words_compile_for_sm90(case, exact_columns, column_words):
+    """BackwardKey.exact_columns (a one-region mask: masked tiles without the row path) and
+    column_words (a key row's visibility as column-group words; residual slots AND their
+    predicate per element): no stack. Static SASS per masked tile copy, D 128 (NOTES.md,
+    session 21): causal 919 -> 632 with exact_columns; the dilated window 1413 (16 B of
+    stack) -> 794 -> 675 with column_words."""
+    import dataclasses
+    import functools
+    import operator
+    from jcompilemask.kernels.cute.api import BackwardKey, compile_backward, preferred_backward_config
+    from jcompilemask.lower.residual_program import ResidualProgram
+    window = (k <= q) & (k > q - 128) & ((q - k) % 2 == 0)
+    specs = {"causal": jcm.masks.causal(), "dilated": MaskSpec([Region((0, q_len), window)]),
+             "global": MaskSpec([Region((0, q_len), (k <= q) & ((k < 16) | (k > q - 256)))]),
+             "clear": jcm.masks.clear(32, 2),
+             "two_regions": MaskSpec([Region((0, 10), (k <= q) & (k % 2 == 0)),
+                                      Region((10, q_len), (k <= q) & (k % 3 == 0))]),
+             "any_kc": MaskSpec([Region((0, q_len), functools.reduce(    # K 20 / Kc 20
+                 operator.or_, [(k >= 8 * j) & (k < 8 * j + 3) for j in range(1, 20)], k < 2))])}
+    cm = jcm.compile(specs[case], warn=False)
+    assert cm.column_view_exact or not exact_columns
+    pair = ResidualProgram.pair(cm) if cm.residual_regions else None
+    cfg = dataclasses.replace(preferred_backward_config(128), column_words=column_words)
+    key = BackwardKey("bfloat16", 128, cm.num_intervals, cm.num_bwd_intervals, case != "clear",
+                      True, 128 ** -0.5, cfg, residual=pair, exact_columns=exact_columns)
+    assert compile_backward(key) is not None
+    assert key.target_name.endswith("_xc") == exact_columns and ("_cw" in key.target_name) == column_words
+
+
+@needs_cutlass
 @pytest.mark.parametrize("d,kk,kc", [(128, 25, 26), (128, 25, 0), (64, 32, 33)])
 def test_any_k_backward_compiles_for_sm90(d, kk, kc):
     """K > 8 row intervals (the no-column-view path, Kc 0) and Kc > 16 column intervals:
@@ -179,7 +213,7 @@ def test_row_mask_compiles_for_sm90(d, kk, kc, cap):
                                        (128, dict(lse_prefetch=True, static_stage=True, work_list=True,
                                                   dkv_tma_store=True, column_registers=2, column_bits=0,
                                                   column_skip=True, schedule=True)),
-                                       (64, dict(stats_shfl=True, schedule=True))])
+                                       pytest.param(64, dict(stats_shfl=True, schedule=True), marks=knob)])
 def test_backward_config_variants_compile_for_sm90(d, changes):
     """The configs benchmarked against the default (one dS buffer, late statistics)."""
     import dataclasses
@@ -639,6 +673,42 @@ def test_dq_blocked_gives_identical_gradients(name, d, dv, dtype, cute_backward_
 
     base, blocked = grads(""), grads("dq_blocked=1")
     for a, b_ in zip(base, blocked):
+        np.testing.assert_array_equal(a, b_)
+
+
+@needs_gpu
+@pytest.mark.parametrize("name,config,exact_columns", [
+    ("causal", "", "1"), ("dilated_window", "column_words=1", "1"),
+    ("global_window", "column_words=1", "1"), ("global_window", "column_words=1", "0"),
+    ("shared_prompt", "column_words=1", "0"), ("clear", "column_words=1", "0"),
+    ("hstu", "column_words=1", "0"), ("two_regions", "column_words=1", "0"),
+])
+def test_exact_columns_and_column_words_give_identical_gradients(name, config, exact_columns,
+                                                                 cute_backward_on, monkeypatch):
+    """exact_columns drops a branch a one-region mask never takes; column_words changes how a
+    masked tile finds its visible queries, not which: with the deterministic dQ order all
+    three gradients equal the default's bit for bit (ragged N, GQA, residual predicates,
+    metadata, two regions)."""
+    rng = np.random.default_rng(15)
+    n = 1000 if name != "clear" else 1100
+    window = (k <= q) & (k > q - 128) & ((q - k) % 2 == 0)
+    local = {"dilated_window": MaskSpec([Region((0, q_len), window)]),
+             "global_window": MaskSpec([Region((0, q_len), (k <= q) & ((k < 16) | (k > q - 256)))]),
+             "two_regions": MaskSpec([Region((0, 300), (k <= q) & (k % 2 == 0)),
+                                      Region((300, q_len), (k <= q) & ((q - k) % 3 != 1))])}
+    if name in local:
+        md, spec = None, local[name]
+    else:
+        md, spec = metadata(name, 2, n, rng), SPECS[name]
+    ks = jax.random.split(jax.random.key(8), 4)
+    hs = (4, 2, 2, 4)
+    qx, kx, vx, do = (jax.random.normal(kk, (2, n, h, 128), jnp.float32).astype(jnp.bfloat16)
+                      for kk, h in zip(ks, hs))
+    monkeypatch.setenv("JCOMPILEMASK_CUTE_BWD_EXACT_COLUMNS", "0")
+    base = _deterministic_grads(monkeypatch, "", spec, md, qx, kx, vx, do)
+    monkeypatch.setenv("JCOMPILEMASK_CUTE_BWD_EXACT_COLUMNS", exact_columns)
+    new = _deterministic_grads(monkeypatch, config, spec, md, qx, kx, vx, do)
+    for a, b_ in zip(base, new):
         np.testing.assert_array_equal(a, b_)
 
 

@@ -625,3 +625,38 @@ def test_rescale_tail_forward_is_bit_identical_on_gpu(head_dim, case, softcap, m
     _assert_switch_is_bit_identical(monkeypatch, api.FWD_RESCALE_TAIL_ENV,
                                     _case_inputs(case, 3, 11, kv_heads=2, head_dim=head_dim),
                                     softcap=softcap, block_q=bq, block_kv=bk)
+
+
+@needs_cutlass
+@pytest.mark.parametrize("case", ["dilated_window", pytest.param("mixed", marks=knob)])
+def test_residual_words_compiles_for_sm90(case):
+    """residual_words ($JCOMPILEMASK_CUTE_FWD_RESIDUAL_WORDS=1, issue 16): a residual mask's
+    masked tile from column-group words; no stack. The dilated window (K 1, D 128): 815 /
+    704 instructions per masked step against 1246 / 1108 (NOTES.md, session 21); "mixed":
+    slots with and without a predicate (16 global keys | a dilated window)."""
+    import jcompilemask as jcm
+    from jcompilemask.kernels.cute.api import (ForwardKey, compile_forward, preferred_forward_stages,
+                                               preferred_forward_tiles)
+    from jcompilemask.lower.residual_program import ResidualProgram
+    from jcompilemask.spec import MaskSpec, Region, k, q, q_len
+    window = (k <= q) & (k > q - 128) & ((q - k) % 2 == 0)
+    spec = MaskSpec([Region((0, q_len), window if case == "dilated_window" else (k < 16) | window)])
+    cm = jcm.compile(spec, warn=False)
+    prog = ResidualProgram.forward(cm)
+    bq, bk = preferred_forward_tiles(128)
+    key = ForwardKey("bfloat16", 128, 128, cm.num_intervals, bq, bk, True, True, 128**-0.5,
+                     num_stages=preferred_forward_stages(128), residual=prog, work_list=True,
+                     residual_words=True)
+    assert compile_forward(key) is not None and key.target_name.endswith("_rw")
+
+
+def test_residual_words_env_and_key(monkeypatch):
+    from jcompilemask.kernels.cute import api
+    monkeypatch.delenv(api.FWD_RESIDUAL_WORDS_ENV, raising=False)
+    assert not api._fwd_residual_words()
+    assert not api.forward_switches(128, 128, 128, 128, 2, residual=object())["residual_words"]
+    monkeypatch.setenv(api.FWD_RESIDUAL_WORDS_ENV, "1")
+    assert api.forward_switches(128, 128, 128, 128, 2, residual=object())["residual_words"]
+    assert not api.forward_switches(128, 128, 128, 128, 2)["residual_words"]
+    with pytest.raises(ValueError, match="residual_words"):
+        api.ForwardKey("bfloat16", 128, 128, 1, 128, 128, True, True, 0.1, residual_words=True)

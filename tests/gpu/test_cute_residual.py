@@ -101,3 +101,24 @@ def test_random_residual_specs(seed, residual_on):
     if not jcm.compile(spec, warn=False).residual_regions:
         pytest.skip("this draw lowered exactly")
     check_attention(spec, md, 2, 700, 2, 2, 128, jnp.bfloat16, IMPL, seed=seed, lse=False)
+
+
+@needs_gpu
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_residual_words_forward_is_bit_identical(name, monkeypatch):
+    """residual_words ($JCOMPILEMASK_CUTE_FWD_RESIDUAL_WORDS=1) changes how a masked tile
+    of a residual mask finds its visible keys (interval runs as column-group words, then the
+    word bit and the slot's predicate per element), not which: o equals the default
+    residual_bits path bit for bit (ragged N 700, GQA, metadata, regions, per-head)."""
+    if IMPL != "cute":
+        pytest.skip("a switch of the CuTe forward")
+    from jcompilemask.kernels.cute import api
+    spec, md = CASES[name]
+    q_, k_, v_, _ = _inputs(2, 700, 4, 2, 128, jnp.bfloat16, seed=3)   # per_head: 4 heads
+    outs = []
+    for flag in ("0", "1"):
+        monkeypatch.setenv(api.FWD_RESIDUAL_WORDS_ENV, flag)
+        f = jax.jit(lambda a, b_, c: jcm.mask_attention(a, b_, c, spec, metadata=md,  # noqa: B023
+                                                        implementation="cute"))
+        outs.append(np.asarray(f(q_, k_, v_)))
+    assert np.array_equal(outs[0].view(np.uint16), outs[1].view(np.uint16))

@@ -135,6 +135,11 @@ class ForwardKey:
     # 14.92, 8K 3.92 -> 4.02, 2K 1.198 -> 1.227; hstu / shared prompt +0.2-1.6%):
     # a benchmark knob, off.
     rescale_tail: bool = False
+    # A residual mask's masked tile: each slot's interval as column-group words, then per
+    # element the word bit AND the slot's predicate (FlashForwardSm90.residual_words; issue
+    # 16, $JCOMPILEMASK_CUTE_FWD_RESIDUAL_WORDS=1 until timed). Static SASS, dilated window
+    # (K 1, D 128): 1246 -> see NOTES.md session 21 instructions per masked tile.
+    residual_words: bool = False
 
     @property
     def o_buffer(self) -> bool:
@@ -180,6 +185,8 @@ class ForwardKey:
             raise ValueError(f"softcap must be None or a positive finite float, got {self.softcap!r}")
         if self.softcap_fast_tanh and self.softcap is None:
             raise ValueError("softcap_fast_tanh needs a softcap")
+        if self.residual_words and self.residual is None:
+            raise ValueError("ForwardKey(residual_words=True) serves masks with a residual program")
         if self.group_mask and self.residual is not None:
             raise ValueError("ForwardKey(group_mask=True) serves masks without a residual program "
                              "(partial tiles of a residual mask evaluate it per element)")
@@ -201,6 +208,7 @@ class ForwardKey:
             + ("_ka" if self.k_ahead else "")
             + ("_gm" if self.group_mask else "")
             + ("_rt" if self.rescale_tail else "")
+            + ("_rw" if self.residual_words else "")
         )
 
 
@@ -292,6 +300,7 @@ def compile_forward(key: ForwardKey):
             residual=key.residual, bits_above=key.bits_above, work_list=key.work_list,
             schedule=key.schedule, persistent=key.persistent, o_buffer=key.o_buffer,
             k_ahead=key.k_ahead, group_mask=key.group_mask, rescale_tail=key.rescale_tail,
+            residual_words=key.residual_words,
         )
         inputs = [bhsd(nq, hq, key.head_dim), bhsd(nk, hkv, key.head_dim), bhsd(nk, hkv, key.head_dim_v),
                   intervals, tiles]
@@ -435,6 +444,7 @@ FWD_SCHEDULE_ENV = "JCOMPILEMASK_CUTE_FWD_SCHEDULE"
 FWD_K_AHEAD_ENV = "JCOMPILEMASK_CUTE_FWD_K_AHEAD"
 FWD_GROUP_MASK_ENV = "JCOMPILEMASK_CUTE_FWD_GROUP_MASK"
 FWD_RESCALE_TAIL_ENV = "JCOMPILEMASK_CUTE_FWD_RESCALE_TAIL"
+FWD_RESIDUAL_WORDS_ENV = "JCOMPILEMASK_CUTE_FWD_RESIDUAL_WORDS"
 # L2 bytes the K / V of one group of heads may take (forward_schedule): the H100 / H200's
 # 50 MB L2, as FlashAttention's longest-first scheduler assumes.
 L2_BYTES = 50 * 1024 * 1024
@@ -508,6 +518,13 @@ def _fwd_group_mask() -> bool:
     return _env_flag(FWD_GROUP_MASK_ENV, "1")
 
 
+def _fwd_residual_words() -> bool:
+    """``$JCOMPILEMASK_CUTE_FWD_RESIDUAL_WORDS=1`` (read at trace time; a benchmark knob until
+    measured): residual masks build a masked tile's visibility from column-group words
+    (ForwardKey.residual_words)."""
+    return _env_flag(FWD_RESIDUAL_WORDS_ENV, "0")
+
+
 def _fwd_rescale_tail() -> bool:
     """``$JCOMPILEMASK_CUTE_FWD_RESCALE_TAIL=1`` (read at trace time; a benchmark knob,
     measured slower): O's rescale in the tile loop's tail, beside P's conversion
@@ -519,19 +536,20 @@ def forward_switches(head_dim: int, head_dim_v: int, block_q: int, block_kv: int
                      residual=None) -> dict:
     """The ForwardKey fields that ``cute_forward`` takes from the environment (read at
     trace time) for a kernel of these sizes: ``bits_above``, ``work_list``, ``schedule``,
-    ``persistent``, ``k_ahead``, ``group_mask`` (never with a residual program) and
-    ``rescale_tail``. With no ``JCOMPILEMASK_CUTE_FWD_*`` variable set these are the
+    ``persistent``, ``k_ahead``, ``group_mask`` (never with a residual program),
+    ``residual_words`` (only with one) and ``rescale_tail``. With no ``JCOMPILEMASK_CUTE_FWD_*`` variable set these are the
     defaults the registry runs, so a compile test that builds its key with them compiles
     what users get.
 
     >>> sorted(forward_switches(128, 128, 128, 128, 2))
-    ['bits_above', 'group_mask', 'k_ahead', 'persistent', 'rescale_tail', 'schedule', 'work_list']
+    ['bits_above', 'group_mask', 'k_ahead', 'persistent', 'rescale_tail', 'residual_words', 'schedule', 'work_list']
     """
     schedule, persistent = _fwd_schedule()
     return dict(bits_above=_fwd_bits_above(),
                 work_list=_fwd_work_list(head_dim, head_dim_v, block_q, block_kv, num_stages),
                 schedule=schedule, persistent=persistent, k_ahead=_fwd_k_ahead(),
                 group_mask=_fwd_group_mask() and residual is None,
+                residual_words=_fwd_residual_words() and residual is not None,
                 rescale_tail=_fwd_rescale_tail())
 
 
@@ -915,6 +933,14 @@ class BackwardConfig:
       The ``tail`` policy (the grid's order, only the late columns moved) and the unit
       read first thing in the kernel were built after these runs: not yet timed.
 
+    - ``column_words``: a masked tile of the column view builds each key row's visibility as
+      two column-group bit words (the forward's ``group_mask``): each of the row's Kc
+      intervals that reaches into the tile's queries ORs two runs in, the row's range is
+      folded in, and each element costs a bit test and its select; residual masks keep a
+      word pair per slot with a predicate and AND the bit with it per element. Static SASS
+      per masked tile, D 128 (NOTES.md, session 21): see the table there. Not yet run on
+      the H200. Excludes nothing; ``row_mask`` takes precedence.
+
     ``preferred_backward_config`` picks the default per head dim; ``JCOMPILEMASK_CUTE_BWD_CONFIG``
     (e.g. ``ds_stages=1,stats_early=0``) overrides fields at trace time for benchmarks.
     """
@@ -948,6 +974,7 @@ class BackwardConfig:
     softcap_r: bool = False
     dq_blocked: bool = False
     schedule: bool = False
+    column_words: bool = False
 
     def __post_init__(self):
         want = BWD_TILES_SPLIT if self.split_dkv else BWD_TILES
@@ -1007,7 +1034,7 @@ class BackwardConfig:
                 f"{f'_e2e{self.exp2_emu}' if self.exp2_emu else ''}"
                 f"{f'_rcp{self.rcp_emu}' if self.rcp_emu else ''}"
                 f"{'_scr' if self.softcap_r else ''}{'_qb' if self.dq_blocked else ''}"
-                f"{'_sch' if self.schedule else ''}")
+                f"{'_sch' if self.schedule else ''}{'_cw' if self.column_words else ''}")
 
 
 def preferred_backward_config(head_dim: int, dtype: str = "bfloat16",
@@ -1148,10 +1175,18 @@ class BackwardKey:
     head_dim_v: int | None = None   # None: Dv == D; (192, 128) runs split_dkv (64B-swizzled Q / K)
     # (forward, column) ResidualProgram pair over one parameter table (residual masks).
     residual: Any = None
+    # The column view is exact for every input (masks of one region: regions cannot nest at
+    # run time, lower/preprocess.region_row_ranges), so the masked tiles are compiled
+    # without the row path that ``bwd_exact`` False selects: less code and, for residual
+    # masks, no stack (the dilated window, D 128: 16 B of stack and 9 local loads / stores
+    # in the masked tile loop -> 0; 1413 -> 794 static instructions per masked tile copy).
+    exact_columns: bool = False
 
     def __post_init__(self):
         if self.dtype not in _DTYPES:
             raise ValueError(f"cute backward supports {_DTYPES}, got dtype {self.dtype!r}")
+        if self.exact_columns and self.num_bwd_intervals == 0:
+            raise ValueError("exact_columns needs a column view (num_bwd_intervals > 0)")
         if self.residual is not None:
             f, b = self.residual
             if (f.view, b.view) != ("fwd", "bwd") or len(f.slots) != self.num_intervals \
@@ -1195,7 +1230,8 @@ class BackwardKey:
                 f"c{self.num_bwd_intervals}_b{int(self.broadcast_batch)}h{int(self.broadcast_head)}"
                 f"_{self.config.tag}_{scale_bits:016x}"
                 + ("" if self.softcap is None else f"_c{np.float64(self.softcap).view(np.uint64):016x}")
-                + ("" if self.residual is None else f"_r{self.residual[0].tag}{self.residual[1].tag}"))
+                + ("" if self.residual is None else f"_r{self.residual[0].tag}{self.residual[1].tag}")
+                + ("_xc" if self.exact_columns else ""))
 
 
 def dq_warpgroups(head_dim: int, num_consumer_wgs: int = 2) -> int:
@@ -1245,7 +1281,8 @@ def compile_backward(key: BackwardKey):
         kernel = FlashBackwardSm90(
             dtype, d, key.num_intervals, key.num_bwd_intervals, key.scale, cfg,
             broadcast_batch=key.broadcast_batch, broadcast_head=key.broadcast_head,
-            softcap=key.softcap, head_dim_v=key.dv, residual=key.residual)
+            softcap=key.softcap, head_dim_v=key.dv, residual=key.residual,
+            exact_columns=key.exact_columns)
         # [B, Hq, Tq, block_q * D]: one contiguous slot per query tile (fragment order).
         tile = cfg.block_q * d
         dq_acc = lambda: cute.runtime.make_fake_tensor(  # noqa: E731
@@ -1326,6 +1363,9 @@ def dq_turns(bwd_tiles, num_q_tiles: int):
 
 
 BWD_ORDER_ENV = "JCOMPILEMASK_CUTE_BWD_ORDER"
+# ``$JCOMPILEMASK_CUTE_BWD_EXACT_COLUMNS=1`` (read at trace time; a benchmark knob until timed
+# on the H200): cute_backward honours ``exact_columns`` (BackwardKey.exact_columns).
+BWD_EXACT_COLUMNS_ENV = "JCOMPILEMASK_CUTE_BWD_EXACT_COLUMNS"
 BWD_ORDER_POLICIES = ("hoist", "group", "global", "tail")
 # A block's fixed cost in visited-tile units (the "tail" policy's weights): ~5 us of setup,
 # K / V load and dK / dV store against ~2.4 us a tile (causal 8K, H200).
@@ -1421,7 +1461,7 @@ def backward_schedule(bwd_tiles, batch: int, num_heads: int, num_kv_heads: int,
 def cute_backward(q, k, v, out, lse, do, bwd_intervals, bwd_tiles, fwd_intervals, bwd_exact, *,
                   scale=None, dlse=None, block_q=BWD_TILES[0], block_kv=BWD_TILES[1],
                   deterministic=False, softcap=None, residual=None, row_region=None,
-                  residual_params=None):
+                  residual_params=None, exact_columns=False):
     """Masked attention backward on SM90 from an Execution Descriptor's column view.
 
     Args:
@@ -1436,6 +1476,10 @@ def cute_backward(q, k, v, out, lse, do, bwd_intervals, bwd_tiles, fwd_intervals
       residual: the (forward, column) ``ResidualProgram`` pair of a residual mask
         (``ResidualProgram.pair``), with ``row_region`` int32 [Bm, Nq] and
         ``residual_params`` int32 [Bm, max(W, 1)], as for ``cute_forward``.
+      exact_columns: the caller guarantees ``bwd_exact`` is True for every sequence
+        (``CompiledMask.column_view_exact``): with ``$JCOMPILEMASK_CUTE_BWD_EXACT_COLUMNS=1``
+        the kernel is compiled without the row path and ignores ``bwd_exact``
+        (``BackwardKey.exact_columns``; opt-in until timed).
     Returns (dq, dk, dv) in the input dtype.
 
     (D, Dv) = (192, 128): v, out, do and dv are [.., 128] (``BWD_HEAD_DIM_PAIRS``).
@@ -1471,7 +1515,8 @@ def cute_backward(q, k, v, out, lse, do, bwd_intervals, bwd_tiles, fwd_intervals
         broadcast_batch=(Bm == 1), broadcast_head=(Hm == 1), scale=float(scale), config=config,
         softcap=None if softcap is None else float(softcap), head_dim_v=None if Dv == D else Dv,
         residual=None if residual is None or (residual[0].exact and residual[1].exact) else
-        tuple(residual))
+        tuple(residual),
+        exact_columns=bool(exact_columns) and Kc > 0 and _env_flag(BWD_EXACT_COLUMNS_ENV, "0"))
     extra = ()
     if key.residual is not None:
         want = ((Bm, Nq), (Bm, max(residual[0].width, 1)))

@@ -69,7 +69,7 @@ from cutlass.tensor_utils import LayoutEnum
 from .api import BackwardConfig, backward_grad_scale, dq_warpgroups
 from .residual_ops import CuteOps
 from .common import (COLUMNS_UNROLLED, INTERVALS_UNROLLED, WarpSpecializedSm90, _as_a_operand,
-                     build_tile_list, _rows_view, _unsigned_lt,
+                     build_tile_list, _pair_runs, _rows_view, _unsigned_lt,
                      bulk_reduce_add_f32, exp2_fma, issue_wgmma, rcp_fma, ld_acquire_s32, ld_pair_s32,
                      nanosleep, red_release_add_s32, smem_tensor, tile_bits, tma_tiles)
 from .exp2_fma import emulated_column
@@ -132,9 +132,13 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         softcap: float | None = None,
         head_dim_v: int | None = None,
         residual=None,
+        exact_columns: bool = False,
     ):
         assert dtype in (cutlass.BFloat16, cutlass.Float16), dtype
         assert softcap is None or softcap > 0
+        # exact_columns: the mask's column view is exact for every input (one region: no
+        # run-time nesting), so masked tiles never take the row path (bwd_exact ignored).
+        self.exact_columns = exact_columns and num_bwd_intervals > 0
         # Residual predicates (lower/residual_program.py; (forward, column) programs over
         # one parameter table): partial tiles AND each slot's interval with its residual,
         # the slots unrolled; the kernel then also reads the rows' regions and the table.
@@ -228,6 +232,12 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         # column, as where the column view is not exact) instead of the column view (Kc per
         # key): fewer tests per element where K < Kc (shared prompt: K 2, Kc 13).
         self.row_mask = config.row_mask and residual is None
+        # column_words (issue 16, a benchmark knob until timed): masked tiles of the column
+        # view build each key row's visibility as column-group words (mask_by_column_words).
+        self.column_words = config.column_words and not self.row_mask
+        # Its column slots with a residual predicate (each keeps a word pair per key row).
+        self.column_pred_slots = [] if residual is None else \
+            [m for m in range(num_bwd_intervals) if residual[1].slots[m]]
         if self.row_mask:
             self.hold_columns = self.column_bits = self.columns_looped = False
         self.rows_looped = num_intervals > INTERVALS_UNROLLED
@@ -852,6 +862,10 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         exact = Boolean(False)
         if const_expr(kc > 0 and not self.row_mask):
             exact = mBwdExact[mask_batch] != 0
+            if const_expr(self.exact_columns):
+                # The column view is exact for every input (BackwardKey.exact_columns): a
+                # constant, so the row path of the masked tiles folds away.
+                exact = Boolean(True)
         pipeline_kv.consumer_wait(pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1))
 
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
@@ -1291,7 +1305,17 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         not visible (or out of range)."""
         bq, bk = self.block_q, self.block_kv
         row0, col0 = k_tile * bk, q_tile * bq
-        if const_expr(self.residual is not None):
+        if const_expr(self.column_words):
+            if exact:
+                self.mask_by_column_words(P, tScS, mBwdIntervals, seqlen_q, seqlen_k, row0, col0,
+                                          mh, mask_batch, residual_args, fill)
+            elif const_expr(self.residual is not None):
+                self.residual_by_rows(P, tScS, mFwdIntervals, seqlen_q, seqlen_k, row0, col0,
+                                      mh, mask_batch, residual_args, fill)
+            else:
+                self.mask_by_rows(P, tScS, mFwdIntervals, seqlen_q, seqlen_k, row0, col0, mh,
+                                  mask_batch, fill)
+        elif const_expr(self.residual is not None):
             self.apply_mask_residual(P, tScS, exact, mFwdIntervals, mBwdIntervals, seqlen_q,
                                      seqlen_k, row0, col0, mh, mask_batch, residual_args, fill)
         elif const_expr(self.row_mask):
@@ -1431,6 +1455,68 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         else:
             self.residual_by_rows(P, tScS, mFwdIntervals, seqlen_q, seqlen_k, row0, col0,
                                   mh, mask_batch, residual_args, fill)
+
+    @cute.jit
+    def mask_by_column_words(self, P, tScS, mBwdIntervals, seqlen_q, seqlen_k, row0, col0, mh,
+                             mask_batch, residual_args, fill: cutlass.Constexpr[float]):
+        """``column_words``, column view: per key row, each of its Kc intervals that reaches
+        into the tile's queries ORs its column-group runs into a pair of words (the slots
+        without a residual predicate into one pair, each slot with one into its own), the
+        row's range (key < Nk, query < Nq) folded in; then per element: the word bit, OR
+        for the predicate slots the bit AND the column program's predicate. The visibility
+        of the per-element paths, with 2 word ORs per interval instead of a subtract-compare
+        per interval and element."""
+        ncols = cute.size(P, mode=[1])
+        groups = ncols // 2
+        pred_slots = self.column_pred_slots
+        ops = None
+        if const_expr(len(pred_slots) > 0):
+            ops = CuteOps(residual_args[1], mask_batch, seqlen_q, seqlen_k)
+        nw = 2 * (1 + len(pred_slots))
+        words = cute.make_rmem_tensor(nw, Uint32)
+        for r in cutlass.range_constexpr(cute.size(P, mode=[0])):
+            key = row0 + tScS[r, 0][0]
+            key_ok = key < seqlen_k
+            safe = key if key_ok else 0
+            base = col0 + tScS[r, 0][1]
+            for w in cutlass.range_constexpr(nw):
+                words[w] = Uint32(0)
+            if const_expr(len(pred_slots) == 0 and self.num_bwd_intervals > COLUMNS_UNROLLED):
+                for m in cutlass.range(self.num_bwd_intervals, unroll=1):
+                    self.add_column_runs(words, 0, mBwdIntervals, mask_batch, mh, safe, m, col0, base,
+                                         groups)
+            else:
+                for m in cutlass.range_constexpr(self.num_bwd_intervals):
+                    pair = 0 if const_expr(m not in pred_slots) else 2 * (1 + pred_slots.index(m))
+                    self.add_column_runs(words, pair, mBwdIntervals, mask_batch, mh, safe, m, col0,
+                                         base, groups)
+            below0, below1 = _pair_runs(Int32(0), seqlen_q - base, groups)
+            below0 = below0 if key_ok else Uint32(0)
+            below1 = below1 if key_ok else Uint32(0)
+            for w in cutlass.range_constexpr(nw // 2):
+                words[2 * w] = words[2 * w] & below0
+                words[2 * w + 1] = words[2 * w + 1] & below1
+            for c in cutlass.range_constexpr(ncols):
+                bit = Uint32(1 << (c // 2))
+                keep = words[c % 2] & bit != Uint32(0)
+                if const_expr(len(pred_slots) > 0):
+                    i = col0 + tScS[r, c][1]
+                    for j, m in enumerate(pred_slots):
+                        hit = words[2 * (1 + j) + c % 2] & bit != Uint32(0)
+                        keep = keep | (hit & self.residual[1].emit_slot(ops, m, q=i, k=key, h=mh,
+                                                                       region=None))
+                P[r, c] = P[r, c] if keep else Float32(fill)
+
+    @cute.jit
+    def add_column_runs(self, words, pair, mBwdIntervals, mask_batch, mh, key, m, col0, base, groups):
+        """ORs key `key`'s column interval m into words[pair], words[pair + 1] when it
+        reaches into the tile's queries [col0, col0 + block_q)."""
+        start = mBwdIntervals[mask_batch, mh, key, m, 0]
+        length = mBwdIntervals[mask_batch, mh, key, m, 1]
+        if (length > 0) & (start < col0 + self.block_q) & (start + length > col0):
+            run0, run1 = _pair_runs(start - base, start - base + length, groups)
+            words[pair] = words[pair] | run0
+            words[pair + 1] = words[pair + 1] | run1
 
     @cute.jit
     def residual_by_columns(self, P, tScS, mBwdIntervals, seqlen_q, seqlen_k, row0, col0, mh,

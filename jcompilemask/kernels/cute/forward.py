@@ -55,6 +55,10 @@ from .residual_ops import CuteOps
 from .common import (INTERVALS_UNROLLED, WarpSpecializedSm90, _as_a_operand, _pair_runs, _rows_view, _tree,
                      _unsigned_lt, build_tile_list, issue_wgmma, smem_tensor, tile_bits, tma_tiles)
 
+# residual_words: at most this many interval slots with a residual predicate (each keeps a
+# word pair per row in registers); masks with more keep residual_bits.
+RESIDUAL_WORD_SLOTS = 4
+
 # Named barrier ids. 0 is __syncthreads; the two consumer warpgroups each own one
 # scheduling barrier that the other one arrives on (tensor-core ping-pong).
 _BARRIER_SCHED_WG1 = 1
@@ -94,6 +98,7 @@ class FlashForwardSm90(WarpSpecializedSm90):
         residual=None,
         bits_above: int = INTERVALS_UNROLLED,
         group_mask: bool = False,
+        residual_words: bool = False,
         rescale_tail: bool = False,
         work_list: bool = False,
         schedule: bool = False,
@@ -175,6 +180,15 @@ class FlashForwardSm90(WarpSpecializedSm90):
         # its runs into the words (apply_mask_bits_groups); residual masks keep their path.
         self.group_mask = group_mask and self.residual is None
         assert not self.group_mask or block_kv // 8 < 32
+        # residual_words (issue 16, a benchmark knob until timed): a residual mask's masked
+        # tile ORs its slots' intervals into column-group words as group_mask does (the slots
+        # without a residual into one pair, each slot with one into a pair of its own), then
+        # per element tests the word bit AND that slot's predicate: no per-element interval
+        # subtract-compare, no bit-set round trip (residual_bits). Up to
+        # RESIDUAL_WORD_SLOTS slots with a predicate, K unrolled up to INTERVALS_UNROLLED.
+        self.residual_words = (residual_words and self.residual is not None
+                               and num_intervals <= INTERVALS_UNROLLED
+                               and sum(1 for sl in self.residual.slots if sl) <= RESIDUAL_WORD_SLOTS)
         # rescale_tail (issue 14, a benchmark knob): O's rescale by the step's row factor runs
         # in the tile loop's common tail, after the branch on the tile's kind, instead of at
         # the end of each step. The compiler sinks the steps' identical conversion of P to
@@ -977,6 +991,9 @@ class FlashForwardSm90(WarpSpecializedSm90):
         if const_expr(self.group_mask and self.residual is None):
             self.apply_mask_bits_groups(acc_S_rows, tScS, col0, col_end, row_intervals, seqlen_k)
             return
+        if const_expr(self.residual_words):
+            self.apply_mask_residual_words(acc_S_rows, tScS, col0, col_end, row_intervals, seqlen_k)
+            return
         nwords = (ncols + 31) // 32
         seen = cute.make_rmem_tensor(nwords, Uint32)
         for r in cutlass.range_constexpr(cute.size(acc_S_rows, mode=[0])):
@@ -1035,6 +1052,52 @@ class FlashForwardSm90(WarpSpecializedSm90):
             # Rows past Nq (their table row is row 0's) see nothing.
             self.mask_by_words(acc_S_rows, r, words[0] if in_range else Uint32(0),
                                words[1] if in_range else Uint32(0), base, seqlen_k)
+
+    @cute.jit
+    def apply_mask_residual_words(self, acc_S_rows, tScS, col0, col_end, row_intervals, seqlen_k):
+        """A residual mask's masked tile (``residual_words``): per row, the slots without a
+        predicate OR their column-group runs into one word pair, each slot with one into a
+        pair of its own (add_interval_runs); below Nk and rows past Nq folded into the
+        words; then per element: keep = plain bit | OR over predicate slots (bit & the
+        slot's predicate at (row, column)). The same visibility as residual_bits."""
+        mIntervals, q_tile, seqlen_q, mask_batch, mask_head, mRegion, mParams = row_intervals
+        ops = CuteOps(mParams, mask_batch, seqlen_q, seqlen_k)
+        ncols = cute.size(acc_S_rows, mode=[1])
+        groups = ncols // 2
+        pred_slots = [m for m in range(self.num_intervals) if self.residual.slots[m]]
+        words = cute.make_rmem_tensor(2 * (1 + len(pred_slots)), Uint32)
+        for r in cutlass.range_constexpr(cute.size(acc_S_rows, mode=[0])):
+            row = q_tile * self.block_q + tScS[r, 0][0]
+            in_range = row < seqlen_q
+            safe_row = row if in_range else 0
+            base = col0 + tScS[r, 0][1]
+            region = mRegion[mask_batch, safe_row]
+            for w in cutlass.range_constexpr(2 * (1 + len(pred_slots))):
+                words[w] = Uint32(0)
+            for m in cutlass.range_constexpr(self.num_intervals):
+                pair = 0 if const_expr(m not in pred_slots) else 2 * (1 + pred_slots.index(m))
+                start = mIntervals[mask_batch, mask_head, safe_row, m, 0]
+                length = mIntervals[mask_batch, mask_head, safe_row, m, 1]
+                if (length > 0) & (start < col_end) & (start + length > col0):
+                    run0, run1 = _pair_runs(start - base, start - base + length, groups)
+                    words[pair] = words[pair] | run0
+                    words[pair + 1] = words[pair + 1] | run1
+            below0, below1 = _pair_runs(Int32(0), seqlen_k - base, groups)
+            below0 = below0 if in_range else Uint32(0)
+            below1 = below1 if in_range else Uint32(0)
+            for w in cutlass.range_constexpr(1 + len(pred_slots)):
+                words[2 * w] = words[2 * w] & below0
+                words[2 * w + 1] = words[2 * w + 1] & below1
+            for c in cutlass.range_constexpr(ncols):
+                bit = Uint32(1 << (c // 2))
+                keep = words[c % 2] & bit != Uint32(0)
+                if const_expr(len(pred_slots) > 0):
+                    col = col0 + tScS[r, c][1]
+                    for i, m in enumerate(pred_slots):
+                        hit = words[2 * (1 + i) + c % 2] & bit != Uint32(0)
+                        keep = keep | (hit & self.residual.emit_slot(ops, m, q=row, k=col,
+                                                                    h=mask_head, region=region))
+                acc_S_rows[r, c] = acc_S_rows[r, c] if keep else -Float32.inf
 
     @cute.jit
     def add_interval_runs(self, words, mIntervals, mask_batch, mask_head, row, m, col0, col_end,
