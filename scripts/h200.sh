@@ -689,7 +689,7 @@ PY
           $(cat /tmp/s21-$i.txt) > "$OUT/pytest-s21-$i.log" 2>&1 &
       done
       wait; echo "tests done ($SECONDS s)"
-      cat "$OUT"/pytest-s21-*.log | grep -E "(PASSED|FAILED|ERROR)( |$)" | sed 's/ *\[.*//' | sort | uniq -c | sort -rn | head -40
+      cat "$OUT"/pytest-s21-*.log | grep -E "::.* (PASSED|FAILED|ERROR|SKIPPED)" | sed 's/ *\[ *[0-9]*%\]//' | head -40
       grep -h -E "^E  " "$OUT"/pytest-s21-*.log | head -12
     fi
     b=$(left 400)
