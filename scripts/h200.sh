@@ -618,12 +618,15 @@ PY
     # with k // 64 <= q // 64 beside its interval spelling (jcm alone: the 1.1x line), a
     # dilated causal window and 16 global tokens + a 256-wide window beside Flex+FA4, forward
     # + backward, at JCM_BENCH_NS (default 8192; 32K in its own call: Flex's compiles).
+    # JCM_MASKS16_VARIANTS: bench_total's --jcm-variants (e.g. session 21's candidates,
+    # "base=;xc=JCOMPILEMASK_CUTE_BWD_EXACT_COLUMNS=1"), jcm timed once per entry.
     export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
     export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1
     b=${JCM_BENCH_S:-480}
     timeout -k 5 $b python3 benchmarks/bench_total.py --ns ${JCM_BENCH_NS:-8192} \
       --masks ${JCM_BENCH_MASKS:-dilated_window,global_window,block_causal,block_causal_intervals} --impls jcm,flex-fa4 \
       --skip flex-fa4:block_causal,flex-fa4:block_causal_intervals --min-repeat-s 0.25 \
+      ${JCM_MASKS16_VARIANTS:+--jcm-variants "$JCM_MASKS16_VARIANTS"} \
       --budget-s $(( b - 20 )) --out "$OUT/h200-masks16.json" > "$OUT/bench-masks16.log" 2>&1
     echo "bench rc $? ($SECONDS s)"; pkill -9 -f bench_total; grep -E '^\{' "$OUT/bench-masks16.log" | cut -c1-230
     ;;
