@@ -938,8 +938,10 @@ class BackwardConfig:
       intervals that reaches into the tile's queries ORs two runs in, the row's range is
       folded in, and each element costs a bit test and its select; residual masks keep a
       word pair per slot with a predicate and AND the bit with it per element. Static SASS
-      per masked tile, D 128 (NOTES.md, session 21): see the table there. Not yet run on
-      the H200. Excludes nothing; ``row_mask`` takes precedence.
+      per masked tile, D 128 (NOTES.md, session 21): see the table there. On the H200
+      (session 22) bit-identical gradients on 8 masks and faster with exact_columns on the
+      three timed (see ``preferred_backward_config``): the D 128 default since. Excludes
+      nothing; ``row_mask`` takes precedence.
 
     ``preferred_backward_config`` picks the default per head dim; ``JCOMPILEMASK_CUTE_BWD_CONFIG``
     (e.g. ``ds_stages=1,stats_early=0``) overrides fields at trace time for benchmarks.
@@ -1112,8 +1114,15 @@ def preferred_backward_config(head_dim: int, dtype: str = "bfloat16",
     # 37.26 / 10.19 -> 10.25, hstu 44.52 -> 43.05 / 11.83 -> 11.52, shared_prompt 32.55 ->
     # 31.59 / 9.11 -> 9.00, clear 6.69 -> 6.85 / 4.58 -> 4.59 (run 2026-12-02T08:02:41Z,
     # h200-bwd-s10.json: causal 37.64 -> 37.44, hstu 44.28 -> 42.80).
+    # column_words (masked tiles of the column view from column-group words): its 8 gradient
+    # cases bit-identical to the config before on the H200 (causal, dilated window, global +
+    # window, shared prompt, CLEAR, HSTU, two residual regions; h200.sh s21, session 22),
+    # bwd ms at 8K, same run (2026-12-04T05:36:54Z, h200-bwd-variants.json), with
+    # exact_columns: dilated window 1.535 -> 1.453, global + window 2.274 -> 2.254, causal
+    # 10.389 -> 10.255.
     return BackwardConfig(work_list=True, dkv_tma_store=True, column_registers=2, column_bits=0,
-                          column_skip=True, static_stage=True, lse_prefetch=True)
+                          column_skip=True, static_stage=True, lse_prefetch=True,
+                          column_words=True)
 
 
 def preferred_backward_tiles(head_dim: int, dtype: str = "bfloat16",
@@ -1363,8 +1372,12 @@ def dq_turns(bwd_tiles, num_q_tiles: int):
 
 
 BWD_ORDER_ENV = "JCOMPILEMASK_CUTE_BWD_ORDER"
-# ``$JCOMPILEMASK_CUTE_BWD_EXACT_COLUMNS=1`` (read at trace time; a benchmark knob until timed
-# on the H200): cute_backward honours ``exact_columns`` (BackwardKey.exact_columns).
+# ``$JCOMPILEMASK_CUTE_BWD_EXACT_COLUMNS`` (read at trace time): 1 / 0 force cute_backward to
+# honour / ignore ``exact_columns`` (BackwardKey.exact_columns). Unset: honoured at D 128
+# without a soft cap, the configuration it was timed on (one-region masks' masked tiles
+# without the row path; bwd ms at 8K, run 2026-12-04T05:36:54Z: dilated window 1.535 ->
+# 1.481, global + window 2.274 -> 2.238, causal 10.389 -> 10.413, i.e. level); the other
+# head dims and the soft cap keep the row path until they are timed with it.
 BWD_EXACT_COLUMNS_ENV = "JCOMPILEMASK_CUTE_BWD_EXACT_COLUMNS"
 BWD_ORDER_POLICIES = ("hoist", "group", "global", "tail")
 # A block's fixed cost in visited-tile units (the "tail" policy's weights): ~5 us of setup,
@@ -1477,9 +1490,9 @@ def cute_backward(q, k, v, out, lse, do, bwd_intervals, bwd_tiles, fwd_intervals
         (``ResidualProgram.pair``), with ``row_region`` int32 [Bm, Nq] and
         ``residual_params`` int32 [Bm, max(W, 1)], as for ``cute_forward``.
       exact_columns: the caller guarantees ``bwd_exact`` is True for every sequence
-        (``CompiledMask.column_view_exact``): with ``$JCOMPILEMASK_CUTE_BWD_EXACT_COLUMNS=1``
-        the kernel is compiled without the row path and ignores ``bwd_exact``
-        (``BackwardKey.exact_columns``; opt-in until timed).
+        (``CompiledMask.column_view_exact``): the kernel is compiled without the row path
+        and ignores ``bwd_exact`` (``BackwardKey.exact_columns``) at D 128 without a soft
+        cap, or wherever ``$JCOMPILEMASK_CUTE_BWD_EXACT_COLUMNS=1`` (``=0``: never).
     Returns (dq, dk, dv) in the input dtype.
 
     (D, Dv) = (192, 128): v, out, do and dv are [.., 128] (``BWD_HEAD_DIM_PAIRS``).
@@ -1516,7 +1529,8 @@ def cute_backward(q, k, v, out, lse, do, bwd_intervals, bwd_tiles, fwd_intervals
         softcap=None if softcap is None else float(softcap), head_dim_v=None if Dv == D else Dv,
         residual=None if residual is None or (residual[0].exact and residual[1].exact) else
         tuple(residual),
-        exact_columns=bool(exact_columns) and Kc > 0 and _env_flag(BWD_EXACT_COLUMNS_ENV, "0"))
+        exact_columns=bool(exact_columns) and Kc > 0 and _env_flag(
+            BWD_EXACT_COLUMNS_ENV, "1" if (D, Dv, softcap) == (128, 128, None) else "0"))
     extra = ()
     if key.residual is not None:
         want = ((Bm, Nq), (Bm, max(residual[0].width, 1)))
