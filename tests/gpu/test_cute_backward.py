@@ -676,6 +676,24 @@ def test_dq_blocked_gives_identical_gradients(name, d, dv, dtype, cute_backward_
         np.testing.assert_array_equal(a, b_)
 
 
+def test_exact_columns_and_column_words_defaults(monkeypatch):
+    """The D 128 defaults since session 23: column_words in the config, the exact_columns
+    promise honoured; other head dims and the soft cap keep the row path; the variable
+    forces either way."""
+    from jcompilemask.kernels.cute import api
+    assert api.preferred_backward_config(128).column_words
+    assert not any(api.preferred_backward_config(d).column_words for d in (64, 192, 256))
+    assert not api.preferred_backward_config(128, softcap=True).column_words
+    monkeypatch.delenv(api.BWD_EXACT_COLUMNS_ENV, raising=False)
+    assert api._bwd_exact_columns(128, 128, None)
+    assert not api._bwd_exact_columns(128, 128, 30.0)
+    assert not api._bwd_exact_columns(192, 128, None) and not api._bwd_exact_columns(64, 64, None)
+    monkeypatch.setenv(api.BWD_EXACT_COLUMNS_ENV, "0")
+    assert not api._bwd_exact_columns(128, 128, None)
+    monkeypatch.setenv(api.BWD_EXACT_COLUMNS_ENV, "1")
+    assert api._bwd_exact_columns(64, 64, None)
+
+
 @needs_gpu
 @pytest.mark.parametrize("name,config,exact_columns", [
     ("causal", "column_words=0", "1"), ("dilated_window", "column_words=1", "1"),

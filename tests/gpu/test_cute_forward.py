@@ -651,12 +651,18 @@ def test_residual_words_compiles_for_sm90(case):
 
 
 def test_residual_words_env_and_key(monkeypatch):
+    """Unset: on for residual masks at D 128 (the head dim it was timed at), off elsewhere;
+    =0 / =1 force it; never without a residual program."""
     from jcompilemask.kernels.cute import api
     monkeypatch.delenv(api.FWD_RESIDUAL_WORDS_ENV, raising=False)
-    assert not api._fwd_residual_words()
+    assert api._fwd_residual_words() and not api._fwd_residual_words(64)
+    assert api.forward_switches(128, 128, 128, 128, 2, residual=object())["residual_words"]
+    assert not api.forward_switches(64, 64, 128, 128, 2, residual=object())["residual_words"]
+    monkeypatch.setenv(api.FWD_RESIDUAL_WORDS_ENV, "0")
     assert not api.forward_switches(128, 128, 128, 128, 2, residual=object())["residual_words"]
     monkeypatch.setenv(api.FWD_RESIDUAL_WORDS_ENV, "1")
     assert api.forward_switches(128, 128, 128, 128, 2, residual=object())["residual_words"]
+    assert api.forward_switches(64, 64, 128, 128, 2, residual=object())["residual_words"]
     assert not api.forward_switches(128, 128, 128, 128, 2)["residual_words"]
     with pytest.raises(ValueError, match="residual_words"):
         api.ForwardKey("bfloat16", 128, 128, 1, 128, 128, True, True, 0.1, residual_words=True)

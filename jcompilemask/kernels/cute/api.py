@@ -137,8 +137,12 @@ class ForwardKey:
     rescale_tail: bool = False
     # A residual mask's masked tile: each slot's interval as column-group words, then per
     # element the word bit AND the slot's predicate (FlashForwardSm90.residual_words; issue
-    # 16, $JCOMPILEMASK_CUTE_FWD_RESIDUAL_WORDS=1 until timed). Static SASS, dilated window
-    # (K 1, D 128): 1246 -> see NOTES.md session 21 instructions per masked tile.
+    # 16). Static SASS, dilated window (K 1, D 128): 1246 -> 815 instructions per masked
+    # tile (NOTES.md, session 21). On the H200: o bit-identical to the per-interval path on
+    # 6 residual masks and 11 forward + gradient cases against the oracle under it (session
+    # 23); fwd ms, dilated window (128, dilation 2), 0.633 -> 0.536 at 8K (run
+    # 2026-12-04T09:46:51Z) and 0.671 -> 0.574 at 32K (run 2026-12-04T09:54:01Z). The
+    # default at D 128 since ($JCOMPILEMASK_CUTE_FWD_RESIDUAL_WORDS=0 / 1 forces it).
     residual_words: bool = False
 
     @property
@@ -518,11 +522,12 @@ def _fwd_group_mask() -> bool:
     return _env_flag(FWD_GROUP_MASK_ENV, "1")
 
 
-def _fwd_residual_words() -> bool:
-    """``$JCOMPILEMASK_CUTE_FWD_RESIDUAL_WORDS=1`` (read at trace time; a benchmark knob until
-    measured): residual masks build a masked tile's visibility from column-group words
-    (ForwardKey.residual_words)."""
-    return _env_flag(FWD_RESIDUAL_WORDS_ENV, "0")
+def _fwd_residual_words(head_dim: int = 128) -> bool:
+    """Residual masks build a masked tile's visibility from column-group words
+    (ForwardKey.residual_words, which cites the runs): on at D 128, the head dim it was
+    tested and timed at; ``$JCOMPILEMASK_CUTE_FWD_RESIDUAL_WORDS`` (read at trace time)
+    =1 / =0 forces it on / off at every head dim."""
+    return _env_flag(FWD_RESIDUAL_WORDS_ENV, "1" if head_dim == 128 else "0")
 
 
 def _fwd_rescale_tail() -> bool:
@@ -549,7 +554,7 @@ def forward_switches(head_dim: int, head_dim_v: int, block_q: int, block_kv: int
                 work_list=_fwd_work_list(head_dim, head_dim_v, block_q, block_kv, num_stages),
                 schedule=schedule, persistent=persistent, k_ahead=_fwd_k_ahead(),
                 group_mask=_fwd_group_mask() and residual is None,
-                residual_words=_fwd_residual_words() and residual is not None,
+                residual_words=_fwd_residual_words(head_dim) and residual is not None,
                 rescale_tail=_fwd_rescale_tail())
 
 
@@ -1380,6 +1385,17 @@ BWD_ORDER_ENV = "JCOMPILEMASK_CUTE_BWD_ORDER"
 # head dims and the soft cap keep the row path until they are timed with it.
 BWD_EXACT_COLUMNS_ENV = "JCOMPILEMASK_CUTE_BWD_EXACT_COLUMNS"
 BWD_ORDER_POLICIES = ("hoist", "group", "global", "tail")
+
+
+def _bwd_exact_columns(head_dim: int, head_dim_v: int, softcap) -> bool:
+    """Whether cute_backward honours a mask's ``exact_columns`` promise for this kernel:
+    ``$JCOMPILEMASK_CUTE_BWD_EXACT_COLUMNS`` =1 / =0, else on at D 128 without a soft cap.
+
+    >>> _bwd_exact_columns(128, 128, None), _bwd_exact_columns(64, 64, None)
+    (True, False)
+    """
+    default = "1" if (head_dim, head_dim_v, softcap) == (128, 128, None) else "0"
+    return _env_flag(BWD_EXACT_COLUMNS_ENV, default)
 # A block's fixed cost in visited-tile units (the "tail" policy's weights): ~5 us of setup,
 # K / V load and dK / dV store against ~2.4 us a tile (causal 8K, H200).
 BWD_BLOCK_COST_TILES = 2
@@ -1529,8 +1545,7 @@ def cute_backward(q, k, v, out, lse, do, bwd_intervals, bwd_tiles, fwd_intervals
         softcap=None if softcap is None else float(softcap), head_dim_v=None if Dv == D else Dv,
         residual=None if residual is None or (residual[0].exact and residual[1].exact) else
         tuple(residual),
-        exact_columns=bool(exact_columns) and Kc > 0 and _env_flag(
-            BWD_EXACT_COLUMNS_ENV, "1" if (D, Dv, softcap) == (128, 128, None) else "0"))
+        exact_columns=bool(exact_columns) and Kc > 0 and _bwd_exact_columns(D, Dv, softcap))
     extra = ()
     if key.residual is not None:
         want = ((Bm, Nq), (Bm, max(residual[0].width, 1)))
