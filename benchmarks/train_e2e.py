@@ -753,10 +753,16 @@ def main(argv=None) -> list[dict]:
                     help="start no configuration past this many seconds (recorded as skipped)")
     ap.add_argument("--out", default="benchmarks/results/train-e2e.json")
     ap.add_argument("--dense-process", choices=("auto", "on", "off"), default="auto",
-                    help="run the xla-dense baseline in a fresh child process (auto: on a GPU, "
-                         "when other implementations run first): after a dozen other steps in "
-                         "one process the allocator could not place the dense step's 53 GiB "
-                         "buffer that a fresh process fits (H200, run 2026-12-04T03:23:21Z)")
+                    help="run the xla-dense baseline in a child process before this one uses "
+                         "the device (auto: on a GPU, when other implementations run too). "
+                         "After a dozen other steps in one process the allocator could not "
+                         "place the dense step's 53 GiB buffer (H200, run "
+                         "2026-12-04T03:23:21Z); a child run after them still met their "
+                         "memory, held by this process (16 GiB autotuning buffers failed, run "
+                         "2026-12-04T09:42:55Z), so the child now runs first")
+    ap.add_argument("--dense-share", type=float, default=0.4,
+                    help="with --budget-s and a dense child: the share of the budget in which "
+                         "the child may start configurations (the rest is this process's)")
     ap.add_argument("--smoke", action="store_true",
                     help="CPU: tiny model, N = 128, two steps, every workload and impl; "
                          "fails unless the loss decreases")
@@ -776,6 +782,9 @@ def main(argv=None) -> list[dict]:
     for i in impls:
         if i not in IMPLS:
             ap.error(f"--impls: unknown {i!r}, choose from {IMPLS}")
+    # Device memory is taken as needed, not 75% up front, so that a dense child started by
+    # this process finds the device's memory free (read when the backend starts, below).
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     clocks.start()
     meta = {"run": clocks.run_id(), "jax": jax.__version__, "backend": jax.default_backend(),
             "tokens_per_step": a.tokens, "steps": a.steps, "warmup": a.warmup,
@@ -792,6 +801,12 @@ def main(argv=None) -> list[dict]:
                     (a.dense_process == "auto" and jax.default_backend() == "gpu")))
     plan = [(model, n, impl) for model in models for phase in phases for n in ns
             for impl in phase if not (dense_child and impl == "xla-dense")]
+    dense = []
+    if dense_child:
+        # First, while this process holds (almost) no device memory; merged after the rest.
+        share = None if a.budget_s is None else a.budget_s * min(max(a.dense_share, 0.0), 1.0)
+        dense = dense_in_child(a, models, ns, wls, meta["run"], share)
+        write_outputs(dense, a.out, meta, with_plot=False)
     for model, n, impl in plan:
         batch = max(1, a.tokens // n)
         for w in wls:
@@ -811,12 +826,10 @@ def main(argv=None) -> list[dict]:
             print(json.dumps({k_: v for k_, v in rec.items() if k_ != "step_ms_all"}),
                   flush=True)
             # After every record: a call cut short by its time limit keeps them.
-            write_outputs(records, a.out, meta, with_plot=False)
-    if dense_child:
-        left = None if a.budget_s is None else a.budget_s - (time.perf_counter() - t_start)
-        records += dense_in_child(a, models, ns, wls, meta["run"], left)
+            write_outputs(records + dense, a.out, meta, with_plot=False)
+    if dense:
+        records += dense
         attach_split(records)
-        write_outputs(records, a.out, meta, with_plot=False)
     written = write_outputs(records, a.out, meta)
     print(table(records))
     print("wrote", ", ".join(written))

@@ -242,8 +242,8 @@ def test_smoke_writes_records_and_table(e2e, tmp_path):
 
 def test_dense_baseline_in_a_fresh_process(e2e, tmp_path, monkeypatch):
     """--dense-process on: the xla-dense records come from a child process with the same run
-    id, merged after the others (on a GPU that is the default: the dense step's buffer
-    then meets an empty allocator)."""
+    id, run before this process uses the device and merged after the others (on a GPU that
+    is the default: the dense step then meets a device whose memory no other step holds)."""
     monkeypatch.setenv("JCM_RUN_ID", "test-run")
     out = tmp_path / "train.json"
     records = e2e.main(["--smoke", "--workloads", "hstu", "--impls", "jcm,xla-dense",
