@@ -213,7 +213,17 @@ def test_row_mask_compiles_for_sm90(d, kk, kc, cap):
                                        (128, dict(lse_prefetch=True, static_stage=True, work_list=True,
                                                   dkv_tma_store=True, column_registers=2, column_bits=0,
                                                   column_skip=True, schedule=True)),
-                                       pytest.param(64, dict(stats_shfl=True, schedule=True), marks=knob)])
+                                       pytest.param(64, dict(stats_shfl=True, schedule=True), marks=knob),
+                                       # late_balance (the last DQ_EMPTY wait after the dK /
+                                       # dV epilogue) on the D 128 default, and on the
+                                       # deterministic walk at D 64
+                                       pytest.param(128, dict(lse_prefetch=True, static_stage=True,
+                                                              work_list=True, dkv_tma_store=True,
+                                                              column_registers=2, column_bits=0,
+                                                              column_skip=True, column_words=True,
+                                                              late_balance=True), marks=knob),
+                                       pytest.param(64, dict(stats_shfl=True, deterministic=True,
+                                                             late_balance=True), marks=knob)])
 def test_backward_config_variants_compile_for_sm90(d, changes):
     """The configs benchmarked against the default (one dS buffer, late statistics)."""
     import dataclasses
@@ -673,6 +683,28 @@ def test_dq_blocked_gives_identical_gradients(name, d, dv, dtype, cute_backward_
 
     base, blocked = grads(""), grads("dq_blocked=1")
     for a, b_ in zip(base, blocked):
+        np.testing.assert_array_equal(a, b_)
+
+
+@needs_gpu
+@pytest.mark.parametrize("name,d,dv,dtype", [
+    ("causal", 128, 128, jnp.bfloat16), ("shared_prompt", 64, 64, jnp.float16),
+    ("hstu", 256, 256, jnp.bfloat16), ("clear", 192, 128, jnp.bfloat16),
+], ids=lambda v: str(getattr(v, "__name__", v)))
+def test_late_balance_gives_identical_gradients(name, d, dv, dtype, cute_backward_on, monkeypatch):
+    """late_balance moves the consumers' last wait on the dQ warp behind the dK / dV
+    epilogue; nothing is computed differently: with the deterministic dQ order all three
+    gradients equal the default's bit for bit (one or two dQ warpgroups, split_sdp, Dv != D;
+    the plain epilogue is compile-checked only: every registry config stores through TMA)."""
+    rng = np.random.default_rng(23)
+    n = 700
+    md, spec = metadata(name, 2, n, rng), SPECS[name]
+    ks = jax.random.split(jax.random.key(9), 4)
+    qx, kx = (jax.random.normal(kk, (2, n, 4, d), jnp.float32).astype(dtype) for kk in ks[:2])
+    vx, do = (jax.random.normal(kk, (2, n, 4, dv), jnp.float32).astype(dtype) for kk in ks[2:])
+    base = _deterministic_grads(monkeypatch, "", spec, md, qx, kx, vx, do)
+    late = _deterministic_grads(monkeypatch, "late_balance=1", spec, md, qx, kx, vx, do)
+    for a, b_ in zip(base, late):
         np.testing.assert_array_equal(a, b_)
 
 

@@ -948,6 +948,15 @@ class BackwardConfig:
       three timed (see ``preferred_backward_config``): the D 128 default since. Excludes
       nothing; ``row_mask`` takes precedence.
 
+    - ``late_balance``: the consumers' last wait on the dQ warp (DQ_EMPTY, which only
+      balances the barrier: the dQ warp frees the buffer once per tile, the consumers wait
+      before every tile but the first) moved from before the dK / dV epilogue to after it.
+      The epilogue writes K's and V's buffers, never the dQ tile, so it then overlaps the
+      dQ warp's last bulk reduce-add. ncu of the dilated window's 8K backward (session 23,
+      ``profiles/ncu-bwd-s23-*``) put 4.2% of the kernel's stall samples on that wait
+      (barrier stalls at the epilogue's first instruction; Flex+FA4 has none). Not yet run
+      on the H200.
+
     ``preferred_backward_config`` picks the default per head dim; ``JCOMPILEMASK_CUTE_BWD_CONFIG``
     (e.g. ``ds_stages=1,stats_early=0``) overrides fields at trace time for benchmarks.
     """
@@ -982,6 +991,7 @@ class BackwardConfig:
     dq_blocked: bool = False
     schedule: bool = False
     column_words: bool = False
+    late_balance: bool = False
 
     def __post_init__(self):
         want = BWD_TILES_SPLIT if self.split_dkv else BWD_TILES
@@ -1041,7 +1051,8 @@ class BackwardConfig:
                 f"{f'_e2e{self.exp2_emu}' if self.exp2_emu else ''}"
                 f"{f'_rcp{self.rcp_emu}' if self.rcp_emu else ''}"
                 f"{'_scr' if self.softcap_r else ''}{'_qb' if self.dq_blocked else ''}"
-                f"{'_sch' if self.schedule else ''}{'_cw' if self.column_words else ''}")
+                f"{'_sch' if self.schedule else ''}{'_cw' if self.column_words else ''}"
+                f"{'_lb' if self.late_balance else ''}")
 
 
 def preferred_backward_config(head_dim: int, dtype: str = "bfloat16",

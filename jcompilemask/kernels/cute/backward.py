@@ -902,18 +902,28 @@ class FlashBackwardSm90(WarpSpecializedSm90):
                       state.advance()
               self.list_done(seq)
         # Balance DQ_EMPTY: the dQ warp freed the buffer once per tile, this warpgroup
-        # waited before every tile but the first.
-        if state.count > 0:
-            if const_expr(self.dq_single_wg):
-                if wg == 0:
-                    self.dq_buffer_wait(wg)
-            else:
-                self.dq_buffer_wait(wg)
+        # waited before every tile but the first. config.late_balance waits after the
+        # dK / dV epilogue (which never touches the dQ tile) instead of before it.
+        if const_expr(not self.config.late_balance):
+            self.balance_dq(state.count, wg)
         if const_expr(self.config.dkv_tma_store):
             self.epilogue_tma(acc_dK, acc_dV, mdK, mdV, sK, sV, tma_store_atoms, tiled_mmas_dkv, tidx,
                               k_tile, head_kv, batch)
         else:
             self.epilogue(acc_dK, acc_dV, mdK, mdV, tiled_mma_dkv, tidx, seqlen_k, k_tile, head_kv, batch)
+        if const_expr(self.config.late_balance):
+            self.balance_dq(state.count, wg)
+
+    @cute.jit
+    def balance_dq(self, count, wg):
+        """The consumers' last DQ_EMPTY wait (one per warpgroup that handed the dQ warp a
+        tile, when the CTA visited any)."""
+        if count > 0:
+            if const_expr(self.dq_single_wg):
+                if wg == 0:
+                    self.dq_buffer_wait(wg)
+            else:
+                self.dq_buffer_wait(wg)
 
     @cute.jit
     def step_at(self, masked: cutlass.Constexpr[bool], state, q_tile, f, cols):
