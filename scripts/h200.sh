@@ -74,7 +74,8 @@
 #                preprocess benchmark
 #   sanitize     compute-sanitizer memcheck + racecheck over a small CuTe backward run
 #   profile      ncu on one clear forward launch at 32K (why 53 TF/s)
-#   lb           BackwardConfig.late_balance (the last dQ-warp wait after the epilogue): tests, then bwd ms at 8K
+#   lb           BackwardConfig.late_balance (the last dQ-warp wait after the epilogue) and the `auto`
+#                column order (the scheduled kernel only where tail's order moves a unit): tests, then bwd ms at 8K
 #   s21          session 21's candidates (exact_columns, column_words, residual_words, the tail order): tests, then timed
 #   bsched       the backward's key columns in the host's order (BackwardConfig.schedule) beside the grid: bwd ms per order policy
 #   train        end-to-end Qwen3-0.6B training tokens/s (benchmarks/train_e2e.py), jcm vs cuDNN vs dense XLA at 8K and 32K (build .device-stage/train with scripts/train_bundle.sh; carry it too)
@@ -716,14 +717,14 @@ PY
     export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1
     if [[ ${JCM_LB_TESTS:-1} == 1 ]]; then
       JCOMPILEMASK_CUTE_BACKWARD=1 timeout -k 5 $(left 200) python3 -m pytest -v -rs -p no:cacheprovider \
-        tests/gpu/test_cute_backward.py -k late_balance_gives > "$OUT/pytest-lb.log" 2>&1
+        tests/gpu/test_cute_backward.py -k "late_balance_gives or (schedule_gives and auto)" > "$OUT/pytest-lb.log" 2>&1
       echo "pytest rc $? ($SECONDS s)"; pkill -9 -f pytest
       grep -E "::.* (PASSED|FAILED|ERROR|SKIPPED)" "$OUT/pytest-lb.log" | sed 's/ *\[ *[0-9]*%\]//'; grep -E "^E  " "$OUT/pytest-lb.log" | head -8
     fi
     b=$(left 380)
     timeout -k 5 $b python3 benchmarks/bench_total.py --ns ${JCM_BENCH_NS:-8192} \
       --masks ${JCM_BENCH_MASKS:-dilated_window,global_window,causal,shared_prompt,clear} --impls jcm \
-      --min-repeat-s 0.25 --jcm-variants "base=;lb=JCOMPILEMASK_CUTE_BWD_CONFIG=late_balance=1" \
+      --min-repeat-s 0.25 --jcm-variants "${JCM_LB_VARIANTS:-base=;lb=JCOMPILEMASK_CUTE_BWD_CONFIG=late_balance=1;au=JCOMPILEMASK_CUTE_BWD_CONFIG=schedule=1 JCOMPILEMASK_CUTE_BWD_ORDER=auto;lbau=JCOMPILEMASK_CUTE_BWD_CONFIG=late_balance=1,schedule=1 JCOMPILEMASK_CUTE_BWD_ORDER=auto}" \
       --budget-s $(( b - 20 )) --out "$OUT/h200-lb.json" > "$OUT/bench-lb.log" 2>&1
     echo "bench rc $? ($SECONDS s)"; pkill -9 -f bench_total; grep -E '^\{' "$OUT/bench-lb.log" | cut -c1-170
     ;;

@@ -62,7 +62,7 @@ def test_every_policy_gives_a_permutation_in_its_order(p, policy):
     elif policy == "group":
         assert np.all(np.diff(groups) >= 0), "groups run one after another"
         assert np.all(np.diff(counts)[np.diff(groups) == 0] <= 0), "heaviest first in a group"
-    elif policy == "tail":
+    elif policy in ("tail", "auto"):
         w = _unit_counts(tiles, b, hq, hkv) + api.BWD_BLOCK_COST_TILES
         after = w.sum() - np.cumsum(w)
         late = w * (ctas - 1) - after > (ctas * w.sum()) // w.size
@@ -106,6 +106,30 @@ def test_tail_moves_only_the_columns_that_would_end_last():
     assert order.tolist() == [3 * tk] + [u for u in range(4 * tk) if u != 3 * tk]
 
 
+@settings(max_examples=40, deadline=None)
+@given(problems())
+def test_auto_runs_the_schedule_exactly_when_tail_moves_a_unit(p):
+    """backward_schedule_moves (what cute_backward's lax.cond reads for the ``auto``
+    policy) is True exactly when tail's order differs from the grid's, in numpy and traced."""
+    tiles, b, hq, hkv, group, ctas = p
+    order = backward_schedule(tiles, b, hq, hkv, group, num_ctas=ctas, policy="auto", xp=np)
+    moved = order.tolist() != list(range(order.size))
+    assert bool(api.backward_schedule_moves(tiles, b, hq, hkv, num_ctas=ctas, xp=np)) == moved
+    assert bool(jax.jit(lambda t: api.backward_schedule_moves(t, b, hq, hkv, num_ctas=ctas))(
+        jnp.asarray(tiles))) == moved
+
+
+def test_auto_keeps_the_grid_on_causal_and_moves_the_global_keys():
+    """The descriptors of test_tail_moves_only_the_columns_that_would_end_last: causal
+    moves nothing (the grid's kernel runs), 16 global keys + a window move."""
+    from jcompilemask.spec import MaskSpec, Region, k, q, q_len
+    desc = jcm.compile(masks.causal()).instantiate(None, 1024, 1024, preprocess="jnp")
+    assert not api.backward_schedule_moves(np.asarray(desc.bwd_tiles), 2, 2, 2, num_ctas=4, xp=np)
+    spec = MaskSpec([Region((0, q_len), (k <= q) & ((k < 16) | (k > q - 256)))])
+    desc = jcm.compile(spec).instantiate(None, 2048, 2048, preprocess="jnp")
+    assert api.backward_schedule_moves(np.asarray(desc.bwd_tiles), 2, 2, 2, num_ctas=8, xp=np)
+
+
 def test_runs_under_jit():
     tiles = jnp.asarray(np.array([[[[0x55], [0x1], [0x1], [0x1]]]], np.uint32))
     f = jax.jit(lambda t: backward_schedule(t, 2, 2, 1, 1, num_ctas=2))
@@ -143,11 +167,13 @@ def test_config_checks_tag_and_policy_env(monkeypatch):
     with pytest.raises(ValueError, match="excludes deterministic"):
         BackwardConfig(schedule=True, deterministic=True)
     cfg = dataclasses.replace(api.preferred_backward_config(128), schedule=True)
-    assert cfg.tag.endswith("_sch") and not api.preferred_backward_config(128).tag.endswith("_sch")
+    assert "_sch" in cfg.tag and "_sch" not in api.preferred_backward_config(128).tag
     monkeypatch.delenv(api.BWD_ORDER_ENV, raising=False)
     assert api._bwd_order_policy() == "hoist"
     monkeypatch.setenv(api.BWD_ORDER_ENV, "global")
     assert api._bwd_order_policy() == "global"
+    monkeypatch.setenv(api.BWD_ORDER_ENV, "auto")
+    assert api._bwd_order_policy() == "auto"
     monkeypatch.setenv(api.BWD_ORDER_ENV, "lpt")
     with pytest.raises(ValueError, match="JCOMPILEMASK_CUTE_BWD_ORDER"):
         api._bwd_order_policy()
@@ -171,3 +197,25 @@ def test_causal_columns_run_heaviest_first_per_l2_group():
     order = backward_schedule(tiles, 2, 2, 2, 2, num_ctas=132, policy="hoist", xp=np)
     assert (order % tk)[:8].tolist() == [0, 0, 0, 0, 1, 1, 1, 1]
     assert (order % tk)[-4:].tolist() == [7, 7, 7, 7]
+
+
+@pytest.mark.parametrize("policy,calls", [("auto", 2), ("tail", 1)])
+def test_auto_traces_a_cond_between_the_two_kernels(policy, calls, monkeypatch):
+    """cute_backward under ``schedule=1`` and the ``auto`` order: one lax.cond whose
+    branches call the scheduled kernel and the grid's (its key without the schedule);
+    ``tail`` calls the scheduled kernel alone. Traced only (kernel names stand in for
+    registered targets: no GPU, no compiler)."""
+    monkeypatch.setenv(api.BWD_CONFIG_ENV, "schedule=1")
+    monkeypatch.setenv(api.BWD_ORDER_ENV, policy)
+    names = []
+    monkeypatch.setattr(api, "_ensure_registered", lambda key: names.append(key) or key.target_name)
+    n = 512
+    desc = jcm.compile(masks.causal()).instantiate(None, n, n, preprocess="jnp")
+    x = jnp.zeros((1, n, 2, 128), jnp.bfloat16)
+    lse = jnp.zeros((1, 2, n), jnp.float32)
+    jaxpr = str(jax.make_jaxpr(lambda q, k, v, o, l_, do: api.cute_backward(
+        q, k, v, o, l_, do, desc.bwd_intervals, desc.bwd_tiles, desc.fwd_intervals,
+        desc.bwd_exact))(x, x, x, x, lse, x))
+    assert jaxpr.count("ffi_call") == calls and ("cond[" in jaxpr) == (policy == "auto")
+    assert [k.config.schedule for k in names] == ([True, False] if policy == "auto" else [True])
+

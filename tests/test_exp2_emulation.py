@@ -171,7 +171,7 @@ def test_exp2_emu_from_env(monkeypatch):
     from jcompilemask.kernels.cute import api
     monkeypatch.setenv(api.BWD_CONFIG_ENV, "exp2_emu=4")
     cfg = api._config_from_env(api.preferred_backward_config(128))
-    assert cfg.exp2_emu == 4 and cfg.tag.endswith("_lp_e2e4")
+    assert cfg.exp2_emu == 4 and "_lp_e2e4" in cfg.tag
     key = api.BackwardKey("bfloat16", 128, 1, 1, True, True, 0.125, cfg)
     plain = api.BackwardKey("bfloat16", 128, 1, 1, True, True, 0.125, api.preferred_backward_config(128))
     assert key.target_name != plain.target_name and "_e2e4_" in key.target_name

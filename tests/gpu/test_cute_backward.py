@@ -160,7 +160,7 @@ def test_row_mask_compiles_for_sm90(d, kk, kc, cap):
     cfg = dataclasses.replace(preferred_backward_config(d, softcap=cap is not None), row_mask=True)
     key = BackwardKey("bfloat16", d, kk, kc, False, False, d ** -0.5, cfg, softcap=cap)
     assert compile_backward(key) is not None
-    assert cfg.tag.endswith("_rm") and cfg.tag in key.target_name
+    assert "_rm" in cfg.tag and cfg.tag in key.target_name
 
 
 @needs_cutlass
@@ -277,7 +277,7 @@ def test_exp2_emu_compiles_for_sm90(dtype, d, kk, kc, per_8, cap, monkeypatch, c
     cfg = dataclasses.replace(preferred_backward_config(d, dtype, cap is not None), exp2_emu=per_8)
     key = BackwardKey(dtype, d, kk, kc, False, True, d ** -0.5, cfg, softcap=cap)
     assert compile_checking_remarks(compile_backward, key, monkeypatch, capfd) is not None
-    assert cfg.tag.endswith(f"_e2e{per_8}") and cfg.tag in key.target_name
+    assert f"_e2e{per_8}" in cfg.tag and cfg.tag in key.target_name
 
 
 @needs_cutlass
@@ -767,6 +767,8 @@ def test_exact_columns_and_column_words_give_identical_gradients(name, config, e
     ("causal", 128, 128, jnp.bfloat16, "hoist"), ("shared_prompt", 64, 64, jnp.float16, "global"),
     ("clear", 128, 128, jnp.bfloat16, "group"), ("hstu", 256, 256, jnp.bfloat16, "hoist"),
     ("clear", 192, 128, jnp.bfloat16, "hoist"), ("dilated_window", 128, 128, jnp.bfloat16, "hoist"),
+    # auto: lax.cond between the scheduled kernel and the grid's (session 23)
+    ("causal", 128, 128, jnp.bfloat16, "auto"), ("clear", 128, 128, jnp.bfloat16, "auto"),
 ], ids=lambda v: str(getattr(v, "__name__", v)))
 def test_schedule_gives_the_default_gradients(name, d, dv, dtype, policy, cute_backward_on,
                                               monkeypatch):

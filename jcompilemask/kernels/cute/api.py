@@ -936,7 +936,12 @@ class BackwardConfig:
       masks without them lose 0.2-3.9% (the unit's load before anything else can start;
       ``global`` also loses L2 reuse at 32K: +8.6% on causal), so it stays off by default.
       The ``tail`` policy (the grid's order, only the late columns moved) and the unit
-      read first thing in the kernel were built after these runs: not yet timed.
+      read first thing in the kernel were built after these runs. Timed at 8K in session
+      22 (run 2026-12-04T05:36:54Z): global + window 2.274 -> 2.173, the dilated window
+      1.535 -> 1.602. ``auto`` (session 23, not yet timed) keeps tail's order but runs the
+      scheduled kernel only where that order moves a unit (``backward_schedule_moves``;
+      ``lax.cond`` between it and the grid's kernel), so masks without late columns keep
+      the grid's kernel and pay neither the unit read nor the sort.
 
     - ``column_words``: a masked tile of the column view builds each key row's visibility as
       two column-group bit words (the forward's ``group_mask``): each of the row's Kc
@@ -1395,7 +1400,7 @@ BWD_ORDER_ENV = "JCOMPILEMASK_CUTE_BWD_ORDER"
 # 1.481, global + window 2.274 -> 2.238, causal 10.389 -> 10.413, i.e. level); the other
 # head dims and the soft cap keep the row path until they are timed with it.
 BWD_EXACT_COLUMNS_ENV = "JCOMPILEMASK_CUTE_BWD_EXACT_COLUMNS"
-BWD_ORDER_POLICIES = ("hoist", "group", "global", "tail")
+BWD_ORDER_POLICIES = ("hoist", "group", "global", "tail", "auto")
 
 
 def _bwd_exact_columns(head_dim: int, head_dim_v: int, softcap) -> bool:
@@ -1431,6 +1436,44 @@ def _popcount_visited(tiles, xp):
     return x.astype(xp.int32).sum(axis=-1, dtype=xp.int32)
 
 
+def _unit_counts(bwd_tiles, batch: int, num_heads: int, num_kv_heads: int, xp):
+    """Visited query tiles per work unit (one key column of a KV head, its query heads
+    summed): int32 [batch * num_kv_heads * Tk], in the default grid's order."""
+    Tk = bwd_tiles.shape[2]
+    group_size = num_heads // num_kv_heads
+    counts = xp.broadcast_to(_popcount_visited(bwd_tiles, xp), (batch, num_heads, Tk))
+    return counts.reshape(batch, num_kv_heads, group_size, Tk).sum(axis=2, dtype=xp.int32).reshape(-1)
+
+
+def _late_units(counts, ctas: int, xp):
+    """``tail``'s rule: a unit started in the grid's order once the work before it is
+    spread over the CTAs ends weight * (ctas - 1) / ctas - after / ctas past that work's
+    even finish; it is late (moves first) when that overshoot exceeds the mean unit's
+    weight (a unit weighs its tiles + ``BWD_BLOCK_COST_TILES``)."""
+    weight = counts + BWD_BLOCK_COST_TILES
+    total = weight.sum(dtype=xp.int32)
+    after = total - xp.cumsum(weight, dtype=xp.int32)
+    return weight * (ctas - 1) - after > (ctas * total) // weight.shape[0]
+
+
+def backward_schedule_moves(bwd_tiles, batch: int, num_heads: int, num_kv_heads: int, *,
+                            num_ctas: int | None = None, xp=jnp):
+    """Whether ``tail``'s order (``auto``'s) moves any unit of this descriptor: a bool
+    scalar (traced inside ``cute_backward``). No sort: a popcount, a cumulative sum and
+    a comparison per unit.
+
+    >>> import numpy as np
+    >>> causal = np.array([[[[0x15], [0x14], [0x10]]]], np.uint32)
+    >>> bool(backward_schedule_moves(causal, 2, 1, 1, num_ctas=2, xp=np))
+    False
+    >>> late_column = np.array([[[[0x1], [0x1], [0x1], [0x5555]]]], np.uint32)
+    >>> bool(backward_schedule_moves(late_column, 1, 1, 1, num_ctas=4, xp=np))
+    True
+    """
+    ctas = max(1, int(num_ctas if num_ctas is not None else num_sms()))
+    return xp.any(_late_units(_unit_counts(bwd_tiles, batch, num_heads, num_kv_heads, xp), ctas, xp))
+
+
 def backward_schedule(bwd_tiles, batch: int, num_heads: int, num_kv_heads: int,
                       heads_per_group: int, *, num_ctas: int | None = None,
                       policy: str = "hoist", xp=jnp):
@@ -1454,6 +1497,9 @@ def backward_schedule(bwd_tiles, batch: int, num_heads: int, num_kv_heads: int,
       weighing its tiles + ``BWD_BLOCK_COST_TILES``, it overshoots that work's even
       finish by more than a mean unit): those go first, heaviest first. The others keep
       the grid's order and its L2 locality.
+    - ``auto``: ``tail``'s order; ``cute_backward`` then runs the scheduled kernel only
+      for descriptors where that order moves a unit (``backward_schedule_moves``), and
+      the default grid's kernel otherwise (both compiled, ``lax.cond`` picks at run time).
 
     Ties keep the launch order of the default grid. ``xp``: ``jax.numpy`` (traced, inside
     ``cute_backward``) or ``numpy`` (tests).
@@ -1468,24 +1514,15 @@ def backward_schedule(bwd_tiles, batch: int, num_heads: int, num_kv_heads: int,
     """
     if policy not in BWD_ORDER_POLICIES:
         raise ValueError(f"policy={policy!r}: choose one of {BWD_ORDER_POLICIES}")
-    Bm, Hm, Tk, _ = bwd_tiles.shape
-    group_size = num_heads // num_kv_heads
-    counts = xp.broadcast_to(_popcount_visited(bwd_tiles, xp), (batch, num_heads, Tk))
-    counts = counts.reshape(batch, num_kv_heads, group_size, Tk).sum(axis=2, dtype=xp.int32)
-    counts = counts.reshape(-1)
+    Tk = bwd_tiles.shape[2]
+    counts = _unit_counts(bwd_tiles, batch, num_heads, num_kv_heads, xp)
     unit = xp.arange(batch * num_kv_heads * Tk, dtype=xp.int32)
     pair = unit // Tk                                       # b * Hkv + kv head
     if policy == "global":
         return xp.lexsort((unit, -counts)).astype(xp.int32)
     ctas = max(1, int(num_ctas if num_ctas is not None else num_sms()))
-    if policy == "tail":
-        # A unit started in the grid's order once the work before it is spread over the
-        # CTAs ends weight * (ctas - 1) / ctas - after / ctas past that work's even
-        # finish; it moves when that overshoot exceeds the mean unit's weight.
-        weight = counts + BWD_BLOCK_COST_TILES
-        total = weight.sum(dtype=xp.int32)
-        after = total - xp.cumsum(weight, dtype=xp.int32)
-        late = weight * (ctas - 1) - after > (ctas * total) // weight.shape[0]
+    if policy in ("tail", "auto"):
+        late = _late_units(counts, ctas, xp)
         return xp.lexsort((unit, xp.where(late, -counts, 0), xp.where(late, 0, 1))).astype(xp.int32)
     grp = pair // max(1, int(heads_per_group))
     if policy == "group":
@@ -1590,17 +1627,33 @@ def cute_backward(q, k, v, out, lse, do, bwd_intervals, bwd_tiles, fwd_intervals
         jax.ShapeDtypeStruct(v.shape, v.dtype),
     )
     # The dQ accumulator and the semaphores must start at zero: inputs aliased to outputs.
-    call = jax.ffi.ffi_call(name, out_types, vmap_method="sequential",
-                            input_output_aliases={11: 0, 12: 1})
-    operands = (q, k, v, do, lse2, delta, bwd_intervals.astype(jnp.int32),
-                bwd_tiles.astype(jnp.uint32), fwd_intervals.astype(jnp.int32), exact,
-                turns, jnp.zeros(acc_shape, f32), jnp.zeros(sem_shape, jnp.int32), *extra)
+    def run(kernel_name, inputs, order=()):
+        call = jax.ffi.ffi_call(kernel_name, out_types, vmap_method="sequential",
+                                input_output_aliases={11: 0, 12: 1})
+        operands = (*inputs[:11], jnp.zeros(acc_shape, f32), jnp.zeros(sem_shape, jnp.int32),
+                    *inputs[11:], *order)
+        return tuple(match_varying(call(*operands), *operands))
+
+    inputs = (q, k, v, do, lse2, delta, bwd_intervals.astype(jnp.int32),
+              bwd_tiles.astype(jnp.uint32), fwd_intervals.astype(jnp.int32), exact, turns, *extra)
+    policy = _bwd_order_policy() if config.schedule else None
     if config.schedule:
-        operands += (backward_schedule(
-            bwd_tiles, B, Hq, Hkv, kv_heads_per_l2_group(Nq, D * (Hq // Hkv), Dv * (Hq // Hkv),
-                                                         jnp.dtype(q.dtype).itemsize),
-            policy=_bwd_order_policy()),)
-    dq_acc, _, dk, dv = match_varying(call(*operands), *operands)
+        def scheduled(inputs):
+            return run(name, inputs, (backward_schedule(
+                bwd_tiles, B, Hq, Hkv, kv_heads_per_l2_group(Nq, D * (Hq // Hkv), Dv * (Hq // Hkv),
+                                                             jnp.dtype(q.dtype).itemsize),
+                policy=policy),))
+    if policy == "auto":
+        # The scheduled kernel where tail's order moves a unit, the grid's kernel (the same
+        # key without the schedule) where it would move none: no unit read, no sort.
+        grid_name = _ensure_registered(dataclasses.replace(
+            key, config=dataclasses.replace(config, schedule=False)))
+        moves = backward_schedule_moves(bwd_tiles, B, Hq, Hkv)
+        dq_acc, _, dk, dv = jax.lax.cond(moves, scheduled, lambda i: run(grid_name, i), inputs)
+    elif config.schedule:
+        dq_acc, _, dk, dv = scheduled(inputs)
+    else:
+        dq_acc, _, dk, dv = run(name, inputs)
     # One fused XLA pass: un-permute, scale, cast.
     dq = dq_fragment_unpermute(dq_acc, Nq, D, block_q, blocked=config.dq_blocked)
     return (dq * np.float32(backward_grad_scale(scale, softcap, config))).astype(q.dtype), dk, dv
