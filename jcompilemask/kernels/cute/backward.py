@@ -232,7 +232,7 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         # column, as where the column view is not exact) instead of the column view (Kc per
         # key): fewer tests per element where K < Kc (shared prompt: K 2, Kc 13).
         self.row_mask = config.row_mask and residual is None
-        # column_words (issue 16, a benchmark knob until timed): masked tiles of the column
+        # column_words (issue 16; the D 128 default since session 23): masked tiles of the column
         # view build each key row's visibility as column-group words (mask_by_column_words).
         self.column_words = config.column_words and not self.row_mask
         # Its column slots with a residual predicate (each keeps a word pair per key row).

@@ -180,7 +180,7 @@ class FlashForwardSm90(WarpSpecializedSm90):
         # its runs into the words (apply_mask_bits_groups); residual masks keep their path.
         self.group_mask = group_mask and self.residual is None
         assert not self.group_mask or block_kv // 8 < 32
-        # residual_words (issue 16, a benchmark knob until timed): a residual mask's masked
+        # residual_words (issue 16; the D 128 default since session 23): a residual mask's masked
         # tile ORs its slots' intervals into column-group words as group_mask does (the slots
         # without a residual into one pair, each slot with one into a pair of its own), then
         # per element tests the word bit AND that slot's predicate: no per-element interval
