@@ -1499,7 +1499,8 @@ def backward_schedule(bwd_tiles, batch: int, num_heads: int, num_kv_heads: int,
       the grid's order and its L2 locality.
     - ``auto``: ``tail``'s order; ``cute_backward`` then runs the scheduled kernel only
       for descriptors where that order moves a unit (``backward_schedule_moves``), and
-      the default grid's kernel otherwise (both compiled, ``lax.cond`` picks at run time).
+      the default grid's kernel otherwise (both compiled, ``lax.cond`` picks at run time;
+      under ``jax.vmap`` over the descriptor the cond becomes a select and both run).
 
     Ties keep the launch order of the default grid. ``xp``: ``jax.numpy`` (traced, inside
     ``cute_backward``) or ``numpy`` (tests).
