@@ -644,7 +644,7 @@ PY
     timeout -k 5 $(left 90) python3 tests/scripts/gpu_dq_post_time.py 8192 > "$OUT/parts-post.log" 2>&1
     echo "post rc $? ($SECONDS s)"; grep -E '^\{' "$OUT/parts-post.log" | cut -c1-200
     JCOMPILEMASK_CUTE_BACKWARD=1 timeout -k 5 $(left 150) python3 -m pytest -q -rs -p no:cacheprovider \
-      tests/gpu/test_cute_backward.py -k "dq_blocked_gives and (${JCM_QB_TESTS:-causal})" \
+      tests/gpu/test_cute_backward.py -k "dq_switch_gives and dq_blocked and (${JCM_QB_TESTS:-causal})" \
       > "$OUT/pytest-qb.log" 2>&1
     echo "identity rc $? ($SECONDS s)"; pkill -9 -f pytest; tail -3 "$OUT/pytest-qb.log"
     b=$(left 330)
@@ -717,7 +717,7 @@ PY
     export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1
     if [[ ${JCM_LB_TESTS:-1} == 1 ]]; then
       JCOMPILEMASK_CUTE_BACKWARD=1 timeout -k 5 $(left 200) python3 -m pytest -v -rs -p no:cacheprovider \
-        tests/gpu/test_cute_backward.py -k "late_balance_gives or (schedule_gives and auto)" > "$OUT/pytest-lb.log" 2>&1
+        tests/gpu/test_cute_backward.py -k "(dq_switch_gives and late_balance) or (schedule_gives and auto)" > "$OUT/pytest-lb.log" 2>&1
       echo "pytest rc $? ($SECONDS s)"; pkill -9 -f pytest
       grep -E "::.* (PASSED|FAILED|ERROR|SKIPPED)" "$OUT/pytest-lb.log" | sed 's/ *\[ *[0-9]*%\]//'; grep -E "^E  " "$OUT/pytest-lb.log" | head -8
     fi

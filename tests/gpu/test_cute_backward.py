@@ -663,48 +663,30 @@ def test_row_mask_gives_the_default_gradients(name, cute_backward_on, monkeypatc
 
 
 @needs_gpu
+@pytest.mark.parametrize("switch", ["dq_blocked", "late_balance"])
 @pytest.mark.parametrize("name,d,dv,dtype", [
     ("causal", 128, 128, jnp.bfloat16), ("shared_prompt", 64, 64, jnp.float16),
     ("hstu", 256, 256, jnp.bfloat16), ("clear", 192, 128, jnp.bfloat16),
 ], ids=lambda v: str(getattr(v, "__name__", v)))
-def test_dq_blocked_gives_identical_gradients(name, d, dv, dtype, cute_backward_on, monkeypatch):
-    """dq_blocked moves where each dQ value sits in the accumulator slot, not what is added
-    or in which order: with the deterministic dQ order all three gradients equal the
-    default's bit for bit, at every dQ split (one or two dQ warpgroups, split_sdp, Dv != D)."""
+def test_dq_switch_gives_identical_gradients(switch, name, d, dv, dtype, cute_backward_on,
+                                             monkeypatch):
+    """Switches of the dQ path that change no value nor its order of addition: with the
+    deterministic dQ order all three gradients equal the default's bit for bit, at every
+    dQ split (one or two dQ warpgroups, split_sdp, Dv != D).
+
+    - ``dq_blocked`` moves where each dQ value sits in the accumulator slot;
+    - ``late_balance`` moves the consumers' last wait on the dQ warp behind the dK / dV
+      epilogue (the plain epilogue is compile-checked only: every registry config stores
+      through TMA)."""
     rng = np.random.default_rng(12)
     n = 700
     md, spec = metadata(name, 2, n, rng), SPECS[name]
     ks = jax.random.split(jax.random.key(6), 4)
     qx, kx = (jax.random.normal(kk, (2, n, 4, d), jnp.float32).astype(dtype) for kk in ks[:2])
     vx, do = (jax.random.normal(kk, (2, n, 4, dv), jnp.float32).astype(dtype) for kk in ks[2:])
-
-    def grads(config):
-        return _deterministic_grads(monkeypatch, config, spec, md, qx, kx, vx, do)
-
-    base, blocked = grads(""), grads("dq_blocked=1")
-    for a, b_ in zip(base, blocked):
-        np.testing.assert_array_equal(a, b_)
-
-
-@needs_gpu
-@pytest.mark.parametrize("name,d,dv,dtype", [
-    ("causal", 128, 128, jnp.bfloat16), ("shared_prompt", 64, 64, jnp.float16),
-    ("hstu", 256, 256, jnp.bfloat16), ("clear", 192, 128, jnp.bfloat16),
-], ids=lambda v: str(getattr(v, "__name__", v)))
-def test_late_balance_gives_identical_gradients(name, d, dv, dtype, cute_backward_on, monkeypatch):
-    """late_balance moves the consumers' last wait on the dQ warp behind the dK / dV
-    epilogue; nothing is computed differently: with the deterministic dQ order all three
-    gradients equal the default's bit for bit (one or two dQ warpgroups, split_sdp, Dv != D;
-    the plain epilogue is compile-checked only: every registry config stores through TMA)."""
-    rng = np.random.default_rng(23)
-    n = 700
-    md, spec = metadata(name, 2, n, rng), SPECS[name]
-    ks = jax.random.split(jax.random.key(9), 4)
-    qx, kx = (jax.random.normal(kk, (2, n, 4, d), jnp.float32).astype(dtype) for kk in ks[:2])
-    vx, do = (jax.random.normal(kk, (2, n, 4, dv), jnp.float32).astype(dtype) for kk in ks[2:])
     base = _deterministic_grads(monkeypatch, "", spec, md, qx, kx, vx, do)
-    late = _deterministic_grads(monkeypatch, "late_balance=1", spec, md, qx, kx, vx, do)
-    for a, b_ in zip(base, late):
+    new = _deterministic_grads(monkeypatch, f"{switch}=1", spec, md, qx, kx, vx, do)
+    for a, b_ in zip(base, new):
         np.testing.assert_array_equal(a, b_)
 
 

@@ -1637,24 +1637,24 @@ def cute_backward(q, k, v, out, lse, do, bwd_intervals, bwd_tiles, fwd_intervals
 
     inputs = (q, k, v, do, lse2, delta, bwd_intervals.astype(jnp.int32),
               bwd_tiles.astype(jnp.uint32), fwd_intervals.astype(jnp.int32), exact, turns, *extra)
+    def scheduled(inputs):
+        return run(name, inputs, (backward_schedule(
+            bwd_tiles, B, Hq, Hkv, kv_heads_per_l2_group(Nq, D * (Hq // Hkv), Dv * (Hq // Hkv),
+                                                         jnp.dtype(q.dtype).itemsize),
+            policy=policy),))
+
     policy = _bwd_order_policy() if config.schedule else None
-    if config.schedule:
-        def scheduled(inputs):
-            return run(name, inputs, (backward_schedule(
-                bwd_tiles, B, Hq, Hkv, kv_heads_per_l2_group(Nq, D * (Hq // Hkv), Dv * (Hq // Hkv),
-                                                             jnp.dtype(q.dtype).itemsize),
-                policy=policy),))
-    if policy == "auto":
+    if policy is None:
+        dq_acc, _, dk, dv = run(name, inputs)
+    elif policy == "auto":
         # The scheduled kernel where tail's order moves a unit, the grid's kernel (the same
         # key without the schedule) where it would move none: no unit read, no sort.
         grid_name = _ensure_registered(dataclasses.replace(
             key, config=dataclasses.replace(config, schedule=False)))
         moves = backward_schedule_moves(bwd_tiles, B, Hq, Hkv)
         dq_acc, _, dk, dv = jax.lax.cond(moves, scheduled, lambda i: run(grid_name, i), inputs)
-    elif config.schedule:
-        dq_acc, _, dk, dv = scheduled(inputs)
     else:
-        dq_acc, _, dk, dv = run(name, inputs)
+        dq_acc, _, dk, dv = scheduled(inputs)
     # One fused XLA pass: un-permute, scale, cast.
     dq = dq_fragment_unpermute(dq_acc, Nq, D, block_q, blocked=config.dq_blocked)
     return (dq * np.float32(backward_grad_scale(scale, softcap, config))).astype(q.dtype), dk, dv
