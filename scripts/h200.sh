@@ -52,6 +52,8 @@
 #                then timed beside the default and FA4 native, then the forward tests under it
 #   frt          issue 14: rescale_tail (O's rescale beside P's conversion): bit-identity, timed
 #                beside the default and FA4 native, then the forward + attention tests under it
+#   fwr          issue 14: work_runs (the work list as runs, walked with a counter): bit-identity,
+#                timed beside the default and FA4 native, then the forward + attention tests under it
 #   fwdtable     issue 14's acceptance table at one N (JCM_BENCH_NS): Flex+FA4, then jcm + FA4 native
 #   fsched       issue 14: the forward's longest-first order / persistent CTAs
 #                (JCOMPILEMASK_CUTE_FWD_SCHEDULE=1 / persistent) and work list: tests, then the
@@ -808,6 +810,16 @@ PY
     forward_switch_stage frt rescale_tail_forward_is_bit_identical 180 JCOMPILEMASK_CUTE_FWD_RESCALE_TAIL \
       32768,8192,2048 causal,hstu,shared_prompt \
       "${JCM_FRT_VARIANTS:-base=;rt=JCOMPILEMASK_CUTE_FWD_RESCALE_TAIL=1}"
+    ;;
+  fwr)
+    # Issue 14 (compile-checked in session 24): work_runs — the forward's work list as runs of
+    # one kind, producer and consumers looping over a run's tiles with a counter (the per-tile
+    # list entry's load / decode / branch gone: 491 SASS instructions per full tile against
+    # 513): bit-identity vs the per-tile list (10 cases, hang-guarded), timed beside the
+    # default and FA4 native (32K, 8K, 2K: JCM_BENCH_NS), then the forward + attention tests.
+    forward_switch_stage fwr work_runs_forward_is_bit_identical 200 JCOMPILEMASK_CUTE_FWD_WORK_RUNS \
+      32768,8192,2048 causal,hstu,shared_prompt \
+      "${JCM_FWR_VARIANTS:-base=;wr=JCOMPILEMASK_CUTE_FWD_WORK_RUNS=1}"
     ;;
   fwdtable)
     # Issue 14's acceptance table for one N per call (JCM_BENCH_NS, default 32768; 8192 and

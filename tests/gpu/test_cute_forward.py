@@ -30,7 +30,8 @@ def registry_switches(monkeypatch, head_dim, head_dim_v, block_q, block_kv, num_
     with no JCOMPILEMASK_CUTE_FWD_* variable set), updated by ``changes``."""
     from jcompilemask.kernels.cute import api
     for name in (api.FWD_WORK_LIST_ENV, api.FWD_GROUP_MASK_ENV, api.FWD_SCHEDULE_ENV,
-                 api.FWD_K_AHEAD_ENV, api.FWD_BITS_ABOVE_ENV, api.FWD_RESCALE_TAIL_ENV):
+                 api.FWD_K_AHEAD_ENV, api.FWD_BITS_ABOVE_ENV, api.FWD_RESCALE_TAIL_ENV,
+                 api.FWD_WORK_RUNS_ENV):
         monkeypatch.delenv(name, raising=False)
     return {**api.forward_switches(head_dim, head_dim_v, block_q, block_kv, num_stages), **changes}
 
@@ -624,6 +625,90 @@ def test_rescale_tail_forward_is_bit_identical_on_gpu(head_dim, case, softcap, m
     bq, bk = api.preferred_forward_tiles(head_dim)
     _assert_switch_is_bit_identical(monkeypatch, api.FWD_RESCALE_TAIL_ENV,
                                     _case_inputs(case, 3, 11, kv_heads=2, head_dim=head_dim),
+                                    softcap=softcap, block_q=bq, block_kv=bk)
+
+
+@needs_cutlass
+@pytest.mark.parametrize("case", ["k1", pytest.param("k6", marks=knob), pytest.param("d64_cap", marks=knob),
+                                  pytest.param("k_ahead", marks=knob), pytest.param("persistent", marks=knob),
+                                  pytest.param("k25", marks=knob)])
+def test_work_runs_compiles_for_sm90(case, monkeypatch):
+    """work_runs ($JCOMPILEMASK_CUTE_FWD_WORK_RUNS=1, issue 14 item 1): the work list as runs
+    of one kind, walked with a counter; no stack (SASS at D 128 K 1, NOTES.md "Session 24":
+    the full-tile loop is 491 instructions per tile, P's conversion and O's rescale inside
+    it, against 513 with the per-tile list entry). With K(t + 1) before V(t), persistent
+    CTAs, a soft cap at D 64 and K 25 on the bit-mask path."""
+    from jcompilemask.kernels.cute.api import (ForwardKey, compile_forward, preferred_forward_stages,
+                                               preferred_forward_tiles)
+    head_dim = 64 if case == "d64_cap" else 128
+    k = {"k6": 6, "k25": 25, "persistent": 2}.get(case, 1)
+    bq, bk = preferred_forward_tiles(head_dim)
+    stages = preferred_forward_stages(head_dim)
+    changes = dict(work_runs=True, k_ahead=case == "k_ahead", schedule=case == "persistent",
+                   persistent=case == "persistent")
+    key = ForwardKey("bfloat16", head_dim, head_dim, k, bq, bk, False, k < 6, head_dim**-0.5,
+                     num_stages=stages, softcap=30.0 if case == "d64_cap" else None,
+                     **registry_switches(monkeypatch, head_dim, head_dim, bq, bk, stages, **changes))
+    assert key.work_list and compile_forward(key) is not None and key.target_name.endswith("_wr")
+
+
+def test_work_runs_env_and_key(monkeypatch):
+    """Off unless $JCOMPILEMASK_CUTE_FWD_WORK_RUNS=1; only with the work list (not at D 256,
+    where the list does not fit) and never with rescale_tail; the key refuses the others."""
+    from jcompilemask.kernels.cute import api
+    for name in (api.FWD_WORK_RUNS_ENV, api.FWD_WORK_LIST_ENV, api.FWD_RESCALE_TAIL_ENV):
+        monkeypatch.delenv(name, raising=False)
+    assert not api.forward_switches(128, 128, 128, 128, 2)["work_runs"]
+    monkeypatch.setenv(api.FWD_WORK_RUNS_ENV, "1")
+    assert api.forward_switches(128, 128, 128, 128, 2)["work_runs"]
+    assert api.forward_switches(64, 64, 128, 128, 2)["work_runs"]
+    bq, bk = api.preferred_forward_tiles(256)
+    sw = api.forward_switches(256, 256, bq, bk, api.preferred_forward_stages(256))
+    assert not sw["work_list"] and not sw["work_runs"]
+    monkeypatch.setenv(api.FWD_WORK_LIST_ENV, "0")
+    assert not api.forward_switches(128, 128, 128, 128, 2)["work_runs"]
+    monkeypatch.setenv(api.FWD_WORK_LIST_ENV, "1")
+    monkeypatch.setenv(api.FWD_RESCALE_TAIL_ENV, "1")
+    assert not api.forward_switches(128, 128, 128, 128, 2)["work_runs"]
+    monkeypatch.setenv(api.FWD_WORK_RUNS_ENV, "on")
+    with pytest.raises(ValueError, match="0 or 1"):
+        api.forward_switches(128, 128, 128, 128, 2)
+    base = dict(dtype="bfloat16", head_dim=128, head_dim_v=128, num_intervals=1, block_q=128,
+                block_kv=128, broadcast_batch=False, broadcast_head=True, scale=0.1)
+    with pytest.raises(ValueError, match="work_list=True"):
+        api.ForwardKey(**base, work_runs=True)
+    with pytest.raises(ValueError, match="rescale_tail"):
+        api.ForwardKey(**base, work_list=True, work_runs=True, rescale_tail=True)
+    key = api.ForwardKey(**base, work_list=True, work_runs=True)
+    assert key.target_name.endswith("_wr") and key.list_smem == 2 * api._WORK_LIST_SMEM - 32
+
+
+@pytest.mark.parametrize("head_dim,case,softcap,shape,extra", [
+    (128, "causal", None, None, None), (128, "document", None, None, None),
+    (128, "prefix_window", None, None, None), (128, "random6", None, None, None),
+    (128, "random6", 5.0, None, None), (64, "random3", None, None, None),
+    (128, "random12", None, None, None),
+    (128, "random6", None, (256, 70000), None),         # 547 key tiles: two list chunks
+    (128, "random3", None, None, "JCOMPILEMASK_CUTE_FWD_K_AHEAD"),
+    (128, "document", None, None, "JCOMPILEMASK_CUTE_FWD_SCHEDULE=persistent")])
+def test_work_runs_forward_is_bit_identical_on_gpu(head_dim, case, softcap, shape, extra, monkeypatch):
+    """work_runs changes how both sides walk the visited tiles, not which or in what order:
+    o and lse equal the per-tile work list's bit for bit (ragged Nq 700 / Nk 900, so a ragged
+    last tile inside a full run; per-head masks, fully masked rows, GQA, a soft cap, K 12 on
+    the bit-mask path, two list chunks, K(t + 1) before V(t), persistent CTAs)."""
+    reason = sm90_gpu_reason()
+    if reason:
+        pytest.skip(reason)
+    from jcompilemask.kernels.cute import api
+
+    if extra:
+        name, _, value = extra.partition("=")
+        monkeypatch.setenv(name, value or "1")
+    monkeypatch.setenv(api.FWD_WORK_LIST_ENV, "1")
+    bq, bk = api.preferred_forward_tiles(head_dim)
+    dims = {} if shape is None else dict(B=1, heads=2, kv_heads=1, Nq=shape[0], Nk=shape[1])
+    inputs = _case_inputs(case, 3, 11, **({"kv_heads": 2} | dims), head_dim=head_dim)
+    _assert_switch_is_bit_identical(monkeypatch, api.FWD_WORK_RUNS_ENV, inputs,
                                     softcap=softcap, block_q=bq, block_kv=bk)
 
 

@@ -32,6 +32,7 @@ _SMEM_LIMIT = 232448
 # Shared memory the forward's work list adds: one chunk of tile indices (FWD_LIST_CHUNK
 # int32) and its count / barrier words.
 _WORK_LIST_SMEM = 4 * 512 + 32
+_WORK_RUNS_SMEM = 8 * 512 + 32
 
 
 def preferred_forward_tiles(head_dim: int, dtype: str = "bfloat16") -> tuple[int, int]:
@@ -144,13 +145,24 @@ class ForwardKey:
     # 2026-12-04T09:46:51Z) and 0.671 -> 0.574 at 32K (run 2026-12-04T09:54:01Z). The
     # default at D 128 since ($JCOMPILEMASK_CUTE_FWD_RESIDUAL_WORDS=0 / 1 forces it).
     residual_words: bool = False
+    # With work_list: the list holds runs of consecutive visited tiles of one kind
+    # (common.build_tile_runs), which producer and consumers walk with a counter, the
+    # masked / full choice made once per run (FlashForwardSm90.work_runs; issue 14 item 1;
+    # $JCOMPILEMASK_CUTE_FWD_WORK_RUNS=1, a benchmark knob until timed). 4 KB of shared
+    # memory instead of 2.
+    work_runs: bool = False
+
+    @property
+    def list_smem(self) -> int:
+        """Shared bytes of the work list (0 without it; twice the entries with runs)."""
+        return 0 if not self.work_list else (_WORK_RUNS_SMEM if self.work_runs else _WORK_LIST_SMEM)
 
     @property
     def o_buffer(self) -> bool:
         """Persistent kernels stage O in a buffer of its own where shared memory allows
         (D <= 128), so the next unit's Q loads under this unit's epilogue."""
         base = forward_smem_bytes(self.head_dim, self.block_q, self.block_kv, self.num_stages,
-                                  head_dim_v=self.head_dim_v) + (_WORK_LIST_SMEM if self.work_list else 0)
+                                  head_dim_v=self.head_dim_v) + self.list_smem
         return self.persistent and base + 2 * self.block_q * self.head_dim_v + 1024 <= _SMEM_LIMIT
 
     def __post_init__(self):
@@ -179,7 +191,7 @@ class ForwardKey:
         if self.num_intervals < 1:
             raise ValueError(f"interval count K must be >= 1, got {self.num_intervals}")
         smem = forward_smem_bytes(self.head_dim, self.block_q, self.block_kv, self.num_stages,
-                                  head_dim_v=self.head_dim_v) + (_WORK_LIST_SMEM if self.work_list else 0)
+                                  head_dim_v=self.head_dim_v) + self.list_smem
         if self.num_stages < 1 or smem > _SMEM_LIMIT:
             raise ValueError(
                 f"num_stages={self.num_stages} at head dim {self.head_dim} needs {smem} bytes of "
@@ -189,6 +201,10 @@ class ForwardKey:
             raise ValueError(f"softcap must be None or a positive finite float, got {self.softcap!r}")
         if self.softcap_fast_tanh and self.softcap is None:
             raise ValueError("softcap_fast_tanh needs a softcap")
+        if self.work_runs and not self.work_list:
+            raise ValueError("ForwardKey(work_runs=True) is a form of the work list: set work_list=True")
+        if self.work_runs and self.rescale_tail:
+            raise ValueError("ForwardKey(work_runs=True) does not combine with rescale_tail")
         if self.residual_words and self.residual is None:
             raise ValueError("ForwardKey(residual_words=True) serves masks with a residual program")
         if self.group_mask and self.residual is not None:
@@ -213,6 +229,7 @@ class ForwardKey:
             + ("_gm" if self.group_mask else "")
             + ("_rt" if self.rescale_tail else "")
             + ("_rw" if self.residual_words else "")
+            + ("_wr" if self.work_runs else "")
         )
 
 
@@ -304,6 +321,7 @@ def compile_forward(key: ForwardKey):
             residual=key.residual, bits_above=key.bits_above, work_list=key.work_list,
             schedule=key.schedule, persistent=key.persistent, o_buffer=key.o_buffer,
             k_ahead=key.k_ahead, group_mask=key.group_mask, rescale_tail=key.rescale_tail,
+            work_runs=key.work_runs,
             residual_words=key.residual_words,
         )
         inputs = [bhsd(nq, hq, key.head_dim), bhsd(nk, hkv, key.head_dim), bhsd(nk, hkv, key.head_dim_v),
@@ -449,6 +467,7 @@ FWD_K_AHEAD_ENV = "JCOMPILEMASK_CUTE_FWD_K_AHEAD"
 FWD_GROUP_MASK_ENV = "JCOMPILEMASK_CUTE_FWD_GROUP_MASK"
 FWD_RESCALE_TAIL_ENV = "JCOMPILEMASK_CUTE_FWD_RESCALE_TAIL"
 FWD_RESIDUAL_WORDS_ENV = "JCOMPILEMASK_CUTE_FWD_RESIDUAL_WORDS"
+FWD_WORK_RUNS_ENV = "JCOMPILEMASK_CUTE_FWD_WORK_RUNS"
 # L2 bytes the K / V of one group of heads may take (forward_schedule): the H100 / H200's
 # 50 MB L2, as FlashAttention's longest-first scheduler assumes.
 L2_BYTES = 50 * 1024 * 1024
@@ -537,25 +556,37 @@ def _fwd_rescale_tail() -> bool:
     return _env_flag(FWD_RESCALE_TAIL_ENV, "0")
 
 
+def _fwd_work_runs(work_list: bool, rescale_tail: bool, d, dv, block_q, block_kv, num_stages) -> bool:
+    """``$JCOMPILEMASK_CUTE_FWD_WORK_RUNS=1`` (read at trace time; a benchmark knob until
+    timed): the work list as runs of one kind (ForwardKey.work_runs), where the work list
+    is on, rescale_tail off and the runs' 4 KB fit."""
+    return (_env_flag(FWD_WORK_RUNS_ENV, "0") and work_list and not rescale_tail
+            and forward_smem_bytes(d, block_q, block_kv, num_stages, head_dim_v=dv)
+            + _WORK_RUNS_SMEM <= _SMEM_LIMIT)
+
+
 def forward_switches(head_dim: int, head_dim_v: int, block_q: int, block_kv: int, num_stages: int,
                      residual=None) -> dict:
     """The ForwardKey fields that ``cute_forward`` takes from the environment (read at
     trace time) for a kernel of these sizes: ``bits_above``, ``work_list``, ``schedule``,
     ``persistent``, ``k_ahead``, ``group_mask`` (never with a residual program),
-    ``residual_words`` (only with one) and ``rescale_tail``. With no ``JCOMPILEMASK_CUTE_FWD_*`` variable set these are the
+    ``residual_words`` (only with one), ``rescale_tail`` and ``work_runs``. With no ``JCOMPILEMASK_CUTE_FWD_*`` variable set these are the
     defaults the registry runs, so a compile test that builds its key with them compiles
     what users get.
 
     >>> sorted(forward_switches(128, 128, 128, 128, 2))
-    ['bits_above', 'group_mask', 'k_ahead', 'persistent', 'rescale_tail', 'residual_words', 'schedule', 'work_list']
+    ['bits_above', 'group_mask', 'k_ahead', 'persistent', 'rescale_tail', 'residual_words', 'schedule', 'work_list', 'work_runs']
     """
     schedule, persistent = _fwd_schedule()
-    return dict(bits_above=_fwd_bits_above(),
-                work_list=_fwd_work_list(head_dim, head_dim_v, block_q, block_kv, num_stages),
+    work_list = _fwd_work_list(head_dim, head_dim_v, block_q, block_kv, num_stages)
+    rescale_tail = _fwd_rescale_tail()
+    return dict(bits_above=_fwd_bits_above(), work_list=work_list,
                 schedule=schedule, persistent=persistent, k_ahead=_fwd_k_ahead(),
                 group_mask=_fwd_group_mask() and residual is None,
                 residual_words=_fwd_residual_words(head_dim) and residual is not None,
-                rescale_tail=_fwd_rescale_tail())
+                rescale_tail=rescale_tail,
+                work_runs=_fwd_work_runs(work_list, rescale_tail, head_dim, head_dim_v, block_q,
+                                         block_kv, num_stages))
 
 
 def num_sms(default: int = 132) -> int:

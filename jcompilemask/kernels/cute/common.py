@@ -249,6 +249,85 @@ def build_tile_list(gTiles: cute.Tensor, n_tiles: Int32, first_tile: Int32, chun
     cute.arch.sync_warp()
 
 
+@cute.jit
+def _run_word(gTiles: cute.Tensor, w: Int32, w_end: Int32, end: Int32, ragged_tile: Int32):
+    """Tile word ``w`` of a row as ``build_tile_runs`` reads it: tiles at or past ``end``
+    cleared, a masked bit kept only on a visited tile, the ragged tile (if in the word)
+    masked; 0 past the row's last word."""
+    word = Uint32(0)
+    if w < w_end:
+        word = gTiles[w]
+        if (w + 1) * 16 > end:
+            word = word & ((Uint32(1) << Uint32(2 * (end - w * 16))) - Uint32(1))
+    vis = word & Uint32(0x55555555)
+    word = (word & (vis << Uint32(1))) | vis
+    if (ragged_tile >= w * 16) & (ragged_tile < w * 16 + 16):
+        sh = Uint32(2 * (ragged_tile - w * 16))
+        word = word | (((word >> sh) & Uint32(1)) << (sh + Uint32(1)))
+    return word
+
+
+@cute.jit
+def build_tile_runs(gTiles: cute.Tensor, n_tiles: Int32, first_tile: Int32, chunk: cutlass.Constexpr[int],
+                    sRuns: cute.Tensor, sCount: cute.Tensor, ragged_tile: Int32):
+    """One warp: the visited tiles of [first_tile, first_tile + chunk) of a row of packed tile
+    words as runs, maximal stretches of consecutive visited tiles of one kind (all masked or
+    all full), in order: run r is tiles [sRuns[2 r] & 0xFFFF, sRuns[2 r + 1]), masked when
+    sRuns[2 r] >> 16 is 1; the run count goes to sCount[0]. ``ragged_tile`` (the row's last
+    tile when Nk is not a multiple of the tile; past the row otherwise) counts as masked, so
+    a run's kind is all its consumer needs. A chunk holds at most ``chunk`` runs, so sRuns
+    needs 2 * chunk entries. Each lane takes one 16-tile word; a tile starts (ends) a run
+    where its kind differs from the tile before (after) it, the neighbours' kinds coming
+    from the next lanes' words by shuffles; two warp prefix sums place the starts and the
+    ends (the k-th end closes the k-th run)."""
+    lane = cute.arch.lane_idx()
+    end = cutlass.min(first_tile + chunk, n_tiles)
+    w_end = cute.ceil_div(end, 16)
+    base_s = Int32(0)
+    base_e = Int32(0)
+    carry = Uint32(0)           # the word before this pass's first: none at the chunk start
+    for w0 in cutlass.range(first_tile // 16, w_end, 32, unroll=1):
+        w = w0 + lane
+        word = _run_word(gTiles, w, w_end, end, ragged_tile)
+        before = cute.arch.shuffle_sync_up(word, 1)
+        after = cute.arch.shuffle_sync_down(word, 1)
+        if lane == 0:
+            before = carry
+        if lane == 31:
+            after = _run_word(gTiles, w + 1, w_end, end, ragged_tile)
+        vis = word & Uint32(0x55555555)
+        d_prev = word ^ ((word << Uint32(2)) | (before >> Uint32(30)))
+        d_next = word ^ ((word >> Uint32(2)) | (after << Uint32(30)))
+        starts = vis & (d_prev | (d_prev >> Uint32(1)))
+        ends = vis & (d_next | (d_next >> Uint32(1)))
+        n_s = Int32(cute.arch.popc(starts))
+        n_e = Int32(cute.arch.popc(ends))
+        incl_s = n_s
+        incl_e = n_e
+        for off in cutlass.range_constexpr(5):
+            other_s = cute.arch.shuffle_sync_up(incl_s, 1 << off)
+            other_e = cute.arch.shuffle_sync_up(incl_e, 1 << off)
+            if lane >= (1 << off):
+                incl_s = incl_s + other_s
+                incl_e = incl_e + other_e
+        pos_s = base_s + incl_s - n_s
+        pos_e = base_e + incl_e - n_e
+        for t in cutlass.range_constexpr(16):
+            if (starts >> Uint32(2 * t)) & Uint32(1) != Uint32(0):
+                masked = Int32((word >> Uint32(2 * t + 1)) & Uint32(1))
+                sRuns[2 * pos_s] = (w * 16 + t) | (masked << Int32(16))
+                pos_s = pos_s + 1
+            if (ends >> Uint32(2 * t)) & Uint32(1) != Uint32(0):
+                sRuns[2 * pos_e + 1] = w * 16 + t + 1
+                pos_e = pos_e + 1
+        base_s = base_s + cute.arch.shuffle_sync(incl_s, 31)
+        base_e = base_e + cute.arch.shuffle_sync(incl_e, 31)
+        carry = cute.arch.shuffle_sync(word, 31)
+    if lane == 0:
+        sCount[0] = base_s
+    cute.arch.sync_warp()
+
+
 class WarpSpecializedSm90:
     """What the forward and backward kernels share: one producer warpgroup (a single
     warp issues TMA loads) and `num_consumer_wgs` consumer warpgroups, FA3's register

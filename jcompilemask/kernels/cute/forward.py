@@ -53,7 +53,7 @@ from cutlass.tensor_utils import LayoutEnum
 
 from .residual_ops import CuteOps
 from .common import (INTERVALS_UNROLLED, WarpSpecializedSm90, _as_a_operand, _pair_runs, _rows_view, _tree,
-                     _unsigned_lt, build_tile_list, issue_wgmma, smem_tensor, tile_bits, tma_tiles)
+                     _unsigned_lt, build_tile_list, build_tile_runs, issue_wgmma, smem_tensor, tile_bits, tma_tiles)
 
 # residual_words: at most this many interval slots with a residual predicate (each keeps a
 # word pair per row in registers); masks with more keep residual_bits.
@@ -105,6 +105,7 @@ class FlashForwardSm90(WarpSpecializedSm90):
         persistent: bool = False,
         o_buffer: bool = False,
         k_ahead: bool = False,
+        work_runs: bool = False,
     ):
         assert dtype in (cutlass.BFloat16, cutlass.Float16), dtype
         assert block_q == 64 * self.num_consumer_wgs, "each consumer warpgroup owns 64 rows"
@@ -145,6 +146,14 @@ class FlashForwardSm90(WarpSpecializedSm90):
         # list of visited key tiles (common.build_tile_list), chunks of FWD_LIST_CHUNK; it
         # and the consumers iterate the list instead of walking every tile's bits.
         self.work_list = work_list
+        # work_runs (issue 14 item 1, with work_list): the list holds runs of consecutive
+        # visited tiles of one kind (common.build_tile_runs) instead of one entry per tile;
+        # both sides loop over a run's tiles with a counter, the consumers' masked / full
+        # choice made once per run. The per-tile list handling (load, decode, branch: ~29
+        # instructions per tile and warp over FA4's counter loop, ncu session 19) goes.
+        assert not work_runs or (work_list and not rescale_tail)
+        self.work_runs = work_runs
+        self.list_words = FWD_LIST_CHUNK * (2 if work_runs else 1)
         # k_ahead (issue 14): the producer issues K(t + 1) before V(t) (FA4's SM90 order),
         # so the next QK^T's operand is not queued behind the wait for V's stage, which
         # frees only when P V of two tiles back has been read.
@@ -336,7 +345,7 @@ class FlashForwardSm90(WarpSpecializedSm90):
                 sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
                 sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
                 sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
-                sList: cute.struct.Align[cute.struct.MemRange[Int32, FWD_LIST_CHUNK], 16]
+                sList: cute.struct.Align[cute.struct.MemRange[Int32, self.list_words], 16]
                 sCount: cute.struct.MemRange[Int32, 2]
 
             self.shared_storage = SharedStorageList
@@ -418,7 +427,7 @@ class FlashForwardSm90(WarpSpecializedSm90):
         sV = smem_tensor(storage.sV, sV_layout)
         work = None
         if const_expr(self.work_list):
-            work = (storage.sList.get_tensor(cute.make_layout(FWD_LIST_CHUNK)),
+            work = (storage.sList.get_tensor(cute.make_layout(self.list_words)),
                     storage.sCount.get_tensor(cute.make_layout(2)))
 
         # Heaviest query tiles first: under a causal-like mask the last tile rows see
@@ -548,8 +557,26 @@ class FlashForwardSm90(WarpSpecializedSm90):
             kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         if const_expr(self.k_ahead):
             return q_state, self.load_k_ahead(tKgK, tKsK, tVgV, tVsV, tma_atom_k, tma_atom_v,
-                                              pipeline_k, pipeline_v, gTiles, n_k_tiles, work, kv_state)
-        if const_expr(self.work_list):
+                                              pipeline_k, pipeline_v, gTiles, n_k_tiles, work, kv_state,
+                                              self.ragged_tile(n_k_tiles, mK.shape[0]))
+        if const_expr(self.work_runs):
+            sRuns, sCount = work
+            ragged_tile = self.ragged_tile(n_k_tiles, mK.shape[0])
+            for ch in cutlass.range(cute.ceil_div(n_k_tiles, FWD_LIST_CHUNK), unroll=1):
+                build_tile_runs(gTiles, n_k_tiles, ch * FWD_LIST_CHUNK, FWD_LIST_CHUNK, sRuns, sCount,
+                                ragged_tile)
+                cute.arch.barrier_arrive(barrier_id=_BARRIER_LIST_READY, number_of_threads=self.list_meet)
+                for r in cutlass.range(sCount[0], unroll=1):
+                    for k_tile in cutlass.range(sRuns[2 * r] & Int32(0xFFFF), sRuns[2 * r + 1], unroll=1):
+                        pipeline_k.producer_acquire(kv_state)
+                        cute.copy(tma_atom_k, tKgK[None, k_tile], tKsK[None, kv_state.index],
+                                  tma_bar_ptr=pipeline_k.producer_get_barrier(kv_state))
+                        pipeline_v.producer_acquire(kv_state)
+                        cute.copy(tma_atom_v, tVgV[None, k_tile], tVsV[None, kv_state.index],
+                                  tma_bar_ptr=pipeline_v.producer_get_barrier(kv_state))
+                        kv_state.advance()
+                cute.arch.barrier(barrier_id=_BARRIER_LIST_FREE, number_of_threads=self.list_meet)
+        elif const_expr(self.work_list):
             sList, sCount = work
             for ch in cutlass.range(cute.ceil_div(n_k_tiles, FWD_LIST_CHUNK), unroll=1):
                 build_tile_list(gTiles, n_k_tiles, ch * FWD_LIST_CHUNK, FWD_LIST_CHUNK, sList, sCount, 0)
@@ -579,7 +606,7 @@ class FlashForwardSm90(WarpSpecializedSm90):
 
     @cute.jit
     def load_k_ahead(self, tKgK, tKsK, tVgV, tVsV, tma_atom_k, tma_atom_v, pipeline_k, pipeline_v,
-                     gTiles, n_k_tiles, work, kv_state):
+                     gTiles, n_k_tiles, work, kv_state, ragged_tile):
         """``load``'s K / V ring with K(t + 1) issued before V(t): K and V of a tile still
         share a stage index (two states, one per pipeline, advancing once per tile), so the
         consumers see the same ring; a row's (with the work list, a list chunk's) last V
@@ -589,7 +616,20 @@ class FlashForwardSm90(WarpSpecializedSm90):
         prev = Int32(-1)
         k_ring = (pipeline_k, tma_atom_k, tKgK, tKsK)
         v_ring = (pipeline_v, tma_atom_v, tVgV, tVsV)
-        if const_expr(self.work_list):
+        if const_expr(self.work_runs):
+            sRuns, sCount = work
+            for ch in cutlass.range(cute.ceil_div(n_k_tiles, FWD_LIST_CHUNK), unroll=1):
+                build_tile_runs(gTiles, n_k_tiles, ch * FWD_LIST_CHUNK, FWD_LIST_CHUNK, sRuns, sCount,
+                                ragged_tile)
+                cute.arch.barrier_arrive(barrier_id=_BARRIER_LIST_READY, number_of_threads=self.list_meet)
+                for r in cutlass.range(sCount[0], unroll=1):
+                    for k_tile in cutlass.range(sRuns[2 * r] & Int32(0xFFFF), sRuns[2 * r + 1], unroll=1):
+                        prev, k_state, kv_state = self.load_k_then_v(k_ring, v_ring, k_state, kv_state,
+                                                                     k_tile, prev)
+                prev, k_state, kv_state = self.load_k_then_v(None, v_ring, k_state, kv_state,
+                                                             Int32(-1), prev)
+                cute.arch.barrier(barrier_id=_BARRIER_LIST_FREE, number_of_threads=self.list_meet)
+        elif const_expr(self.work_list):
             sList, sCount = work
             for ch in cutlass.range(cute.ceil_div(n_k_tiles, FWD_LIST_CHUNK), unroll=1):
                 build_tile_list(gTiles, n_k_tiles, ch * FWD_LIST_CHUNK, FWD_LIST_CHUNK, sList, sCount, 0)
@@ -697,7 +737,7 @@ class FlashForwardSm90(WarpSpecializedSm90):
 
         if const_expr(kv_state is None):
             kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
-        ragged_tile = n_k_tiles if seqlen_k % self.block_kv == 0 else n_k_tiles - 1
+        ragged_tile = self.ragged_tile(n_k_tiles, seqlen_k)
         # One pass over the tile row; an empty tile costs a bit test on an L1-resident
         # word. Jumping straight to the next compute tile (brev + clz over whole words)
         # measured 4-5% slower on the H200 (NOTES.md), so the plain walk stays.
@@ -707,7 +747,29 @@ class FlashForwardSm90(WarpSpecializedSm90):
                      row_intervals, seqlen_k, pipeline_k, pipeline_v, wg, row_scale)
         first_args = (wg_mma_qk, tSrQ, tSrK, tOrP, tScS, row_max, row_sum, row_intervals, seqlen_k,
                       pipeline_k)
-        if const_expr(self.work_list):
+        if const_expr(self.work_runs):
+            sRuns, sCount = work
+            for ch in cutlass.range(cute.ceil_div(n_k_tiles, FWD_LIST_CHUNK), unroll=1):
+                cute.arch.barrier(barrier_id=_BARRIER_LIST_READY, number_of_threads=self.list_meet)
+                for r in cutlass.range(sCount[0], unroll=1):
+                    # The run's first tile and end, its kind (the ragged tile is masked).
+                    entry = cute.arch.make_warp_uniform(sRuns[2 * r])
+                    run_end = cute.arch.make_warp_uniform(sRuns[2 * r + 1])
+                    k_first = entry & Int32(0xFFFF)
+                    masked = entry >= Int32(0x10000)
+                    if not started:
+                        # A full first tile skips the mask (a third copy of the softmax body).
+                        self.first_either(masked, kv_state, k_first, first_args)
+                        started = Boolean(True)
+                        k_first = k_first + 1
+                    if masked:
+                        for k_tile in cutlass.range(k_first, run_end, unroll=1):
+                            kv_state = self.mma_step(kv_state, k_tile, True, *step_args)
+                    else:
+                        for k_tile in cutlass.range(k_first, run_end, unroll=1):
+                            kv_state = self.mma_step(kv_state, k_tile, False, *step_args)
+                cute.arch.barrier_arrive(barrier_id=_BARRIER_LIST_FREE, number_of_threads=self.list_meet)
+        elif const_expr(self.work_list):
             sList, sCount = work
             for ch in cutlass.range(cute.ceil_div(n_k_tiles, FWD_LIST_CHUNK), unroll=1):
                 cute.arch.barrier(barrier_id=_BARRIER_LIST_READY, number_of_threads=self.list_meet)
@@ -772,6 +834,12 @@ class FlashForwardSm90(WarpSpecializedSm90):
             pipeline_q.consumer_release(q_state)
             q_state.advance()
         return q_state, kv_state
+
+    @cute.jit
+    def ragged_tile(self, n_k_tiles, seqlen_k):
+        """The row's last key tile when Nk is not a multiple of the tile (always masked: its
+        keys past Nk), else n_k_tiles (no tile)."""
+        return n_k_tiles if seqlen_k % self.block_kv == 0 else n_k_tiles - 1
 
     @cute.jit
     def list_tile(self, entry, ragged_tile):
