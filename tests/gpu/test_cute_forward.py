@@ -33,7 +33,10 @@ def registry_switches(monkeypatch, head_dim, head_dim_v, block_q, block_kv, num_
                  api.FWD_K_AHEAD_ENV, api.FWD_BITS_ABOVE_ENV, api.FWD_RESCALE_TAIL_ENV,
                  api.FWD_WORK_RUNS_ENV):
         monkeypatch.delenv(name, raising=False)
-    return {**api.forward_switches(head_dim, head_dim_v, block_q, block_kv, num_stages), **changes}
+    switches = {**api.forward_switches(head_dim, head_dim_v, block_q, block_kv, num_stages), **changes}
+    if "work_runs" not in changes and (switches["rescale_tail"] or not switches["work_list"]):
+        switches["work_runs"] = False      # runs are a form of the list, never with rescale_tail
+    return switches
 
 
 def test_import_needs_no_gpu():
@@ -653,13 +656,23 @@ def test_work_runs_compiles_for_sm90(case, monkeypatch):
 
 
 def test_work_runs_env_and_key(monkeypatch):
-    """Off unless $JCOMPILEMASK_CUTE_FWD_WORK_RUNS=1; only with the work list (not at D 256,
-    where the list does not fit) and never with rescale_tail; the key refuses the others."""
+    """On by default at D 64 / 128 (where its GPU cases ran), off at 192 / 128 unless
+    $JCOMPILEMASK_CUTE_FWD_WORK_RUNS=1; =0 turns it off; only with the work list (not at
+    D 256, where the list does not fit) and never with rescale_tail; the key refuses the
+    others."""
     from jcompilemask.kernels.cute import api
     for name in (api.FWD_WORK_RUNS_ENV, api.FWD_WORK_LIST_ENV, api.FWD_RESCALE_TAIL_ENV):
         monkeypatch.delenv(name, raising=False)
+    assert api.forward_switches(128, 128, 128, 128, 2)["work_runs"]
+    assert api.forward_switches(64, 64, 128, 128, 2)["work_runs"]
+    bq, bk = api.preferred_forward_tiles(192)
+    st = api.preferred_forward_stages(192)
+    assert api.forward_switches(192, 128, bq, bk, st)["work_list"]
+    assert not api.forward_switches(192, 128, bq, bk, st)["work_runs"]
+    monkeypatch.setenv(api.FWD_WORK_RUNS_ENV, "0")
     assert not api.forward_switches(128, 128, 128, 128, 2)["work_runs"]
     monkeypatch.setenv(api.FWD_WORK_RUNS_ENV, "1")
+    assert api.forward_switches(192, 128, bq, bk, st)["work_runs"]
     assert api.forward_switches(128, 128, 128, 128, 2)["work_runs"]
     assert api.forward_switches(64, 64, 128, 128, 2)["work_runs"]
     bq, bk = api.preferred_forward_tiles(256)

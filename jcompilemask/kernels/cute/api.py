@@ -147,9 +147,17 @@ class ForwardKey:
     residual_words: bool = False
     # With work_list: the list holds runs of consecutive visited tiles of one kind
     # (common.build_tile_runs), which producer and consumers walk with a counter, the
-    # masked / full choice made once per run (FlashForwardSm90.work_runs; issue 14 item 1;
-    # $JCOMPILEMASK_CUTE_FWD_WORK_RUNS=1, a benchmark knob until timed). 4 KB of shared
-    # memory instead of 2.
+    # masked / full choice made once per run (FlashForwardSm90.work_runs; issue 14 item 1).
+    # 4 KB of shared memory instead of 2. Static SASS, D 128 K 1: the full-tile loop 491
+    # instructions per tile and warp against 513 (FA4's 465). On the H200 (run
+    # 2026-12-04T13:02:54Z, h200-fwd-variants.json, fwd ms, per-tile list -> runs; FA4
+    # native beside): causal 32K 14.61 -> 14.14 (FA4 13.97), 8K 3.965 -> 3.827 (3.750), 2K
+    # 1.203 -> 1.181 (1.142); hstu 32K 17.05 -> 16.21, 8K 4.504 -> 4.352, 2K 1.351 -> 1.319;
+    # shared prompt 32K 12.22 -> 11.63, 8K 3.375 -> 3.277, 2K 1.114 -> 1.090. Bit-identical
+    # to the per-tile list on 10 cases, and 123 cases of test_cute_forward.py +
+    # test_cute_attention.py passed under it (D 64 / 128, session 24): what cute_forward
+    # compiles at D 64 and 128 (_fwd_work_runs; $JCOMPILEMASK_CUTE_FWD_WORK_RUNS=0 / 1
+    # forces it).
     work_runs: bool = False
 
     @property
@@ -557,10 +565,13 @@ def _fwd_rescale_tail() -> bool:
 
 
 def _fwd_work_runs(work_list: bool, rescale_tail: bool, d, dv, block_q, block_kv, num_stages) -> bool:
-    """``$JCOMPILEMASK_CUTE_FWD_WORK_RUNS=1`` (read at trace time; a benchmark knob until
-    timed): the work list as runs of one kind (ForwardKey.work_runs), where the work list
-    is on, rescale_tail off and the runs' 4 KB fit."""
-    return (_env_flag(FWD_WORK_RUNS_ENV, "0") and work_list and not rescale_tail
+    """Whether the forward's work list holds runs of one kind (ForwardKey.work_runs, which
+    cites the run): the default at D 64 and 128 (the head dims its GPU cases ran at) where
+    the work list is on, rescale_tail off and the runs' 4 KB fit;
+    ``$JCOMPILEMASK_CUTE_FWD_WORK_RUNS`` (read at trace time) =1 / =0 forces it on / off
+    wherever the work list is on."""
+    default = "1" if (d, dv) in ((64, 64), (128, 128)) else "0"
+    return (_env_flag(FWD_WORK_RUNS_ENV, default) and work_list and not rescale_tail
             and forward_smem_bytes(d, block_q, block_kv, num_stages, head_dim_v=dv)
             + _WORK_RUNS_SMEM <= _SMEM_LIMIT)
 
