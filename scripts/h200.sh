@@ -54,6 +54,8 @@
 #                beside the default and FA4 native, then the forward + attention tests under it
 #   fwr          issue 14: work_runs (the work list as runs, walked with a counter): bit-identity,
 #                timed beside the default and FA4 native, then the forward + attention tests under it
+#   fre          issue 14: runs_early (the producer's tile words loaded first thing, runs over set
+#                bits): bit-identity vs work_runs, timed beside the default and FA4 native, then tests
 #   fwdtable     issue 14's acceptance table at one N (JCM_BENCH_NS): Flex+FA4, then jcm + FA4 native
 #   fsched       issue 14: the forward's longest-first order / persistent CTAs
 #                (JCOMPILEMASK_CUTE_FWD_SCHEDULE=1 / persistent) and work list: tests, then the
@@ -820,6 +822,16 @@ PY
     forward_switch_stage fwr work_runs_forward_is_bit_identical 200 JCOMPILEMASK_CUTE_FWD_WORK_RUNS \
       32768,8192,2048 causal,hstu,shared_prompt \
       "${JCM_FWR_VARIANTS:-base=;wr=JCOMPILEMASK_CUTE_FWD_WORK_RUNS=1}"
+    ;;
+  fre)
+    # Issue 14 (compile-checked in session 24): runs_early — work_runs' remaining gap to FA4
+    # fits a fixed ~0.7 us per CTA (8192 CTAs at every N); the list, and so the first K / V
+    # load, waited for the producer's tile-word load. The word is now the kernel's first LDG
+    # and the runs are built over the set bits only. Bit-identity vs work_runs (8 cases),
+    # timed beside the default and FA4 native (8K, 2K, 32K), then the forward + attention tests.
+    forward_switch_stage fre runs_early_forward_is_bit_identical 160 JCOMPILEMASK_CUTE_FWD_RUNS_EARLY \
+      8192,2048,32768 causal,hstu,shared_prompt \
+      "${JCM_FRE_VARIANTS:-base=;re=JCOMPILEMASK_CUTE_FWD_RUNS_EARLY=1}"
     ;;
   fwdtable)
     # Issue 14's acceptance table for one N per call (JCM_BENCH_NS, default 32768; 8192 and

@@ -31,11 +31,13 @@ def registry_switches(monkeypatch, head_dim, head_dim_v, block_q, block_kv, num_
     from jcompilemask.kernels.cute import api
     for name in (api.FWD_WORK_LIST_ENV, api.FWD_GROUP_MASK_ENV, api.FWD_SCHEDULE_ENV,
                  api.FWD_K_AHEAD_ENV, api.FWD_BITS_ABOVE_ENV, api.FWD_RESCALE_TAIL_ENV,
-                 api.FWD_WORK_RUNS_ENV):
+                 api.FWD_WORK_RUNS_ENV, api.FWD_RUNS_EARLY_ENV):
         monkeypatch.delenv(name, raising=False)
     switches = {**api.forward_switches(head_dim, head_dim_v, block_q, block_kv, num_stages), **changes}
     if "work_runs" not in changes and (switches["rescale_tail"] or not switches["work_list"]):
         switches["work_runs"] = False      # runs are a form of the list, never with rescale_tail
+    if not switches["work_runs"] and "runs_early" not in changes:
+        switches["runs_early"] = False
     return switches
 
 
@@ -694,6 +696,65 @@ def test_work_runs_env_and_key(monkeypatch):
         api.ForwardKey(**base, work_list=True, work_runs=True, rescale_tail=True)
     key = api.ForwardKey(**base, work_list=True, work_runs=True)
     assert key.target_name.endswith("_wr") and key.list_smem == 2 * api._WORK_LIST_SMEM - 32
+
+
+@needs_cutlass
+@pytest.mark.parametrize("case", ["k1", pytest.param("k_ahead", marks=knob), pytest.param("persistent", marks=knob),
+                                  pytest.param("d64_cap", marks=knob)])
+def test_runs_early_compiles_for_sm90(case, monkeypatch):
+    """runs_early ($JCOMPILEMASK_CUTE_FWD_RUNS_EARLY=1, issue 14): the producer's tile words
+    loaded first thing (the kernel's first LDG, before the barriers' setup) and the runs
+    built over the set bits only; with K(t + 1) before V(t), persistent CTAs (which load
+    their words per unit), a soft cap at D 64."""
+    from jcompilemask.kernels.cute.api import (ForwardKey, compile_forward, preferred_forward_stages,
+                                               preferred_forward_tiles)
+    head_dim = 64 if case == "d64_cap" else 128
+    bq, bk = preferred_forward_tiles(head_dim)
+    stages = preferred_forward_stages(head_dim)
+    changes = dict(work_runs=True, runs_early=True, k_ahead=case == "k_ahead",
+                   schedule=case == "persistent", persistent=case == "persistent")
+    key = ForwardKey("bfloat16", head_dim, head_dim, 1, bq, bk, False, True, head_dim**-0.5,
+                     num_stages=stages, softcap=30.0 if case == "d64_cap" else None,
+                     **registry_switches(monkeypatch, head_dim, head_dim, bq, bk, stages, **changes))
+    assert compile_forward(key) is not None and key.target_name.endswith("_wr_re")
+
+
+def test_runs_early_env_and_key(monkeypatch):
+    from jcompilemask.kernels.cute import api
+    for name in (api.FWD_WORK_RUNS_ENV, api.FWD_RUNS_EARLY_ENV, api.FWD_WORK_LIST_ENV):
+        monkeypatch.delenv(name, raising=False)
+    assert not api.forward_switches(128, 128, 128, 128, 2)["runs_early"]
+    monkeypatch.setenv(api.FWD_RUNS_EARLY_ENV, "1")
+    assert api.forward_switches(128, 128, 128, 128, 2)["runs_early"]
+    monkeypatch.setenv(api.FWD_WORK_RUNS_ENV, "0")
+    assert not api.forward_switches(128, 128, 128, 128, 2)["runs_early"]
+    base = dict(dtype="bfloat16", head_dim=128, head_dim_v=128, num_intervals=1, block_q=128,
+                block_kv=128, broadcast_batch=False, broadcast_head=True, scale=0.1)
+    with pytest.raises(ValueError, match="work_runs=True"):
+        api.ForwardKey(**base, work_list=True, runs_early=True)
+
+
+@pytest.mark.parametrize("case,shape,extra", [
+    ("causal", None, None), ("document", None, None), ("prefix_window", None, None),
+    ("random6", None, None), ("random12", None, None),
+    ("random6", (256, 70000), None),                   # two list chunks
+    ("random3", None, "JCOMPILEMASK_CUTE_FWD_K_AHEAD"),
+    ("document", None, "JCOMPILEMASK_CUTE_FWD_SCHEDULE=persistent")])
+def test_runs_early_forward_is_bit_identical_on_gpu(case, shape, extra, monkeypatch):
+    """runs_early builds the same runs earlier: o and lse equal work_runs' bit for bit."""
+    reason = sm90_gpu_reason()
+    if reason:
+        pytest.skip(reason)
+    from jcompilemask.kernels.cute import api
+
+    if extra:
+        name, _, value = extra.partition("=")
+        monkeypatch.setenv(name, value or "1")
+    monkeypatch.setenv(api.FWD_WORK_LIST_ENV, "1")
+    monkeypatch.setenv(api.FWD_WORK_RUNS_ENV, "1")
+    dims = {} if shape is None else dict(B=1, heads=2, kv_heads=1, Nq=shape[0], Nk=shape[1])
+    inputs = _case_inputs(case, 5, 13, **({"kv_heads": 2} | dims))
+    _assert_switch_is_bit_identical(monkeypatch, api.FWD_RUNS_EARLY_ENV, inputs)
 
 
 @pytest.mark.parametrize("head_dim,case,softcap,shape,extra", [

@@ -200,6 +200,8 @@ def ours_forward(d: int, k: int = 1, fields: str = ""):
     switches = {**api.forward_switches(d, d, bq, bk, stages), **changes}
     if "work_runs" not in changes and (switches["rescale_tail"] or not switches["work_list"]):
         switches["work_runs"] = False      # runs are a form of the list, never with rescale_tail
+    if not switches["work_runs"] and "runs_early" not in changes:
+        switches["runs_early"] = False
     key = api.ForwardKey("bfloat16", d, d, k, bq, bk, k == 1, k == 1, d ** -0.5, num_stages=stages,
                          **switches)
     api.compile_forward(key)

@@ -159,6 +159,11 @@ class ForwardKey:
     # compiles at D 64 and 128 (_fwd_work_runs; $JCOMPILEMASK_CUTE_FWD_WORK_RUNS=0 / 1
     # forces it).
     work_runs: bool = False
+    # With work_runs: the producer's tile words of the row's first chunk loaded first thing in
+    # the kernel and the runs built in one pass over the set bits (FlashForwardSm90.runs_early,
+    # which gives the measurement that motivates it; $JCOMPILEMASK_CUTE_FWD_RUNS_EARLY=1, a
+    # benchmark knob until timed).
+    runs_early: bool = False
 
     @property
     def list_smem(self) -> int:
@@ -213,6 +218,8 @@ class ForwardKey:
             raise ValueError("ForwardKey(work_runs=True) is a form of the work list: set work_list=True")
         if self.work_runs and self.rescale_tail:
             raise ValueError("ForwardKey(work_runs=True) does not combine with rescale_tail")
+        if self.runs_early and not self.work_runs:
+            raise ValueError("ForwardKey(runs_early=True) is a form of work_runs: set work_runs=True")
         if self.residual_words and self.residual is None:
             raise ValueError("ForwardKey(residual_words=True) serves masks with a residual program")
         if self.group_mask and self.residual is not None:
@@ -238,6 +245,7 @@ class ForwardKey:
             + ("_rt" if self.rescale_tail else "")
             + ("_rw" if self.residual_words else "")
             + ("_wr" if self.work_runs else "")
+            + ("_re" if self.runs_early else "")
         )
 
 
@@ -329,7 +337,7 @@ def compile_forward(key: ForwardKey):
             residual=key.residual, bits_above=key.bits_above, work_list=key.work_list,
             schedule=key.schedule, persistent=key.persistent, o_buffer=key.o_buffer,
             k_ahead=key.k_ahead, group_mask=key.group_mask, rescale_tail=key.rescale_tail,
-            work_runs=key.work_runs,
+            work_runs=key.work_runs, runs_early=key.runs_early,
             residual_words=key.residual_words,
         )
         inputs = [bhsd(nq, hq, key.head_dim), bhsd(nk, hkv, key.head_dim), bhsd(nk, hkv, key.head_dim_v),
@@ -476,6 +484,7 @@ FWD_GROUP_MASK_ENV = "JCOMPILEMASK_CUTE_FWD_GROUP_MASK"
 FWD_RESCALE_TAIL_ENV = "JCOMPILEMASK_CUTE_FWD_RESCALE_TAIL"
 FWD_RESIDUAL_WORDS_ENV = "JCOMPILEMASK_CUTE_FWD_RESIDUAL_WORDS"
 FWD_WORK_RUNS_ENV = "JCOMPILEMASK_CUTE_FWD_WORK_RUNS"
+FWD_RUNS_EARLY_ENV = "JCOMPILEMASK_CUTE_FWD_RUNS_EARLY"
 # L2 bytes the K / V of one group of heads may take (forward_schedule): the H100 / H200's
 # 50 MB L2, as FlashAttention's longest-first scheduler assumes.
 L2_BYTES = 50 * 1024 * 1024
@@ -581,23 +590,24 @@ def forward_switches(head_dim: int, head_dim_v: int, block_q: int, block_kv: int
     """The ForwardKey fields that ``cute_forward`` takes from the environment (read at
     trace time) for a kernel of these sizes: ``bits_above``, ``work_list``, ``schedule``,
     ``persistent``, ``k_ahead``, ``group_mask`` (never with a residual program),
-    ``residual_words`` (only with one), ``rescale_tail`` and ``work_runs``. With no ``JCOMPILEMASK_CUTE_FWD_*`` variable set these are the
+    ``residual_words`` (only with one), ``rescale_tail``, ``work_runs`` and ``runs_early``. With no ``JCOMPILEMASK_CUTE_FWD_*`` variable set these are the
     defaults the registry runs, so a compile test that builds its key with them compiles
     what users get.
 
     >>> sorted(forward_switches(128, 128, 128, 128, 2))
-    ['bits_above', 'group_mask', 'k_ahead', 'persistent', 'rescale_tail', 'residual_words', 'schedule', 'work_list', 'work_runs']
+    ['bits_above', 'group_mask', 'k_ahead', 'persistent', 'rescale_tail', 'residual_words', 'runs_early', 'schedule', 'work_list', 'work_runs']
     """
     schedule, persistent = _fwd_schedule()
     work_list = _fwd_work_list(head_dim, head_dim_v, block_q, block_kv, num_stages)
     rescale_tail = _fwd_rescale_tail()
+    work_runs = _fwd_work_runs(work_list, rescale_tail, head_dim, head_dim_v, block_q, block_kv,
+                               num_stages)
     return dict(bits_above=_fwd_bits_above(), work_list=work_list,
                 schedule=schedule, persistent=persistent, k_ahead=_fwd_k_ahead(),
                 group_mask=_fwd_group_mask() and residual is None,
                 residual_words=_fwd_residual_words(head_dim) and residual is not None,
                 rescale_tail=rescale_tail,
-                work_runs=_fwd_work_runs(work_list, rescale_tail, head_dim, head_dim_v, block_q,
-                                         block_kv, num_stages))
+                work_runs=work_runs, runs_early=work_runs and _env_flag(FWD_RUNS_EARLY_ENV, "0"))
 
 
 def num_sms(default: int = 132) -> int:

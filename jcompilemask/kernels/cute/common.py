@@ -249,6 +249,87 @@ def build_tile_list(gTiles: cute.Tensor, n_tiles: Int32, first_tile: Int32, chun
     cute.arch.sync_warp()
 
 
+RUN_CHUNK = 512     # build_tile_runs_early: key tiles per chunk, one 16-tile word per lane
+
+
+@cute.jit
+def run_chunk_word(gTiles: cute.Tensor, n_tiles: Int32, first_tile: Int32):
+    """This lane's tile word of the chunk [first_tile, first_tile + RUN_CHUNK) of a row, as
+    stored (0 past the chunk's last word): what ``build_tile_runs`` takes. A load of its
+    own, so a kernel can issue it early (its latency under the kernel's prologue)."""
+    w = first_tile // 16 + cute.arch.lane_idx()
+    raw = Uint32(0)
+    if w * 16 < cutlass.min(first_tile + RUN_CHUNK, n_tiles):
+        raw = gTiles[w]
+    return raw
+
+
+@cute.jit
+def build_tile_runs_early(raw: Uint32, n_tiles: Int32, first_tile: Int32, sRuns: cute.Tensor,
+                    sCount: cute.Tensor, ragged_tile: Int32):
+    """One warp: the visited tiles of the chunk [first_tile, first_tile + RUN_CHUNK) of a row
+    of packed tile words as runs, maximal stretches of consecutive visited tiles of one kind
+    (all masked or all full), in order: run r is tiles [sRuns[2 r] & 0xFFFF, sRuns[2 r + 1]),
+    masked when sRuns[2 r] >> 16 is 1; the run count goes to sCount[0]. ``raw`` is the
+    lane's word (``run_chunk_word``, which a kernel can load first thing). ``build_tile_runs``
+    builds the same runs (the default; this form is ForwardKey.runs_early). ``ragged_tile`` (the row's last tile when Nk is not a
+    multiple of the tile; past the row otherwise) counts as masked, so a run's kind is all
+    its consumer needs. A chunk holds at most RUN_CHUNK runs: sRuns needs 2 * RUN_CHUNK
+    entries. A tile starts (ends) a run where its kind differs from the tile's before
+    (after) it, the neighbour words' kinds coming by shuffles; two warp prefix sums place
+    the starts and the ends (the k-th end closes the k-th run), and each lane visits only
+    its set bits (causal: two runs a row, so most lanes none)."""
+    lane = cute.arch.lane_idx()
+    w = first_tile // 16 + lane
+    end = cutlass.min(first_tile + RUN_CHUNK, n_tiles)
+    word = raw
+    if (w + 1) * 16 > end:          # the last word: no tile at or past `end`
+        word = Uint32(0)
+        if w * 16 < end:
+            word = raw & ((Uint32(1) << Uint32(2 * (end - w * 16))) - Uint32(1))
+    vis = word & Uint32(0x55555555)
+    word = (word & (vis << Uint32(1))) | vis         # a masked bit only on a visited tile
+    if (ragged_tile >= w * 16) & (ragged_tile < w * 16 + 16):
+        sh = Uint32(2 * (ragged_tile - w * 16))
+        word = word | (((word >> sh) & Uint32(1)) << (sh + Uint32(1)))
+    before = cute.arch.shuffle_sync_up(word, 1)
+    after = cute.arch.shuffle_sync_down(word, 1)
+    if lane == 0:
+        before = Uint32(0)          # the chunk starts a run
+    if lane == 31:
+        after = Uint32(0)           # and ends one
+    d_prev = word ^ ((word << Uint32(2)) | (before >> Uint32(30)))
+    d_next = word ^ ((word >> Uint32(2)) | (after << Uint32(30)))
+    starts = vis & (d_prev | (d_prev >> Uint32(1)))
+    ends = vis & (d_next | (d_next >> Uint32(1)))
+    n_s = Int32(cute.arch.popc(starts))
+    n_e = Int32(cute.arch.popc(ends))
+    incl_s = n_s
+    incl_e = n_e
+    for off in cutlass.range_constexpr(5):
+        other_s = cute.arch.shuffle_sync_up(incl_s, 1 << off)
+        other_e = cute.arch.shuffle_sync_up(incl_e, 1 << off)
+        if lane >= (1 << off):
+            incl_s = incl_s + other_s
+            incl_e = incl_e + other_e
+    pos = incl_s - n_s
+    while starts != Uint32(0):
+        b = Int32(cute.arch.clz(cute.arch.brev(starts)))       # 2 t: the lowest start
+        masked = Int32((word >> Uint32(b + 1)) & Uint32(1))
+        sRuns[2 * pos] = (w * 16 + (b >> Int32(1))) | (masked << Int32(16))
+        pos = pos + 1
+        starts = starts & (starts - Uint32(1))
+    pos = incl_e - n_e
+    while ends != Uint32(0):
+        b = Int32(cute.arch.clz(cute.arch.brev(ends)))
+        sRuns[2 * pos + 1] = w * 16 + (b >> Int32(1)) + 1
+        pos = pos + 1
+        ends = ends & (ends - Uint32(1))
+    if lane == 31:
+        sCount[0] = incl_s
+    cute.arch.sync_warp()
+
+
 @cute.jit
 def _run_word(gTiles: cute.Tensor, w: Int32, w_end: Int32, end: Int32, ragged_tile: Int32):
     """Tile word ``w`` of a row as ``build_tile_runs`` reads it: tiles at or past ``end``

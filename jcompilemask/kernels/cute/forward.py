@@ -52,8 +52,9 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
 from .residual_ops import CuteOps
-from .common import (INTERVALS_UNROLLED, WarpSpecializedSm90, _as_a_operand, _pair_runs, _rows_view, _tree,
-                     _unsigned_lt, build_tile_list, build_tile_runs, issue_wgmma, smem_tensor, tile_bits, tma_tiles)
+from .common import (INTERVALS_UNROLLED, RUN_CHUNK, WarpSpecializedSm90, _as_a_operand, _pair_runs, _rows_view, _tree,
+                     _unsigned_lt, build_tile_list, build_tile_runs,
+                     build_tile_runs_early, issue_wgmma, run_chunk_word, smem_tensor, tile_bits, tma_tiles)
 
 # residual_words: at most this many interval slots with a residual predicate (each keeps a
 # word pair per row in registers); masks with more keep residual_bits.
@@ -66,6 +67,7 @@ _BARRIER_EPILOGUE = 3  # both consumer warpgroups: O is in shared memory
 _BARRIER_LIST_READY = 4  # work_list: the producer warp built this chunk of the list
 _BARRIER_LIST_FREE = 5   # work_list: both consumer warpgroups are done with it
 FWD_LIST_CHUNK = 512     # work_list: key tiles per list chunk (2 KB of shared memory)
+assert FWD_LIST_CHUNK == RUN_CHUNK     # work_runs: one 16-tile word per lane of the producer warp
 _LOG2_E = math.log2(math.e)
 _LN_2 = math.log(2.0)
 
@@ -106,6 +108,7 @@ class FlashForwardSm90(WarpSpecializedSm90):
         o_buffer: bool = False,
         k_ahead: bool = False,
         work_runs: bool = False,
+        runs_early: bool = False,
     ):
         assert dtype in (cutlass.BFloat16, cutlass.Float16), dtype
         assert block_q == 64 * self.num_consumer_wgs, "each consumer warpgroup owns 64 rows"
@@ -153,6 +156,14 @@ class FlashForwardSm90(WarpSpecializedSm90):
         # instructions per tile and warp over FA4's counter loop, ncu session 19) goes.
         assert not work_runs or (work_list and not rescale_tail)
         self.work_runs = work_runs
+        # runs_early (with work_runs; a benchmark knob): the producer's tile words of the row's
+        # first chunk are loaded first thing in the kernel, before the barriers' setup, and
+        # the runs are built in one pass that visits only the set bits. A fixed per-CTA cost
+        # fits the runs' remaining gap to FA4 (run 2026-12-04T13:02:54Z: +0.164 / +0.077 /
+        # +0.039 ms at causal 32K / 8K / 2K, 8192 CTAs each: ~0.7 us a CTA, ~25 cycles a
+        # tile); the list, and so the first K / V load, waited for that word's latency.
+        assert not runs_early or work_runs
+        self.runs_early = runs_early
         self.list_words = FWD_LIST_CHUNK * (2 if work_runs else 1)
         # k_ahead (issue 14): the producer issues K(t + 1) before V(t) (FA4's SM90 order),
         # so the next QK^T's operand is not queued behind the wait for V's stage, which
@@ -402,6 +413,17 @@ class FlashForwardSm90(WarpSpecializedSm90):
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
+        first_raw = None
+        if const_expr(self.runs_early and not self.schedule):
+            # The producer's tile words of the row's first chunk, loaded first thing: the
+            # list (and so the first K / V load) waits for them, and their latency would
+            # otherwise add to every CTA's start (FA4 issues its first K load at once).
+            bidx0, head0, batch0 = cute.arch.block_idx()
+            mb0, mh0 = self.mask_index(head0, batch0)
+            first_raw = Uint32(0)
+            if warp_idx == 0:
+                first_raw = run_chunk_word(mTiles[mb0, mh0, cute.arch.grid_dim()[0] - 1 - bidx0, None],
+                                           cute.ceil_div(mK.shape[0], self.block_kv), 0)
         if warp_idx == 0:
             cpasync.prefetch_descriptor(tma_atom_q)
             cpasync.prefetch_descriptor(tma_atom_k)
@@ -456,7 +478,7 @@ class FlashForwardSm90(WarpSpecializedSm90):
                 self.load(
                     mQ, mK, mV, sQ, sK, sV, tma_atom_q, tma_atom_k, tma_atom_v,
                     pipeline_q, pipeline_k, pipeline_v, gTiles, n_k_tiles,
-                    q_tile, head, head_kv, batch, work,
+                    q_tile, head, head_kv, batch, work, first_raw=first_raw,
                 )
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
@@ -534,11 +556,12 @@ class FlashForwardSm90(WarpSpecializedSm90):
     def load(
         self, mQ, mK, mV, sQ, sK, sV, tma_atom_q, tma_atom_k, tma_atom_v,
         pipeline_q, pipeline_k, pipeline_v, gTiles, n_k_tiles, q_tile, head, head_kv, batch, work,
-        q_state=None, kv_state=None,
+        q_state=None, kv_state=None, first_raw=None,
     ):
         """Warp 0: Q once, then K and V of each visited key tile into the ring. The
         persistent kernel hands in (and gets back) the Q stage's and the ring's states, so
-        one unit's loads continue where the previous unit's stopped."""
+        one unit's loads continue where the previous unit's stopped. ``first_raw`` (work_runs):
+        this lane's tile word of the row's first chunk, loaded early by the caller."""
         gQ = cute.local_tile(mQ[None, None, head, batch], (self.block_q, self.head_dim), (q_tile, 0))
         gK = cute.local_tile(mK[None, None, head_kv, batch], (self.block_kv, self.head_dim), (None, 0))
         gV = cute.local_tile(mV[None, None, head_kv, batch], (self.head_dim_v, self.block_kv), (0, None))
@@ -558,13 +581,12 @@ class FlashForwardSm90(WarpSpecializedSm90):
         if const_expr(self.k_ahead):
             return q_state, self.load_k_ahead(tKgK, tKsK, tVgV, tVsV, tma_atom_k, tma_atom_v,
                                               pipeline_k, pipeline_v, gTiles, n_k_tiles, work, kv_state,
-                                              self.ragged_tile(n_k_tiles, mK.shape[0]))
+                                              self.ragged_tile(n_k_tiles, mK.shape[0]), first_raw)
         if const_expr(self.work_runs):
             sRuns, sCount = work
             ragged_tile = self.ragged_tile(n_k_tiles, mK.shape[0])
             for ch in cutlass.range(cute.ceil_div(n_k_tiles, FWD_LIST_CHUNK), unroll=1):
-                build_tile_runs(gTiles, n_k_tiles, ch * FWD_LIST_CHUNK, FWD_LIST_CHUNK, sRuns, sCount,
-                                ragged_tile)
+                self.build_runs(gTiles, n_k_tiles, ch, sRuns, sCount, ragged_tile, first_raw)
                 cute.arch.barrier_arrive(barrier_id=_BARRIER_LIST_READY, number_of_threads=self.list_meet)
                 for r in cutlass.range(sCount[0], unroll=1):
                     for k_tile in cutlass.range(sRuns[2 * r] & Int32(0xFFFF), sRuns[2 * r + 1], unroll=1):
@@ -606,7 +628,7 @@ class FlashForwardSm90(WarpSpecializedSm90):
 
     @cute.jit
     def load_k_ahead(self, tKgK, tKsK, tVgV, tVsV, tma_atom_k, tma_atom_v, pipeline_k, pipeline_v,
-                     gTiles, n_k_tiles, work, kv_state, ragged_tile):
+                     gTiles, n_k_tiles, work, kv_state, ragged_tile, first_raw=None):
         """``load``'s K / V ring with K(t + 1) issued before V(t): K and V of a tile still
         share a stage index (two states, one per pipeline, advancing once per tile), so the
         consumers see the same ring; a row's (with the work list, a list chunk's) last V
@@ -619,8 +641,7 @@ class FlashForwardSm90(WarpSpecializedSm90):
         if const_expr(self.work_runs):
             sRuns, sCount = work
             for ch in cutlass.range(cute.ceil_div(n_k_tiles, FWD_LIST_CHUNK), unroll=1):
-                build_tile_runs(gTiles, n_k_tiles, ch * FWD_LIST_CHUNK, FWD_LIST_CHUNK, sRuns, sCount,
-                                ragged_tile)
+                self.build_runs(gTiles, n_k_tiles, ch, sRuns, sCount, ragged_tile, first_raw)
                 cute.arch.barrier_arrive(barrier_id=_BARRIER_LIST_READY, number_of_threads=self.list_meet)
                 for r in cutlass.range(sCount[0], unroll=1):
                     for k_tile in cutlass.range(sRuns[2 * r] & Int32(0xFFFF), sRuns[2 * r + 1], unroll=1):
@@ -650,6 +671,24 @@ class FlashForwardSm90(WarpSpecializedSm90):
             prev, k_state, kv_state = self.load_k_then_v(None, v_ring, k_state, kv_state,
                                                          Int32(-1), prev)
         return kv_state
+
+    @cute.jit
+    def build_runs(self, gTiles, n_k_tiles, ch, sRuns, sCount, ragged_tile, first_raw):
+        """The producer warp: chunk ``ch`` of the row's runs into sRuns / sCount (work_runs).
+        ``runs_early``: from ``first_raw`` for chunk 0 when the kernel loaded it first thing,
+        one pass that visits only the set bits (build_tile_runs_early)."""
+        if const_expr(self.runs_early):
+            if const_expr(first_raw is None):
+                build_tile_runs_early(run_chunk_word(gTiles, n_k_tiles, ch * FWD_LIST_CHUNK), n_k_tiles,
+                                      ch * FWD_LIST_CHUNK, sRuns, sCount, ragged_tile)
+            else:
+                raw = first_raw
+                if ch > 0:
+                    raw = run_chunk_word(gTiles, n_k_tiles, ch * FWD_LIST_CHUNK)
+                build_tile_runs_early(raw, n_k_tiles, ch * FWD_LIST_CHUNK, sRuns, sCount, ragged_tile)
+        else:
+            build_tile_runs(gTiles, n_k_tiles, ch * FWD_LIST_CHUNK, FWD_LIST_CHUNK, sRuns, sCount,
+                            ragged_tile)
 
     @cute.jit
     def load_k_then_v(self, k_ring, v_ring, k_state, v_state, k_tile, prev):
