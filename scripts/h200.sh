@@ -56,6 +56,8 @@
 #                timed beside the default and FA4 native, then the forward + attention tests under it
 #   fre          issue 14: runs_early (the producer's tile words loaded first thing, runs over set
 #                bits): bit-identity vs work_runs, timed beside the default and FA4 native, then tests
+#   fss          issue 14: runs_early and slot_skip together: both bit-identity sets, timed at 8K / 32K
+#                on causal, hstu, shared prompt, clear beside the default and FA4 native
 #   fwdtable     issue 14's acceptance table at one N (JCM_BENCH_NS): Flex+FA4, then jcm + FA4 native
 #   fsched       issue 14: the forward's longest-first order / persistent CTAs
 #                (JCOMPILEMASK_CUTE_FWD_SCHEDULE=1 / persistent) and work list: tests, then the
@@ -832,6 +834,17 @@ PY
     forward_switch_stage fre runs_early_forward_is_bit_identical 160 JCOMPILEMASK_CUTE_FWD_RUNS_EARLY \
       8192,2048,32768 causal,hstu,shared_prompt \
       "${JCM_FRE_VARIANTS:-base=;re=JCOMPILEMASK_CUTE_FWD_RUNS_EARLY=1}"
+    ;;
+  fss)
+    # Issue 14 (both compile-checked in session 24): runs_early (see fre) and slot_skip (a
+    # masked tile builds an interval slot's runs only where the slot reaches into the tile
+    # for some row of the warp: clear's K 6 masked tile is issue-bound, ~35 instructions per
+    # row and slot, ~1-2 of 6 slots meet a tile). Their bit-identity cases (14, one guard),
+    # then fwd ms at 8K / 32K on causal, hstu, shared prompt, clear beside the default and FA4
+    # native, then the forward + attention tests under runs_early (slot_skip's: JCM_FSS_ENV).
+    forward_switch_stage fss "runs_early_forward_is_bit_identical or slot_skip_forward_is_bit_identical" 240 \
+      ${JCM_FSS_ENV:-JCOMPILEMASK_CUTE_FWD_RUNS_EARLY} 8192,32768 causal,hstu,shared_prompt,clear \
+      "${JCM_FSS_VARIANTS:-base=;re=JCOMPILEMASK_CUTE_FWD_RUNS_EARLY=1;ss=JCOMPILEMASK_CUTE_FWD_SLOT_SKIP=1}"
     ;;
   fwdtable)
     # Issue 14's acceptance table for one N per call (JCM_BENCH_NS, default 32768; 8192 and

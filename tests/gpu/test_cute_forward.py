@@ -31,7 +31,7 @@ def registry_switches(monkeypatch, head_dim, head_dim_v, block_q, block_kv, num_
     from jcompilemask.kernels.cute import api
     for name in (api.FWD_WORK_LIST_ENV, api.FWD_GROUP_MASK_ENV, api.FWD_SCHEDULE_ENV,
                  api.FWD_K_AHEAD_ENV, api.FWD_BITS_ABOVE_ENV, api.FWD_RESCALE_TAIL_ENV,
-                 api.FWD_WORK_RUNS_ENV, api.FWD_RUNS_EARLY_ENV):
+                 api.FWD_WORK_RUNS_ENV, api.FWD_RUNS_EARLY_ENV, api.FWD_SLOT_SKIP_ENV):
         monkeypatch.delenv(name, raising=False)
     switches = {**api.forward_switches(head_dim, head_dim_v, block_q, block_kv, num_stages), **changes}
     if "work_runs" not in changes and (switches["rescale_tail"] or not switches["work_list"]):
@@ -732,6 +732,53 @@ def test_runs_early_env_and_key(monkeypatch):
                 block_kv=128, broadcast_batch=False, broadcast_head=True, scale=0.1)
     with pytest.raises(ValueError, match="work_runs=True"):
         api.ForwardKey(**base, work_list=True, runs_early=True)
+
+
+@needs_cutlass
+@pytest.mark.parametrize("head_dim,num_intervals,softcap", [(128, 6, None), pytest.param(128, 2, None, marks=knob),
+                                                           pytest.param(64, 3, 30.0, marks=knob)])
+def test_slot_skip_compiles_for_sm90(head_dim, num_intervals, softcap, monkeypatch):
+    """slot_skip ($JCOMPILEMASK_CUTE_FWD_SLOT_SKIP=1, issue 14 item 3): a masked tile builds
+    a slot's runs only where the slot reaches into the tile for some row of the warp (a
+    VOTE.ANY and a uniform branch per slot); no stack (SASS at D 128 K 6, NOTES.md "Session
+    24": 1052 static instructions per masked tile against 946, ~70 fewer per skipped slot)."""
+    from jcompilemask.kernels.cute.api import (ForwardKey, compile_forward, preferred_forward_stages,
+                                               preferred_forward_tiles)
+    bq, bk = preferred_forward_tiles(head_dim)
+    stages = preferred_forward_stages(head_dim)
+    key = ForwardKey("bfloat16", head_dim, head_dim, num_intervals, bq, bk, False, False,
+                     head_dim**-0.5, num_stages=stages, softcap=softcap,
+                     **registry_switches(monkeypatch, head_dim, head_dim, bq, bk, stages, slot_skip=True))
+    assert compile_forward(key) is not None and key.target_name.endswith("_ss")
+
+
+def test_slot_skip_env(monkeypatch):
+    from jcompilemask.kernels.cute import api
+    monkeypatch.delenv(api.FWD_SLOT_SKIP_ENV, raising=False)
+    assert not api.forward_switches(128, 128, 128, 128, 2)["slot_skip"]
+    monkeypatch.setenv(api.FWD_SLOT_SKIP_ENV, "1")
+    assert api.forward_switches(128, 128, 128, 128, 2)["slot_skip"]
+    monkeypatch.setenv(api.FWD_SLOT_SKIP_ENV, "2")
+    with pytest.raises(ValueError, match="0 or 1"):
+        api.forward_switches(128, 128, 128, 128, 2)
+
+
+@pytest.mark.parametrize("head_dim,case,softcap", [(128, "random6", None), (128, "random3", None),
+                                                   (128, "prefix_window", None), (128, "random6", 5.0),
+                                                   (64, "random6", None), (128, "random12", None)])
+def test_slot_skip_forward_is_bit_identical_on_gpu(head_dim, case, softcap, monkeypatch):
+    """slot_skip leaves out only runs that are empty: o and lse equal the default's bit for
+    bit (ragged Nq 700 / Nk 900, per-head masks, fully masked rows, GQA, a soft cap, D 64;
+    K 12 takes the bit-mask path, where the switch does nothing)."""
+    reason = sm90_gpu_reason()
+    if reason:
+        pytest.skip(reason)
+    from jcompilemask.kernels.cute import api
+
+    bq, bk = api.preferred_forward_tiles(head_dim)
+    _assert_switch_is_bit_identical(monkeypatch, api.FWD_SLOT_SKIP_ENV,
+                                    _case_inputs(case, 7, 17, kv_heads=2, head_dim=head_dim),
+                                    softcap=softcap, block_q=bq, block_kv=bk)
 
 
 @pytest.mark.parametrize("case,shape,extra", [

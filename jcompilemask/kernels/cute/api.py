@@ -164,6 +164,11 @@ class ForwardKey:
     # which gives the measurement that motivates it; $JCOMPILEMASK_CUTE_FWD_RUNS_EARLY=1, a
     # benchmark knob until timed).
     runs_early: bool = False
+    # group_mask's masked tile builds an interval slot's runs only when the slot reaches into
+    # the tile for some row of the warp (FlashForwardSm90.slot_skip; issue 14 item 3;
+    # $JCOMPILEMASK_CUTE_FWD_SLOT_SKIP=1, a benchmark knob until timed). K >= 2 with the
+    # intervals in registers; elsewhere the field is ignored.
+    slot_skip: bool = False
 
     @property
     def list_smem(self) -> int:
@@ -246,6 +251,7 @@ class ForwardKey:
             + ("_rw" if self.residual_words else "")
             + ("_wr" if self.work_runs else "")
             + ("_re" if self.runs_early else "")
+            + ("_ss" if self.slot_skip else "")
         )
 
 
@@ -337,7 +343,7 @@ def compile_forward(key: ForwardKey):
             residual=key.residual, bits_above=key.bits_above, work_list=key.work_list,
             schedule=key.schedule, persistent=key.persistent, o_buffer=key.o_buffer,
             k_ahead=key.k_ahead, group_mask=key.group_mask, rescale_tail=key.rescale_tail,
-            work_runs=key.work_runs, runs_early=key.runs_early,
+            work_runs=key.work_runs, runs_early=key.runs_early, slot_skip=key.slot_skip,
             residual_words=key.residual_words,
         )
         inputs = [bhsd(nq, hq, key.head_dim), bhsd(nk, hkv, key.head_dim), bhsd(nk, hkv, key.head_dim_v),
@@ -485,6 +491,7 @@ FWD_RESCALE_TAIL_ENV = "JCOMPILEMASK_CUTE_FWD_RESCALE_TAIL"
 FWD_RESIDUAL_WORDS_ENV = "JCOMPILEMASK_CUTE_FWD_RESIDUAL_WORDS"
 FWD_WORK_RUNS_ENV = "JCOMPILEMASK_CUTE_FWD_WORK_RUNS"
 FWD_RUNS_EARLY_ENV = "JCOMPILEMASK_CUTE_FWD_RUNS_EARLY"
+FWD_SLOT_SKIP_ENV = "JCOMPILEMASK_CUTE_FWD_SLOT_SKIP"
 # L2 bytes the K / V of one group of heads may take (forward_schedule): the H100 / H200's
 # 50 MB L2, as FlashAttention's longest-first scheduler assumes.
 L2_BYTES = 50 * 1024 * 1024
@@ -590,12 +597,13 @@ def forward_switches(head_dim: int, head_dim_v: int, block_q: int, block_kv: int
     """The ForwardKey fields that ``cute_forward`` takes from the environment (read at
     trace time) for a kernel of these sizes: ``bits_above``, ``work_list``, ``schedule``,
     ``persistent``, ``k_ahead``, ``group_mask`` (never with a residual program),
-    ``residual_words`` (only with one), ``rescale_tail``, ``work_runs`` and ``runs_early``. With no ``JCOMPILEMASK_CUTE_FWD_*`` variable set these are the
+    ``residual_words`` (only with one), ``rescale_tail``, ``work_runs``, ``runs_early`` and
+    ``slot_skip``. With no ``JCOMPILEMASK_CUTE_FWD_*`` variable set these are the
     defaults the registry runs, so a compile test that builds its key with them compiles
     what users get.
 
     >>> sorted(forward_switches(128, 128, 128, 128, 2))
-    ['bits_above', 'group_mask', 'k_ahead', 'persistent', 'rescale_tail', 'residual_words', 'runs_early', 'schedule', 'work_list', 'work_runs']
+    ['bits_above', 'group_mask', 'k_ahead', 'persistent', 'rescale_tail', 'residual_words', 'runs_early', 'schedule', 'slot_skip', 'work_list', 'work_runs']
     """
     schedule, persistent = _fwd_schedule()
     work_list = _fwd_work_list(head_dim, head_dim_v, block_q, block_kv, num_stages)
@@ -607,7 +615,8 @@ def forward_switches(head_dim: int, head_dim_v: int, block_q: int, block_kv: int
                 group_mask=_fwd_group_mask() and residual is None,
                 residual_words=_fwd_residual_words(head_dim) and residual is not None,
                 rescale_tail=rescale_tail,
-                work_runs=work_runs, runs_early=work_runs and _env_flag(FWD_RUNS_EARLY_ENV, "0"))
+                work_runs=work_runs, runs_early=work_runs and _env_flag(FWD_RUNS_EARLY_ENV, "0"),
+                slot_skip=_env_flag(FWD_SLOT_SKIP_ENV, "0"))
 
 
 def num_sms(default: int = 132) -> int:

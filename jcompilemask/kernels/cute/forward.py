@@ -109,6 +109,7 @@ class FlashForwardSm90(WarpSpecializedSm90):
         k_ahead: bool = False,
         work_runs: bool = False,
         runs_early: bool = False,
+        slot_skip: bool = False,
     ):
         assert dtype in (cutlass.BFloat16, cutlass.Float16), dtype
         assert block_q == 64 * self.num_consumer_wgs, "each consumer warpgroup owns 64 rows"
@@ -200,6 +201,14 @@ class FlashForwardSm90(WarpSpecializedSm90):
         # its runs into the words (apply_mask_bits_groups); residual masks keep their path.
         self.group_mask = group_mask and self.residual is None
         assert not self.group_mask or block_kv // 8 < 32
+        # slot_skip (issue 14 item 3, a benchmark knob; group_mask with the intervals in
+        # registers, K >= 2): a masked tile builds an interval slot's runs only when the slot
+        # reaches into the tile for some row of the warp (a vote, so the branch is uniform).
+        # Building the words is the masked tile's cost at K 6 (clear: 946 SASS instructions
+        # per masked tile and warp against 491 for a full one, ~35 per row and slot), and
+        # ~1-2 of clear's 6 slots meet a 128-key tile. Exact: a slot that misses the tile
+        # for every row gives empty runs.
+        self.slot_skip = slot_skip and self.group_mask and num_intervals >= 2
         # residual_words (issue 16; the D 128 default since session 23): a residual mask's masked
         # tile ORs its slots' intervals into column-group words as group_mask does (the slots
         # without a residual into one pair, each slot with one into a pair of its own), then
@@ -1061,6 +1070,9 @@ class FlashForwardSm90(WarpSpecializedSm90):
         element then tests one bit. Columns past Nk are cleared the same way."""
         groups = cute.size(acc_S_rows, mode=[1]) // 2
         col0 = k_tile * self.block_kv
+        if const_expr(self.slot_skip):
+            self.apply_mask_groups_skip(acc_S_rows, tScS, col0, starts, lengths, seqlen_k, groups)
+            return
         for r in cutlass.range_constexpr(cute.size(acc_S_rows, mode=[0])):
             base = col0 + tScS[r, 0][1]
             word0 = Uint32(0)
@@ -1071,6 +1083,29 @@ class FlashForwardSm90(WarpSpecializedSm90):
                 word0 = word0 | run0
                 word1 = word1 | run1
             self.mask_by_words(acc_S_rows, r, word0, word1, base, seqlen_k)
+
+    @cute.jit
+    def apply_mask_groups_skip(self, acc_S_rows, tScS, col0, starts, lengths, seqlen_k, groups):
+        """apply_mask_groups with ``slot_skip``: slot by slot, the rows' runs only where the
+        slot's interval reaches into [col0, col0 + block_kv) for some row of the warp."""
+        n_rows = cute.size(acc_S_rows, mode=[0])
+        col_end = col0 + self.block_kv
+        words = cute.make_rmem_tensor((n_rows, 2), Uint32)
+        for r in cutlass.range_constexpr(n_rows):
+            words[r, 0] = Uint32(0)
+            words[r, 1] = Uint32(0)
+        for m in cutlass.range_constexpr(self.num_intervals):
+            hit = Boolean(False)
+            for r in cutlass.range_constexpr(n_rows):
+                hit = hit | ((starts[r, m] < col_end) & (starts[r, m] + lengths[r, m] > col0))
+            if cute.arch.vote_any_sync(hit):
+                for r in cutlass.range_constexpr(n_rows):
+                    s = starts[r, m] - (col0 + tScS[r, 0][1])
+                    run0, run1 = _pair_runs(s, s + lengths[r, m], groups)
+                    words[r, 0] = words[r, 0] | run0
+                    words[r, 1] = words[r, 1] | run1
+        for r in cutlass.range_constexpr(n_rows):
+            self.mask_by_words(acc_S_rows, r, words[r, 0], words[r, 1], col0 + tScS[r, 0][1], seqlen_k)
 
     @cute.jit
     def mask_by_words(self, acc_S_rows, r, word0, word1, base, seqlen_k):
