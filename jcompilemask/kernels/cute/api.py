@@ -1022,6 +1022,12 @@ class BackwardConfig:
       ``profiles/ncu-bwd-s23-*``) put 4.2% of the kernel's stall samples on that wait
       (barrier stalls at the epilogue's first instruction; Flex+FA4 has none). Not yet run
       on the H200.
+    - ``list_early`` (with ``work_list``): the producer warp's tile words of the first
+      list (first head, first chunk) are loaded first thing in the kernel, before the
+      barriers' setup, instead of when the list is built after K / V's load is issued: the
+      first Q / dO load waits for the list, so that word's latency adds to every CTA's
+      start. On the dilated window's 2-4-tile columns a CTA lasts ~23 us at 8K, so ~0.5 us
+      is ~2%. The forward's ``runs_early`` is the same idea. Not yet run on the H200.
 
     ``preferred_backward_config`` picks the default per head dim; ``JCOMPILEMASK_CUTE_BWD_CONFIG``
     (e.g. ``ds_stages=1,stats_early=0``) overrides fields at trace time for benchmarks.
@@ -1058,6 +1064,7 @@ class BackwardConfig:
     schedule: bool = False
     column_words: bool = False
     late_balance: bool = False
+    list_early: bool = False
 
     def __post_init__(self):
         want = BWD_TILES_SPLIT if self.split_dkv else BWD_TILES
@@ -1118,7 +1125,8 @@ class BackwardConfig:
                 f"{f'_rcp{self.rcp_emu}' if self.rcp_emu else ''}"
                 f"{'_scr' if self.softcap_r else ''}{'_qb' if self.dq_blocked else ''}"
                 f"{'_sch' if self.schedule else ''}{'_cw' if self.column_words else ''}"
-                f"{'_lb' if self.late_balance else ''}")
+                f"{'_lb' if self.late_balance else ''}"
+                f"{'_lse' if self.list_early and self.work_list else ''}")
 
 
 def preferred_backward_config(head_dim: int, dtype: str = "bfloat16",

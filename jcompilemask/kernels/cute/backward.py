@@ -69,7 +69,7 @@ from cutlass.tensor_utils import LayoutEnum
 from .api import BackwardConfig, backward_grad_scale, dq_warpgroups
 from .residual_ops import CuteOps
 from .common import (COLUMNS_UNROLLED, INTERVALS_UNROLLED, WarpSpecializedSm90, _as_a_operand,
-                     build_tile_list, _pair_runs, _rows_view, _unsigned_lt,
+                     build_tile_list, list_first_word, _pair_runs, _rows_view, _unsigned_lt,
                      bulk_reduce_add_f32, exp2_fma, issue_wgmma, rcp_fma, ld_acquire_s32, ld_pair_s32,
                      nanosleep, red_release_add_s32, smem_tensor, tile_bits, tma_tiles)
 from .exp2_fma import emulated_column
@@ -507,6 +507,16 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         if const_expr(self.config.schedule):
             # The block's work unit, read first: its latency overlaps the barrier setup.
             unit = mSchedule[k_tile]
+        first_raw = None
+        if const_expr(self.config.list_early and self.config.work_list and not self.config.schedule):
+            # The producer's tile words of its first list (first head, first chunk), loaded
+            # first thing: the first Q / dO load waits for that list.
+            first_raw = Uint32(0)
+            if warp_idx == 0:
+                mh0 = self.mask_head(head_kv * (num_heads // mK.shape[2]))
+                mb0 = 0 if const_expr(self.broadcast_batch) else batch
+                first_raw = list_first_word(mBwdTiles[mb0, mh0, k_tile, None],
+                                            cute.ceil_div(seqlen_q, self.block_q), self.list_chunk)
         if warp_idx == 0:
             for atom in (tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_do, tma_atom_lse, tma_atom_delta):
                 cpasync.prefetch_descriptor(atom)
@@ -558,7 +568,7 @@ class FlashBackwardSm90(WarpSpecializedSm90):
                 self.load(mQ, mK, mV, mdO, mLSE2, mDelta, sQ, sK, sV, sdO, sLSE, sDelta,
                           (tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_do, tma_atom_lse, tma_atom_delta),
                           pipeline_kv, pipeline_q, pipeline_do, mBwdTiles,
-                          n_q_tiles, k_tile, head_kv, batch, mask_batch, group, work)
+                          n_q_tiles, k_tile, head_kv, batch, mask_batch, group, work, first_raw)
             if warp_idx == self.dq_writer_warp:
                 self.write_dq(mdQaccum, sdQ, mBwdTiles, mDqRank, mSem, n_q_tiles, k_tile, head_kv,
                               batch, mask_batch, group, work)
@@ -585,7 +595,7 @@ class FlashBackwardSm90(WarpSpecializedSm90):
     @cute.jit
     def load(self, mQ, mK, mV, mdO, mLSE2, mDelta, sQ, sK, sV, sdO, sLSE, sDelta, atoms,
              pipeline_kv, pipeline_q, pipeline_do, mBwdTiles, n_q_tiles, k_tile, head_kv, batch,
-             mask_batch, group, work):
+             mask_batch, group, work, first_raw=None):
         """Warp 0: K and V once; per visited tile Q + lse and dO + delta into the ring
         (with ``work_list``, it also builds each (head, chunk)'s list first)."""
         tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_do, tma_atom_lse, tma_atom_delta = atoms
@@ -618,7 +628,8 @@ class FlashBackwardSm90(WarpSpecializedSm90):
               if const_expr(self.config.work_list):
                 if seq >= 2:   # the readers are done with this buffer's list of seq - 2
                     cute.arch.barrier(barrier_id=int(Bar.LIST_FREE) + seq % 2, number_of_threads=self.list_meet)
-                self.build_list(gTiles, n_q_tiles, ch * self.list_chunk, work, seq % 2)
+                self.build_list(gTiles, n_q_tiles, ch * self.list_chunk, work, seq % 2,
+                                None if const_expr(first_raw is None) else (seq == 0, first_raw))
                 cute.arch.barrier_arrive(barrier_id=int(Bar.LIST_READY) + seq % 2,
                                          number_of_threads=self.list_ready_meet)
                 cute.arch.barrier_arrive(barrier_id=int(Bar.LIST_READY_DQ) + seq % 2, number_of_threads=64)
@@ -694,10 +705,11 @@ class FlashBackwardSm90(WarpSpecializedSm90):
             cute.arch.barrier_arrive(barrier_id=int(Bar.LIST_FREE) + seq % 2, number_of_threads=self.list_meet)
 
     @cute.jit
-    def build_list(self, gTiles, n_q_tiles, first_tile, work, buf):
+    def build_list(self, gTiles, n_q_tiles, first_tile, work, buf, early=None):
         """The producer warp: the visited query tiles of [first_tile, first_tile +
-        list_chunk) in order (common.build_tile_list)."""
-        build_tile_list(gTiles, n_q_tiles, first_tile, self.list_chunk, work[0], work[1], buf)
+        list_chunk) in order (common.build_tile_list; ``early``: its (use, word) for the
+        first list, loaded by the kernel first thing with ``list_early``)."""
+        build_tile_list(gTiles, n_q_tiles, first_tile, self.list_chunk, work[0], work[1], buf, early)
 
     # ------------------------------------------------------------------ dQ writer
     @cute.jit

@@ -8,7 +8,7 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-from cutlass import Boolean, Int32, Uint32
+from cutlass import Boolean, Int32, Uint32, const_expr
 from cutlass._mlir.dialects import arith, llvm
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.cutlass_dsl import dsl_user_op
@@ -214,11 +214,13 @@ def tile_bits(words: cute.Tensor, tile: Int32) -> Uint32:
 
 @cute.jit
 def build_tile_list(gTiles: cute.Tensor, n_tiles: Int32, first_tile: Int32, chunk: cutlass.Constexpr[int],
-                    sList: cute.Tensor, sCount: cute.Tensor, buf: Int32):
+                    sList: cute.Tensor, sCount: cute.Tensor, buf: Int32, early=None):
     """One warp: the visited tiles of [first_tile, first_tile + chunk) of a row (or column)
     of packed tile words, in order, as tile | masked << 16 into sList[buf * chunk ...], and
     their count into sCount[buf]. Each lane takes one 16-tile word; a warp prefix sum of
-    the words' compute-bit counts places them. (The compact work list of both kernels.)"""
+    the words' compute-bit counts places them. (The compact work list of both kernels.)
+    ``early`` = (use, raw): when ``use``, the first pass takes the lane's word from ``raw``
+    (``list_first_word``, loaded earlier by the kernel) instead of loading it."""
     lane = cute.arch.lane_idx()
     end = cutlass.min(first_tile + chunk, n_tiles)
     w_end = cute.ceil_div(end, 16)
@@ -226,10 +228,20 @@ def build_tile_list(gTiles: cute.Tensor, n_tiles: Int32, first_tile: Int32, chun
     for w0 in cutlass.range(first_tile // 16, w_end, 32, unroll=1):
         w = w0 + lane
         word = Uint32(0)
-        if w < w_end:
-            word = gTiles[w]
-            if (w + 1) * 16 > end:      # the last word: no tile at or past `end`
-                word = word & ((Uint32(1) << Uint32(2 * (end - w * 16))) - Uint32(1))
+        if const_expr(early is None):
+            if w < w_end:
+                word = gTiles[w]
+                if (w + 1) * 16 > end:      # the last word: no tile at or past `end`
+                    word = word & ((Uint32(1) << Uint32(2 * (end - w * 16))) - Uint32(1))
+        else:
+            use, raw = early
+            if w < w_end:
+                if use & (w0 == first_tile // 16):
+                    word = raw
+                else:
+                    word = gTiles[w]
+                if (w + 1) * 16 > end:
+                    word = word & ((Uint32(1) << Uint32(2 * (end - w * 16))) - Uint32(1))
         compute = word & Uint32(0x55555555)
         cnt = Int32(cute.arch.popc(compute))
         incl = cnt
@@ -247,6 +259,17 @@ def build_tile_list(gTiles: cute.Tensor, n_tiles: Int32, first_tile: Int32, chun
     if lane == 0:
         sCount[buf] = base
     cute.arch.sync_warp()
+
+
+@cute.jit
+def list_first_word(gTiles: cute.Tensor, n_tiles: Int32, chunk: cutlass.Constexpr[int]):
+    """This lane's tile word of the first pass of a row's first list chunk, as
+    ``build_tile_list(..., early=(use, raw))`` takes it (0 past the chunk's words)."""
+    w = cute.arch.lane_idx()
+    raw = Uint32(0)
+    if w < cute.ceil_div(cutlass.min(Int32(chunk), n_tiles), 16):
+        raw = gTiles[w]
+    return raw
 
 
 RUN_CHUNK = 512     # build_tile_runs_early: key tiles per chunk, one 16-tile word per lane
