@@ -56,7 +56,7 @@
 #                timed beside the default and FA4 native, then the forward + attention tests under it
 #   fre          issue 14: runs_early (the producer's tile words loaded first thing, runs over set
 #                bits): bit-identity vs work_runs, timed beside the default and FA4 native, then tests
-#   fss          issue 14: runs_early and slot_skip together: both bit-identity sets, timed at 8K / 32K
+#   fss          issue 14: runs_early, slot_skip, mask_r2p: their bit-identity sets, timed at 8K / 32K
 #                on causal, hstu, shared prompt, clear beside the default and FA4 native
 #   fwdtable     issue 14's acceptance table at one N (JCM_BENCH_NS): Flex+FA4, then jcm + FA4 native
 #   fsched       issue 14: the forward's longest-first order / persistent CTAs
@@ -715,8 +715,9 @@ PY
     ;;
   lb)
     # BackwardConfig.late_balance (session 23: the consumers' last DQ_EMPTY wait after the
-    # dK / dV epilogue) and list_early (session 24: the first list's tile words loaded
-    # first thing): their 4 + 4 bit-identity cases under a hang guard, then bwd ms beside
+    # dK / dV epilogue), list_early (session 24: the first list's tile words loaded first
+    # thing) and mask_r2p (session 24: the masked tile's bit tests as R2P): their 4 + 4 + 4
+    # bit-identity cases under a hang guard, then bwd ms beside
     # the default at JCM_BENCH_NS (default 8192) on JCM_BENCH_MASKS (the short columns of
     # issue 16 first, where ncu put 4.2% of the kernel on that wait).
     left() { local l=$(( ${JCM_STAGE_S:-570} - SECONDS )); (( l < $1 )) && echo $(( l > 5 ? l : 5 )) || echo $1; }
@@ -724,14 +725,14 @@ PY
     export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1
     if [[ ${JCM_LB_TESTS:-1} == 1 ]]; then
       JCOMPILEMASK_CUTE_BACKWARD=1 timeout -k 5 $(left 200) python3 -m pytest -v -rs -p no:cacheprovider \
-        tests/gpu/test_cute_backward.py -k "(dq_switch_gives and (late_balance or list_early)) or (schedule_gives and auto)" > "$OUT/pytest-lb.log" 2>&1
+        tests/gpu/test_cute_backward.py -k "(dq_switch_gives and (late_balance or list_early or mask_r2p)) or (schedule_gives and auto)" > "$OUT/pytest-lb.log" 2>&1
       echo "pytest rc $? ($SECONDS s)"; pkill -9 -f pytest
       grep -E "::.* (PASSED|FAILED|ERROR|SKIPPED)" "$OUT/pytest-lb.log" | sed 's/ *\[ *[0-9]*%\]//'; grep -E "^E  " "$OUT/pytest-lb.log" | head -8
     fi
     b=$(left 380)
     timeout -k 5 $b python3 benchmarks/bench_total.py --ns ${JCM_BENCH_NS:-8192} \
       --masks ${JCM_BENCH_MASKS:-dilated_window,global_window,causal,shared_prompt,clear} --impls jcm \
-      --min-repeat-s 0.25 --jcm-variants "${JCM_LB_VARIANTS:-base=;lb=JCOMPILEMASK_CUTE_BWD_CONFIG=late_balance=1;le=JCOMPILEMASK_CUTE_BWD_CONFIG=list_early=1;au=JCOMPILEMASK_CUTE_BWD_CONFIG=schedule=1 JCOMPILEMASK_CUTE_BWD_ORDER=auto}" \
+      --min-repeat-s 0.25 --jcm-variants "${JCM_LB_VARIANTS:-base=;lb=JCOMPILEMASK_CUTE_BWD_CONFIG=late_balance=1;le=JCOMPILEMASK_CUTE_BWD_CONFIG=list_early=1;r2p=JCOMPILEMASK_CUTE_BWD_CONFIG=mask_r2p=1;au=JCOMPILEMASK_CUTE_BWD_CONFIG=schedule=1 JCOMPILEMASK_CUTE_BWD_ORDER=auto}" \
       --budget-s $(( b - 20 )) --out "$OUT/h200-lb.json" > "$OUT/bench-lb.log" 2>&1
     echo "bench rc $? ($SECONDS s)"; pkill -9 -f bench_total; grep -E '^\{' "$OUT/bench-lb.log" | cut -c1-170
     ;;
@@ -843,9 +844,9 @@ PY
     # row and slot, ~1-2 of 6 slots meet a tile). Their bit-identity cases (14, one guard),
     # then fwd ms at 8K / 32K on causal, hstu, shared prompt, clear beside the default and FA4
     # native, then the forward + attention tests under runs_early (slot_skip's: JCM_FSS_ENV).
-    forward_switch_stage fss "runs_early_forward_is_bit_identical or slot_skip_forward_is_bit_identical" 240 \
+    forward_switch_stage fss "runs_early_forward_is_bit_identical or slot_skip_forward_is_bit_identical or mask_r2p_forward_is_bit_identical" 260 \
       ${JCM_FSS_ENV:-JCOMPILEMASK_CUTE_FWD_RUNS_EARLY} 8192,32768 causal,hstu,shared_prompt,clear \
-      "${JCM_FSS_VARIANTS:-base=;re=JCOMPILEMASK_CUTE_FWD_RUNS_EARLY=1;ss=JCOMPILEMASK_CUTE_FWD_SLOT_SKIP=1}"
+      "${JCM_FSS_VARIANTS:-base=;re=JCOMPILEMASK_CUTE_FWD_RUNS_EARLY=1;ss=JCOMPILEMASK_CUTE_FWD_SLOT_SKIP=1;r2p=JCOMPILEMASK_CUTE_FWD_MASK_R2P=1}"
     ;;
   fwdtable)
     # Issue 14's acceptance table for one N per call (JCM_BENCH_NS, default 32768; 8192 and

@@ -233,7 +233,14 @@ def test_row_mask_compiles_for_sm90(d, kk, kc, cap):
                                                               list_early=True), marks=knob),
                                        pytest.param(64, dict(work_list=True, list_chunk=16,
                                                              stats_shfl=True, list_early=True),
-                                                    marks=knob)])
+                                                    marks=knob),
+                                       # mask_r2p (the masked tile's bit tests as R2P) on the
+                                       # D 128 default
+                                       pytest.param(128, dict(lse_prefetch=True, static_stage=True,
+                                                              work_list=True, dkv_tma_store=True,
+                                                              column_registers=2, column_bits=0,
+                                                              column_skip=True, column_words=True,
+                                                              mask_r2p=True), marks=knob)])
 def test_backward_config_variants_compile_for_sm90(d, changes):
     """The configs benchmarked against the default (one dS buffer, late statistics)."""
     import dataclasses
@@ -673,7 +680,7 @@ def test_row_mask_gives_the_default_gradients(name, cute_backward_on, monkeypatc
 
 
 @needs_gpu
-@pytest.mark.parametrize("switch", ["dq_blocked", "late_balance", "list_early"])
+@pytest.mark.parametrize("switch", ["dq_blocked", "late_balance", "list_early", "mask_r2p"])
 @pytest.mark.parametrize("name,d,dv,dtype", [
     ("causal", 128, 128, jnp.bfloat16), ("shared_prompt", 64, 64, jnp.float16),
     ("hstu", 256, 256, jnp.bfloat16), ("clear", 192, 128, jnp.bfloat16),
@@ -688,7 +695,8 @@ def test_dq_switch_gives_identical_gradients(switch, name, d, dv, dtype, cute_ba
     - ``late_balance`` moves the consumers' last wait on the dQ warp behind the dK / dV
       epilogue (the plain epilogue is compile-checked only: every registry config stores
       through TMA);
-    - ``list_early`` loads the producer's first list words first thing in the kernel."""
+    - ``list_early`` loads the producer's first list words first thing in the kernel;
+    - ``mask_r2p`` reorders a masked tile's independent selects (with column_words)."""
     rng = np.random.default_rng(12)
     n = 700
     md, spec = metadata(name, 2, n, rng), SPECS[name]

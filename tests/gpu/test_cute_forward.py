@@ -31,7 +31,8 @@ def registry_switches(monkeypatch, head_dim, head_dim_v, block_q, block_kv, num_
     from jcompilemask.kernels.cute import api
     for name in (api.FWD_WORK_LIST_ENV, api.FWD_GROUP_MASK_ENV, api.FWD_SCHEDULE_ENV,
                  api.FWD_K_AHEAD_ENV, api.FWD_BITS_ABOVE_ENV, api.FWD_RESCALE_TAIL_ENV,
-                 api.FWD_WORK_RUNS_ENV, api.FWD_RUNS_EARLY_ENV, api.FWD_SLOT_SKIP_ENV):
+                 api.FWD_WORK_RUNS_ENV, api.FWD_RUNS_EARLY_ENV, api.FWD_SLOT_SKIP_ENV,
+                 api.FWD_MASK_R2P_ENV):
         monkeypatch.delenv(name, raising=False)
     switches = {**api.forward_switches(head_dim, head_dim_v, block_q, block_kv, num_stages), **changes}
     if "work_runs" not in changes and (switches["rescale_tail"] or not switches["work_list"]):
@@ -752,15 +753,52 @@ def test_slot_skip_compiles_for_sm90(head_dim, num_intervals, softcap, monkeypat
     assert compile_forward(key) is not None and key.target_name.endswith("_ss")
 
 
-def test_slot_skip_env(monkeypatch):
+@pytest.mark.parametrize("env,field", [("FWD_SLOT_SKIP_ENV", "slot_skip"), ("FWD_MASK_R2P_ENV", "mask_r2p")])
+def test_masked_tile_switch_env(env, field, monkeypatch):
     from jcompilemask.kernels.cute import api
-    monkeypatch.delenv(api.FWD_SLOT_SKIP_ENV, raising=False)
-    assert not api.forward_switches(128, 128, 128, 128, 2)["slot_skip"]
-    monkeypatch.setenv(api.FWD_SLOT_SKIP_ENV, "1")
-    assert api.forward_switches(128, 128, 128, 128, 2)["slot_skip"]
-    monkeypatch.setenv(api.FWD_SLOT_SKIP_ENV, "2")
+    name = getattr(api, env)
+    monkeypatch.delenv(name, raising=False)
+    assert not api.forward_switches(128, 128, 128, 128, 2)[field]
+    monkeypatch.setenv(name, "1")
+    assert api.forward_switches(128, 128, 128, 128, 2)[field]
+    monkeypatch.setenv(name, "2")
     with pytest.raises(ValueError, match="0 or 1"):
         api.forward_switches(128, 128, 128, 128, 2)
+
+
+@needs_cutlass
+@pytest.mark.parametrize("head_dim,num_intervals", [(128, 1), pytest.param(128, 12, marks=knob),
+                                                    pytest.param(64, 6, marks=knob)])
+def test_mask_r2p_compiles_for_sm90(head_dim, num_intervals, monkeypatch):
+    """mask_r2p ($JCOMPILEMASK_CUTE_FWD_MASK_R2P=1): ptxas emits R2P for the masked tile's
+    bit tests (D 128 K 1: 8 R2P, 698 -> 650 instructions per masked tile); K 12 takes the
+    bit-mask path, whose words go through the same tests."""
+    from jcompilemask.kernels.cute.api import (ForwardKey, compile_forward, preferred_forward_stages,
+                                               preferred_forward_tiles)
+    bq, bk = preferred_forward_tiles(head_dim)
+    stages = preferred_forward_stages(head_dim)
+    key = ForwardKey("bfloat16", head_dim, head_dim, num_intervals, bq, bk, False, num_intervals == 1,
+                     head_dim**-0.5, num_stages=stages,
+                     **registry_switches(monkeypatch, head_dim, head_dim, bq, bk, stages, mask_r2p=True))
+    assert compile_forward(key) is not None and key.target_name.endswith("_r2p")
+
+
+@pytest.mark.parametrize("head_dim,case,softcap", [(128, "causal", None), (128, "random6", None),
+                                                   (128, "random6", 5.0), (64, "random3", None),
+                                                   (128, "random12", None), (128, "document", None)])
+def test_mask_r2p_forward_is_bit_identical_on_gpu(head_dim, case, softcap, monkeypatch):
+    """mask_r2p reorders independent selects: o and lse equal the default's bit for bit
+    (ragged Nq 700 / Nk 900, the columns past Nk, fully masked rows, a soft cap, D 64, K 12
+    on the bit-mask path)."""
+    reason = sm90_gpu_reason()
+    if reason:
+        pytest.skip(reason)
+    from jcompilemask.kernels.cute import api
+
+    bq, bk = api.preferred_forward_tiles(head_dim)
+    _assert_switch_is_bit_identical(monkeypatch, api.FWD_MASK_R2P_ENV,
+                                    _case_inputs(case, 9, 19, kv_heads=2, head_dim=head_dim),
+                                    softcap=softcap, block_q=bq, block_kv=bk)
 
 
 @pytest.mark.parametrize("head_dim,case,softcap", [(128, "random6", None), (128, "random3", None),

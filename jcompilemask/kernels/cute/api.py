@@ -169,6 +169,12 @@ class ForwardKey:
     # $JCOMPILEMASK_CUTE_FWD_SLOT_SKIP=1, a benchmark knob until timed). K >= 2 with the
     # intervals in registers; elsewhere the field is ignored.
     slot_skip: bool = False
+    # A masked tile tests each column-group word's bits in order, one word after the other,
+    # in FA4's form, so that ptxas emits R2P (FlashForwardSm90.mask_by_words; issue 14;
+    # $JCOMPILEMASK_CUTE_FWD_MASK_R2P=1, a benchmark knob until timed). Static SASS, D 128:
+    # masked tile K 1 698 -> 650 instructions (LOP3 70 -> 14, 8 R2P), K 6 946 -> 898.
+    # Bit-identical by construction (independent selects in another order).
+    mask_r2p: bool = False
 
     @property
     def list_smem(self) -> int:
@@ -252,6 +258,7 @@ class ForwardKey:
             + ("_wr" if self.work_runs else "")
             + ("_re" if self.runs_early else "")
             + ("_ss" if self.slot_skip else "")
+            + ("_r2p" if self.mask_r2p else "")
         )
 
 
@@ -344,6 +351,7 @@ def compile_forward(key: ForwardKey):
             schedule=key.schedule, persistent=key.persistent, o_buffer=key.o_buffer,
             k_ahead=key.k_ahead, group_mask=key.group_mask, rescale_tail=key.rescale_tail,
             work_runs=key.work_runs, runs_early=key.runs_early, slot_skip=key.slot_skip,
+            mask_r2p=key.mask_r2p,
             residual_words=key.residual_words,
         )
         inputs = [bhsd(nq, hq, key.head_dim), bhsd(nk, hkv, key.head_dim), bhsd(nk, hkv, key.head_dim_v),
@@ -492,6 +500,7 @@ FWD_RESIDUAL_WORDS_ENV = "JCOMPILEMASK_CUTE_FWD_RESIDUAL_WORDS"
 FWD_WORK_RUNS_ENV = "JCOMPILEMASK_CUTE_FWD_WORK_RUNS"
 FWD_RUNS_EARLY_ENV = "JCOMPILEMASK_CUTE_FWD_RUNS_EARLY"
 FWD_SLOT_SKIP_ENV = "JCOMPILEMASK_CUTE_FWD_SLOT_SKIP"
+FWD_MASK_R2P_ENV = "JCOMPILEMASK_CUTE_FWD_MASK_R2P"
 # L2 bytes the K / V of one group of heads may take (forward_schedule): the H100 / H200's
 # 50 MB L2, as FlashAttention's longest-first scheduler assumes.
 L2_BYTES = 50 * 1024 * 1024
@@ -597,13 +606,13 @@ def forward_switches(head_dim: int, head_dim_v: int, block_q: int, block_kv: int
     """The ForwardKey fields that ``cute_forward`` takes from the environment (read at
     trace time) for a kernel of these sizes: ``bits_above``, ``work_list``, ``schedule``,
     ``persistent``, ``k_ahead``, ``group_mask`` (never with a residual program),
-    ``residual_words`` (only with one), ``rescale_tail``, ``work_runs``, ``runs_early`` and
-    ``slot_skip``. With no ``JCOMPILEMASK_CUTE_FWD_*`` variable set these are the
+    ``residual_words`` (only with one), ``rescale_tail``, ``work_runs``, ``runs_early``,
+    ``slot_skip`` and ``mask_r2p``. With no ``JCOMPILEMASK_CUTE_FWD_*`` variable set these are the
     defaults the registry runs, so a compile test that builds its key with them compiles
     what users get.
 
     >>> sorted(forward_switches(128, 128, 128, 128, 2))
-    ['bits_above', 'group_mask', 'k_ahead', 'persistent', 'rescale_tail', 'residual_words', 'runs_early', 'schedule', 'slot_skip', 'work_list', 'work_runs']
+    ['bits_above', 'group_mask', 'k_ahead', 'mask_r2p', 'persistent', 'rescale_tail', 'residual_words', 'runs_early', 'schedule', 'slot_skip', 'work_list', 'work_runs']
     """
     schedule, persistent = _fwd_schedule()
     work_list = _fwd_work_list(head_dim, head_dim_v, block_q, block_kv, num_stages)
@@ -616,7 +625,8 @@ def forward_switches(head_dim: int, head_dim_v: int, block_q: int, block_kv: int
                 residual_words=_fwd_residual_words(head_dim) and residual is not None,
                 rescale_tail=rescale_tail,
                 work_runs=work_runs, runs_early=work_runs and _env_flag(FWD_RUNS_EARLY_ENV, "0"),
-                slot_skip=_env_flag(FWD_SLOT_SKIP_ENV, "0"))
+                slot_skip=_env_flag(FWD_SLOT_SKIP_ENV, "0"),
+                mask_r2p=_env_flag(FWD_MASK_R2P_ENV, "0"))
 
 
 def num_sms(default: int = 132) -> int:
@@ -1028,6 +1038,11 @@ class BackwardConfig:
       first Q / dO load waits for the list, so that word's latency adds to every CTA's
       start. On the dilated window's 2-4-tile columns a CTA lasts ~23 us at 8K, so ~0.5 us
       is ~2%. The forward's ``runs_early`` is the same idea. Not yet run on the H200.
+    - ``mask_r2p`` (with ``column_words``, masks without residual predicates): a masked
+      tile tests each column-group word's bits in order, one word after the other, so that
+      ptxas turns the tests into R2P (8 predicates from one instruction), as FA4's masks
+      do, instead of one LOP3 per element. The elements are independent: bit-identical.
+      Not yet run on the H200.
 
     ``preferred_backward_config`` picks the default per head dim; ``JCOMPILEMASK_CUTE_BWD_CONFIG``
     (e.g. ``ds_stages=1,stats_early=0``) overrides fields at trace time for benchmarks.
@@ -1065,6 +1080,7 @@ class BackwardConfig:
     column_words: bool = False
     late_balance: bool = False
     list_early: bool = False
+    mask_r2p: bool = False
 
     def __post_init__(self):
         want = BWD_TILES_SPLIT if self.split_dkv else BWD_TILES
@@ -1126,7 +1142,8 @@ class BackwardConfig:
                 f"{'_scr' if self.softcap_r else ''}{'_qb' if self.dq_blocked else ''}"
                 f"{'_sch' if self.schedule else ''}{'_cw' if self.column_words else ''}"
                 f"{'_lb' if self.late_balance else ''}"
-                f"{'_lse' if self.list_early and self.work_list else ''}")
+                f"{'_lse' if self.list_early and self.work_list else ''}"
+                f"{'_r2p' if self.mask_r2p else ''}")
 
 
 def preferred_backward_config(head_dim: int, dtype: str = "bfloat16",

@@ -1518,16 +1518,24 @@ class FlashBackwardSm90(WarpSpecializedSm90):
             for w in cutlass.range_constexpr(nw // 2):
                 words[2 * w] = words[2 * w] & below0
                 words[2 * w + 1] = words[2 * w + 1] & below1
-            for c in cutlass.range_constexpr(ncols):
-                bit = Uint32(1 << (c // 2))
-                keep = words[c % 2] & bit != Uint32(0)
-                if const_expr(len(pred_slots) > 0):
-                    i = col0 + tScS[r, c][1]
-                    for j, m in enumerate(pred_slots):
-                        hit = words[2 * (1 + j) + c % 2] & bit != Uint32(0)
-                        keep = keep | (hit & self.residual[1].emit_slot(ops, m, q=i, k=key, h=mh,
-                                                                       region=None))
-                P[r, c] = P[r, c] if keep else Float32(fill)
+            if const_expr(self.config.mask_r2p and len(pred_slots) == 0):
+                # Each word's bits tested in order, one word after the other (the elements
+                # are independent), so that ptxas turns the tests into R2P (as FA4's masks).
+                for u in cutlass.range_constexpr(2):
+                    for g in cutlass.range_constexpr(groups):
+                        keep = Boolean(words[u] & (Uint32(1) << g))
+                        P[r, 2 * g + u] = P[r, 2 * g + u] if keep else Float32(fill)
+            else:
+                for c in cutlass.range_constexpr(ncols):
+                    bit = Uint32(1 << (c // 2))
+                    keep = words[c % 2] & bit != Uint32(0)
+                    if const_expr(len(pred_slots) > 0):
+                        i = col0 + tScS[r, c][1]
+                        for j, m in enumerate(pred_slots):
+                            hit = words[2 * (1 + j) + c % 2] & bit != Uint32(0)
+                            keep = keep | (hit & self.residual[1].emit_slot(ops, m, q=i, k=key, h=mh,
+                                                                           region=None))
+                    P[r, c] = P[r, c] if keep else Float32(fill)
 
     @cute.jit
     def add_column_runs(self, words, pair, mBwdIntervals, mask_batch, mh, key, m, col0, base, groups):

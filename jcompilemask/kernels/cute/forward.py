@@ -110,6 +110,7 @@ class FlashForwardSm90(WarpSpecializedSm90):
         work_runs: bool = False,
         runs_early: bool = False,
         slot_skip: bool = False,
+        mask_r2p: bool = False,
     ):
         assert dtype in (cutlass.BFloat16, cutlass.Float16), dtype
         assert block_q == 64 * self.num_consumer_wgs, "each consumer warpgroup owns 64 rows"
@@ -209,6 +210,10 @@ class FlashForwardSm90(WarpSpecializedSm90):
         # ~1-2 of clear's 6 slots meet a 128-key tile. Exact: a slot that misses the tile
         # for every row gives empty runs.
         self.slot_skip = slot_skip and self.group_mask and num_intervals >= 2
+        # mask_r2p (a benchmark knob): mask_by_words tests word0's bits in order, then word1's
+        # (the elements are independent), in FA4's form, so that ptxas emits R2P instead of a
+        # LOP3 per element (SASS, D 128 K 1 masked tile: 698 -> 650 instructions).
+        self.mask_r2p = mask_r2p
         # residual_words (issue 16; the D 128 default since session 23): a residual mask's masked
         # tile ORs its slots' intervals into column-group words as group_mask does (the slots
         # without a residual into one pair, each slot with one into a pair of its own), then
@@ -1116,6 +1121,15 @@ class FlashForwardSm90(WarpSpecializedSm90):
         below0, below1 = _pair_runs(Int32(0), seqlen_k - base, ncols // 2)
         word0 = word0 & below0
         word1 = word1 & below1
+        if const_expr(self.mask_r2p):
+            # Each word's bits tested in order, one word after the other (the elements are
+            # independent), in FA4's form, so that ptxas may turn the tests into R2P.
+            for u in cutlass.range_constexpr(2):
+                word = word0 if const_expr(u == 0) else word1
+                for g in cutlass.range_constexpr(ncols // 2):
+                    keep = Boolean(word & (Uint32(1) << g))
+                    acc_S_rows[r, 2 * g + u] = acc_S_rows[r, 2 * g + u] if keep else -Float32.inf
+            return
         for c in cutlass.range_constexpr(ncols):
             word = word0 if const_expr(c % 2 == 0) else word1
             keep = word & Uint32(1 << (c // 2)) != Uint32(0)
