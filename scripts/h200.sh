@@ -838,15 +838,21 @@ PY
       "${JCM_FRE_VARIANTS:-base=;re=JCOMPILEMASK_CUTE_FWD_RUNS_EARLY=1}"
     ;;
   fss)
-    # Issue 14 (both compile-checked in session 24): runs_early (see fre) and slot_skip (a
-    # masked tile builds an interval slot's runs only where the slot reaches into the tile
-    # for some row of the warp: clear's K 6 masked tile is issue-bound, ~35 instructions per
-    # row and slot, ~1-2 of 6 slots meet a tile). Their bit-identity cases (14, one guard),
-    # then fwd ms at 8K / 32K on causal, hstu, shared prompt, clear beside the default and FA4
-    # native, then the forward + attention tests under runs_early (slot_skip's: JCM_FSS_ENV).
-    forward_switch_stage fss "runs_early_forward_is_bit_identical or slot_skip_forward_is_bit_identical or mask_r2p_forward_is_bit_identical" 260 \
-      ${JCM_FSS_ENV:-JCOMPILEMASK_CUTE_FWD_RUNS_EARLY} 8192,32768 causal,hstu,shared_prompt,clear \
-      "${JCM_FSS_VARIANTS:-base=;re=JCOMPILEMASK_CUTE_FWD_RUNS_EARLY=1;ss=JCOMPILEMASK_CUTE_FWD_SLOT_SKIP=1;r2p=JCOMPILEMASK_CUTE_FWD_MASK_R2P=1}"
+    # Issue 14 (all compile-checked in session 24): runs_early (see fre), slot_skip (a masked
+    # tile builds an interval slot's runs only where the slot reaches into the tile for some
+    # row of the warp: clear's K 6 masked step is issue-bound) and mask_r2p (the masked
+    # tile's bit tests as R2P). Their bit-identity cases (20, one guard), then fwd ms at 8K
+    # and 32K beside the default and FA4 native for the rest of the call, clear first (the
+    # variants' kernels compile on the device: ~10 s each). The forward tests under a winner
+    # take a later call (hdimspar with JCOMPILEMASK_CUTE_FWD_...=1).
+    export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
+    left() { local l=$(( ${JCM_STAGE_S:-570} - SECONDS )); (( l < $1 )) && echo $(( l > 5 ? l : 5 )) || echo $1; }
+    identity_gate fss "runs_early_forward_is_bit_identical or slot_skip_forward_is_bit_identical or mask_r2p_forward_is_bit_identical" $(left 220)
+    timeout -k 5 $(left 560) python3 benchmarks/bench_forward.py --ns ${JCM_BENCH_NS:-8192,32768} \
+      --masks ${JCM_BENCH_MASKS:-clear,causal,hstu,shared_prompt} --fa4 \
+      --jcm-variants "${JCM_FSS_VARIANTS:-base=;re=JCOMPILEMASK_CUTE_FWD_RUNS_EARLY=1;ss=JCOMPILEMASK_CUTE_FWD_SLOT_SKIP=1;r2p=JCOMPILEMASK_CUTE_FWD_MASK_R2P=1}" \
+      --out "$OUT/h200-fwd-fss.json" > "$OUT/bench-fss.log" 2>&1
+    echo "bench rc $? ($SECONDS s)"; pkill -9 -f bench_forward; grep -E '^bench' "$OUT/bench-fss.log" | tail -40 | cut -c1-120
     ;;
   fwdtable)
     # Issue 14's acceptance table for one N per call (JCM_BENCH_NS, default 32768; 8192 and
