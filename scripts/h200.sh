@@ -58,6 +58,8 @@
 #                bits): bit-identity vs work_runs, timed beside the default and FA4 native, then tests
 #   fss          issue 14: runs_early, slot_skip, mask_r2p: their bit-identity sets, timed at 8K / 32K
 #                on causal, hstu, shared prompt, clear beside the default and FA4 native
+#   rp           issue 16: residual_periodic (a predicate proved 8-periodic in the column index evaluated
+#                once per column class, fwd + bwd): bit-identity, then masks16 with it beside Flex+FA4
 #   fwdtable     issue 14's acceptance table at one N (JCM_BENCH_NS): Flex+FA4, then jcm + FA4 native
 #   fsched       issue 14: the forward's longest-first order / persistent CTAs
 #                (JCOMPILEMASK_CUTE_FWD_SCHEDULE=1 / persistent) and work list: tests, then the
@@ -853,6 +855,29 @@ PY
       --jcm-variants "${JCM_FSS_VARIANTS:-base=;re=JCOMPILEMASK_CUTE_FWD_RUNS_EARLY=1;ss=JCOMPILEMASK_CUTE_FWD_SLOT_SKIP=1;r2p=JCOMPILEMASK_CUTE_FWD_MASK_R2P=1}" \
       --out "$OUT/h200-fwd-fss.json" > "$OUT/bench-fss.log" 2>&1
     echo "bench rc $? ($SECONDS s)"; pkill -9 -f bench_forward; grep -E '^bench' "$OUT/bench-fss.log" | tail -40 | cut -c1-120
+    ;;
+  rp)
+    # Issue 16 (compile-checked in session 24): residual_periodic, forward and backward — the
+    # dilated window's (q - k) % 2 == 0 takes one value per row and column class, so its
+    # masked tiles are word tests only (static SASS: forward masked tile 896 -> 730, the
+    # backward kernel 3352 -> 3200). Forward bit-identity (6 residual masks) and gradient
+    # bit-identity (4), hang-guarded; then issue 16's masks (masks16) with it beside
+    # Flex+FA4 at JCM_BENCH_NS (default 8192).
+    export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
+    export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1
+    left() { local l=$(( ${JCM_STAGE_S:-570} - SECONDS )); (( l < $1 )) && echo $(( l > 5 ? l : 5 )) || echo $1; }
+    JCOMPILEMASK_CUTE_BACKWARD=1 timeout -k 5 $(left 200) python3 -m pytest -v -rs -p no:cacheprovider \
+      tests/gpu/test_cute_residual.py tests/gpu/test_cute_backward.py -k "residual_periodic and not compiles" \
+      > "$OUT/pytest-rp.log" 2>&1
+    rc=$?; echo "pytest rc $rc ($SECONDS s)"; pkill -9 -f pytest
+    grep -E "::.* (PASSED|FAILED|ERROR|SKIPPED)" "$OUT/pytest-rp.log" | sed 's/ *\[ *[0-9]*%\]//'; grep -E "^E  " "$OUT/pytest-rp.log" | head -8
+    (( rc == 0 )) || exit 3
+    b=$(left 360)
+    timeout -k 5 $b python3 benchmarks/bench_total.py --ns ${JCM_BENCH_NS:-8192} \
+      --masks ${JCM_BENCH_MASKS:-dilated_window,global_window} --impls jcm,flex-fa4 --min-repeat-s 0.25 \
+      --jcm-variants "${JCM_RP_VARIANTS:-base=;rp=JCOMPILEMASK_CUTE_FWD_RESIDUAL_PERIODIC=1 JCOMPILEMASK_CUTE_BWD_CONFIG=residual_periodic=1}" \
+      --budget-s $(( b - 20 )) --out "$OUT/h200-masks16.json" > "$OUT/bench-rp.log" 2>&1
+    echo "bench rc $? ($SECONDS s)"; pkill -9 -f bench_total; grep -E '^\{' "$OUT/bench-rp.log" | cut -c1-230
     ;;
   fwdtable)
     # Issue 14's acceptance table for one N per call (JCM_BENCH_NS, default 32768; 8192 and

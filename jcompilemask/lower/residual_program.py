@@ -43,7 +43,8 @@ import numpy as np
 from ..spec.expr import And, BinOp, BoolConst, Cmp, Const, Index, Length, Not, Or, walk
 from ..spec.metadata import Scalar, SegRead, VectorElem, VectorRead
 
-__all__ = ["ResidualProgram", "NumpyOps", "kernel_reason", "mask_kernel_reason", "Param"]
+__all__ = ["ResidualProgram", "NumpyOps", "kernel_reason", "mask_kernel_reason", "Param",
+           "column_periodic"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +77,92 @@ def mask_kernel_reason(cm) -> Optional[str]:
             why = kernel_reason(cm.residual(g, m))
             if why:
                 return why
+    return None
+
+
+def column_periodic(pred, var: str = "k", period: int = 8) -> bool:
+    """True when ``pred`` (an Expr or Pred) takes the same value at ``var`` and ``var +
+    period`` for every value of everything else, by a structural proof: ``var`` enters only
+    through ``(c * var + t) % m`` with ``c`` and ``m`` integer constants, ``m`` a power of
+    two (so int32 wrap-around keeps the remainder) and ``m / gcd(c, m)`` dividing
+    ``period``; ``t`` free of ``var``. A kernel then evaluates such a predicate once per
+    column class instead of per element: an SM90 accumulator row puts a thread's columns
+    8 apart (``base + 8 g + u``), so with ``period`` 8 one value per ``u`` serves every
+    ``g``. False when the proof does not go through (the predicate may still be periodic).
+
+    >>> from jcompilemask.spec import k, q
+    >>> column_periodic((q - k) % 2 == 0), column_periodic(k % 16 == 0), column_periodic(k <= q)
+    (True, False, False)
+    """
+    return _period(pred, var, period) is not None
+
+
+def _period(node, var, period):
+    """The structural period of ``node`` in ``var``: 0 when free of it, ("affine", c) for
+    c * var + (free), a positive int dividing ``period`` when periodic; None otherwise."""
+    import math
+    if isinstance(node, Index):
+        return ("affine", 1) if node.name == var else 0
+    if isinstance(node, (Const, Length, Scalar, BoolConst)):
+        return 0
+    if isinstance(node, (VectorElem,)):
+        return 0
+    if isinstance(node, VectorRead):
+        return 0 if _period(node.index, var, period) == 0 else None
+    if isinstance(node, BinOp):
+        a, b = _period(node.a, var, period), _period(node.b, var, period)
+        if a is None or b is None:
+            return None
+        if a == 0 and b == 0:
+            return 0
+        if node.op in ("+", "-"):
+            if isinstance(a, tuple) or isinstance(b, tuple):
+                if isinstance(a, int) and a > 0 or isinstance(b, int) and b > 0:
+                    return None                      # periodic + affine: not kept
+                ca = a[1] if isinstance(a, tuple) else 0
+                cb = b[1] if isinstance(b, tuple) else 0
+                c = ca + cb if node.op == "+" else ca - cb
+                return ("affine", c) if c else 0
+            return math.lcm(a or 1, b or 1)          # periodic +- periodic / free
+        if node.op == "*":
+            if isinstance(a, tuple) and isinstance(node.b, Const):
+                c = a[1] * node.b.value
+                return ("affine", c) if c else 0
+            if isinstance(b, tuple) and isinstance(node.a, Const):
+                c = b[1] * node.a.value
+                return ("affine", c) if c else 0
+            if isinstance(a, int) and isinstance(b, int):
+                return math.lcm(a or 1, b or 1)
+            return None
+        if node.op == "%":
+            m = node.b.value if isinstance(node.b, Const) else 0
+            if b != 0 or m <= 0 or m & (m - 1):
+                return None
+            if isinstance(a, tuple):
+                p = m // math.gcd(abs(a[1]), m)
+                return p if period % p == 0 else None
+            return a                                  # periodic % m: same period
+        if node.op in ("min", "max", "//"):
+            if isinstance(a, tuple) or isinstance(b, tuple):
+                return None
+            return math.lcm(a or 1, b or 1)
+        return None
+    if isinstance(node, Cmp):
+        a, b = _period(node.a, var, period), _period(node.b, var, period)
+        if a is None or b is None or isinstance(a, tuple) or isinstance(b, tuple):
+            return None
+        return 0 if a == 0 and b == 0 else math.lcm(a or 1, b or 1)
+    if isinstance(node, (And, Or)):
+        out = 0
+        for t in node.terms:
+            p = _period(t, var, period)
+            if p is None or isinstance(p, tuple):
+                return None
+            out = p if out == 0 else (out if p == 0 else math.lcm(out, p))
+        return out
+    if isinstance(node, Not):
+        p = _period(node.term, var, period)
+        return None if isinstance(p, tuple) else p
     return None
 
 
@@ -171,6 +258,13 @@ class ResidualProgram:
     def width(self) -> int:
         """Columns of the parameter table (0: the residuals read no metadata)."""
         return sum(p.size for p in self.params)
+
+    def periodic_slots(self, period: int = 8) -> tuple:
+        """Per slot, whether every one of its predicates is ``column_periodic`` in the
+        view's column index (``k`` for the row view, ``q`` for the column view)."""
+        var = "k" if self.view == "fwd" else "q"
+        return tuple(bool(s) and all(column_periodic(p, var, period) for _, p in s)
+                     for s in self.slots)
 
     @property
     def exact(self) -> bool:

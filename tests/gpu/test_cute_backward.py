@@ -22,7 +22,7 @@ import jax.numpy as jnp  # noqa: E402
 
 import jcompilemask as jcm  # noqa: E402
 from jcompilemask import backends  # noqa: E402
-from jcompilemask.spec import MaskSpec, Region, Scalar, k, q, q_len  # noqa: E402
+from jcompilemask.spec import MaskSpec, Region, Scalar, h, k, q, q_len  # noqa: E402
 from jcompilemask.testing import reference_gradients  # noqa: E402
 from gpu_cases import SPECS, compile_checking_remarks, gradient_problems, metadata, random_spec_case  # noqa: E402  (tests/gpu is on sys.path under pytest)
 
@@ -124,6 +124,30 @@ def test_exact_columns_and_column_words_compile_for_sm90(case, exact_columns, co
                       True, 128 ** -0.5, cfg, residual=pair, exact_columns=exact_columns)
     assert compile_backward(key) is not None
     assert key.target_name.endswith("_xc") == exact_columns and ("_cw" in key.target_name) == column_words
+
+
+@needs_cutlass
+@pytest.mark.parametrize("case", ["dilated", pytest.param("global_dilated", marks=knob),
+                                  pytest.param("two_regions", marks=knob)])
+def test_residual_periodic_backward_compiles_for_sm90(case):
+    """BackwardConfig.residual_periodic (issue 16): a column slot whose predicate is proved
+    8-periodic in q is evaluated once per key row and column class (the dilated window's
+    masked tile copy: NOTES.md, session 24); with a slot that has no predicate (16 global
+    keys | the dilated window) and a region whose predicate is not periodic (k % 3)."""
+    import dataclasses
+    from jcompilemask.kernels.cute.api import BackwardKey, compile_backward, preferred_backward_config
+    from jcompilemask.lower.residual_program import ResidualProgram
+    window = (k <= q) & (k > q - 128) & ((q - k) % 2 == 0)
+    specs = {"dilated": MaskSpec([Region((0, q_len), window)]),
+             "global_dilated": MaskSpec([Region((0, q_len), (k < 16) | window)]),
+             "two_regions": MaskSpec([Region((0, 10), (k <= q) & (k % 2 == 0)),
+                                      Region((10, q_len), (k <= q) & (k % 3 == 0))])}
+    cm = jcm.compile(specs[case], warn=False)
+    pair = ResidualProgram.pair(cm)
+    cfg = dataclasses.replace(preferred_backward_config(128), residual_periodic=True)
+    key = BackwardKey("bfloat16", 128, cm.num_intervals, cm.num_bwd_intervals, False, True,
+                      128 ** -0.5, cfg, residual=pair, exact_columns=cm.column_view_exact)
+    assert compile_backward(key) is not None and "_rp" in key.target_name
 
 
 @needs_cutlass
@@ -759,6 +783,34 @@ def test_exact_columns_and_column_words_give_identical_gradients(name, config, e
     base = _deterministic_grads(monkeypatch, "column_words=0", spec, md, qx, kx, vx, do)
     monkeypatch.setenv("JCOMPILEMASK_CUTE_BWD_EXACT_COLUMNS", exact_columns)
     new = _deterministic_grads(monkeypatch, config, spec, md, qx, kx, vx, do)
+    for a, b_ in zip(base, new):
+        np.testing.assert_array_equal(a, b_)
+
+
+@needs_gpu
+@pytest.mark.parametrize("name", ["dilated_window", "global_dilated", "two_regions", "per_head"])
+def test_residual_periodic_gives_identical_gradients(name, cute_backward_on, monkeypatch):
+    """residual_periodic (forward and backward) evaluates a predicate proved 8-periodic in
+    the column index once per column class instead of per element: with the deterministic
+    dQ order all three gradients equal the default's bit for bit (ragged N, GQA; a slot
+    without a predicate beside a periodic one; a region whose predicate is not periodic;
+    a per-head predicate)."""
+    n = 1000
+    window = (k <= q) & (k > q - 128) & ((q - k) % 2 == 0)
+    specs = {"dilated_window": MaskSpec([Region((0, q_len), window)]),
+             "global_dilated": MaskSpec([Region((0, q_len), (k < 16) | window)]),
+             "two_regions": MaskSpec([Region((0, 300), (k <= q) & (k % 2 == 0)),
+                                      Region((300, q_len), (k <= q) & ((q - k) % 3 != 1))]),
+             "per_head": MaskSpec([Region((0, q_len), (k <= q) & ((q + h) % 2 == k % 2))], num_heads=4)}
+    spec = specs[name]
+    ks = jax.random.split(jax.random.key(9), 4)
+    hs = (4, 2, 2, 4)
+    qx, kx, vx, do = (jax.random.normal(kk, (2, n, hh, 128), jnp.float32).astype(jnp.bfloat16)
+                      for kk, hh in zip(ks, hs))
+    monkeypatch.setenv("JCOMPILEMASK_CUTE_FWD_RESIDUAL_PERIODIC", "0")
+    base = _deterministic_grads(monkeypatch, "", spec, None, qx, kx, vx, do)
+    monkeypatch.setenv("JCOMPILEMASK_CUTE_FWD_RESIDUAL_PERIODIC", "1")
+    new = _deterministic_grads(monkeypatch, "residual_periodic=1", spec, None, qx, kx, vx, do)
     for a, b_ in zip(base, new):
         np.testing.assert_array_equal(a, b_)
 

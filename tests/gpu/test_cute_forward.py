@@ -32,7 +32,7 @@ def registry_switches(monkeypatch, head_dim, head_dim_v, block_q, block_kv, num_
     for name in (api.FWD_WORK_LIST_ENV, api.FWD_GROUP_MASK_ENV, api.FWD_SCHEDULE_ENV,
                  api.FWD_K_AHEAD_ENV, api.FWD_BITS_ABOVE_ENV, api.FWD_RESCALE_TAIL_ENV,
                  api.FWD_WORK_RUNS_ENV, api.FWD_RUNS_EARLY_ENV, api.FWD_SLOT_SKIP_ENV,
-                 api.FWD_MASK_R2P_ENV):
+                 api.FWD_MASK_R2P_ENV, api.FWD_RESIDUAL_PERIODIC_ENV):
         monkeypatch.delenv(name, raising=False)
     switches = {**api.forward_switches(head_dim, head_dim_v, block_q, block_kv, num_stages), **changes}
     if "work_runs" not in changes and (switches["rescale_tail"] or not switches["work_list"]):
@@ -892,6 +892,45 @@ def test_residual_words_compiles_for_sm90(case):
                      num_stages=preferred_forward_stages(128), residual=prog, work_list=True,
                      residual_words=True)
     assert compile_forward(key) is not None and key.target_name.endswith("_rw")
+
+
+@needs_cutlass
+@pytest.mark.parametrize("case", ["dilated_window", pytest.param("mixed", marks=knob)])
+def test_residual_periodic_compiles_for_sm90(case):
+    """residual_periodic ($JCOMPILEMASK_CUTE_FWD_RESIDUAL_PERIODIC=1, issue 16): a slot whose
+    predicate is proved 8-periodic in k is evaluated once per row and column class; no
+    stack. The dilated window's masked tile: 896 -> 730 SASS instructions a warp (NOTES.md,
+    session 24); "mixed": 16 global keys (no predicate) | the dilated window."""
+    import jcompilemask as jcm
+    from jcompilemask.kernels.cute.api import (ForwardKey, compile_forward, preferred_forward_stages,
+                                               preferred_forward_tiles)
+    from jcompilemask.lower.residual_program import ResidualProgram
+    from jcompilemask.spec import MaskSpec, Region, k, q, q_len
+    window = (k <= q) & (k > q - 128) & ((q - k) % 2 == 0)
+    spec = MaskSpec([Region((0, q_len), window if case == "dilated_window" else (k < 16) | window)])
+    cm = jcm.compile(spec, warn=False)
+    prog = ResidualProgram.forward(cm)
+    bq, bk = preferred_forward_tiles(128)
+    key = ForwardKey("bfloat16", 128, 128, cm.num_intervals, bq, bk, True, True, 128**-0.5,
+                     num_stages=preferred_forward_stages(128), residual=prog, work_list=True,
+                     work_runs=True, residual_words=True, residual_periodic=True)
+    assert compile_forward(key) is not None and key.target_name.endswith("_rp")
+
+
+def test_residual_periodic_env_and_key(monkeypatch):
+    from jcompilemask.kernels.cute import api
+    monkeypatch.delenv(api.FWD_RESIDUAL_PERIODIC_ENV, raising=False)
+    monkeypatch.delenv(api.FWD_RESIDUAL_WORDS_ENV, raising=False)
+    assert not api.forward_switches(128, 128, 128, 128, 2, residual=object())["residual_periodic"]
+    monkeypatch.setenv(api.FWD_RESIDUAL_PERIODIC_ENV, "1")
+    assert api.forward_switches(128, 128, 128, 128, 2, residual=object())["residual_periodic"]
+    assert not api.forward_switches(128, 128, 128, 128, 2)["residual_periodic"]
+    monkeypatch.setenv(api.FWD_RESIDUAL_WORDS_ENV, "0")
+    assert not api.forward_switches(128, 128, 128, 128, 2, residual=object())["residual_periodic"]
+    base = dict(dtype="bfloat16", head_dim=128, head_dim_v=128, num_intervals=1, block_q=128,
+                block_kv=128, broadcast_batch=False, broadcast_head=True, scale=0.1)
+    with pytest.raises(ValueError, match="residual_words=True"):
+        api.ForwardKey(**base, residual_periodic=True)
 
 
 def test_residual_words_env_and_key(monkeypatch):

@@ -125,3 +125,28 @@ def test_residual_words_forward_is_bit_identical(name, monkeypatch):
                                                         implementation="cute"))
         outs.append(np.asarray(f(q_, k_, v_)))
     assert np.array_equal(outs[0].view(np.uint16), outs[1].view(np.uint16))
+
+
+@needs_gpu
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_residual_periodic_forward_is_bit_identical(name, monkeypatch):
+    """residual_periodic ($JCOMPILEMASK_CUTE_FWD_RESIDUAL_PERIODIC=1) evaluates a slot's
+    predicate once per row and column class where column_periodic proves it 8-periodic in
+    k (dilated_window, per_head, two_regions' even region), per element elsewhere: o
+    equals residual_words' bit for bit."""
+    if IMPL != "cute":
+        pytest.skip("a switch of the CuTe forward")
+    from jcompilemask.kernels.cute import api
+    spec, md = CASES[name]
+    n = 700
+    if md is not None and "a" in md:
+        md = {**md, "a": np.minimum(md["a"], n - 50).astype(np.int32)}
+    q_, k_, v_, _ = _inputs(2, n, 4, 2, 128, jnp.bfloat16, seed=5)
+    monkeypatch.setenv(api.FWD_RESIDUAL_WORDS_ENV, "1")
+    outs = []
+    for flag in ("0", "1"):
+        monkeypatch.setenv(api.FWD_RESIDUAL_PERIODIC_ENV, flag)
+        f = jax.jit(lambda a, b_, c: jcm.mask_attention(a, b_, c, spec, metadata=md,  # noqa: B023
+                                                        implementation="cute"))
+        outs.append(np.asarray(f(q_, k_, v_)))
+    assert np.array_equal(outs[0].view(np.uint16), outs[1].view(np.uint16))

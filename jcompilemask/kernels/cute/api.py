@@ -175,6 +175,11 @@ class ForwardKey:
     # masked tile K 1 698 -> 650 instructions (LOP3 70 -> 14, 8 R2P), K 6 946 -> 898.
     # Bit-identical by construction (independent selects in another order).
     mask_r2p: bool = False
+    # With residual_words: a slot whose residual predicate is provably 8-periodic in k
+    # (lower/residual_program.column_periodic: the dilated window's (q - k) % 2 == 0) is
+    # evaluated once per row and column class (FlashForwardSm90.residual_periodic; issue
+    # 16; $JCOMPILEMASK_CUTE_FWD_RESIDUAL_PERIODIC=1, a benchmark knob until timed).
+    residual_periodic: bool = False
 
     @property
     def list_smem(self) -> int:
@@ -231,6 +236,9 @@ class ForwardKey:
             raise ValueError("ForwardKey(work_runs=True) does not combine with rescale_tail")
         if self.runs_early and not self.work_runs:
             raise ValueError("ForwardKey(runs_early=True) is a form of work_runs: set work_runs=True")
+        if self.residual_periodic and not self.residual_words:
+            raise ValueError("ForwardKey(residual_periodic=True) works on residual_words' words: "
+                             "set residual_words=True")
         if self.residual_words and self.residual is None:
             raise ValueError("ForwardKey(residual_words=True) serves masks with a residual program")
         if self.group_mask and self.residual is not None:
@@ -259,6 +267,7 @@ class ForwardKey:
             + ("_re" if self.runs_early else "")
             + ("_ss" if self.slot_skip else "")
             + ("_r2p" if self.mask_r2p else "")
+            + ("_rp" if self.residual_periodic else "")
         )
 
 
@@ -351,7 +360,7 @@ def compile_forward(key: ForwardKey):
             schedule=key.schedule, persistent=key.persistent, o_buffer=key.o_buffer,
             k_ahead=key.k_ahead, group_mask=key.group_mask, rescale_tail=key.rescale_tail,
             work_runs=key.work_runs, runs_early=key.runs_early, slot_skip=key.slot_skip,
-            mask_r2p=key.mask_r2p,
+            mask_r2p=key.mask_r2p, residual_periodic=key.residual_periodic,
             residual_words=key.residual_words,
         )
         inputs = [bhsd(nq, hq, key.head_dim), bhsd(nk, hkv, key.head_dim), bhsd(nk, hkv, key.head_dim_v),
@@ -501,6 +510,7 @@ FWD_WORK_RUNS_ENV = "JCOMPILEMASK_CUTE_FWD_WORK_RUNS"
 FWD_RUNS_EARLY_ENV = "JCOMPILEMASK_CUTE_FWD_RUNS_EARLY"
 FWD_SLOT_SKIP_ENV = "JCOMPILEMASK_CUTE_FWD_SLOT_SKIP"
 FWD_MASK_R2P_ENV = "JCOMPILEMASK_CUTE_FWD_MASK_R2P"
+FWD_RESIDUAL_PERIODIC_ENV = "JCOMPILEMASK_CUTE_FWD_RESIDUAL_PERIODIC"
 # L2 bytes the K / V of one group of heads may take (forward_schedule): the H100 / H200's
 # 50 MB L2, as FlashAttention's longest-first scheduler assumes.
 L2_BYTES = 50 * 1024 * 1024
@@ -607,12 +617,12 @@ def forward_switches(head_dim: int, head_dim_v: int, block_q: int, block_kv: int
     trace time) for a kernel of these sizes: ``bits_above``, ``work_list``, ``schedule``,
     ``persistent``, ``k_ahead``, ``group_mask`` (never with a residual program),
     ``residual_words`` (only with one), ``rescale_tail``, ``work_runs``, ``runs_early``,
-    ``slot_skip`` and ``mask_r2p``. With no ``JCOMPILEMASK_CUTE_FWD_*`` variable set these are the
+    ``slot_skip``, ``mask_r2p`` and ``residual_periodic`` (only with a residual program). With no ``JCOMPILEMASK_CUTE_FWD_*`` variable set these are the
     defaults the registry runs, so a compile test that builds its key with them compiles
     what users get.
 
     >>> sorted(forward_switches(128, 128, 128, 128, 2))
-    ['bits_above', 'group_mask', 'k_ahead', 'mask_r2p', 'persistent', 'rescale_tail', 'residual_words', 'runs_early', 'schedule', 'slot_skip', 'work_list', 'work_runs']
+    ['bits_above', 'group_mask', 'k_ahead', 'mask_r2p', 'persistent', 'rescale_tail', 'residual_periodic', 'residual_words', 'runs_early', 'schedule', 'slot_skip', 'work_list', 'work_runs']
     """
     schedule, persistent = _fwd_schedule()
     work_list = _fwd_work_list(head_dim, head_dim_v, block_q, block_kv, num_stages)
@@ -626,7 +636,9 @@ def forward_switches(head_dim: int, head_dim_v: int, block_q: int, block_kv: int
                 rescale_tail=rescale_tail,
                 work_runs=work_runs, runs_early=work_runs and _env_flag(FWD_RUNS_EARLY_ENV, "0"),
                 slot_skip=_env_flag(FWD_SLOT_SKIP_ENV, "0"),
-                mask_r2p=_env_flag(FWD_MASK_R2P_ENV, "0"))
+                mask_r2p=_env_flag(FWD_MASK_R2P_ENV, "0"),
+                residual_periodic=(_env_flag(FWD_RESIDUAL_PERIODIC_ENV, "0") and residual is not None
+                                   and _fwd_residual_words(head_dim)))
 
 
 def num_sms(default: int = 132) -> int:
@@ -1043,6 +1055,12 @@ class BackwardConfig:
       ptxas turns the tests into R2P (8 predicates from one instruction), as FA4's masks
       do, instead of one LOP3 per element. The elements are independent: bit-identical.
       Not yet run on the H200.
+    - ``residual_periodic`` (with ``column_words``): a column slot whose residual
+      predicate ``lower.residual_program.column_periodic`` proves 8-periodic in q (the
+      dilated window's ``(q - k) % 2 == 0``) is evaluated once per key row and column
+      class (the thread's query columns are base + 8 g + u) and gates its words, instead
+      of per element; with every predicate slot periodic the masked tile is word tests
+      (as R2P). Same values: bit-identical. Not yet run on the H200.
 
     ``preferred_backward_config`` picks the default per head dim; ``JCOMPILEMASK_CUTE_BWD_CONFIG``
     (e.g. ``ds_stages=1,stats_early=0``) overrides fields at trace time for benchmarks.
@@ -1081,6 +1099,7 @@ class BackwardConfig:
     late_balance: bool = False
     list_early: bool = False
     mask_r2p: bool = False
+    residual_periodic: bool = False
 
     def __post_init__(self):
         want = BWD_TILES_SPLIT if self.split_dkv else BWD_TILES
@@ -1143,7 +1162,7 @@ class BackwardConfig:
                 f"{'_sch' if self.schedule else ''}{'_cw' if self.column_words else ''}"
                 f"{'_lb' if self.late_balance else ''}"
                 f"{'_lse' if self.list_early and self.work_list else ''}"
-                f"{'_r2p' if self.mask_r2p else ''}")
+                f"{'_r2p' if self.mask_r2p else ''}{'_rp' if self.residual_periodic else ''}")
 
 
 def preferred_backward_config(head_dim: int, dtype: str = "bfloat16",

@@ -238,6 +238,12 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         # Its column slots with a residual predicate (each keeps a word pair per key row).
         self.column_pred_slots = [] if residual is None else \
             [m for m in range(num_bwd_intervals) if residual[1].slots[m]]
+        # residual_periodic (issue 16, a benchmark knob): a column slot whose predicate
+        # lower/residual_program.column_periodic proves 8-periodic in q (the dilated window's
+        # (q - k) % 2 == 0) is evaluated once per key row and column class, not per element.
+        self.periodic_slots = () if residual is None else residual[1].periodic_slots()
+        self.residual_periodic = (config.residual_periodic and self.column_words
+                                  and any(self.periodic_slots))
         if self.row_mask:
             self.hold_columns = self.column_bits = self.columns_looped = False
         self.rows_looped = num_intervals > INTERVALS_UNROLLED
@@ -1518,7 +1524,20 @@ class FlashBackwardSm90(WarpSpecializedSm90):
             for w in cutlass.range_constexpr(nw // 2):
                 words[2 * w] = words[2 * w] & below0
                 words[2 * w + 1] = words[2 * w + 1] & below1
-            if const_expr(self.config.mask_r2p and len(pred_slots) == 0):
+            general = pred_slots
+            if const_expr(self.residual_periodic):
+                # A slot whose predicate has period 8 in q takes one value per column class u
+                # (the thread's query columns are base + 8 g + u): evaluated twice per key
+                # row, it gates its words, which join the plain pair.
+                general = [m for m in pred_slots if not self.periodic_slots[m]]
+                for j, m in enumerate(pred_slots):
+                    if const_expr(self.periodic_slots[m]):
+                        for u in cutlass.range_constexpr(2):
+                            ok = self.residual[1].emit_slot(ops, m, q=base + u, k=key, h=mh,
+                                                            region=None)
+                            gate = Uint32(0xFFFFFFFF) if ok else Uint32(0)
+                            words[u] = words[u] | (words[2 * (1 + j) + u] & gate)
+            if const_expr(len(general) == 0 and (self.config.mask_r2p or self.residual_periodic)):
                 # Each word's bits tested in order, one word after the other (the elements
                 # are independent), so that ptxas turns the tests into R2P (as FA4's masks).
                 for u in cutlass.range_constexpr(2):
@@ -1529,12 +1548,13 @@ class FlashBackwardSm90(WarpSpecializedSm90):
                 for c in cutlass.range_constexpr(ncols):
                     bit = Uint32(1 << (c // 2))
                     keep = words[c % 2] & bit != Uint32(0)
-                    if const_expr(len(pred_slots) > 0):
+                    if const_expr(len(general) > 0):
                         i = col0 + tScS[r, c][1]
                         for j, m in enumerate(pred_slots):
-                            hit = words[2 * (1 + j) + c % 2] & bit != Uint32(0)
-                            keep = keep | (hit & self.residual[1].emit_slot(ops, m, q=i, k=key, h=mh,
-                                                                           region=None))
+                            if const_expr(m in general):
+                                hit = words[2 * (1 + j) + c % 2] & bit != Uint32(0)
+                                keep = keep | (hit & self.residual[1].emit_slot(ops, m, q=i, k=key,
+                                                                               h=mh, region=None))
                     P[r, c] = P[r, c] if keep else Float32(fill)
 
     @cute.jit

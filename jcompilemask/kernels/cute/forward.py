@@ -111,6 +111,7 @@ class FlashForwardSm90(WarpSpecializedSm90):
         runs_early: bool = False,
         slot_skip: bool = False,
         mask_r2p: bool = False,
+        residual_periodic: bool = False,
     ):
         assert dtype in (cutlass.BFloat16, cutlass.Float16), dtype
         assert block_q == 64 * self.num_consumer_wgs, "each consumer warpgroup owns 64 rows"
@@ -223,6 +224,13 @@ class FlashForwardSm90(WarpSpecializedSm90):
         self.residual_words = (residual_words and self.residual is not None
                                and num_intervals <= INTERVALS_UNROLLED
                                and sum(1 for sl in self.residual.slots if sl) <= RESIDUAL_WORD_SLOTS)
+        # residual_periodic (issue 16, a benchmark knob; with residual_words): a slot whose
+        # predicate lower/residual_program.column_periodic proves 8-periodic in k (the dilated
+        # window's (q - k) % 2 == 0) is evaluated once per row and column class instead of
+        # per element; with every predicate slot periodic the masked tile is word tests only.
+        self.residual_periodic = (residual_periodic and self.residual_words
+                                  and any(self.residual.periodic_slots()))
+        self.periodic_slots = self.residual.periodic_slots() if self.residual_periodic else ()
         # rescale_tail (issue 14, a benchmark knob): O's rescale by the step's row factor runs
         # in the tile loop's common tail, after the branch on the tile's kind, instead of at
         # the end of each step. The compiler sinks the steps' identical conversion of P to
@@ -1244,16 +1252,36 @@ class FlashForwardSm90(WarpSpecializedSm90):
             for w in cutlass.range_constexpr(1 + len(pred_slots)):
                 words[2 * w] = words[2 * w] & below0
                 words[2 * w + 1] = words[2 * w + 1] & below1
-            for c in cutlass.range_constexpr(ncols):
-                bit = Uint32(1 << (c // 2))
-                keep = words[c % 2] & bit != Uint32(0)
-                if const_expr(len(pred_slots) > 0):
+            general = pred_slots
+            if const_expr(self.residual_periodic):
+                # A slot whose predicate has period 8 in k takes one value per column class
+                # u (the thread's columns are base + 8 g + u): evaluated twice per row, it
+                # gates its words, which join the plain pair.
+                general = [m for m in pred_slots if not self.periodic_slots[m]]
+                for i, m in enumerate(pred_slots):
+                    if const_expr(self.periodic_slots[m]):
+                        for u in cutlass.range_constexpr(2):
+                            ok = self.residual.emit_slot(ops, m, q=row, k=base + u, h=mask_head,
+                                                         region=region)
+                            gate = Uint32(0xFFFFFFFF) if ok else Uint32(0)
+                            words[u] = words[u] | (words[2 * (1 + i) + u] & gate)
+            if const_expr(len(general) == 0):
+                # Only the plain pair is left: each word's bits in order (R2P, as mask_r2p).
+                for u in cutlass.range_constexpr(2):
+                    for g in cutlass.range_constexpr(groups):
+                        keep = Boolean(words[u] & (Uint32(1) << g))
+                        acc_S_rows[r, 2 * g + u] = acc_S_rows[r, 2 * g + u] if keep else -Float32.inf
+            else:
+                for c in cutlass.range_constexpr(ncols):
+                    bit = Uint32(1 << (c // 2))
+                    keep = words[c % 2] & bit != Uint32(0)
                     col = col0 + tScS[r, c][1]
                     for i, m in enumerate(pred_slots):
-                        hit = words[2 * (1 + i) + c % 2] & bit != Uint32(0)
-                        keep = keep | (hit & self.residual.emit_slot(ops, m, q=row, k=col,
-                                                                    h=mask_head, region=region))
-                acc_S_rows[r, c] = acc_S_rows[r, c] if keep else -Float32.inf
+                        if const_expr(m in general):
+                            hit = words[2 * (1 + i) + c % 2] & bit != Uint32(0)
+                            keep = keep | (hit & self.residual.emit_slot(ops, m, q=row, k=col,
+                                                                        h=mask_head, region=region))
+                    acc_S_rows[r, c] = acc_S_rows[r, c] if keep else -Float32.inf
 
     @cute.jit
     def add_interval_runs(self, words, mIntervals, mask_batch, mask_head, row, m, col0, col_end,
