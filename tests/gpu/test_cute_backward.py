@@ -788,6 +788,41 @@ def test_exact_columns_and_column_words_give_identical_gradients(name, config, e
 
 
 @needs_gpu
+@pytest.mark.parametrize("name", ["causal", "clear", "dilated_window"])
+def test_tile_walk_gives_the_list_gradients(name, cute_backward_on, monkeypatch):
+    """A key column of more than api.LIST_MAX_TILES query tiles (8.4 M queries) walks its
+    tile bitmap instead of the work list (_fit_list_to_length): the walk under the default
+    config, forced here at a normal length, gives the list's gradients bit for bit
+    (deterministic dQ order)."""
+    n = 1000 if name != "clear" else 1100
+    window = (k <= q) & (k > q - 128) & ((q - k) % 2 == 0)
+    if name == "dilated_window":
+        md, spec = None, MaskSpec([Region((0, q_len), window)])
+    else:
+        md, spec = metadata(name, 2, n, np.random.default_rng(16)), SPECS[name]
+    ks = jax.random.split(jax.random.key(10), 4)
+    qx, kx, vx, do = (jax.random.normal(kk, (2, n, hh, 128), jnp.float32).astype(jnp.bfloat16)
+                      for kk, hh in zip(ks, (4, 2, 2, 4)))
+    base = _deterministic_grads(monkeypatch, "", spec, md, qx, kx, vx, do)
+    walk = _deterministic_grads(monkeypatch, "work_list=0", spec, md, qx, kx, vx, do)
+    for a, b_ in zip(base, walk):
+        np.testing.assert_array_equal(a, b_)
+
+
+def test_lists_give_way_past_their_tile_limit():
+    """Rows / columns of more than LIST_MAX_TILES tiles drop the work list (16-bit entries)."""
+    from jcompilemask.kernels.cute import api
+    cfg = api.preferred_backward_config(128)
+    assert cfg.work_list and api._fit_list_to_length(cfg, api.LIST_MAX_TILES) is cfg
+    walk = api._fit_list_to_length(cfg, api.LIST_MAX_TILES + 1)
+    assert not walk.work_list and "_wl" not in walk.tag
+    key = api.ForwardKey("bfloat16", 128, 128, 1, 128, 128, True, True, 0.1, work_list=True,
+                         work_runs=True, runs_early=True)
+    fk = api._fit_list_to_length(key, api.LIST_MAX_TILES + 1)
+    assert not (fk.work_list or fk.work_runs or fk.runs_early)
+
+
+@needs_gpu
 @pytest.mark.parametrize("name", ["dilated_window", "global_dilated", "two_regions", "per_head"])
 def test_residual_periodic_gives_identical_gradients(name, cute_backward_on, monkeypatch):
     """residual_periodic (forward and backward) evaluates a predicate proved 8-periodic in

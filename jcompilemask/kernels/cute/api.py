@@ -499,6 +499,27 @@ def _ensure_registered(key) -> str:
     return name
 
 
+# A work-list entry holds its tile index in 16 bits (the masked flag above it), so a row
+# (column) of more tiles than this walks the tile bitmap instead (_fit_list_to_length).
+LIST_MAX_TILES = 1 << 16
+
+
+def _fit_list_to_length(key_or_config, n_tiles: int):
+    """``key_or_config`` (a ForwardKey or a BackwardConfig) without its work list when a
+    row (column) has more than LIST_MAX_TILES tiles: 8.4 M keys (queries) at 128-wide
+    tiles. The list stores tile indices in 16 bits; the bitmap walk has no such limit.
+
+    >>> k = ForwardKey("bfloat16", 128, 128, 1, 128, 128, True, True, 0.1, work_list=True, work_runs=True)
+    >>> _fit_list_to_length(k, 1 << 16) is k, _fit_list_to_length(k, (1 << 16) + 1).work_list
+    (True, False)
+    """
+    if n_tiles <= LIST_MAX_TILES or not key_or_config.work_list:
+        return key_or_config
+    if isinstance(key_or_config, ForwardKey):
+        return dataclasses.replace(key_or_config, work_list=False, work_runs=False, runs_early=False)
+    return dataclasses.replace(key_or_config, work_list=False, list_early=False)
+
+
 FWD_BITS_ABOVE_ENV = "JCOMPILEMASK_CUTE_FWD_BITS_ABOVE"
 FWD_WORK_LIST_ENV = "JCOMPILEMASK_CUTE_FWD_WORK_LIST"
 FWD_SCHEDULE_ENV = "JCOMPILEMASK_CUTE_FWD_SCHEDULE"
@@ -779,6 +800,7 @@ def cute_forward(q, k, v, fwd_intervals, fwd_tiles, *, scale=None, softcap=None,
             raise ValueError(f"row_region {row_region.shape} / residual_params {residual_params.shape} "
                              f"must be {(Bm, Nq)} / {(Bm, max(residual.width, 1))}")
         extra = (row_region.astype(jnp.int32), residual_params.astype(jnp.int32))
+    key = _fit_list_to_length(key, Tk)
     if Bm == 1 and B == 1:
         key = dataclasses.replace(key, broadcast_batch=True)
     if Hm == 1 and Hq == 1:
@@ -1693,6 +1715,7 @@ def cute_backward(q, k, v, out, lse, do, bwd_intervals, bwd_tiles, fwd_intervals
     config = _config_from_env(dataclasses.replace(
         preferred, block_q=block_q, block_kv=block_kv, deterministic=bool(deterministic),
         schedule=preferred.schedule and not deterministic))
+    config = _fit_list_to_length(config, Tq)
     key = BackwardKey(
         dtype=dtype_name, head_dim=D, num_intervals=K, num_bwd_intervals=Kc,
         broadcast_batch=(Bm == 1), broadcast_head=(Hm == 1), scale=float(scale), config=config,
