@@ -852,7 +852,7 @@ PY
     identity_gate fss "runs_early_forward_is_bit_identical or slot_skip_forward_is_bit_identical or mask_r2p_forward_is_bit_identical" $(left 220)
     timeout -k 5 $(left 560) python3 benchmarks/bench_forward.py --ns ${JCM_BENCH_NS:-8192,32768} \
       --masks ${JCM_BENCH_MASKS:-clear,causal,hstu,shared_prompt} --fa4 \
-      --jcm-variants "${JCM_FSS_VARIANTS:-base=;re=JCOMPILEMASK_CUTE_FWD_RUNS_EARLY=1;ss=JCOMPILEMASK_CUTE_FWD_SLOT_SKIP=1;r2p=JCOMPILEMASK_CUTE_FWD_MASK_R2P=1}" \
+      --jcm-variants "${JCM_FSS_VARIANTS:-base=;re=JCOMPILEMASK_CUTE_FWD_RUNS_EARLY=1;r2p=JCOMPILEMASK_CUTE_FWD_MASK_R2P=1;all=JCOMPILEMASK_CUTE_FWD_RUNS_EARLY=1 JCOMPILEMASK_CUTE_FWD_SLOT_SKIP=1 JCOMPILEMASK_CUTE_FWD_MASK_R2P=1}" \
       --out "$OUT/h200-fwd-fss.json" > "$OUT/bench-fss.log" 2>&1
     echo "bench rc $? ($SECONDS s)"; pkill -9 -f bench_forward; grep -E '^bench' "$OUT/bench-fss.log" | tail -40 | cut -c1-120
     ;;
