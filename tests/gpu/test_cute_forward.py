@@ -871,50 +871,36 @@ def test_work_runs_forward_is_bit_identical_on_gpu(head_dim, case, softcap, shap
                                     softcap=softcap, block_q=bq, block_kv=bk)
 
 
+def _dilated_window_key(case, **fields):
+    """A ForwardKey for the dilated window (window 128, dilation 2) or, "mixed", 16 global
+    keys | that window (slots with and without a predicate), with ``fields``."""
+    import jcompilemask as jcm
+    from jcompilemask.kernels.cute.api import ForwardKey, preferred_forward_stages, preferred_forward_tiles
+    from jcompilemask.lower.residual_program import ResidualProgram
+    from jcompilemask.spec import MaskSpec, Region, k, q, q_len
+    window = (k <= q) & (k > q - 128) & ((q - k) % 2 == 0)
+    spec = MaskSpec([Region((0, q_len), window if case == "dilated_window" else (k < 16) | window)])
+    cm = jcm.compile(spec, warn=False)
+    bq, bk = preferred_forward_tiles(128)
+    return ForwardKey("bfloat16", 128, 128, cm.num_intervals, bq, bk, True, True, 128**-0.5,
+                      num_stages=preferred_forward_stages(128), residual=ResidualProgram.forward(cm),
+                      work_list=True, residual_words=True, **fields)
+
+
 @needs_cutlass
 @pytest.mark.parametrize("case", ["dilated_window", pytest.param("mixed", marks=knob)])
-def test_residual_words_compiles_for_sm90(case):
+@pytest.mark.parametrize("fields,suffix", [
+    ({}, "_rw"), ({"work_runs": True, "residual_periodic": True}, "_rp")], ids=["words", "periodic"])
+def test_residual_word_paths_compile_for_sm90(case, fields, suffix):
     """residual_words ($JCOMPILEMASK_CUTE_FWD_RESIDUAL_WORDS=1, issue 16): a residual mask's
     masked tile from column-group words; no stack. The dilated window (K 1, D 128): 815 /
-    704 instructions per masked step against 1246 / 1108 (NOTES.md, session 21); "mixed":
-    slots with and without a predicate (16 global keys | a dilated window)."""
-    import jcompilemask as jcm
-    from jcompilemask.kernels.cute.api import (ForwardKey, compile_forward, preferred_forward_stages,
-                                               preferred_forward_tiles)
-    from jcompilemask.lower.residual_program import ResidualProgram
-    from jcompilemask.spec import MaskSpec, Region, k, q, q_len
-    window = (k <= q) & (k > q - 128) & ((q - k) % 2 == 0)
-    spec = MaskSpec([Region((0, q_len), window if case == "dilated_window" else (k < 16) | window)])
-    cm = jcm.compile(spec, warn=False)
-    prog = ResidualProgram.forward(cm)
-    bq, bk = preferred_forward_tiles(128)
-    key = ForwardKey("bfloat16", 128, 128, cm.num_intervals, bq, bk, True, True, 128**-0.5,
-                     num_stages=preferred_forward_stages(128), residual=prog, work_list=True,
-                     residual_words=True)
-    assert compile_forward(key) is not None and key.target_name.endswith("_rw")
-
-
-@needs_cutlass
-@pytest.mark.parametrize("case", ["dilated_window", pytest.param("mixed", marks=knob)])
-def test_residual_periodic_compiles_for_sm90(case):
-    """residual_periodic ($JCOMPILEMASK_CUTE_FWD_RESIDUAL_PERIODIC=1, issue 16): a slot whose
-    predicate is proved 8-periodic in k is evaluated once per row and column class; no
-    stack. The dilated window's masked tile: 896 -> 730 SASS instructions a warp (NOTES.md,
-    session 24); "mixed": 16 global keys (no predicate) | the dilated window."""
-    import jcompilemask as jcm
-    from jcompilemask.kernels.cute.api import (ForwardKey, compile_forward, preferred_forward_stages,
-                                               preferred_forward_tiles)
-    from jcompilemask.lower.residual_program import ResidualProgram
-    from jcompilemask.spec import MaskSpec, Region, k, q, q_len
-    window = (k <= q) & (k > q - 128) & ((q - k) % 2 == 0)
-    spec = MaskSpec([Region((0, q_len), window if case == "dilated_window" else (k < 16) | window)])
-    cm = jcm.compile(spec, warn=False)
-    prog = ResidualProgram.forward(cm)
-    bq, bk = preferred_forward_tiles(128)
-    key = ForwardKey("bfloat16", 128, 128, cm.num_intervals, bq, bk, True, True, 128**-0.5,
-                     num_stages=preferred_forward_stages(128), residual=prog, work_list=True,
-                     work_runs=True, residual_words=True, residual_periodic=True)
-    assert compile_forward(key) is not None and key.target_name.endswith("_rp")
+    704 instructions per masked step against 1246 / 1108 (NOTES.md, session 21).
+    residual_periodic ($JCOMPILEMASK_CUTE_FWD_RESIDUAL_PERIODIC=1): a slot whose predicate
+    is proved 8-periodic in k is evaluated once per row and column class: 896 -> 730 SASS
+    instructions per masked tile (NOTES.md, session 24)."""
+    from jcompilemask.kernels.cute.api import compile_forward
+    key = _dilated_window_key(case, **fields)
+    assert compile_forward(key) is not None and key.target_name.endswith(suffix)
 
 
 def test_residual_periodic_env_and_key(monkeypatch):

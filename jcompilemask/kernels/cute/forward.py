@@ -604,6 +604,7 @@ class FlashForwardSm90(WarpSpecializedSm90):
             return q_state, self.load_k_ahead(tKgK, tKsK, tVgV, tVsV, tma_atom_k, tma_atom_v,
                                               pipeline_k, pipeline_v, gTiles, n_k_tiles, work, kv_state,
                                               self.ragged_tile(n_k_tiles, mK.shape[0]), first_raw)
+        kv_rings = (pipeline_k, tma_atom_k, tKgK, tKsK, pipeline_v, tma_atom_v, tVgV, tVsV)
         if const_expr(self.work_runs):
             sRuns, sCount = work
             ragged_tile = self.ragged_tile(n_k_tiles, mK.shape[0])
@@ -612,13 +613,7 @@ class FlashForwardSm90(WarpSpecializedSm90):
                 cute.arch.barrier_arrive(barrier_id=_BARRIER_LIST_READY, number_of_threads=self.list_meet)
                 for r in cutlass.range(sCount[0], unroll=1):
                     for k_tile in cutlass.range(sRuns[2 * r] & Int32(0xFFFF), sRuns[2 * r + 1], unroll=1):
-                        pipeline_k.producer_acquire(kv_state)
-                        cute.copy(tma_atom_k, tKgK[None, k_tile], tKsK[None, kv_state.index],
-                                  tma_bar_ptr=pipeline_k.producer_get_barrier(kv_state))
-                        pipeline_v.producer_acquire(kv_state)
-                        cute.copy(tma_atom_v, tVgV[None, k_tile], tVsV[None, kv_state.index],
-                                  tma_bar_ptr=pipeline_v.producer_get_barrier(kv_state))
-                        kv_state.advance()
+                        kv_state = self.load_kv(kv_rings, kv_state, k_tile)
                 cute.arch.barrier(barrier_id=_BARRIER_LIST_FREE, number_of_threads=self.list_meet)
         elif const_expr(self.work_list):
             sList, sCount = work
@@ -626,26 +621,13 @@ class FlashForwardSm90(WarpSpecializedSm90):
                 build_tile_list(gTiles, n_k_tiles, ch * FWD_LIST_CHUNK, FWD_LIST_CHUNK, sList, sCount, 0)
                 cute.arch.barrier_arrive(barrier_id=_BARRIER_LIST_READY, number_of_threads=self.list_meet)
                 for it in cutlass.range(sCount[0], unroll=1):
-                    k_tile = sList[it] & Int32(0xFFFF)
-                    pipeline_k.producer_acquire(kv_state)
-                    cute.copy(tma_atom_k, tKgK[None, k_tile], tKsK[None, kv_state.index],
-                              tma_bar_ptr=pipeline_k.producer_get_barrier(kv_state))
-                    pipeline_v.producer_acquire(kv_state)
-                    cute.copy(tma_atom_v, tVgV[None, k_tile], tVsV[None, kv_state.index],
-                              tma_bar_ptr=pipeline_v.producer_get_barrier(kv_state))
-                    kv_state.advance()
+                    kv_state = self.load_kv(kv_rings, kv_state, sList[it] & Int32(0xFFFF))
                 # Every load of the chunk is issued; rebuild only once both consumers are done.
                 cute.arch.barrier(barrier_id=_BARRIER_LIST_FREE, number_of_threads=self.list_meet)
         else:
             for k_tile in cutlass.range(n_k_tiles, unroll=1):
                 if tile_bits(gTiles, k_tile) & Uint32(1) != Uint32(0):
-                    pipeline_k.producer_acquire(kv_state)
-                    cute.copy(tma_atom_k, tKgK[None, k_tile], tKsK[None, kv_state.index],
-                              tma_bar_ptr=pipeline_k.producer_get_barrier(kv_state))
-                    pipeline_v.producer_acquire(kv_state)
-                    cute.copy(tma_atom_v, tVgV[None, k_tile], tVsV[None, kv_state.index],
-                              tma_bar_ptr=pipeline_v.producer_get_barrier(kv_state))
-                    kv_state.advance()
+                    kv_state = self.load_kv(kv_rings, kv_state, k_tile)
         return q_state, kv_state
 
     @cute.jit
@@ -692,6 +674,20 @@ class FlashForwardSm90(WarpSpecializedSm90):
                                                                  k_tile, prev)
             prev, k_state, kv_state = self.load_k_then_v(None, v_ring, k_state, kv_state,
                                                          Int32(-1), prev)
+        return kv_state
+
+    @cute.jit
+    def load_kv(self, kv_rings, kv_state, k_tile):
+        """K and V of ``k_tile`` into the ring's next stage; returns the advanced state (the
+        caller assigns it: see load_k_then_v on carrying a state through a region)."""
+        pipeline_k, tma_atom_k, tKgK, tKsK, pipeline_v, tma_atom_v, tVgV, tVsV = kv_rings
+        pipeline_k.producer_acquire(kv_state)
+        cute.copy(tma_atom_k, tKgK[None, k_tile], tKsK[None, kv_state.index],
+                  tma_bar_ptr=pipeline_k.producer_get_barrier(kv_state))
+        pipeline_v.producer_acquire(kv_state)
+        cute.copy(tma_atom_v, tVgV[None, k_tile], tVsV[None, kv_state.index],
+                  tma_bar_ptr=pipeline_v.producer_get_barrier(kv_state))
+        kv_state.advance()
         return kv_state
 
     @cute.jit
