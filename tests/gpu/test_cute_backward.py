@@ -669,6 +669,13 @@ def test_repeated_gradients_are_identical(deterministic, cute_backward_on):
                 np.testing.assert_array_equal(again[0], first[0])
 
 
+def _gqa_inputs(seed, n, d=128):
+    """bf16 q, k, v, dO of shape (2, n, heads, d) with 4 / 2 / 2 / 4 heads (GQA)."""
+    ks = jax.random.split(jax.random.key(seed), 4)
+    return tuple(jax.random.normal(kk, (2, n, hh, d), jnp.float32).astype(jnp.bfloat16)
+                 for kk, hh in zip(ks, (4, 2, 2, 4)))
+
+
 def _deterministic_grads(monkeypatch, config, spec, md, qx, kx, vx, do):
     """dQ, dK, dV (numpy) of sum(out * do) through the CuTe backward under
     ``$JCOMPILEMASK_CUTE_BWD_CONFIG=config``, dQ added in the deterministic order (so two
@@ -775,10 +782,7 @@ def test_exact_columns_and_column_words_give_identical_gradients(name, config, e
         md, spec = None, local[name]
     else:
         md, spec = metadata(name, 2, n, rng), SPECS[name]
-    ks = jax.random.split(jax.random.key(8), 4)
-    hs = (4, 2, 2, 4)
-    qx, kx, vx, do = (jax.random.normal(kk, (2, n, h, 128), jnp.float32).astype(jnp.bfloat16)
-                      for kk, h in zip(ks, hs))
+    qx, kx, vx, do = _gqa_inputs(8, n)
     monkeypatch.setenv("JCOMPILEMASK_CUTE_BWD_EXACT_COLUMNS", "0")
     base = _deterministic_grads(monkeypatch, "column_words=0", spec, md, qx, kx, vx, do)
     monkeypatch.setenv("JCOMPILEMASK_CUTE_BWD_EXACT_COLUMNS", exact_columns)
@@ -800,9 +804,7 @@ def test_tile_walk_gives_the_list_gradients(name, cute_backward_on, monkeypatch)
         md, spec = None, MaskSpec([Region((0, q_len), window)])
     else:
         md, spec = metadata(name, 2, n, np.random.default_rng(16)), SPECS[name]
-    ks = jax.random.split(jax.random.key(10), 4)
-    qx, kx, vx, do = (jax.random.normal(kk, (2, n, hh, 128), jnp.float32).astype(jnp.bfloat16)
-                      for kk, hh in zip(ks, (4, 2, 2, 4)))
+    qx, kx, vx, do = _gqa_inputs(10, n)
     base = _deterministic_grads(monkeypatch, "", spec, md, qx, kx, vx, do)
     walk = _deterministic_grads(monkeypatch, "work_list=0", spec, md, qx, kx, vx, do)
     for a, b_ in zip(base, walk):
@@ -838,10 +840,7 @@ def test_residual_periodic_gives_identical_gradients(name, cute_backward_on, mon
                                       Region((300, q_len), (k <= q) & ((q - k) % 3 != 1))]),
              "per_head": MaskSpec([Region((0, q_len), (k <= q) & ((q + h) % 2 == k % 2))], num_heads=4)}
     spec = specs[name]
-    ks = jax.random.split(jax.random.key(9), 4)
-    hs = (4, 2, 2, 4)
-    qx, kx, vx, do = (jax.random.normal(kk, (2, n, hh, 128), jnp.float32).astype(jnp.bfloat16)
-                      for kk, hh in zip(ks, hs))
+    qx, kx, vx, do = _gqa_inputs(9, n)
     monkeypatch.setenv("JCOMPILEMASK_CUTE_FWD_RESIDUAL_PERIODIC", "0")
     base = _deterministic_grads(monkeypatch, "", spec, None, qx, kx, vx, do)
     monkeypatch.setenv("JCOMPILEMASK_CUTE_FWD_RESIDUAL_PERIODIC", "1")

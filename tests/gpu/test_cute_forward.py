@@ -421,6 +421,37 @@ def _assert_switch_is_bit_identical(monkeypatch, env, inputs, **kwargs):
     assert np.array_equal(l0, l1, equal_nan=True)
 
 
+def _switch_case_is_bit_identical(monkeypatch, env, case, seed, key, head_dim=128, softcap=None,
+                                  shape=None, extra=()):
+    """_assert_switch_is_bit_identical on check case ``case`` (GQA 4 / 2 heads, ragged Nq 700 /
+    Nk 900, or ``shape`` = (Nq, Nk) with one batch and 2 / 1 heads) at ``head_dim``'s forward
+    tiles; ``extra``: "NAME" or "NAME=VALUE" variables set for both runs (1 by default).
+    Skips without an SM90 GPU."""
+    reason = sm90_gpu_reason()
+    if reason:
+        pytest.skip(reason)
+    from jcompilemask.kernels.cute import api
+
+    for item in extra:
+        name, _, value = item.partition("=")
+        monkeypatch.setenv(name, value or "1")
+    bq, bk = api.preferred_forward_tiles(head_dim)
+    dims = dict(kv_heads=2) if shape is None else dict(B=1, heads=2, kv_heads=1, Nq=shape[0], Nk=shape[1])
+    _assert_switch_is_bit_identical(monkeypatch, env, _case_inputs(case, seed, key, head_dim=head_dim, **dims),
+                                    softcap=softcap, block_q=bq, block_kv=bk)
+
+
+def _registry_key(monkeypatch, head_dim, num_intervals, broadcast_head, softcap=None, **changes):
+    """A bf16 ForwardKey at ``head_dim``'s tiles and stages with the registry's switches,
+    updated by ``changes`` (registry_switches)."""
+    from jcompilemask.kernels.cute.api import ForwardKey, preferred_forward_stages, preferred_forward_tiles
+    bq, bk = preferred_forward_tiles(head_dim)
+    stages = preferred_forward_stages(head_dim)
+    return ForwardKey("bfloat16", head_dim, head_dim, num_intervals, bq, bk, False, broadcast_head,
+                      head_dim**-0.5, num_stages=stages, softcap=softcap,
+                      **registry_switches(monkeypatch, head_dim, head_dim, bq, bk, stages, **changes))
+
+
 @pytest.mark.parametrize("case", ["causal", "document", "prefix_window", "random3"])
 def test_matches_reference_on_gpu(case):
     reason = sm90_gpu_reason()
@@ -551,13 +582,8 @@ def test_without_group_mask_compiles_for_sm90(head_dim, num_intervals, softcap, 
     """The opt-out of group_mask ($JCOMPILEMASK_CUTE_FWD_GROUP_MASK=0): a masked tile tests
     each interval per element (D 128 K 6 SASS per masked tile 875 -> 1661 instructions,
     NOTES.md); K 25 on the bit-mask path one interval at a time."""
-    from jcompilemask.kernels.cute.api import (ForwardKey, compile_forward, preferred_forward_stages,
-                                               preferred_forward_tiles)
-    bq, bk = preferred_forward_tiles(head_dim)
-    stages = preferred_forward_stages(head_dim)
-    key = ForwardKey("bfloat16", head_dim, head_dim, num_intervals, bq, bk, False, num_intervals < 6,
-                     head_dim**-0.5, num_stages=stages, softcap=softcap,
-                     **registry_switches(monkeypatch, head_dim, head_dim, bq, bk, stages, group_mask=False))
+    from jcompilemask.kernels.cute.api import compile_forward
+    key = _registry_key(monkeypatch, head_dim, num_intervals, num_intervals < 6, softcap, group_mask=False)
     assert compile_forward(key) is not None and not key.target_name.endswith("_gm")
 
 
@@ -585,15 +611,8 @@ def test_group_mask_forward_is_bit_identical_on_gpu(head_dim, case, softcap, mon
     """group_mask changes how a masked tile finds its visible keys, not which: o and lse
     equal the default's bit for bit (ragged Nq 700 / Nk 900, per-head masks, fully masked
     rows, GQA; D 256's 80-key tiles; K 12 on the bit-mask path)."""
-    reason = sm90_gpu_reason()
-    if reason:
-        pytest.skip(reason)
     from jcompilemask.kernels.cute import api
-
-    bq, bk = api.preferred_forward_tiles(head_dim)
-    _assert_switch_is_bit_identical(monkeypatch, api.FWD_GROUP_MASK_ENV,
-                                    _case_inputs(case, 3, 11, kv_heads=2, head_dim=head_dim),
-                                    softcap=softcap, block_q=bq, block_kv=bk)
+    _switch_case_is_bit_identical(monkeypatch, api.FWD_GROUP_MASK_ENV, case, 3, 11, head_dim, softcap)
 
 
 @needs_cutlass
@@ -606,13 +625,8 @@ def test_rescale_tail_compiles_for_sm90(head_dim, num_intervals, softcap, monkey
     loop's tail beside P's conversion (and, with the work list, the row's first tile out of
     the loop), on the registry's switches; no stack (SASS at D 128 K 1, NOTES.md "Session
     19": 493 instructions per unmasked tile with F2FP and FMUL interleaved, against 513)."""
-    from jcompilemask.kernels.cute.api import (ForwardKey, compile_forward, preferred_forward_stages,
-                                               preferred_forward_tiles)
-    bq, bk = preferred_forward_tiles(head_dim)
-    stages = preferred_forward_stages(head_dim)
-    key = ForwardKey("bfloat16", head_dim, head_dim, num_intervals, bq, bk, False, num_intervals < 6,
-                     head_dim**-0.5, num_stages=stages, softcap=softcap,
-                     **registry_switches(monkeypatch, head_dim, head_dim, bq, bk, stages, rescale_tail=True))
+    from jcompilemask.kernels.cute.api import compile_forward
+    key = _registry_key(monkeypatch, head_dim, num_intervals, num_intervals < 6, softcap, rescale_tail=True)
     assert compile_forward(key) is not None and key.target_name.endswith("_rt")
 
 
@@ -623,15 +637,8 @@ def test_rescale_tail_forward_is_bit_identical_on_gpu(head_dim, case, softcap, m
     """rescale_tail moves O's rescale, not its arithmetic (the same products in the same
     order): o and lse equal the default's bit for bit (ragged Nq 700 / Nk 900, per-head
     masks, fully masked rows, GQA, a soft cap, K 12 on the bit-mask path)."""
-    reason = sm90_gpu_reason()
-    if reason:
-        pytest.skip(reason)
     from jcompilemask.kernels.cute import api
-
-    bq, bk = api.preferred_forward_tiles(head_dim)
-    _assert_switch_is_bit_identical(monkeypatch, api.FWD_RESCALE_TAIL_ENV,
-                                    _case_inputs(case, 3, 11, kv_heads=2, head_dim=head_dim),
-                                    softcap=softcap, block_q=bq, block_kv=bk)
+    _switch_case_is_bit_identical(monkeypatch, api.FWD_RESCALE_TAIL_ENV, case, 3, 11, head_dim, softcap)
 
 
 @needs_cutlass
@@ -644,17 +651,12 @@ def test_work_runs_compiles_for_sm90(case, monkeypatch):
     the full-tile loop is 491 instructions per tile, P's conversion and O's rescale inside
     it, against 513 with the per-tile list entry). With K(t + 1) before V(t), persistent
     CTAs, a soft cap at D 64 and K 25 on the bit-mask path."""
-    from jcompilemask.kernels.cute.api import (ForwardKey, compile_forward, preferred_forward_stages,
-                                               preferred_forward_tiles)
+    from jcompilemask.kernels.cute.api import compile_forward
     head_dim = 64 if case == "d64_cap" else 128
     k = {"k6": 6, "k25": 25, "persistent": 2}.get(case, 1)
-    bq, bk = preferred_forward_tiles(head_dim)
-    stages = preferred_forward_stages(head_dim)
-    changes = dict(work_runs=True, k_ahead=case == "k_ahead", schedule=case == "persistent",
-                   persistent=case == "persistent")
-    key = ForwardKey("bfloat16", head_dim, head_dim, k, bq, bk, False, k < 6, head_dim**-0.5,
-                     num_stages=stages, softcap=30.0 if case == "d64_cap" else None,
-                     **registry_switches(monkeypatch, head_dim, head_dim, bq, bk, stages, **changes))
+    key = _registry_key(monkeypatch, head_dim, k, k < 6, 30.0 if case == "d64_cap" else None,
+                        work_runs=True, k_ahead=case == "k_ahead", schedule=case == "persistent",
+                        persistent=case == "persistent")
     assert key.work_list and compile_forward(key) is not None and key.target_name.endswith("_wr")
 
 
@@ -707,16 +709,11 @@ def test_runs_early_compiles_for_sm90(case, monkeypatch):
     loaded first thing (the kernel's first LDG, before the barriers' setup) and the runs
     built over the set bits only; with K(t + 1) before V(t), persistent CTAs (which load
     their words per unit), a soft cap at D 64."""
-    from jcompilemask.kernels.cute.api import (ForwardKey, compile_forward, preferred_forward_stages,
-                                               preferred_forward_tiles)
+    from jcompilemask.kernels.cute.api import compile_forward
     head_dim = 64 if case == "d64_cap" else 128
-    bq, bk = preferred_forward_tiles(head_dim)
-    stages = preferred_forward_stages(head_dim)
-    changes = dict(work_runs=True, runs_early=True, k_ahead=case == "k_ahead",
-                   schedule=case == "persistent", persistent=case == "persistent")
-    key = ForwardKey("bfloat16", head_dim, head_dim, 1, bq, bk, False, True, head_dim**-0.5,
-                     num_stages=stages, softcap=30.0 if case == "d64_cap" else None,
-                     **registry_switches(monkeypatch, head_dim, head_dim, bq, bk, stages, **changes))
+    key = _registry_key(monkeypatch, head_dim, 1, True, 30.0 if case == "d64_cap" else None,
+                        work_runs=True, runs_early=True, k_ahead=case == "k_ahead",
+                        schedule=case == "persistent", persistent=case == "persistent")
     assert compile_forward(key) is not None and key.target_name.endswith("_wr_re")
 
 
@@ -743,13 +740,8 @@ def test_slot_skip_compiles_for_sm90(head_dim, num_intervals, softcap, monkeypat
     a slot's runs only where the slot reaches into the tile for some row of the warp (a
     VOTE.ANY and a uniform branch per slot); no stack (SASS at D 128 K 6, NOTES.md "Session
     24": 1052 static instructions per masked tile against 946, ~70 fewer per skipped slot)."""
-    from jcompilemask.kernels.cute.api import (ForwardKey, compile_forward, preferred_forward_stages,
-                                               preferred_forward_tiles)
-    bq, bk = preferred_forward_tiles(head_dim)
-    stages = preferred_forward_stages(head_dim)
-    key = ForwardKey("bfloat16", head_dim, head_dim, num_intervals, bq, bk, False, False,
-                     head_dim**-0.5, num_stages=stages, softcap=softcap,
-                     **registry_switches(monkeypatch, head_dim, head_dim, bq, bk, stages, slot_skip=True))
+    from jcompilemask.kernels.cute.api import compile_forward
+    key = _registry_key(monkeypatch, head_dim, num_intervals, False, softcap, slot_skip=True)
     assert compile_forward(key) is not None and key.target_name.endswith("_ss")
 
 
@@ -773,13 +765,8 @@ def test_mask_r2p_compiles_for_sm90(head_dim, num_intervals, monkeypatch):
     """mask_r2p ($JCOMPILEMASK_CUTE_FWD_MASK_R2P=1): ptxas emits R2P for the masked tile's
     bit tests (D 128 K 1: 8 R2P, 698 -> 650 instructions per masked tile); K 12 takes the
     bit-mask path, whose words go through the same tests."""
-    from jcompilemask.kernels.cute.api import (ForwardKey, compile_forward, preferred_forward_stages,
-                                               preferred_forward_tiles)
-    bq, bk = preferred_forward_tiles(head_dim)
-    stages = preferred_forward_stages(head_dim)
-    key = ForwardKey("bfloat16", head_dim, head_dim, num_intervals, bq, bk, False, num_intervals == 1,
-                     head_dim**-0.5, num_stages=stages,
-                     **registry_switches(monkeypatch, head_dim, head_dim, bq, bk, stages, mask_r2p=True))
+    from jcompilemask.kernels.cute.api import compile_forward
+    key = _registry_key(monkeypatch, head_dim, num_intervals, num_intervals == 1, mask_r2p=True)
     assert compile_forward(key) is not None and key.target_name.endswith("_r2p")
 
 
@@ -790,15 +777,8 @@ def test_mask_r2p_forward_is_bit_identical_on_gpu(head_dim, case, softcap, monke
     """mask_r2p reorders independent selects: o and lse equal the default's bit for bit
     (ragged Nq 700 / Nk 900, the columns past Nk, fully masked rows, a soft cap, D 64, K 12
     on the bit-mask path)."""
-    reason = sm90_gpu_reason()
-    if reason:
-        pytest.skip(reason)
     from jcompilemask.kernels.cute import api
-
-    bq, bk = api.preferred_forward_tiles(head_dim)
-    _assert_switch_is_bit_identical(monkeypatch, api.FWD_MASK_R2P_ENV,
-                                    _case_inputs(case, 9, 19, kv_heads=2, head_dim=head_dim),
-                                    softcap=softcap, block_q=bq, block_kv=bk)
+    _switch_case_is_bit_identical(monkeypatch, api.FWD_MASK_R2P_ENV, case, 9, 19, head_dim, softcap)
 
 
 @pytest.mark.parametrize("head_dim,case,softcap", [(128, "random6", None), (128, "random3", None),
@@ -808,15 +788,8 @@ def test_slot_skip_forward_is_bit_identical_on_gpu(head_dim, case, softcap, monk
     """slot_skip leaves out only runs that are empty: o and lse equal the default's bit for
     bit (ragged Nq 700 / Nk 900, per-head masks, fully masked rows, GQA, a soft cap, D 64;
     K 12 takes the bit-mask path, where the switch does nothing)."""
-    reason = sm90_gpu_reason()
-    if reason:
-        pytest.skip(reason)
     from jcompilemask.kernels.cute import api
-
-    bq, bk = api.preferred_forward_tiles(head_dim)
-    _assert_switch_is_bit_identical(monkeypatch, api.FWD_SLOT_SKIP_ENV,
-                                    _case_inputs(case, 7, 17, kv_heads=2, head_dim=head_dim),
-                                    softcap=softcap, block_q=bq, block_kv=bk)
+    _switch_case_is_bit_identical(monkeypatch, api.FWD_SLOT_SKIP_ENV, case, 7, 17, head_dim, softcap)
 
 
 @pytest.mark.parametrize("case,shape,extra", [
@@ -827,19 +800,9 @@ def test_slot_skip_forward_is_bit_identical_on_gpu(head_dim, case, softcap, monk
     ("document", None, "JCOMPILEMASK_CUTE_FWD_SCHEDULE=persistent")])
 def test_runs_early_forward_is_bit_identical_on_gpu(case, shape, extra, monkeypatch):
     """runs_early builds the same runs earlier: o and lse equal work_runs' bit for bit."""
-    reason = sm90_gpu_reason()
-    if reason:
-        pytest.skip(reason)
     from jcompilemask.kernels.cute import api
-
-    if extra:
-        name, _, value = extra.partition("=")
-        monkeypatch.setenv(name, value or "1")
-    monkeypatch.setenv(api.FWD_WORK_LIST_ENV, "1")
-    monkeypatch.setenv(api.FWD_WORK_RUNS_ENV, "1")
-    dims = {} if shape is None else dict(B=1, heads=2, kv_heads=1, Nq=shape[0], Nk=shape[1])
-    inputs = _case_inputs(case, 5, 13, **({"kv_heads": 2} | dims))
-    _assert_switch_is_bit_identical(monkeypatch, api.FWD_RUNS_EARLY_ENV, inputs)
+    _switch_case_is_bit_identical(monkeypatch, api.FWD_RUNS_EARLY_ENV, case, 5, 13, shape=shape,
+                                  extra=(api.FWD_WORK_LIST_ENV, api.FWD_WORK_RUNS_ENV) + ((extra,) if extra else ()))
 
 
 @pytest.mark.parametrize("head_dim,case,softcap,shape,extra", [
@@ -855,20 +818,9 @@ def test_work_runs_forward_is_bit_identical_on_gpu(head_dim, case, softcap, shap
     o and lse equal the per-tile work list's bit for bit (ragged Nq 700 / Nk 900, so a ragged
     last tile inside a full run; per-head masks, fully masked rows, GQA, a soft cap, K 12 on
     the bit-mask path, two list chunks, K(t + 1) before V(t), persistent CTAs)."""
-    reason = sm90_gpu_reason()
-    if reason:
-        pytest.skip(reason)
     from jcompilemask.kernels.cute import api
-
-    if extra:
-        name, _, value = extra.partition("=")
-        monkeypatch.setenv(name, value or "1")
-    monkeypatch.setenv(api.FWD_WORK_LIST_ENV, "1")
-    bq, bk = api.preferred_forward_tiles(head_dim)
-    dims = {} if shape is None else dict(B=1, heads=2, kv_heads=1, Nq=shape[0], Nk=shape[1])
-    inputs = _case_inputs(case, 3, 11, **({"kv_heads": 2} | dims), head_dim=head_dim)
-    _assert_switch_is_bit_identical(monkeypatch, api.FWD_WORK_RUNS_ENV, inputs,
-                                    softcap=softcap, block_q=bq, block_kv=bk)
+    _switch_case_is_bit_identical(monkeypatch, api.FWD_WORK_RUNS_ENV, case, 3, 11, head_dim, softcap,
+                                  shape=shape, extra=(api.FWD_WORK_LIST_ENV,) + ((extra,) if extra else ()))
 
 
 def _dilated_window_key(case, **fields):

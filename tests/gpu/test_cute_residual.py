@@ -103,6 +103,25 @@ def test_random_residual_specs(seed, residual_on):
     check_attention(spec, md, 2, 700, 2, 2, 128, jnp.bfloat16, IMPL, seed=seed, lse=False)
 
 
+def _switch_outputs(monkeypatch, name, seed, env, flags=("0", "1"), fixed=()):
+    """mask_attention's o on CASES[name] (ragged N 700, GQA 4 / 2, bf16) once per value of the
+    CuTe forward switch ``env`` in ``flags``, with the ``fixed`` (NAME, VALUE) variables set."""
+    spec, md = CASES[name]
+    n = 700
+    if md is not None and "a" in md:    # two_regions' split row (at most q_len = n)
+        md = {**md, "a": np.minimum(md["a"], n - 50).astype(np.int32)}
+    q_, k_, v_, _ = _inputs(2, n, 4, 2, 128, jnp.bfloat16, seed=seed)   # per_head: 4 heads
+    for var, value in fixed:
+        monkeypatch.setenv(var, value)
+    outs = []
+    for flag in flags:
+        monkeypatch.setenv(env, flag)
+        f = jax.jit(lambda a, b_, c: jcm.mask_attention(a, b_, c, spec, metadata=md,  # noqa: B023
+                                                        implementation="cute"))
+        outs.append(np.asarray(f(q_, k_, v_)))
+    return outs
+
+
 @needs_gpu
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_residual_words_forward_is_bit_identical(name, monkeypatch):
@@ -113,17 +132,7 @@ def test_residual_words_forward_is_bit_identical(name, monkeypatch):
     if IMPL != "cute":
         pytest.skip("a switch of the CuTe forward")
     from jcompilemask.kernels.cute import api
-    spec, md = CASES[name]
-    n = 700
-    if md is not None and "a" in md:    # two_regions' split row (at most q_len = n)
-        md = {**md, "a": np.minimum(md["a"], n - 50).astype(np.int32)}
-    q_, k_, v_, _ = _inputs(2, n, 4, 2, 128, jnp.bfloat16, seed=3)   # per_head: 4 heads
-    outs = []
-    for flag in ("0", "1"):
-        monkeypatch.setenv(api.FWD_RESIDUAL_WORDS_ENV, flag)
-        f = jax.jit(lambda a, b_, c: jcm.mask_attention(a, b_, c, spec, metadata=md,  # noqa: B023
-                                                        implementation="cute"))
-        outs.append(np.asarray(f(q_, k_, v_)))
+    outs = _switch_outputs(monkeypatch, name, 3, api.FWD_RESIDUAL_WORDS_ENV)
     assert np.array_equal(outs[0].view(np.uint16), outs[1].view(np.uint16))
 
 
@@ -137,16 +146,6 @@ def test_residual_periodic_forward_is_bit_identical(name, monkeypatch):
     if IMPL != "cute":
         pytest.skip("a switch of the CuTe forward")
     from jcompilemask.kernels.cute import api
-    spec, md = CASES[name]
-    n = 700
-    if md is not None and "a" in md:
-        md = {**md, "a": np.minimum(md["a"], n - 50).astype(np.int32)}
-    q_, k_, v_, _ = _inputs(2, n, 4, 2, 128, jnp.bfloat16, seed=5)
-    monkeypatch.setenv(api.FWD_RESIDUAL_WORDS_ENV, "1")
-    outs = []
-    for flag in ("0", "1"):
-        monkeypatch.setenv(api.FWD_RESIDUAL_PERIODIC_ENV, flag)
-        f = jax.jit(lambda a, b_, c: jcm.mask_attention(a, b_, c, spec, metadata=md,  # noqa: B023
-                                                        implementation="cute"))
-        outs.append(np.asarray(f(q_, k_, v_)))
+    outs = _switch_outputs(monkeypatch, name, 5, api.FWD_RESIDUAL_PERIODIC_ENV,
+                           fixed=((api.FWD_RESIDUAL_WORDS_ENV, "1"),))
     assert np.array_equal(outs[0].view(np.uint16), outs[1].view(np.uint16))

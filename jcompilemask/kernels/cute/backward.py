@@ -71,7 +71,7 @@ from .residual_ops import CuteOps
 from .common import (COLUMNS_UNROLLED, INTERVALS_UNROLLED, WarpSpecializedSm90, _as_a_operand,
                      build_tile_list, list_first_word, _pair_runs, _rows_view, _unsigned_lt,
                      bulk_reduce_add_f32, exp2_fma, issue_wgmma, rcp_fma, ld_acquire_s32, ld_pair_s32,
-                     nanosleep, red_release_add_s32, smem_tensor, tile_bits, tma_tiles)
+                     nanosleep, red_release_add_s32, select_by_words, fold_periodic_slots, smem_tensor, tile_bits, tma_tiles)
 from .exp2_fma import emulated_column
 
 _LOG2_E = math.log2(math.e)
@@ -1526,24 +1526,13 @@ class FlashBackwardSm90(WarpSpecializedSm90):
                 words[2 * w + 1] = words[2 * w + 1] & below1
             general = pred_slots
             if const_expr(self.residual_periodic):
-                # A slot whose predicate has period 8 in q takes one value per column class u
-                # (the thread's query columns are base + 8 g + u): evaluated twice per key
-                # row, it gates its words, which join the plain pair.
-                general = [m for m in pred_slots if not self.periodic_slots[m]]
-                for j, m in enumerate(pred_slots):
-                    if const_expr(self.periodic_slots[m]):
-                        for u in cutlass.range_constexpr(2):
-                            ok = self.residual[1].emit_slot(ops, m, q=base + u, k=key, h=mh,
-                                                            region=None)
-                            gate = Uint32(0xFFFFFFFF) if ok else Uint32(0)
-                            words[u] = words[u] | (words[2 * (1 + j) + u] & gate)
+                # Slots whose predicate has period 8 in q: once per key row and column class.
+                general = fold_periodic_slots(
+                    words, pred_slots, self.periodic_slots,
+                    lambda m, u: self.residual[1].emit_slot(ops, m, q=base + u, k=key, h=mh,
+                                                            region=None))
             if const_expr(len(general) == 0 and (self.config.mask_r2p or self.residual_periodic)):
-                # Each word's bits tested in order, one word after the other (the elements
-                # are independent), so that ptxas turns the tests into R2P (as FA4's masks).
-                for u in cutlass.range_constexpr(2):
-                    for g in cutlass.range_constexpr(groups):
-                        keep = Boolean(words[u] & (Uint32(1) << g))
-                        P[r, 2 * g + u] = P[r, 2 * g + u] if keep else Float32(fill)
+                select_by_words(P, r, words[0], words[1], groups, fill)
             else:
                 for c in cutlass.range_constexpr(ncols):
                     bit = Uint32(1 << (c // 2))

@@ -272,6 +272,33 @@ def list_first_word(gTiles: cute.Tensor, n_tiles: Int32, chunk: cutlass.Constexp
     return raw
 
 
+@cute.jit
+def select_by_words(rows: cute.Tensor, r: int, word0: Uint32, word1: Uint32, groups: int, fill: float):
+    """Row ``r`` of an SM90 accumulator (``_rows_view``) kept where its column-group bit is
+    set, ``fill`` elsewhere: column 2 g + u tests bit g of word u. Each word's bits are
+    tested in order, one word after the other (the elements are independent), in the form
+    ptxas turns into R2P (8 predicates an instruction), not a LOP3 per element."""
+    for u in cutlass.range_constexpr(2):
+        word = word0 if const_expr(u == 0) else word1
+        for g in cutlass.range_constexpr(groups):
+            keep = Boolean(word & (Uint32(1) << g))
+            rows[r, 2 * g + u] = rows[r, 2 * g + u] if keep else cutlass.Float32(fill)
+
+
+@cute.jit
+def fold_periodic_slots(words: cute.Tensor, pred_slots: list, periodic: tuple, slot_at):
+    """``residual_periodic``: each predicate slot m (word pair 2 (1 + i) for its index i in
+    ``pred_slots``) that ``periodic`` marks takes one value per column class u (a thread's
+    columns of a row are base + 8 g + u), ``slot_at(m, u)``; it gates the slot's words, which
+    join the plain pair (words[0], words[1]). Returns the slots left for per-element tests."""
+    for i, m in enumerate(pred_slots):
+        if const_expr(periodic[m]):
+            for u in cutlass.range_constexpr(2):
+                gate = Uint32(0xFFFFFFFF) if slot_at(m, u) else Uint32(0)
+                words[u] = words[u] | (words[2 * (1 + i) + u] & gate)
+    return [m for m in pred_slots if not periodic[m]]
+
+
 RUN_CHUNK = 512     # build_tile_runs_early: key tiles per chunk, one 16-tile word per lane
 
 
@@ -310,31 +337,14 @@ def build_tile_runs_early(raw: Uint32, n_tiles: Int32, first_tile: Int32, sRuns:
         word = Uint32(0)
         if w * 16 < end:
             word = raw & ((Uint32(1) << Uint32(2 * (end - w * 16))) - Uint32(1))
-    vis = word & Uint32(0x55555555)
-    word = (word & (vis << Uint32(1))) | vis         # a masked bit only on a visited tile
-    if (ragged_tile >= w * 16) & (ragged_tile < w * 16 + 16):
-        sh = Uint32(2 * (ragged_tile - w * 16))
-        word = word | (((word >> sh) & Uint32(1)) << (sh + Uint32(1)))
+    word = _run_kinds(word, w, ragged_tile)
     before = cute.arch.shuffle_sync_up(word, 1)
     after = cute.arch.shuffle_sync_down(word, 1)
     if lane == 0:
         before = Uint32(0)          # the chunk starts a run
     if lane == 31:
         after = Uint32(0)           # and ends one
-    d_prev = word ^ ((word << Uint32(2)) | (before >> Uint32(30)))
-    d_next = word ^ ((word >> Uint32(2)) | (after << Uint32(30)))
-    starts = vis & (d_prev | (d_prev >> Uint32(1)))
-    ends = vis & (d_next | (d_next >> Uint32(1)))
-    n_s = Int32(cute.arch.popc(starts))
-    n_e = Int32(cute.arch.popc(ends))
-    incl_s = n_s
-    incl_e = n_e
-    for off in cutlass.range_constexpr(5):
-        other_s = cute.arch.shuffle_sync_up(incl_s, 1 << off)
-        other_e = cute.arch.shuffle_sync_up(incl_e, 1 << off)
-        if lane >= (1 << off):
-            incl_s = incl_s + other_s
-            incl_e = incl_e + other_e
+    starts, ends, n_s, n_e, incl_s, incl_e = _run_edges(word, before, after)
     pos = incl_s - n_s
     while starts != Uint32(0):
         b = Int32(cute.arch.clz(cute.arch.brev(starts)))       # 2 t: the lowest start
@@ -363,12 +373,43 @@ def _run_word(gTiles: cute.Tensor, w: Int32, w_end: Int32, end: Int32, ragged_ti
         word = gTiles[w]
         if (w + 1) * 16 > end:
             word = word & ((Uint32(1) << Uint32(2 * (end - w * 16))) - Uint32(1))
+    return _run_kinds(word, w, ragged_tile)
+
+
+@cute.jit
+def _run_kinds(word: Uint32, w: Int32, ragged_tile: Int32):
+    """Tile word ``w`` (tile t: visited bit 2 t, masked bit 2 t + 1) with a masked bit kept
+    only on a visited tile and the ragged tile, if in the word, masked: its 2-bit kinds."""
     vis = word & Uint32(0x55555555)
     word = (word & (vis << Uint32(1))) | vis
     if (ragged_tile >= w * 16) & (ragged_tile < w * 16 + 16):
         sh = Uint32(2 * (ragged_tile - w * 16))
         word = word | (((word >> sh) & Uint32(1)) << (sh + Uint32(1)))
     return word
+
+
+@cute.jit
+def _run_edges(word: Uint32, before: Uint32, after: Uint32):
+    """(starts, ends, their counts, the counts' inclusive warp prefix sums) of a lane's
+    kinds word: a visited tile starts (ends) a run where its kind differs from the tile's
+    before (after) it, the neighbour words' kinds given (one bit per tile, at 2 t)."""
+    lane = cute.arch.lane_idx()
+    vis = word & Uint32(0x55555555)
+    d_prev = word ^ ((word << Uint32(2)) | (before >> Uint32(30)))
+    d_next = word ^ ((word >> Uint32(2)) | (after << Uint32(30)))
+    starts = vis & (d_prev | (d_prev >> Uint32(1)))
+    ends = vis & (d_next | (d_next >> Uint32(1)))
+    n_s = Int32(cute.arch.popc(starts))
+    n_e = Int32(cute.arch.popc(ends))
+    incl_s = n_s
+    incl_e = n_e
+    for off in cutlass.range_constexpr(5):
+        other_s = cute.arch.shuffle_sync_up(incl_s, 1 << off)
+        other_e = cute.arch.shuffle_sync_up(incl_e, 1 << off)
+        if lane >= (1 << off):
+            incl_s = incl_s + other_s
+            incl_e = incl_e + other_e
+    return starts, ends, n_s, n_e, incl_s, incl_e
 
 
 @cute.jit
@@ -399,21 +440,7 @@ def build_tile_runs(gTiles: cute.Tensor, n_tiles: Int32, first_tile: Int32, chun
             before = carry
         if lane == 31:
             after = _run_word(gTiles, w + 1, w_end, end, ragged_tile)
-        vis = word & Uint32(0x55555555)
-        d_prev = word ^ ((word << Uint32(2)) | (before >> Uint32(30)))
-        d_next = word ^ ((word >> Uint32(2)) | (after << Uint32(30)))
-        starts = vis & (d_prev | (d_prev >> Uint32(1)))
-        ends = vis & (d_next | (d_next >> Uint32(1)))
-        n_s = Int32(cute.arch.popc(starts))
-        n_e = Int32(cute.arch.popc(ends))
-        incl_s = n_s
-        incl_e = n_e
-        for off in cutlass.range_constexpr(5):
-            other_s = cute.arch.shuffle_sync_up(incl_s, 1 << off)
-            other_e = cute.arch.shuffle_sync_up(incl_e, 1 << off)
-            if lane >= (1 << off):
-                incl_s = incl_s + other_s
-                incl_e = incl_e + other_e
+        starts, ends, n_s, n_e, incl_s, incl_e = _run_edges(word, before, after)
         pos_s = base_s + incl_s - n_s
         pos_e = base_e + incl_e - n_e
         for t in cutlass.range_constexpr(16):

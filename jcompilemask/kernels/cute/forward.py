@@ -54,7 +54,8 @@ from cutlass.tensor_utils import LayoutEnum
 from .residual_ops import CuteOps
 from .common import (INTERVALS_UNROLLED, RUN_CHUNK, WarpSpecializedSm90, _as_a_operand, _pair_runs, _rows_view, _tree,
                      _unsigned_lt, build_tile_list, build_tile_runs,
-                     build_tile_runs_early, issue_wgmma, run_chunk_word, smem_tensor, tile_bits, tma_tiles)
+                     build_tile_runs_early, issue_wgmma, run_chunk_word, select_by_words,
+                     fold_periodic_slots, smem_tensor, tile_bits, tma_tiles)
 
 # residual_words: at most this many interval slots with a residual predicate (each keeps a
 # word pair per row in registers); masks with more keep residual_bits.
@@ -1126,13 +1127,7 @@ class FlashForwardSm90(WarpSpecializedSm90):
         word0 = word0 & below0
         word1 = word1 & below1
         if const_expr(self.mask_r2p):
-            # Each word's bits tested in order, one word after the other (the elements are
-            # independent), in FA4's form, so that ptxas may turn the tests into R2P.
-            for u in cutlass.range_constexpr(2):
-                word = word0 if const_expr(u == 0) else word1
-                for g in cutlass.range_constexpr(ncols // 2):
-                    keep = Boolean(word & (Uint32(1) << g))
-                    acc_S_rows[r, 2 * g + u] = acc_S_rows[r, 2 * g + u] if keep else -Float32.inf
+            select_by_words(acc_S_rows, r, word0, word1, ncols // 2, -math.inf)
             return
         for c in cutlass.range_constexpr(ncols):
             word = word0 if const_expr(c % 2 == 0) else word1
@@ -1250,23 +1245,14 @@ class FlashForwardSm90(WarpSpecializedSm90):
                 words[2 * w + 1] = words[2 * w + 1] & below1
             general = pred_slots
             if const_expr(self.residual_periodic):
-                # A slot whose predicate has period 8 in k takes one value per column class
-                # u (the thread's columns are base + 8 g + u): evaluated twice per row, it
-                # gates its words, which join the plain pair.
-                general = [m for m in pred_slots if not self.periodic_slots[m]]
-                for i, m in enumerate(pred_slots):
-                    if const_expr(self.periodic_slots[m]):
-                        for u in cutlass.range_constexpr(2):
-                            ok = self.residual.emit_slot(ops, m, q=row, k=base + u, h=mask_head,
-                                                         region=region)
-                            gate = Uint32(0xFFFFFFFF) if ok else Uint32(0)
-                            words[u] = words[u] | (words[2 * (1 + i) + u] & gate)
+                # Slots whose predicate has period 8 in k: once per row and column class.
+                general = fold_periodic_slots(
+                    words, pred_slots, self.periodic_slots,
+                    lambda m, u: self.residual.emit_slot(ops, m, q=row, k=base + u, h=mask_head,
+                                                         region=region))
             if const_expr(len(general) == 0):
-                # Only the plain pair is left: each word's bits in order (R2P, as mask_r2p).
-                for u in cutlass.range_constexpr(2):
-                    for g in cutlass.range_constexpr(groups):
-                        keep = Boolean(words[u] & (Uint32(1) << g))
-                        acc_S_rows[r, 2 * g + u] = acc_S_rows[r, 2 * g + u] if keep else -Float32.inf
+                # Only the plain pair is left: word tests alone (R2P, as mask_r2p).
+                select_by_words(acc_S_rows, r, words[0], words[1], groups, -math.inf)
             else:
                 for c in cutlass.range_constexpr(ncols):
                     bit = Uint32(1 << (c // 2))
