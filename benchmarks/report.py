@@ -255,8 +255,10 @@ def dedupe(records, ours):
 
 
 def _same_run(a, b):
-    if a.get("run") and b.get("run"):
-        return a["run"] == b["run"]
+    """Same device call: the same ``run`` id; records without one (older files) count as
+    one run per file, and never as the run of a record that has an id."""
+    if a.get("run") or b.get("run"):
+        return a.get("run") == b.get("run")
     return a["source"] == b["source"]
 
 

@@ -300,6 +300,18 @@ def test_report_prefers_the_peer_of_the_same_run_id(tmp_path):
     assert "| causal | 2K | 400 | 500 |" in (tmp_path / "REPORT.md").read_text()
 
 
+def test_report_keeps_the_newest_run_over_an_undated_record_of_the_same_file(tmp_path):
+    """A file holding an old record without a run id and a newer one with an id: the newer
+    is ours, and the undated one is not taken for its run."""
+    rep = _report()
+    _write(tmp_path / "a-forward.json", {"records": [
+        {"mask": "causal", "n": 2048, "impl": "jcm-cute", "fwd_ms": 1.0, "fwd_tflops": 300.0},
+        {"mask": "causal", "n": 2048, "impl": "jcm-cute", "fwd_ms": 1.0, "fwd_tflops": 400.0,
+         "run": "2026-01-01T00:00:00Z"}]})
+    rep.build(str(tmp_path))
+    assert "| causal | 2K | 400 |" in (tmp_path / "REPORT.md").read_text()
+
+
 def test_bench_head_dims_smoke_records(tmp_path):
     """Issue 15's benchmark at tiny shapes on the CPU (the xla path): one record per
     configuration with the fields the note's tables read."""

@@ -378,14 +378,15 @@ def test_backward_key_names_of_new_configs():
     cfg = preferred_backward_config(128)
     plain = BackwardKey("bfloat16", 128, 1, 1, True, True, 0.125, cfg)
     capped = BackwardKey("bfloat16", 128, 1, 1, True, True, 0.125, cfg, softcap=30.0)
-    assert plain.target_name.endswith("_dkvt_wl1024_ss_lp_cw_3fc0000000000000")
+    assert plain.target_name.endswith("_dkvt_wl1024_ss_lp_cw_rp_3fc0000000000000")
     assert capped.target_name.startswith(plain.target_name) and capped.target_name != plain.target_name
     d256 = BackwardKey("bfloat16", 256, 1, 1, True, True, 0.0625, preferred_backward_config(256))
     assert preferred_backward_config(128, softcap=True).column_registers == 2
     assert preferred_backward_config(128) == BackwardConfig(work_list=True, dkv_tma_store=True,
                                                             column_registers=2, column_bits=0,
                                                             column_skip=True, static_stage=True,
-                                                            lse_prefetch=True, column_words=True)
+                                                            lse_prefetch=True, column_words=True,
+                                                            residual_periodic=True)
     assert "_t64x64_s1_ds1_" in d256.target_name and d256.target_name.count("_sdkv_ssdp") == 1
     assert preferred_backward_tiles(128) == (64, 128) and preferred_backward_tiles(64) == (64, 128)
     assert preferred_backward_tiles(256) == (64, 64)

@@ -174,7 +174,7 @@ def test_bits_path_below_k8_compiles_for_sm90():
     """The benchmark knob bits_above (clear's K 6 through the bit-mask path, slots unrolled)."""
     from jcompilemask.kernels.cute.api import ForwardKey, compile_forward
     key = ForwardKey("bfloat16", 128, 128, 6, 128, 128, False, False, 128**-0.5, bits_above=0)
-    assert compile_forward(key) is not None and key.target_name.endswith("_ba0")
+    assert compile_forward(key) is not None and _tagged(key, "ba0")
 
 
 @needs_cutlass
@@ -187,7 +187,7 @@ def test_work_list_forward_compiles_for_sm90(head_dim, num_intervals):
     bq, bk = preferred_forward_tiles(head_dim)
     key = ForwardKey("bfloat16", head_dim, head_dim, num_intervals, bq, bk, False, True,
                      head_dim**-0.5, num_stages=preferred_forward_stages(head_dim), work_list=True)
-    assert compile_forward(key) is not None and key.target_name.endswith("_wl")
+    assert compile_forward(key) is not None and _tagged(key, "wl")
 
 
 def test_work_list_env(monkeypatch):
@@ -297,7 +297,7 @@ def test_bitmap_walk_compiles_for_sm90(head_dim, softcap, num_intervals):
     bq, bk = preferred_forward_tiles(head_dim)
     key = ForwardKey("bfloat16", head_dim, head_dim, num_intervals, bq, bk, False, True,
                      head_dim**-0.5, num_stages=preferred_forward_stages(head_dim), softcap=softcap)
-    assert compile_forward(key) is not None and not key.target_name.endswith("_wl")
+    assert compile_forward(key) is not None and not _tagged(key, "wl")
 
 
 @needs_cutlass
@@ -441,6 +441,11 @@ def _switch_case_is_bit_identical(monkeypatch, env, case, seed, key, head_dim=12
                                     softcap=softcap, block_q=bq, block_kv=bk)
 
 
+def _tagged(key, *tags):
+    """Whether ``key``'s target name carries every switch tag in ``tags`` (``_tag`` parts)."""
+    return all(f"_{t}_" in key.target_name + "_" for t in tags)
+
+
 def _registry_key(monkeypatch, head_dim, num_intervals, broadcast_head, softcap=None, **changes):
     """A bf16 ForwardKey at ``head_dim``'s tiles and stages with the registry's switches,
     updated by ``changes`` (registry_switches)."""
@@ -541,7 +546,7 @@ def test_k_ahead_forward_compiles_for_sm90(case):
     key = ForwardKey("bfloat16", 128, 128, 2, 128, 128, False, True, 128**-0.5, k_ahead=True,
                      work_list=case != "plain", schedule=case.startswith("persistent"),
                      persistent=case.startswith("persistent"))
-    assert compile_forward(key) is not None and key.target_name.endswith("_ka")
+    assert compile_forward(key) is not None and _tagged(key, "ka")
 
 
 @pytest.mark.parametrize("env,reader,field", [("FWD_K_AHEAD_ENV", "_fwd_k_ahead", "k_ahead"),
@@ -584,7 +589,7 @@ def test_without_group_mask_compiles_for_sm90(head_dim, num_intervals, softcap, 
     NOTES.md); K 25 on the bit-mask path one interval at a time."""
     from jcompilemask.kernels.cute.api import compile_forward
     key = _registry_key(monkeypatch, head_dim, num_intervals, num_intervals < 6, softcap, group_mask=False)
-    assert compile_forward(key) is not None and not key.target_name.endswith("_gm")
+    assert compile_forward(key) is not None and not _tagged(key, "gm")
 
 
 def test_group_mask_env_and_key(monkeypatch):
@@ -627,7 +632,7 @@ def test_rescale_tail_compiles_for_sm90(head_dim, num_intervals, softcap, monkey
     19": 493 instructions per unmasked tile with F2FP and FMUL interleaved, against 513)."""
     from jcompilemask.kernels.cute.api import compile_forward
     key = _registry_key(monkeypatch, head_dim, num_intervals, num_intervals < 6, softcap, rescale_tail=True)
-    assert compile_forward(key) is not None and key.target_name.endswith("_rt")
+    assert compile_forward(key) is not None and _tagged(key, "rt")
 
 
 @pytest.mark.parametrize("head_dim,case,softcap", [(128, "causal", None), (128, "random6", None),
@@ -657,7 +662,7 @@ def test_work_runs_compiles_for_sm90(case, monkeypatch):
     key = _registry_key(monkeypatch, head_dim, k, k < 6, 30.0 if case == "d64_cap" else None,
                         work_runs=True, k_ahead=case == "k_ahead", schedule=case == "persistent",
                         persistent=case == "persistent")
-    assert key.work_list and compile_forward(key) is not None and key.target_name.endswith("_wr")
+    assert key.work_list and compile_forward(key) is not None and _tagged(key, "wr")
 
 
 def test_work_runs_env_and_key(monkeypatch):
@@ -698,7 +703,7 @@ def test_work_runs_env_and_key(monkeypatch):
     with pytest.raises(ValueError, match="rescale_tail"):
         api.ForwardKey(**base, work_list=True, work_runs=True, rescale_tail=True)
     key = api.ForwardKey(**base, work_list=True, work_runs=True)
-    assert key.target_name.endswith("_wr") and key.list_smem == 2 * api._WORK_LIST_SMEM - 32
+    assert _tagged(key, "wr") and key.list_smem == 2 * api._WORK_LIST_SMEM - 32
 
 
 @needs_cutlass
@@ -714,16 +719,19 @@ def test_runs_early_compiles_for_sm90(case, monkeypatch):
     key = _registry_key(monkeypatch, head_dim, 1, True, 30.0 if case == "d64_cap" else None,
                         work_runs=True, runs_early=True, k_ahead=case == "k_ahead",
                         schedule=case == "persistent", persistent=case == "persistent")
-    assert compile_forward(key) is not None and key.target_name.endswith("_wr_re")
+    assert compile_forward(key) is not None and _tagged(key, "wr", "re")
 
 
 def test_runs_early_env_and_key(monkeypatch):
     from jcompilemask.kernels.cute import api
     for name in (api.FWD_WORK_RUNS_ENV, api.FWD_RUNS_EARLY_ENV, api.FWD_WORK_LIST_ENV):
         monkeypatch.delenv(name, raising=False)
+    assert api.forward_switches(128, 128, 128, 128, 2)["runs_early"]       # the default
+    assert api.forward_switches(64, 64, 128, 128, 2)["runs_early"]
+    assert not api.forward_switches(256, 256, 128, 80, 2)["runs_early"]   # no runs at D 256
+    monkeypatch.setenv(api.FWD_RUNS_EARLY_ENV, "0")
     assert not api.forward_switches(128, 128, 128, 128, 2)["runs_early"]
     monkeypatch.setenv(api.FWD_RUNS_EARLY_ENV, "1")
-    assert api.forward_switches(128, 128, 128, 128, 2)["runs_early"]
     monkeypatch.setenv(api.FWD_WORK_RUNS_ENV, "0")
     assert not api.forward_switches(128, 128, 128, 128, 2)["runs_early"]
     base = dict(dtype="bfloat16", head_dim=128, head_dim_v=128, num_intervals=1, block_q=128,
@@ -742,7 +750,7 @@ def test_slot_skip_compiles_for_sm90(head_dim, num_intervals, softcap, monkeypat
     24": 1052 static instructions per masked tile against 946, ~70 fewer per skipped slot)."""
     from jcompilemask.kernels.cute.api import compile_forward
     key = _registry_key(monkeypatch, head_dim, num_intervals, False, softcap, slot_skip=True)
-    assert compile_forward(key) is not None and key.target_name.endswith("_ss")
+    assert compile_forward(key) is not None and _tagged(key, "ss")
 
 
 @pytest.mark.parametrize("env,field", [("FWD_SLOT_SKIP_ENV", "slot_skip"), ("FWD_MASK_R2P_ENV", "mask_r2p")])
@@ -750,9 +758,9 @@ def test_masked_tile_switch_env(env, field, monkeypatch):
     from jcompilemask.kernels.cute import api
     name = getattr(api, env)
     monkeypatch.delenv(name, raising=False)
+    assert api.forward_switches(128, 128, 128, 128, 2)[field]             # the default
+    monkeypatch.setenv(name, "0")
     assert not api.forward_switches(128, 128, 128, 128, 2)[field]
-    monkeypatch.setenv(name, "1")
-    assert api.forward_switches(128, 128, 128, 128, 2)[field]
     monkeypatch.setenv(name, "2")
     with pytest.raises(ValueError, match="0 or 1"):
         api.forward_switches(128, 128, 128, 128, 2)
@@ -767,7 +775,7 @@ def test_mask_r2p_compiles_for_sm90(head_dim, num_intervals, monkeypatch):
     bit-mask path, whose words go through the same tests."""
     from jcompilemask.kernels.cute.api import compile_forward
     key = _registry_key(monkeypatch, head_dim, num_intervals, num_intervals == 1, mask_r2p=True)
-    assert compile_forward(key) is not None and key.target_name.endswith("_r2p")
+    assert compile_forward(key) is not None and _tagged(key, "r2p")
 
 
 @pytest.mark.parametrize("head_dim,case,softcap", [(128, "causal", None), (128, "random6", None),
@@ -852,17 +860,18 @@ def test_residual_word_paths_compile_for_sm90(case, fields, suffix):
     instructions per masked tile (NOTES.md, session 24)."""
     from jcompilemask.kernels.cute.api import compile_forward
     key = _dilated_window_key(case, **fields)
-    assert compile_forward(key) is not None and key.target_name.endswith(suffix)
+    assert compile_forward(key) is not None and _tagged(key, suffix[1:])
 
 
 def test_residual_periodic_env_and_key(monkeypatch):
     from jcompilemask.kernels.cute import api
     monkeypatch.delenv(api.FWD_RESIDUAL_PERIODIC_ENV, raising=False)
     monkeypatch.delenv(api.FWD_RESIDUAL_WORDS_ENV, raising=False)
-    assert not api.forward_switches(128, 128, 128, 128, 2, residual=object())["residual_periodic"]
-    monkeypatch.setenv(api.FWD_RESIDUAL_PERIODIC_ENV, "1")
     assert api.forward_switches(128, 128, 128, 128, 2, residual=object())["residual_periodic"]
     assert not api.forward_switches(128, 128, 128, 128, 2)["residual_periodic"]
+    monkeypatch.setenv(api.FWD_RESIDUAL_PERIODIC_ENV, "0")
+    assert not api.forward_switches(128, 128, 128, 128, 2, residual=object())["residual_periodic"]
+    monkeypatch.setenv(api.FWD_RESIDUAL_PERIODIC_ENV, "1")
     monkeypatch.setenv(api.FWD_RESIDUAL_WORDS_ENV, "0")
     assert not api.forward_switches(128, 128, 128, 128, 2, residual=object())["residual_periodic"]
     base = dict(dtype="bfloat16", head_dim=128, head_dim_v=128, num_intervals=1, block_q=128,

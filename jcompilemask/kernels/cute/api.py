@@ -161,24 +161,31 @@ class ForwardKey:
     work_runs: bool = False
     # With work_runs: the producer's tile words of the row's first chunk loaded first thing in
     # the kernel and the runs built in one pass over the set bits (FlashForwardSm90.runs_early,
-    # which gives the measurement that motivates it; $JCOMPILEMASK_CUTE_FWD_RUNS_EARLY=1, a
-    # benchmark knob until timed).
+    # which gives the measurement that motivates it). The default with work_runs since
+    # session 25, together with slot_skip and mask_r2p (below: the three were timed alone and
+    # together, and together is what the tests ran under; _fwd_masked_switches);
+    # $JCOMPILEMASK_CUTE_FWD_RUNS_EARLY=0 turns it off.
     runs_early: bool = False
     # group_mask's masked tile builds an interval slot's runs only when the slot reaches into
-    # the tile for some row of the warp (FlashForwardSm90.slot_skip; issue 14 item 3;
-    # $JCOMPILEMASK_CUTE_FWD_SLOT_SKIP=1, a benchmark knob until timed). K >= 2 with the
-    # intervals in registers; elsewhere the field is ignored.
+    # the tile for some row of the warp (FlashForwardSm90.slot_skip; issue 14 item 3; the
+    # default since session 25, see _fwd_masked_switches; $JCOMPILEMASK_CUTE_FWD_SLOT_SKIP=0
+    # turns it off). K >= 2 with the intervals in registers; elsewhere the field is ignored.
     slot_skip: bool = False
     # A masked tile tests each column-group word's bits in order, one word after the other,
-    # in FA4's form, so that ptxas emits R2P (FlashForwardSm90.mask_by_words; issue 14;
-    # $JCOMPILEMASK_CUTE_FWD_MASK_R2P=1, a benchmark knob until timed). Static SASS, D 128:
+    # in FA4's form, so that ptxas emits R2P (FlashForwardSm90.mask_by_words; issue 14; the
+    # default since session 25, see _fwd_masked_switches; $JCOMPILEMASK_CUTE_FWD_MASK_R2P=0
+    # turns it off). Static SASS, D 128:
     # masked tile K 1 698 -> 650 instructions (LOP3 70 -> 14, 8 R2P), K 6 946 -> 898.
     # Bit-identical by construction (independent selects in another order).
     mask_r2p: bool = False
     # With residual_words: a slot whose residual predicate is provably 8-periodic in k
     # (lower/residual_program.column_periodic: the dilated window's (q - k) % 2 == 0) is
     # evaluated once per row and column class (FlashForwardSm90.residual_periodic; issue
-    # 16; $JCOMPILEMASK_CUTE_FWD_RESIDUAL_PERIODIC=1, a benchmark knob until timed).
+    # 16). Bit-identical to residual_words alone on the H200 for 6 residual masks (dilated
+    # window, a metadata dilation, per head, quadratic, two regions, a vector stride) and the
+    # dilated window's fwd 0.558 -> 0.525 ms at 8K (run 2026-12-04T15:59:36Z,
+    # h200-masks.json; session 25): the default wherever residual_words is on;
+    # $JCOMPILEMASK_CUTE_FWD_RESIDUAL_PERIODIC=0 turns it off.
     residual_periodic: bool = False
 
     @property
@@ -632,6 +639,20 @@ def _fwd_work_runs(work_list: bool, rescale_tail: bool, d, dv, block_q, block_kv
             + _WORK_RUNS_SMEM <= _SMEM_LIMIT)
 
 
+def _fwd_masked_switches() -> dict:
+    """``slot_skip`` and ``mask_r2p`` (ForwardKey), on by default since session 25 with
+    ``runs_early``. Same call on the H200 (run 2026-12-04T15:42:40Z, h200-fwd-variants.json,
+    fwd ms, default / runs_early / mask_r2p / all three): CLEAR 8K 1.703 / 1.694 / 1.666 /
+    1.582, 32K 2.493 / 2.481 / 2.431 / 2.278; causal 32K 14.302 / 14.385 / 14.308 / 14.186
+    (FA4 native 14.268), 8K 3.937 / 3.916 / 3.919 / 3.911 (3.806); hstu and shared prompt
+    within 1% (all three -0.1% to -0.8%). Their 20 bit-identity cases passed, and 144
+    cases of test_cute_forward.py + test_cute_attention.py under the three (none failed;
+    21 not reached in that call). ``$JCOMPILEMASK_CUTE_FWD_SLOT_SKIP`` /
+    ``$JCOMPILEMASK_CUTE_FWD_MASK_R2P`` (read at trace time) =0 turn them off."""
+    return dict(slot_skip=_env_flag(FWD_SLOT_SKIP_ENV, "1"),
+                mask_r2p=_env_flag(FWD_MASK_R2P_ENV, "1"))
+
+
 def forward_switches(head_dim: int, head_dim_v: int, block_q: int, block_kv: int, num_stages: int,
                      residual=None) -> dict:
     """The ForwardKey fields that ``cute_forward`` takes from the environment (read at
@@ -655,10 +676,9 @@ def forward_switches(head_dim: int, head_dim_v: int, block_q: int, block_kv: int
                 group_mask=_fwd_group_mask() and residual is None,
                 residual_words=_fwd_residual_words(head_dim) and residual is not None,
                 rescale_tail=rescale_tail,
-                work_runs=work_runs, runs_early=work_runs and _env_flag(FWD_RUNS_EARLY_ENV, "0"),
-                slot_skip=_env_flag(FWD_SLOT_SKIP_ENV, "0"),
-                mask_r2p=_env_flag(FWD_MASK_R2P_ENV, "0"),
-                residual_periodic=(_env_flag(FWD_RESIDUAL_PERIODIC_ENV, "0") and residual is not None
+                work_runs=work_runs, runs_early=work_runs and _env_flag(FWD_RUNS_EARLY_ENV, "1"),
+                **_fwd_masked_switches(),
+                residual_periodic=(_env_flag(FWD_RESIDUAL_PERIODIC_ENV, "1") and residual is not None
                                    and _fwd_residual_words(head_dim)))
 
 
@@ -1082,7 +1102,9 @@ class BackwardConfig:
       dilated window's ``(q - k) % 2 == 0``) is evaluated once per key row and column
       class (the thread's query columns are base + 8 g + u) and gates its words, instead
       of per element; with every predicate slot periodic the masked tile is word tests
-      (as R2P). Same values: bit-identical. Not yet run on the H200.
+      (as R2P). Same values: bit-identical on the H200 (4 gradient cases) and the dilated
+      window's bwd 1.457 -> 1.429 ms at 8K (run 2026-12-04T15:59:36Z): the D 128 default
+      since session 25.
 
     ``preferred_backward_config`` picks the default per head dim; ``JCOMPILEMASK_CUTE_BWD_CONFIG``
     (e.g. ``ds_stages=1,stats_early=0``) overrides fields at trace time for benchmarks.
@@ -1268,9 +1290,13 @@ def preferred_backward_config(head_dim: int, dtype: str = "bfloat16",
     # bwd ms at 8K, same run (2026-12-04T05:36:54Z, h200-bwd-variants.json), with
     # exact_columns: dilated window 1.535 -> 1.453, global + window 2.274 -> 2.254, causal
     # 10.389 -> 10.255.
+    # residual_periodic (a residual mask's 8-periodic predicate slots evaluated once per
+    # column class; acts on such masks only): its 4 gradient cases bit-identical on the H200
+    # (dilated window, global + dilated, two regions, per head), the dilated window's bwd
+    # 1.457 -> 1.429 ms at 8K (run 2026-12-04T15:59:36Z, h200-masks.json; session 25).
     return BackwardConfig(work_list=True, dkv_tma_store=True, column_registers=2, column_bits=0,
                           column_skip=True, static_stage=True, lse_prefetch=True,
-                          column_words=True)
+                          column_words=True, residual_periodic=True)
 
 
 def preferred_backward_tiles(head_dim: int, dtype: str = "bfloat16",

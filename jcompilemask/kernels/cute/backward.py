@@ -238,7 +238,7 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         # Its column slots with a residual predicate (each keeps a word pair per key row).
         self.column_pred_slots = [] if residual is None else \
             [m for m in range(num_bwd_intervals) if residual[1].slots[m]]
-        # residual_periodic (issue 16, a benchmark knob): a column slot whose predicate
+        # residual_periodic (issue 16, the D 128 default since session 25): a column slot whose predicate
         # lower/residual_program.column_periodic proves 8-periodic in q (the dilated window's
         # (q - k) % 2 == 0) is evaluated once per key row and column class, not per element.
         self.periodic_slots = () if residual is None else residual[1].periodic_slots()

@@ -160,8 +160,8 @@ class FlashForwardSm90(WarpSpecializedSm90):
         # instructions per tile and warp over FA4's counter loop, ncu session 19) goes.
         assert not work_runs or (work_list and not rescale_tail)
         self.work_runs = work_runs
-        # runs_early (with work_runs; a benchmark knob): the producer's tile words of the row's
-        # first chunk are loaded first thing in the kernel, before the barriers' setup, and
+        # runs_early (with work_runs; the default since session 25, see ForwardKey): the
+        # producer's tile words of the row's first chunk are loaded first thing in the kernel, before the barriers' setup, and
         # the runs are built in one pass that visits only the set bits. A fixed per-CTA cost
         # fits the runs' remaining gap to FA4 (run 2026-12-04T13:02:54Z: +0.164 / +0.077 /
         # +0.039 ms at causal 32K / 8K / 2K, 8192 CTAs each: ~0.7 us a CTA, ~25 cycles a
@@ -204,15 +204,15 @@ class FlashForwardSm90(WarpSpecializedSm90):
         # its runs into the words (apply_mask_bits_groups); residual masks keep their path.
         self.group_mask = group_mask and self.residual is None
         assert not self.group_mask or block_kv // 8 < 32
-        # slot_skip (issue 14 item 3, a benchmark knob; group_mask with the intervals in
-        # registers, K >= 2): a masked tile builds an interval slot's runs only when the slot
+        # slot_skip (issue 14 item 3, the default since session 25; group_mask with the
+        # intervals in registers, K >= 2): a masked tile builds an interval slot's runs only when the slot
         # reaches into the tile for some row of the warp (a vote, so the branch is uniform).
         # Building the words is the masked tile's cost at K 6 (clear: 946 SASS instructions
         # per masked tile and warp against 491 for a full one, ~35 per row and slot), and
         # ~1-2 of clear's 6 slots meet a 128-key tile. Exact: a slot that misses the tile
         # for every row gives empty runs.
         self.slot_skip = slot_skip and self.group_mask and num_intervals >= 2
-        # mask_r2p (a benchmark knob): mask_by_words tests word0's bits in order, then word1's
+        # mask_r2p (the default since session 25): mask_by_words tests word0's bits in order, then word1's
         # (the elements are independent), in FA4's form, so that ptxas emits R2P instead of a
         # LOP3 per element (SASS, D 128 K 1 masked tile: 698 -> 650 instructions).
         self.mask_r2p = mask_r2p
@@ -225,7 +225,7 @@ class FlashForwardSm90(WarpSpecializedSm90):
         self.residual_words = (residual_words and self.residual is not None
                                and num_intervals <= INTERVALS_UNROLLED
                                and sum(1 for sl in self.residual.slots if sl) <= RESIDUAL_WORD_SLOTS)
-        # residual_periodic (issue 16, a benchmark knob; with residual_words): a slot whose
+        # residual_periodic (issue 16, the default since session 25; with residual_words): a slot whose
         # predicate lower/residual_program.column_periodic proves 8-periodic in k (the dilated
         # window's (q - k) % 2 == 0) is evaluated once per row and column class instead of
         # per element; with every predicate slot periodic the masked tile is word tests only.
