@@ -649,20 +649,22 @@ def test_rescale_tail_forward_is_bit_identical_on_gpu(head_dim, case, softcap, m
 @needs_cutlass
 @pytest.mark.parametrize("case", ["k1", pytest.param("k6", marks=knob), pytest.param("d64_cap", marks=knob),
                                   pytest.param("k_ahead", marks=knob), pytest.param("persistent", marks=knob),
-                                  pytest.param("k25", marks=knob)])
+                                  pytest.param("k25", marks=knob), pytest.param("late_words", marks=knob)])
 def test_work_runs_compiles_for_sm90(case, monkeypatch):
     """work_runs ($JCOMPILEMASK_CUTE_FWD_WORK_RUNS=1, issue 14 item 1): the work list as runs
     of one kind, walked with a counter; no stack (SASS at D 128 K 1, NOTES.md "Session 24":
     the full-tile loop is 491 instructions per tile, P's conversion and O's rescale inside
     it, against 513 with the per-tile list entry). With K(t + 1) before V(t), persistent
-    CTAs, a soft cap at D 64 and K 25 on the bit-mask path."""
+    CTAs, a soft cap at D 64, K 25 on the bit-mask path, and without runs_early (the tile
+    words loaded when the runs are built: $JCOMPILEMASK_CUTE_FWD_RUNS_EARLY=0)."""
     from jcompilemask.kernels.cute.api import compile_forward
     head_dim = 64 if case == "d64_cap" else 128
     k = {"k6": 6, "k25": 25, "persistent": 2}.get(case, 1)
     key = _registry_key(monkeypatch, head_dim, k, k < 6, 30.0 if case == "d64_cap" else None,
                         work_runs=True, k_ahead=case == "k_ahead", schedule=case == "persistent",
-                        persistent=case == "persistent")
+                        persistent=case == "persistent", runs_early=case != "late_words")
     assert key.work_list and compile_forward(key) is not None and _tagged(key, "wr")
+    assert key.runs_early == (case != "late_words")
 
 
 def test_work_runs_env_and_key(monkeypatch):

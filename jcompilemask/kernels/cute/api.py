@@ -160,8 +160,9 @@ class ForwardKey:
     # forces it).
     work_runs: bool = False
     # With work_runs: the producer's tile words of the row's first chunk loaded first thing in
-    # the kernel and the runs built in one pass over the set bits (FlashForwardSm90.runs_early,
-    # which gives the measurement that motivates it). The default with work_runs since
+    # the kernel, before the barriers' setup (FlashForwardSm90.runs_early, which gives the
+    # measurement that motivates it; the runs come from build_tile_runs, one pass over the
+    # set bits, with or without it). The default with work_runs since
     # session 25, together with slot_skip and mask_r2p (below: the three were timed alone and
     # together, and together is what the tests ran under; _fwd_masked_switches);
     # $JCOMPILEMASK_CUTE_FWD_RUNS_EARLY=0 turns it off.

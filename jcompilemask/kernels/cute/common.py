@@ -299,14 +299,14 @@ def fold_periodic_slots(words: cute.Tensor, pred_slots: list, periodic: tuple, s
     return [m for m in pred_slots if not periodic[m]]
 
 
-RUN_CHUNK = 512     # build_tile_runs_early: key tiles per chunk, one 16-tile word per lane
+RUN_CHUNK = 512     # build_tile_runs: key tiles per chunk, one 16-tile word per lane
 
 
 @cute.jit
 def run_chunk_word(gTiles: cute.Tensor, n_tiles: Int32, first_tile: Int32):
     """This lane's tile word of the chunk [first_tile, first_tile + RUN_CHUNK) of a row, as
     stored (0 past the chunk's last word): what ``build_tile_runs`` takes. A load of its
-    own, so a kernel can issue it early (its latency under the kernel's prologue)."""
+    own, so a kernel can issue it first thing (its latency under the kernel's prologue)."""
     w = first_tile // 16 + cute.arch.lane_idx()
     raw = Uint32(0)
     if w * 16 < cutlass.min(first_tile + RUN_CHUNK, n_tiles):
@@ -315,14 +315,14 @@ def run_chunk_word(gTiles: cute.Tensor, n_tiles: Int32, first_tile: Int32):
 
 
 @cute.jit
-def build_tile_runs_early(raw: Uint32, n_tiles: Int32, first_tile: Int32, sRuns: cute.Tensor,
+def build_tile_runs(raw: Uint32, n_tiles: Int32, first_tile: Int32, sRuns: cute.Tensor,
                     sCount: cute.Tensor, ragged_tile: Int32):
     """One warp: the visited tiles of the chunk [first_tile, first_tile + RUN_CHUNK) of a row
     of packed tile words as runs, maximal stretches of consecutive visited tiles of one kind
     (all masked or all full), in order: run r is tiles [sRuns[2 r] & 0xFFFF, sRuns[2 r + 1]),
     masked when sRuns[2 r] >> 16 is 1; the run count goes to sCount[0]. ``raw`` is the
-    lane's word (``run_chunk_word``, which a kernel can load first thing). ``build_tile_runs``
-    builds the same runs (the default; this form is ForwardKey.runs_early). ``ragged_tile`` (the row's last tile when Nk is not a
+    lane's word (``run_chunk_word``, which a kernel can load first thing: ForwardKey.runs_early).
+    ``ragged_tile`` (the row's last tile when Nk is not a
     multiple of the tile; past the row otherwise) counts as masked, so a run's kind is all
     its consumer needs. A chunk holds at most RUN_CHUNK runs: sRuns needs 2 * RUN_CHUNK
     entries. A tile starts (ends) a run where its kind differs from the tile's before
@@ -364,19 +364,6 @@ def build_tile_runs_early(raw: Uint32, n_tiles: Int32, first_tile: Int32, sRuns:
 
 
 @cute.jit
-def _run_word(gTiles: cute.Tensor, w: Int32, w_end: Int32, end: Int32, ragged_tile: Int32):
-    """Tile word ``w`` of a row as ``build_tile_runs`` reads it: tiles at or past ``end``
-    cleared, a masked bit kept only on a visited tile, the ragged tile (if in the word)
-    masked; 0 past the row's last word."""
-    word = Uint32(0)
-    if w < w_end:
-        word = gTiles[w]
-        if (w + 1) * 16 > end:
-            word = word & ((Uint32(1) << Uint32(2 * (end - w * 16))) - Uint32(1))
-    return _run_kinds(word, w, ragged_tile)
-
-
-@cute.jit
 def _run_kinds(word: Uint32, w: Int32, ragged_tile: Int32):
     """Tile word ``w`` (tile t: visited bit 2 t, masked bit 2 t + 1) with a masked bit kept
     only on a visited tile and the ragged tile, if in the word, masked: its 2-bit kinds."""
@@ -410,53 +397,6 @@ def _run_edges(word: Uint32, before: Uint32, after: Uint32):
             incl_s = incl_s + other_s
             incl_e = incl_e + other_e
     return starts, ends, n_s, n_e, incl_s, incl_e
-
-
-@cute.jit
-def build_tile_runs(gTiles: cute.Tensor, n_tiles: Int32, first_tile: Int32, chunk: cutlass.Constexpr[int],
-                    sRuns: cute.Tensor, sCount: cute.Tensor, ragged_tile: Int32):
-    """One warp: the visited tiles of [first_tile, first_tile + chunk) of a row of packed tile
-    words as runs, maximal stretches of consecutive visited tiles of one kind (all masked or
-    all full), in order: run r is tiles [sRuns[2 r] & 0xFFFF, sRuns[2 r + 1]), masked when
-    sRuns[2 r] >> 16 is 1; the run count goes to sCount[0]. ``ragged_tile`` (the row's last
-    tile when Nk is not a multiple of the tile; past the row otherwise) counts as masked, so
-    a run's kind is all its consumer needs. A chunk holds at most ``chunk`` runs, so sRuns
-    needs 2 * chunk entries. Each lane takes one 16-tile word; a tile starts (ends) a run
-    where its kind differs from the tile before (after) it, the neighbours' kinds coming
-    from the next lanes' words by shuffles; two warp prefix sums place the starts and the
-    ends (the k-th end closes the k-th run)."""
-    lane = cute.arch.lane_idx()
-    end = cutlass.min(first_tile + chunk, n_tiles)
-    w_end = cute.ceil_div(end, 16)
-    base_s = Int32(0)
-    base_e = Int32(0)
-    carry = Uint32(0)           # the word before this pass's first: none at the chunk start
-    for w0 in cutlass.range(first_tile // 16, w_end, 32, unroll=1):
-        w = w0 + lane
-        word = _run_word(gTiles, w, w_end, end, ragged_tile)
-        before = cute.arch.shuffle_sync_up(word, 1)
-        after = cute.arch.shuffle_sync_down(word, 1)
-        if lane == 0:
-            before = carry
-        if lane == 31:
-            after = _run_word(gTiles, w + 1, w_end, end, ragged_tile)
-        starts, ends, n_s, n_e, incl_s, incl_e = _run_edges(word, before, after)
-        pos_s = base_s + incl_s - n_s
-        pos_e = base_e + incl_e - n_e
-        for t in cutlass.range_constexpr(16):
-            if (starts >> Uint32(2 * t)) & Uint32(1) != Uint32(0):
-                masked = Int32((word >> Uint32(2 * t + 1)) & Uint32(1))
-                sRuns[2 * pos_s] = (w * 16 + t) | (masked << Int32(16))
-                pos_s = pos_s + 1
-            if (ends >> Uint32(2 * t)) & Uint32(1) != Uint32(0):
-                sRuns[2 * pos_e + 1] = w * 16 + t + 1
-                pos_e = pos_e + 1
-        base_s = base_s + cute.arch.shuffle_sync(incl_s, 31)
-        base_e = base_e + cute.arch.shuffle_sync(incl_e, 31)
-        carry = cute.arch.shuffle_sync(word, 31)
-    if lane == 0:
-        sCount[0] = base_s
-    cute.arch.sync_warp()
 
 
 class WarpSpecializedSm90:

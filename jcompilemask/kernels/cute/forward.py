@@ -54,7 +54,7 @@ from cutlass.tensor_utils import LayoutEnum
 from .residual_ops import CuteOps
 from .common import (INTERVALS_UNROLLED, RUN_CHUNK, WarpSpecializedSm90, _as_a_operand, _pair_runs, _rows_view, _tree,
                      _unsigned_lt, build_tile_list, build_tile_runs,
-                     build_tile_runs_early, issue_wgmma, run_chunk_word, select_by_words,
+                     issue_wgmma, run_chunk_word, select_by_words,
                      fold_periodic_slots, smem_tensor, tile_bits, tma_tiles)
 
 # residual_words: at most this many interval slots with a residual predicate (each keeps a
@@ -161,8 +161,9 @@ class FlashForwardSm90(WarpSpecializedSm90):
         assert not work_runs or (work_list and not rescale_tail)
         self.work_runs = work_runs
         # runs_early (with work_runs; the default since session 25, see ForwardKey): the
-        # producer's tile words of the row's first chunk are loaded first thing in the kernel, before the barriers' setup, and
-        # the runs are built in one pass that visits only the set bits. A fixed per-CTA cost
+        # producer's tile words of the row's first chunk are loaded first thing in the
+        # kernel, before the barriers' setup (build_tile_runs then visits only the set
+        # bits; since session 25 the one runs builder, with or without). A fixed per-CTA cost
         # fits the runs' remaining gap to FA4 (run 2026-12-04T13:02:54Z: +0.164 / +0.077 /
         # +0.039 ms at causal 32K / 8K / 2K, 8192 CTAs each: ~0.7 us a CTA, ~25 cycles a
         # tile); the list, and so the first K / V load, waited for that word's latency.
@@ -693,21 +694,17 @@ class FlashForwardSm90(WarpSpecializedSm90):
 
     @cute.jit
     def build_runs(self, gTiles, n_k_tiles, ch, sRuns, sCount, ragged_tile, first_raw):
-        """The producer warp: chunk ``ch`` of the row's runs into sRuns / sCount (work_runs).
-        ``runs_early``: from ``first_raw`` for chunk 0 when the kernel loaded it first thing,
-        one pass that visits only the set bits (build_tile_runs_early)."""
-        if const_expr(self.runs_early):
-            if const_expr(first_raw is None):
-                build_tile_runs_early(run_chunk_word(gTiles, n_k_tiles, ch * FWD_LIST_CHUNK), n_k_tiles,
-                                      ch * FWD_LIST_CHUNK, sRuns, sCount, ragged_tile)
-            else:
-                raw = first_raw
-                if ch > 0:
-                    raw = run_chunk_word(gTiles, n_k_tiles, ch * FWD_LIST_CHUNK)
-                build_tile_runs_early(raw, n_k_tiles, ch * FWD_LIST_CHUNK, sRuns, sCount, ragged_tile)
+        """The producer warp: chunk ``ch`` of the row's runs into sRuns / sCount (work_runs,
+        build_tile_runs). ``first_raw``: chunk 0's tile word when the kernel loaded it first
+        thing (``runs_early``), else None (loaded here)."""
+        if const_expr(first_raw is None):
+            build_tile_runs(run_chunk_word(gTiles, n_k_tiles, ch * FWD_LIST_CHUNK), n_k_tiles,
+                            ch * FWD_LIST_CHUNK, sRuns, sCount, ragged_tile)
         else:
-            build_tile_runs(gTiles, n_k_tiles, ch * FWD_LIST_CHUNK, FWD_LIST_CHUNK, sRuns, sCount,
-                            ragged_tile)
+            raw = first_raw
+            if ch > 0:
+                raw = run_chunk_word(gTiles, n_k_tiles, ch * FWD_LIST_CHUNK)
+            build_tile_runs(raw, n_k_tiles, ch * FWD_LIST_CHUNK, sRuns, sCount, ragged_tile)
 
     @cute.jit
     def load_k_then_v(self, k_ring, v_ring, k_state, v_state, k_tile, prev):
