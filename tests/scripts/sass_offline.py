@@ -210,10 +210,26 @@ def ours_forward(d: int, k: int = 1, fields: str = ""):
     _hgmma_blocks(lines)
 
 
+def _ends(lines):
+    """The code before the first HGMMA (the prologue every CTA runs, producer and consumer
+    paths together) and after the last (the epilogue: O's scaling, store and lse), sizes and
+    mixes: issue 14's fixed cost per CTA."""
+    ops_at = [i for i, ln in enumerate(lines) if _mix([ln])]
+    gemm = [i for i in ops_at if "HGMMA" in lines[i]]
+    if not gemm:
+        return
+    for name, part in (("before the first HGMMA", [i for i in ops_at if i < gemm[0]]),
+                       ("after the last HGMMA", [i for i in ops_at if i > gemm[-1]])):
+        base = collections.Counter(o.split(".")[0] for o in _mix([lines[i] for i in part]))
+        print(f"  {name}: {len(part)} instructions; " + ", ".join(f"{k} {v}" for k, v in base.most_common(12)))
+
+
 def _hgmma_blocks(lines):
     """The forward's loop bodies have no single barrier pattern to cut at: print each run of
     code between consecutive QK^T GEMMs (the first HGMMA of a run of 64 x 128 S products)
-    with its size and mix, the largest first."""
+    with its size and mix, the largest first; then the code before the first GEMM and
+    after the last (_ends)."""
+    _ends(lines)
     starts = [i for i, ln in enumerate(lines) if "HGMMA" in ln and "RZ, !UPT" in ln]
     spans = [(a, b) for a, b in zip(starts, starts[1:])]
     spans.sort(key=lambda ab: -(ab[1] - ab[0]))
