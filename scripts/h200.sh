@@ -718,23 +718,24 @@ PY
   lb)
     # BackwardConfig.late_balance (session 23: the consumers' last DQ_EMPTY wait after the
     # dK / dV epilogue), list_early (session 24: the first list's tile words loaded first
-    # thing) and mask_r2p (session 24: the masked tile's bit tests as R2P): their 4 + 4 + 4
-    # bit-identity cases under a hang guard, then bwd ms beside
+    # thing), mask_r2p (session 24: the masked tile's bit tests as R2P) and ds_words
+    # (session 25: dS^T's masked pairs zeroed by the mask's words, not a P == 0 guard): their
+    # 4 + 4 + 4 + 8 bit-identity cases under a hang guard, then bwd ms beside
     # the default at JCM_BENCH_NS (default 8192) on JCM_BENCH_MASKS (the short columns of
     # issue 16 first, where ncu put 4.2% of the kernel on that wait).
     left() { local l=$(( ${JCM_STAGE_S:-570} - SECONDS )); (( l < $1 )) && echo $(( l > 5 ? l : 5 )) || echo $1; }
     export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
     export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1
     if [[ ${JCM_LB_TESTS:-1} == 1 ]]; then
-      JCOMPILEMASK_CUTE_BACKWARD=1 timeout -k 5 $(left 200) python3 -m pytest -v -rs -p no:cacheprovider \
-        tests/gpu/test_cute_backward.py -k "(dq_switch_gives and (late_balance or list_early or mask_r2p)) or (schedule_gives and auto)" > "$OUT/pytest-lb.log" 2>&1
+      JCOMPILEMASK_CUTE_BACKWARD=1 timeout -k 5 $(left 260) python3 -m pytest -v -rs -p no:cacheprovider \
+        tests/gpu/test_cute_backward.py -k "(dq_switch_gives and (late_balance or list_early or mask_r2p)) or (schedule_gives and auto) or ds_words_gives" > "$OUT/pytest-lb.log" 2>&1
       echo "pytest rc $? ($SECONDS s)"; pkill -9 -f pytest
       grep -E "::.* (PASSED|FAILED|ERROR|SKIPPED)" "$OUT/pytest-lb.log" | sed 's/ *\[ *[0-9]*%\]//'; grep -E "^E  " "$OUT/pytest-lb.log" | head -8
     fi
     b=$(left 380)
     timeout -k 5 $b python3 benchmarks/bench_total.py --ns ${JCM_BENCH_NS:-8192} \
       --masks ${JCM_BENCH_MASKS:-dilated_window,global_window,causal,shared_prompt,clear} --impls jcm \
-      --min-repeat-s 0.25 --jcm-variants "${JCM_LB_VARIANTS:-base=;lb=JCOMPILEMASK_CUTE_BWD_CONFIG=late_balance=1;le=JCOMPILEMASK_CUTE_BWD_CONFIG=list_early=1;r2p=JCOMPILEMASK_CUTE_BWD_CONFIG=mask_r2p=1;au=JCOMPILEMASK_CUTE_BWD_CONFIG=schedule=1 JCOMPILEMASK_CUTE_BWD_ORDER=auto}" \
+      --min-repeat-s 0.25 --jcm-variants "${JCM_LB_VARIANTS:-base=;lb=JCOMPILEMASK_CUTE_BWD_CONFIG=late_balance=1;le=JCOMPILEMASK_CUTE_BWD_CONFIG=list_early=1;r2p=JCOMPILEMASK_CUTE_BWD_CONFIG=mask_r2p=1;dsw=JCOMPILEMASK_CUTE_BWD_CONFIG=ds_words=1;au=JCOMPILEMASK_CUTE_BWD_CONFIG=schedule=1 JCOMPILEMASK_CUTE_BWD_ORDER=auto}" \
       --budget-s $(( b - 20 )) --out "$OUT/h200-lb.json" > "$OUT/bench-lb.log" 2>&1
     echo "bench rc $? ($SECONDS s)"; pkill -9 -f bench_total; grep -E '^\{' "$OUT/bench-lb.log" | cut -c1-170
     ;;

@@ -759,6 +759,18 @@ def test_exact_columns_and_column_words_defaults(monkeypatch):
     assert api._bwd_exact_columns(64, 64, None)
 
 
+def _issue16_case(name, n, rng):
+    """(metadata, spec): issue 16's masks (the dilated window: window 128, dilation 2; 16
+    global keys + a 256-wide causal window; two regions with residual predicates, one not
+    periodic) without metadata, else the built-in ``name`` with random metadata."""
+    window = (k <= q) & (k > q - 128) & ((q - k) % 2 == 0)
+    local = {"dilated_window": MaskSpec([Region((0, q_len), window)]),
+             "global_window": MaskSpec([Region((0, q_len), (k <= q) & ((k < 16) | (k > q - 256)))]),
+             "two_regions": MaskSpec([Region((0, 300), (k <= q) & (k % 2 == 0)),
+                                      Region((300, q_len), (k <= q) & ((q - k) % 3 != 1))])}
+    return (None, local[name]) if name in local else (metadata(name, 2, n, rng), SPECS[name])
+
+
 @needs_gpu
 @pytest.mark.parametrize("name,config,exact_columns", [
     ("causal", "column_words=0", "1"), ("dilated_window", "column_words=1", "1"),
@@ -774,15 +786,7 @@ def test_exact_columns_and_column_words_give_identical_gradients(name, config, e
     metadata, two regions)."""
     rng = np.random.default_rng(15)
     n = 1000 if name != "clear" else 1100
-    window = (k <= q) & (k > q - 128) & ((q - k) % 2 == 0)
-    local = {"dilated_window": MaskSpec([Region((0, q_len), window)]),
-             "global_window": MaskSpec([Region((0, q_len), (k <= q) & ((k < 16) | (k > q - 256)))]),
-             "two_regions": MaskSpec([Region((0, 300), (k <= q) & (k % 2 == 0)),
-                                      Region((300, q_len), (k <= q) & ((q - k) % 3 != 1))])}
-    if name in local:
-        md, spec = None, local[name]
-    else:
-        md, spec = metadata(name, 2, n, rng), SPECS[name]
+    md, spec = _issue16_case(name, n, rng)
     qx, kx, vx, do = _gqa_inputs(8, n)
     monkeypatch.setenv("JCOMPILEMASK_CUTE_BWD_EXACT_COLUMNS", "0")
     base = _deterministic_grads(monkeypatch, "column_words=0", spec, md, qx, kx, vx, do)
@@ -809,6 +813,59 @@ def test_tile_walk_gives_the_list_gradients(name, cute_backward_on, monkeypatch)
     base = _deterministic_grads(monkeypatch, "", spec, md, qx, kx, vx, do)
     walk = _deterministic_grads(monkeypatch, "work_list=0", spec, md, qx, kx, vx, do)
     for a, b_ in zip(base, walk):
+        np.testing.assert_array_equal(a, b_)
+
+
+@needs_cutlass
+@pytest.mark.parametrize("case", ["dilated", pytest.param("causal", marks=knob), pytest.param("clear_runtime", marks=knob)])
+def test_ds_words_backward_compiles_for_sm90(case):
+    """BackwardConfig.ds_words: the masked tile's visibility words zero dS^T's masked pairs
+    (R2P-form selects) instead of a P == 0 compare per element; no stack. SASS, D 128 with
+    exact columns (NOTES.md, session 25): FSETP 64 -> 0; causal 3208 -> 3160 instructions,
+    CLEAR 4136 -> 4072, the dilated window 3200 -> 3176. Without the exact-columns promise
+    (clear_runtime) the rows path keeps the guard in its branch."""
+    import dataclasses
+    from jcompilemask.kernels.cute.api import BackwardKey, compile_backward, preferred_backward_config
+    from jcompilemask.lower.residual_program import ResidualProgram
+    cfg = dataclasses.replace(preferred_backward_config(128), ds_words=True)
+    if case == "dilated":
+        window = (k <= q) & (k > q - 128) & ((q - k) % 2 == 0)
+        cm = jcm.compile(MaskSpec([Region((0, q_len), window)]), warn=False)
+        key = BackwardKey("bfloat16", 128, cm.num_intervals, cm.num_bwd_intervals, False, True,
+                          128 ** -0.5, cfg, residual=ResidualProgram.pair(cm),
+                          exact_columns=cm.column_view_exact)
+    elif case == "causal":
+        key = BackwardKey("bfloat16", 128, 1, 1, True, True, 128 ** -0.5, cfg, exact_columns=True)
+    else:
+        key = BackwardKey("bfloat16", 128, 6, 7, False, False, 128 ** -0.5, cfg)
+    assert compile_backward(key) is not None and "_dsw" in key.target_name
+
+
+@needs_gpu
+@pytest.mark.parametrize("name,poison", [
+    ("causal", None), ("clear", None), ("dilated_window", None), ("global_window", None),
+    ("shared_prompt", None), ("two_regions", None), ("causal", "nan_q"), ("dilated_window", "nan_v"),
+])
+def test_ds_words_gives_identical_gradients(name, poison, cute_backward_on, monkeypatch):
+    """ds_words zeroes a masked tile's masked dS^T pairs by its visibility words instead of
+    the P == 0 guard: with the deterministic dQ order all three gradients equal the
+    default's bit for bit (ragged N, GQA, metadata, residual predicates: periodic, and two
+    regions where one is not, which keeps the guard), also with a NaN query row or a NaN
+    value row, whose NaN must not leak through masked pairs. (They differ only where a
+    visible P is exactly 0 and dP - delta is not finite, e.g. a row whose lse is +inf from an
+    infinite key: the guard gave 0 there, ds_words gives NaN, as a full tile and the
+    reference do.)"""
+    rng = np.random.default_rng(17)
+    n = 1000 if name != "clear" else 1100
+    md, spec = _issue16_case(name, n, rng)
+    qx, kx, vx, do = _gqa_inputs(11, n)
+    if poison == "nan_q":
+        qx = qx.at[0, 517, 1].set(jnp.nan)
+    elif poison == "nan_v":
+        vx = vx.at[1, 300, 0, 5].set(jnp.nan)
+    base = _deterministic_grads(monkeypatch, "", spec, md, qx, kx, vx, do)
+    new = _deterministic_grads(monkeypatch, "ds_words=1", spec, md, qx, kx, vx, do)
+    for a, b_ in zip(base, new):
         np.testing.assert_array_equal(a, b_)
 
 
@@ -843,7 +900,7 @@ def test_residual_periodic_gives_identical_gradients(name, cute_backward_on, mon
     spec = specs[name]
     qx, kx, vx, do = _gqa_inputs(9, n)
     monkeypatch.setenv("JCOMPILEMASK_CUTE_FWD_RESIDUAL_PERIODIC", "0")
-    base = _deterministic_grads(monkeypatch, "", spec, None, qx, kx, vx, do)
+    base = _deterministic_grads(monkeypatch, "residual_periodic=0", spec, None, qx, kx, vx, do)
     monkeypatch.setenv("JCOMPILEMASK_CUTE_FWD_RESIDUAL_PERIODIC", "1")
     new = _deterministic_grads(monkeypatch, "residual_periodic=1", spec, None, qx, kx, vx, do)
     for a, b_ in zip(base, new):

@@ -1106,6 +1106,16 @@ class BackwardConfig:
       (as R2P). Same values: bit-identical on the H200 (4 gradient cases) and the dilated
       window's bwd 1.457 -> 1.429 ms at 8K (run 2026-12-04T15:59:36Z): the D 128 default
       since session 25.
+    - ``ds_words`` (with ``column_words``, a masked tile whose visibility is word tests
+      only: no residual predicate, or every one periodic under ``residual_periodic``; no
+      soft cap): the masked tile keeps each key row's two visibility words (packed in one
+      register per row) from the mask to dS^T, and dS^T's masked pairs are set to 0 by the
+      same R2P-form selects instead of a compare of P with 0 and a select per element (the
+      guard that keeps 0 (dP - delta) from leaking a NaN into dK / dQ: ncu of the dilated
+      window's 8K backward, session 23, counted its FSETP once per element, 8.3 M of the
+      kernel's 224 M warp instructions). Same values where no visible P underflows to 0
+      (there the guard gave +0 and this P (dP - delta), as a full tile and the reference
+      do). Where the column view is not exact the guard stays. Not yet run on the H200.
 
     ``preferred_backward_config`` picks the default per head dim; ``JCOMPILEMASK_CUTE_BWD_CONFIG``
     (e.g. ``ds_stages=1,stats_early=0``) overrides fields at trace time for benchmarks.
@@ -1145,6 +1155,7 @@ class BackwardConfig:
     list_early: bool = False
     mask_r2p: bool = False
     residual_periodic: bool = False
+    ds_words: bool = False
 
     def __post_init__(self):
         want = BWD_TILES_SPLIT if self.split_dkv else BWD_TILES
@@ -1207,7 +1218,8 @@ class BackwardConfig:
                 f"{'_sch' if self.schedule else ''}{'_cw' if self.column_words else ''}"
                 f"{'_lb' if self.late_balance else ''}"
                 f"{'_lse' if self.list_early and self.work_list else ''}"
-                f"{'_r2p' if self.mask_r2p else ''}{'_rp' if self.residual_periodic else ''}")
+                f"{'_r2p' if self.mask_r2p else ''}{'_rp' if self.residual_periodic else ''}"
+                f"{'_dsw' if self.ds_words else ''}")
 
 
 def preferred_backward_config(head_dim: int, dtype: str = "bfloat16",

@@ -244,6 +244,13 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         self.periodic_slots = () if residual is None else residual[1].periodic_slots()
         self.residual_periodic = (config.residual_periodic and self.column_words
                                   and any(self.periodic_slots))
+        # ds_words (opt-in; BackwardConfig.ds_words): where the masked tile's visibility is
+        # word tests only (no predicate slot left per element, no soft cap), the words go on
+        # to dS^T, whose masked pairs the same selects zero, instead of the P == 0 guard.
+        per_element = [m for m in self.column_pred_slots
+                       if not (self.residual_periodic and self.periodic_slots[m])]
+        self.ds_words = (config.ds_words and self.column_words and not per_element
+                         and self.softcap is None)
         if self.row_mask:
             self.hold_columns = self.column_bits = self.columns_looped = False
         self.rows_looped = num_intervals > INTERVALS_UNROLLED
@@ -1052,9 +1059,22 @@ class FlashBackwardSm90(WarpSpecializedSm90):
             fill = 0.0
             if const_expr(self.softcap is not None):
                 fill = math.inf if const_expr(self.config.softcap_r) else -math.inf
-            self.apply_mask(S, f.tScS, q_tile, cols.starts, cols.lengths, cols.exact, f.mFwdIntervals,
-                            f.mBwdIntervals, f.seqlen_q, f.seqlen_k, f.k_tile, cols.mh, f.mask_batch,
-                            f.residual_args, fill)
+            if const_expr(self.ds_words):
+                # Each key row's visibility words (word 1 in the high half), for dS^T.
+                t.keep_words = cute.make_rmem_tensor(cute.size(S, mode=[0]), Uint32)
+                t.exact = cols.exact
+                if cols.exact:
+                    self.mask_by_column_words(S, f.tScS, f.mBwdIntervals, f.seqlen_q, f.seqlen_k,
+                                              f.k_tile * self.block_kv, q_tile * self.block_q, cols.mh,
+                                              f.mask_batch, f.residual_args, fill, t.keep_words)
+                else:
+                    self.apply_mask(S, f.tScS, q_tile, cols.starts, cols.lengths, cols.exact,
+                                    f.mFwdIntervals, f.mBwdIntervals, f.seqlen_q, f.seqlen_k, f.k_tile,
+                                    cols.mh, f.mask_batch, f.residual_args, fill)
+            else:
+                self.apply_mask(S, f.tScS, q_tile, cols.starts, cols.lengths, cols.exact, f.mFwdIntervals,
+                                f.mBwdIntervals, f.seqlen_q, f.seqlen_k, f.k_tile, cols.mh, f.mask_batch,
+                                f.residual_args, fill)
         if const_expr(self.softcap is not None):
             # P^T for dV (bf16 / fp16 registers) and, in S, P^T (1 - t^2) (softcap_r: a
             # quarter of it): the gradient of the capped logits is that times (dP^T - delta).
@@ -1084,6 +1104,18 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         else:
             warpgroup.wait_group(0)
         dP = _rows_view(t.acc_dP)
+        if const_expr(masked and self.ds_words):
+            if t.exact:
+                # The mask's words zero the masked pairs (NaN-safe: the select does not read
+                # dP - delta there); visible pairs keep P (dP - delta), as in a full tile.
+                for r in cutlass.range_constexpr(cute.size(dP, mode=[0])):
+                    for c in cutlass.range_constexpr(t.n_cols):
+                        dP[r, c] = S[r, c] * (dP[r, c] - delta[c])
+                    w = t.keep_words[r]
+                    select_by_words(dP, r, w, w >> Uint32(16), t.n_cols // 2, 0.0)
+            else:
+                self.guarded_ds(dP, S, delta, t.n_cols)
+            return
         for r in cutlass.range_constexpr(cute.size(dP, mode=[0])):
             for c in cutlass.range_constexpr(t.n_cols):
                 if const_expr(masked):
@@ -1092,6 +1124,13 @@ class FlashBackwardSm90(WarpSpecializedSm90):
                     dP[r, c] = Float32(0.0) if S[r, c] == Float32(0.0) else S[r, c] * (dP[r, c] - delta[c])
                 else:
                     dP[r, c] = S[r, c] * (dP[r, c] - delta[c])
+
+    @cute.jit
+    def guarded_ds(self, dP, S, delta, n_cols: cutlass.Constexpr[int]):
+        """dS^T of a masked tile with the P == 0 guard (softmax_grad's masked form)."""
+        for r in cutlass.range_constexpr(cute.size(dP, mode=[0])):
+            for c in cutlass.range_constexpr(n_cols):
+                dP[r, c] = Float32(0.0) if S[r, c] == Float32(0.0) else S[r, c] * (dP[r, c] - delta[c])
 
     @cute.jit
     def dv_and_ds(self, t, state, f, stage: cutlass.Constexpr = None):
@@ -1486,14 +1525,15 @@ class FlashBackwardSm90(WarpSpecializedSm90):
 
     @cute.jit
     def mask_by_column_words(self, P, tScS, mBwdIntervals, seqlen_q, seqlen_k, row0, col0, mh,
-                             mask_batch, residual_args, fill: cutlass.Constexpr[float]):
+                             mask_batch, residual_args, fill: cutlass.Constexpr[float], keep_words=None):
         """``column_words``, column view: per key row, each of its Kc intervals that reaches
         into the tile's queries ORs its column-group runs into a pair of words (the slots
         without a residual predicate into one pair, each slot with one into its own), the
         row's range (key < Nk, query < Nq) folded in; then per element: the word bit, OR
         for the predicate slots the bit AND the column program's predicate. The visibility
         of the per-element paths, with 2 word ORs per interval instead of a subtract-compare
-        per interval and element."""
+        per interval and element. ``keep_words`` (``ds_words``): each row's final words (word 1 in
+        the high half) go there, for dS^T."""
         ncols = cute.size(P, mode=[1])
         groups = ncols // 2
         pred_slots = self.column_pred_slots
@@ -1531,6 +1571,9 @@ class FlashBackwardSm90(WarpSpecializedSm90):
                     words, pred_slots, self.periodic_slots,
                     lambda m, u: self.residual[1].emit_slot(ops, m, q=base + u, k=key, h=mh,
                                                             region=None))
+            if const_expr(keep_words is not None):
+                assert len(general) == 0 and groups <= 16
+                keep_words[r] = words[0] | (words[1] << Uint32(16))
             if const_expr(len(general) == 0 and (self.config.mask_r2p or self.residual_periodic)):
                 select_by_words(P, r, words[0], words[1], groups, fill)
             else:
