@@ -892,6 +892,7 @@ PY
     echo "bench rc $? ($SECONDS s)"; pkill -9 -f bench_total; grep -E '^\{' "$OUT/bench-rp.log" | cut -c1-230
     ;;
   fwdtable)
+    # JCM_FLEX_MASKS defaults to shared_prompt,hstu,clear (CLEAR, the slow compile, last).
     # Issue 14's acceptance table for one N per call (JCM_BENCH_NS, default 32768; 8192 and
     # 2048 in later calls: Flex's torch.compile of four masks does not fit one call at every
     # N): Flex+FA4 on hstu / shared prompt / clear first (its compiles are the long part;
@@ -900,10 +901,19 @@ PY
     export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
     left() { local l=$(( ${JCM_STAGE_S:-570} - SECONDS )); (( l < $1 )) && echo $(( l > 5 ? l : 5 )) || echo $1; }
     ns=${JCM_BENCH_NS:-32768}
-    b=$(left ${JCM_FLEX_S:-330})
-    timeout -k 5 $b python3 benchmarks/bench_peers.py --ns $ns --masks ${JCM_FLEX_MASKS:-clear,shared_prompt,hstu} \
-      --impls flex-fa4 --budget-s $(( b - 30 )) --out "$OUT/h200-forward-peers.json" > "$OUT/bench-peers.log" 2>&1
-    echo "peers rc $? ($SECONDS s)"; pkill -9 -f bench_peers; grep -E '^\{' "$OUT/bench-peers.log" | cut -c1-200
+    # One process per Flex mask, each under its own limit (JCM_FLEX_MASK_S): session 25's
+    # 8K call lost every Flex figure to CLEAR's compile (> 300 s; at 32K each mask took
+    # ~60 s). bench_peers merges each run's records into the same file.
+    end=$(( SECONDS + ${JCM_FLEX_S:-330} ))
+    flex_masks=${JCM_FLEX_MASKS:-shared_prompt,hstu,clear}
+    for m in ${flex_masks//,/ }; do
+      b=$(left $(( end - SECONDS < ${JCM_FLEX_MASK_S:-150} ? end - SECONDS : ${JCM_FLEX_MASK_S:-150} )))
+      (( b > 20 )) || { echo "flex $m: no time left"; continue; }
+      timeout -k 5 $b python3 benchmarks/bench_peers.py --ns $ns --masks $m --impls flex-fa4 \
+        --budget-s $(( b - 10 )) --out "$OUT/h200-forward-peers.json" >> "$OUT/bench-peers.log" 2>&1
+      echo "peers $m rc $? ($SECONDS s)"; pkill -9 -f bench_peers
+    done
+    grep -E '^\{' "$OUT/bench-peers.log" | cut -c1-200
     timeout -k 5 $(left 300) python3 benchmarks/bench_forward.py --ns $ns --masks causal,hstu,shared_prompt,clear \
       --fa4 --out "$OUT/h200-forward.json" > "$OUT/bench-fwd.log" 2>&1
     echo "forward rc $? ($SECONDS s)"; pkill -9 -f bench_forward; grep -E '^bench' "$OUT/bench-fwd.log" | tail -12
