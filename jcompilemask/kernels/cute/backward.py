@@ -1059,22 +1059,15 @@ class FlashBackwardSm90(WarpSpecializedSm90):
             fill = 0.0
             if const_expr(self.softcap is not None):
                 fill = math.inf if const_expr(self.config.softcap_r) else -math.inf
+            keep_words = None
             if const_expr(self.ds_words):
                 # Each key row's visibility words (word 1 in the high half), for dS^T.
                 t.keep_words = cute.make_rmem_tensor(cute.size(S, mode=[0]), Uint32)
                 t.exact = cols.exact
-                if cols.exact:
-                    self.mask_by_column_words(S, f.tScS, f.mBwdIntervals, f.seqlen_q, f.seqlen_k,
-                                              f.k_tile * self.block_kv, q_tile * self.block_q, cols.mh,
-                                              f.mask_batch, f.residual_args, fill, t.keep_words)
-                else:
-                    self.apply_mask(S, f.tScS, q_tile, cols.starts, cols.lengths, cols.exact,
-                                    f.mFwdIntervals, f.mBwdIntervals, f.seqlen_q, f.seqlen_k, f.k_tile,
-                                    cols.mh, f.mask_batch, f.residual_args, fill)
-            else:
-                self.apply_mask(S, f.tScS, q_tile, cols.starts, cols.lengths, cols.exact, f.mFwdIntervals,
-                                f.mBwdIntervals, f.seqlen_q, f.seqlen_k, f.k_tile, cols.mh, f.mask_batch,
-                                f.residual_args, fill)
+                keep_words = t.keep_words
+            self.apply_mask(S, f.tScS, q_tile, cols.starts, cols.lengths, cols.exact, f.mFwdIntervals,
+                            f.mBwdIntervals, f.seqlen_q, f.seqlen_k, f.k_tile, cols.mh, f.mask_batch,
+                            f.residual_args, fill, keep_words)
         if const_expr(self.softcap is not None):
             # P^T for dV (bf16 / fp16 registers) and, in S, P^T (1 - t^2) (softcap_r: a
             # quarter of it): the gradient of the capped logits is that times (dP^T - delta).
@@ -1115,19 +1108,18 @@ class FlashBackwardSm90(WarpSpecializedSm90):
                     select_by_words(dP, r, w, w >> Uint32(16), t.n_cols // 2, 0.0)
             else:
                 self.guarded_ds(dP, S, delta, t.n_cols)
-            return
-        for r in cutlass.range_constexpr(cute.size(dP, mode=[0])):
-            for c in cutlass.range_constexpr(t.n_cols):
-                if const_expr(masked):
-                    # A masked pair carries no gradient even when its query's delta is
-                    # NaN (a NaN input in q or k): 0 * (dP - NaN) would leak into dK.
-                    dP[r, c] = Float32(0.0) if S[r, c] == Float32(0.0) else S[r, c] * (dP[r, c] - delta[c])
-                else:
+        elif const_expr(masked):
+            self.guarded_ds(dP, S, delta, t.n_cols)
+        else:
+            for r in cutlass.range_constexpr(cute.size(dP, mode=[0])):
+                for c in cutlass.range_constexpr(t.n_cols):
                     dP[r, c] = S[r, c] * (dP[r, c] - delta[c])
 
     @cute.jit
     def guarded_ds(self, dP, S, delta, n_cols: cutlass.Constexpr[int]):
-        """dS^T of a masked tile with the P == 0 guard (softmax_grad's masked form)."""
+        """dS^T of a masked tile with the P == 0 guard: a masked pair carries no gradient
+        even when its query's delta is NaN (a NaN input in q or k), where 0 * (dP - NaN)
+        would leak into dK."""
         for r in cutlass.range_constexpr(cute.size(dP, mode=[0])):
             for c in cutlass.range_constexpr(n_cols):
                 dP[r, c] = Float32(0.0) if S[r, c] == Float32(0.0) else S[r, c] * (dP[r, c] - delta[c])
@@ -1367,15 +1359,15 @@ class FlashBackwardSm90(WarpSpecializedSm90):
     @cute.jit
     def apply_mask(self, P, tScS, q_tile, col_starts, col_lengths, exact, mFwdIntervals,
                    mBwdIntervals, seqlen_q, seqlen_k, k_tile, mh, mask_batch, residual_args,
-                   fill: cutlass.Constexpr[float] = 0.0):
+                   fill: cutlass.Constexpr[float] = 0.0, keep_words=None):
         """Set P^T to `fill` (0; -inf for the soft cap's t) where the (key, query) pair is
-        not visible (or out of range)."""
+        not visible (or out of range); ``keep_words``: see mask_by_column_words."""
         bq, bk = self.block_q, self.block_kv
         row0, col0 = k_tile * bk, q_tile * bq
         if const_expr(self.column_words):
             if exact:
                 self.mask_by_column_words(P, tScS, mBwdIntervals, seqlen_q, seqlen_k, row0, col0,
-                                          mh, mask_batch, residual_args, fill)
+                                          mh, mask_batch, residual_args, fill, keep_words)
             elif const_expr(self.residual is not None):
                 self.residual_by_rows(P, tScS, mFwdIntervals, seqlen_q, seqlen_k, row0, col0,
                                       mh, mask_batch, residual_args, fill)
