@@ -43,8 +43,11 @@ def jcm_pairs(mask, n, md):
 def bench_flex(mask, n, md, backend, torch, dev, pairs, windows):
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
     L, b = W.seq_len(mask, n), W.batch_for(n)
-    mm = W.torch_mask_mod(mask, n, md, torch, dev)
-    bm = create_block_mask(mm, b if mask != "causal" else None, None, L, L, device=dev,
+    # CLEAR's block mask reads its width from a tensor (torch_mask_mods): with the constant
+    # 128 of N = 8192, ptxas on create_block_mask's Triton kernel outlasted every device
+    # call (sessions 25 and 26 lost Flex CLEAR 8K to it); the attention keeps the constant.
+    mm, mb = W.torch_mask_mods(mask, n, md, torch, dev)
+    bm = create_block_mask(mb, b if mask != "causal" else None, None, L, L, device=dev,
                            _compile=True)
     g = torch.Generator(device=dev).manual_seed(0)
     q, k, v = (torch.randn(b, W.HEADS, L, W.HEAD_DIM, device=dev, dtype=torch.bfloat16,

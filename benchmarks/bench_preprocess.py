@@ -121,7 +121,8 @@ def run_jax(impls, ns, records, log, out):
 # -- torch FlexAttention create_block_mask --------------------------------------------------
 def flex_mask_mod(mask, n, meta, L, b):
     import torch
-    return W.torch_mask_mod(mask, n, meta, torch, "cuda"), (None if mask == "causal" else b)
+    # The block-mask form (CLEAR's width from a tensor; torch_mask_mods says why).
+    return W.torch_mask_mods(mask, n, meta, torch, "cuda")[1], (None if mask == "causal" else b)
 
 
 def run_flex(ns, records, log, out, repeats=10):
