@@ -56,7 +56,6 @@
 #                timed beside the default and FA4 native, then the forward + attention tests under it
 #   fre          issue 14: runs_early (the producer's tile words loaded first thing, runs over set
 #                bits): bit-identity vs work_runs, timed beside the default and FA4 native, then tests
-#   fgf          issue 14: guess_first (K / V of tile 0 with Q, before the tile word): identity, timing, tests
 #   fss          issue 14: runs_early, slot_skip, mask_r2p: their bit-identity sets, timed at 8K / 32K
 #                on causal, hstu, shared prompt, clear beside the default and FA4 native
 #   rp           issue 16: residual_periodic (a predicate proved 8-periodic in the column index evaluated
@@ -831,16 +830,6 @@ PY
       32768,8192,2048 causal,hstu,shared_prompt \
       "${JCM_FWR_VARIANTS:-base=;wr=JCOMPILEMASK_CUTE_FWD_WORK_RUNS=1}"
     ;;
-  fgf)
-    # Issue 14 (compile-checked in session 25): guess_first — K / V of key tile 0 issued with
-    # Q, before the row's tile word arrives (the first K load waited for the word and the
-    # runs' build: the fitted ~0.7 us per CTA); a wrong guess is released unread.
-    # Bit-identity vs the default (8 cases), timed beside it and FA4 native (8K, 2K, 32K;
-    # hstu / document-like rows guess wrong), then the forward + attention tests under it.
-    forward_switch_stage fgf guess_first_forward_is_bit_identical 160 JCOMPILEMASK_CUTE_FWD_GUESS_FIRST \
-      8192,2048,32768 causal,hstu,shared_prompt,clear \
-      "${JCM_FGF_VARIANTS:-base=;gf=JCOMPILEMASK_CUTE_FWD_GUESS_FIRST=1}"
-    ;;
   fre)
     # Issue 14 (compile-checked in session 24): runs_early — work_runs' remaining gap to FA4
     # fits a fixed ~0.7 us per CTA (8192 CTAs at every N); the list, and so the first K / V
@@ -892,7 +881,8 @@ PY
     echo "bench rc $? ($SECONDS s)"; pkill -9 -f bench_total; grep -E '^\{' "$OUT/bench-rp.log" | cut -c1-230
     ;;
   fwdtable)
-    # JCM_FLEX_MASKS defaults to shared_prompt,hstu,clear (CLEAR, the slow compile, last).
+    # JCM_FLEX_MASKS defaults to shared_prompt,hstu,clear (CLEAR last: its block mask stalled
+    # ptxas at 8K until session 26 gave bench_peers the block-mask form of its mask_mod).
     # Issue 14's acceptance table for one N per call (JCM_BENCH_NS, default 32768; 8192 and
     # 2048 in later calls: Flex's torch.compile of four masks does not fit one call at every
     # N): Flex+FA4 on hstu / shared prompt / clear first (its compiles are the long part;

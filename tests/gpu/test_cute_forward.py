@@ -32,7 +32,7 @@ def registry_switches(monkeypatch, head_dim, head_dim_v, block_q, block_kv, num_
     for name in (api.FWD_WORK_LIST_ENV, api.FWD_GROUP_MASK_ENV, api.FWD_SCHEDULE_ENV,
                  api.FWD_K_AHEAD_ENV, api.FWD_BITS_ABOVE_ENV, api.FWD_RESCALE_TAIL_ENV,
                  api.FWD_WORK_RUNS_ENV, api.FWD_RUNS_EARLY_ENV, api.FWD_SLOT_SKIP_ENV,
-                 api.FWD_MASK_R2P_ENV, api.FWD_RESIDUAL_PERIODIC_ENV, api.FWD_GUESS_FIRST_ENV):
+                 api.FWD_MASK_R2P_ENV, api.FWD_RESIDUAL_PERIODIC_ENV):
         monkeypatch.delenv(name, raising=False)
     switches = {**api.forward_switches(head_dim, head_dim_v, block_q, block_kv, num_stages), **changes}
     if "work_runs" not in changes and (switches["rescale_tail"] or not switches["work_list"]):
@@ -831,58 +831,6 @@ def test_work_runs_forward_is_bit_identical_on_gpu(head_dim, case, softcap, shap
     from jcompilemask.kernels.cute import api
     _switch_case_is_bit_identical(monkeypatch, api.FWD_WORK_RUNS_ENV, case, 3, 11, head_dim, softcap,
                                   shape=shape, extra=(api.FWD_WORK_LIST_ENV,) + ((extra,) if extra else ()))
-
-
-@needs_cutlass
-@pytest.mark.parametrize("case", ["k1", pytest.param("k6_d64", marks=knob), pytest.param("k25", marks=knob)])
-def test_guess_first_compiles_for_sm90(case, monkeypatch):
-    """guess_first ($JCOMPILEMASK_CUTE_FWD_GUESS_FIRST=1, issue 14): K / V of key tile 0
-    issued with Q, before the row's tile word arrives (SASS, D 128 K 1: the K and V
-    UTMALDGs sit right after Q's, before the runs' build; 168 registers, no stack; the tile
-    loops unchanged at 650 / 462 instructions). D 64 with K 6, K 25 on the bit-mask path."""
-    from jcompilemask.kernels.cute.api import compile_forward
-    head_dim = 64 if case == "k6_d64" else 128
-    k = {"k1": 1, "k6_d64": 6, "k25": 25}[case]
-    key = _registry_key(monkeypatch, head_dim, k, k == 1, guess_first=True)
-    assert compile_forward(key) is not None and _tagged(key, "wr", "gf")
-
-
-def test_guess_first_env_and_key(monkeypatch):
-    """Off unless $JCOMPILEMASK_CUTE_FWD_GUESS_FIRST=1; never without the runs, with K(t + 1)
-    before V(t) or with a scheduled grid (their producers order the loads themselves)."""
-    from jcompilemask.kernels.cute import api
-    for name in (api.FWD_GUESS_FIRST_ENV, api.FWD_WORK_RUNS_ENV, api.FWD_K_AHEAD_ENV,
-                 api.FWD_SCHEDULE_ENV, api.FWD_WORK_LIST_ENV):
-        monkeypatch.delenv(name, raising=False)
-    assert not api.forward_switches(128, 128, 128, 128, 2)["guess_first"]
-    monkeypatch.setenv(api.FWD_GUESS_FIRST_ENV, "1")
-    assert api.forward_switches(128, 128, 128, 128, 2)["guess_first"]
-    for name, value in ((api.FWD_WORK_RUNS_ENV, "0"), (api.FWD_K_AHEAD_ENV, "1"),
-                        (api.FWD_SCHEDULE_ENV, "persistent")):
-        monkeypatch.setenv(name, value)
-        assert not api.forward_switches(128, 128, 128, 128, 2)["guess_first"]
-        monkeypatch.delenv(name)
-    base = dict(dtype="bfloat16", head_dim=128, head_dim_v=128, num_intervals=1, block_q=128,
-                block_kv=128, broadcast_batch=False, broadcast_head=True, scale=0.1, work_list=True)
-    with pytest.raises(ValueError, match="guess_first"):
-        api.ForwardKey(**base, guess_first=True)
-    with pytest.raises(ValueError, match="guess_first"):
-        api.ForwardKey(**base, work_runs=True, k_ahead=True, guess_first=True)
-
-
-@pytest.mark.parametrize("head_dim,case,softcap,shape", [
-    (128, "causal", None, None), (128, "document", None, None), (128, "prefix_window", None, None),
-    (128, "random6", None, None), (128, "random6", 5.0, None), (64, "random3", None, None),
-    (128, "random12", None, None), (128, "random6", None, (256, 70000))])
-def test_guess_first_forward_is_bit_identical_on_gpu(head_dim, case, softcap, shape, monkeypatch):
-    """guess_first loads the same tiles in the same order when its guess (key tile 0) is
-    right and releases the stage unread when it is wrong: o and lse equal the default's bit
-    for bit (causal rows: right; documents / windows: wrong for most rows; ragged Nq 700 /
-    Nk 900, per-head masks, fully masked rows, GQA, a soft cap, D 64, K 12 on the bit-mask
-    path, two list chunks)."""
-    from jcompilemask.kernels.cute import api
-    _switch_case_is_bit_identical(monkeypatch, api.FWD_GUESS_FIRST_ENV, case, 21, 23, head_dim, softcap,
-                                  shape=shape)
 
 
 def _dilated_window_key(case, **fields):

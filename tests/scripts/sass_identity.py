@@ -3,7 +3,8 @@
     python tests/scripts/sass_identity.py OUTDIR [KEY ...]       # compile, write KEY.sass
     python tests/scripts/sass_identity.py --compare DIR_A DIR_B  # same / DIFF per key
 
-Compiles a fixed set of 15 backward keys (D 64 / 128 / 256 / 192-128, fp16, Kc 0 / 7 / 13 / 26,
+Compiles a fixed set of 15 backward keys and 8 forward ones (``fwd_*``: the registry's
+forward switches at D 64 / 128 / 256, K 1-12, fp16, a soft cap, a residual program) (D 64 / 128 / 256 / 192-128, fp16, Kc 0 / 7 / 13 / 26,
 soft cap, a residual program, deterministic, the opt-in knobs) for sm_90a and writes each
 one's SASS with addresses and the function name stripped, so a refactor that must not change
 code can be checked key by key (run it before and after). Needs the compile extra and the
@@ -48,6 +49,29 @@ d = Scalar("d", min=1, max=9)
 cm = jcm.compile(MaskSpec([Region((0, q_len), (k <= q) & ((q - k) % d == 0))]), warn=False)
 pair = ResidualProgram.pair(cm)
 keys["d128_residual"] = api.BackwardKey("bfloat16", 128, cm.num_intervals, cm.num_bwd_intervals, False, True, 128**-0.5, P(128), residual=pair)
+
+
+def fwd_key(d, k_, broadcast, dtype="bfloat16", softcap=None, residual=None, **changes):
+    """A forward key as the registry builds it (tiles, stages, forward_switches), plus changes."""
+    bq, bk = api.preferred_forward_tiles(d)
+    stages = api.preferred_forward_stages(d)
+    sw = {**api.forward_switches(d, d, bq, bk, stages, residual=residual), **changes}
+    return api.ForwardKey(dtype, d, d, k_, bq, bk, broadcast, broadcast, d ** -0.5, softcap=softcap,
+                          num_stages=stages, residual=residual, **sw)
+
+
+# The forward's keys (the registry's default switches): causal, the built-ins' K, D 64 / 256,
+# fp16, a soft cap, K 12, a residual program.
+keys.update({
+ "fwd_d128_k1": fwd_key(128, 1, True),
+ "fwd_d128_k2": fwd_key(128, 2, False),
+ "fwd_d128_k6_fp16": fwd_key(128, 6, False, "float16"),
+ "fwd_d128_k12": fwd_key(128, 12, False),
+ "fwd_d128_cap": fwd_key(128, 1, True, softcap=30.0),
+ "fwd_d64_k3": fwd_key(64, 3, False),
+ "fwd_d256_k1": fwd_key(256, 1, True),
+ "fwd_d128_residual": fwd_key(128, cm.num_intervals, False, residual=ResidualProgram.forward(cm)),
+})
 only = sys.argv[2:] or list(keys)
 bin_ = os.environ.get("CUOBJDUMP_DIR", os.path.dirname(__import__("shutil").which("cuobjdump") or "/"))
 env = dict(os.environ, PATH=bin_ + ":" + os.environ["PATH"])
@@ -55,7 +79,7 @@ for name in only:
     dump = tempfile.mkdtemp(prefix="sid-")
     os.environ["JCOMPILEMASK_CUTE_DUMP_DIR"] = dump
     api._compiled.clear()
-    api.compile_backward(keys[name])
+    (api.compile_forward if name.startswith("fwd_") else api.compile_backward)(keys[name])
     cubin = glob.glob(dump + "/*.cubin")[0]
     sass = subprocess.run([bin_ + "/cuobjdump", "-sass", cubin], env=env, capture_output=True, text=True).stdout
     sass = "\n".join(re.sub(r"/\*[0-9a-f]{4,}\*/", "", l) for l in sass.splitlines() if "Function :" not in l)

@@ -188,14 +188,6 @@ class ForwardKey:
     # h200-masks.json; session 25): the default wherever residual_words is on;
     # $JCOMPILEMASK_CUTE_FWD_RESIDUAL_PERIODIC=0 turns it off.
     residual_periodic: bool = False
-    # With work_runs (not k_ahead, not schedule): the producer issues K / V of key tile 0 with
-    # Q, before the row's tile word has arrived, and checks the guess once the runs are
-    # built: right (the row's first run starts at tile 0: causal, prefix-LM, shared prompt)
-    # it skips that load, wrong the consumers release the stage unread
-    # (FlashForwardSm90.guess_first; issue 14: the first K load otherwise waits for the word
-    # and the build, ~0.5 us a CTA by the session-24 fit). Bit-identical by construction;
-    # $JCOMPILEMASK_CUTE_FWD_GUESS_FIRST=1, a benchmark knob until timed.
-    guess_first: bool = False
 
     @property
     def list_smem(self) -> int:
@@ -252,9 +244,6 @@ class ForwardKey:
             raise ValueError("ForwardKey(work_runs=True) does not combine with rescale_tail")
         if self.runs_early and not self.work_runs:
             raise ValueError("ForwardKey(runs_early=True) is a form of work_runs: set work_runs=True")
-        if self.guess_first and not (self.work_runs and not self.k_ahead and not self.schedule):
-            raise ValueError("ForwardKey(guess_first=True) needs work_runs=True and neither k_ahead "
-                             "nor schedule")
         if self.residual_periodic and not self.residual_words:
             raise ValueError("ForwardKey(residual_periodic=True) works on residual_words' words: "
                              "set residual_words=True")
@@ -287,7 +276,6 @@ class ForwardKey:
             + ("_ss" if self.slot_skip else "")
             + ("_r2p" if self.mask_r2p else "")
             + ("_rp" if self.residual_periodic else "")
-            + ("_gf" if self.guess_first else "")
         )
 
 
@@ -381,7 +369,7 @@ def compile_forward(key: ForwardKey):
             k_ahead=key.k_ahead, group_mask=key.group_mask, rescale_tail=key.rescale_tail,
             work_runs=key.work_runs, runs_early=key.runs_early, slot_skip=key.slot_skip,
             mask_r2p=key.mask_r2p, residual_periodic=key.residual_periodic,
-            residual_words=key.residual_words, guess_first=key.guess_first,
+            residual_words=key.residual_words,
         )
         inputs = [bhsd(nq, hq, key.head_dim), bhsd(nk, hkv, key.head_dim), bhsd(nk, hkv, key.head_dim_v),
                   intervals, tiles]
@@ -552,7 +540,6 @@ FWD_RUNS_EARLY_ENV = "JCOMPILEMASK_CUTE_FWD_RUNS_EARLY"
 FWD_SLOT_SKIP_ENV = "JCOMPILEMASK_CUTE_FWD_SLOT_SKIP"
 FWD_MASK_R2P_ENV = "JCOMPILEMASK_CUTE_FWD_MASK_R2P"
 FWD_RESIDUAL_PERIODIC_ENV = "JCOMPILEMASK_CUTE_FWD_RESIDUAL_PERIODIC"
-FWD_GUESS_FIRST_ENV = "JCOMPILEMASK_CUTE_FWD_GUESS_FIRST"
 # L2 bytes the K / V of one group of heads may take (forward_schedule): the H100 / H200's
 # 50 MB L2, as FlashAttention's longest-first scheduler assumes.
 L2_BYTES = 50 * 1024 * 1024
@@ -673,13 +660,13 @@ def forward_switches(head_dim: int, head_dim_v: int, block_q: int, block_kv: int
     trace time) for a kernel of these sizes: ``bits_above``, ``work_list``, ``schedule``,
     ``persistent``, ``k_ahead``, ``group_mask`` (never with a residual program),
     ``residual_words`` (only with one), ``rescale_tail``, ``work_runs``, ``runs_early``,
-    ``slot_skip``, ``mask_r2p``, ``residual_periodic`` (only with a residual program) and
-    ``guess_first``. With no ``JCOMPILEMASK_CUTE_FWD_*`` variable set these are the
+    ``slot_skip``, ``mask_r2p`` and ``residual_periodic`` (only with a residual program).
+    With no ``JCOMPILEMASK_CUTE_FWD_*`` variable set these are the
     defaults the registry runs, so a compile test that builds its key with them compiles
     what users get.
 
     >>> sorted(forward_switches(128, 128, 128, 128, 2))
-    ['bits_above', 'group_mask', 'guess_first', 'k_ahead', 'mask_r2p', 'persistent', 'rescale_tail', 'residual_periodic', 'residual_words', 'runs_early', 'schedule', 'slot_skip', 'work_list', 'work_runs']
+    ['bits_above', 'group_mask', 'k_ahead', 'mask_r2p', 'persistent', 'rescale_tail', 'residual_periodic', 'residual_words', 'runs_early', 'schedule', 'slot_skip', 'work_list', 'work_runs']
     """
     schedule, persistent = _fwd_schedule()
     work_list = _fwd_work_list(head_dim, head_dim_v, block_q, block_kv, num_stages)
@@ -694,9 +681,7 @@ def forward_switches(head_dim: int, head_dim_v: int, block_q: int, block_kv: int
                 work_runs=work_runs, runs_early=work_runs and _env_flag(FWD_RUNS_EARLY_ENV, "1"),
                 **_fwd_masked_switches(),
                 residual_periodic=(_env_flag(FWD_RESIDUAL_PERIODIC_ENV, "1") and residual is not None
-                                   and _fwd_residual_words(head_dim)),
-                guess_first=(_env_flag(FWD_GUESS_FIRST_ENV, "0") and work_runs and not schedule
-                             and not _fwd_k_ahead()))
+                                   and _fwd_residual_words(head_dim)))
 
 
 def num_sms(default: int = 132) -> int:

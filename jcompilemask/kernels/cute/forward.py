@@ -113,7 +113,6 @@ class FlashForwardSm90(WarpSpecializedSm90):
         slot_skip: bool = False,
         mask_r2p: bool = False,
         residual_periodic: bool = False,
-        guess_first: bool = False,
     ):
         assert dtype in (cutlass.BFloat16, cutlass.Float16), dtype
         assert block_q == 64 * self.num_consumer_wgs, "each consumer warpgroup owns 64 rows"
@@ -170,14 +169,6 @@ class FlashForwardSm90(WarpSpecializedSm90):
         # tile); the list, and so the first K / V load, waited for that word's latency.
         assert not runs_early or work_runs
         self.runs_early = runs_early
-        # guess_first (with work_runs, a benchmark knob): the producer issues K / V of tile 0
-        # with Q, before the tile word has arrived (the first K load otherwise waits for the
-        # word and the runs' build: one L2 latency and more per CTA, which nothing hides with
-        # one CTA an SM). After chunk 0's build it knows: the first run starts at tile 0 and
-        # that load is the first tile's; or not, and sCount[1] tells the consumers to wait
-        # for the stage and release it unread. Same tiles in the same order: bit-identical.
-        assert not guess_first or (work_runs and not k_ahead and not schedule)
-        self.guess_first = guess_first
         self.list_words = FWD_LIST_CHUNK * (2 if work_runs else 1)
         # k_ahead (issue 14): the producer issues K(t + 1) before V(t) (FA4's SM90 order),
         # so the next QK^T's operand is not queued behind the wait for V's stage, which
@@ -619,29 +610,12 @@ class FlashForwardSm90(WarpSpecializedSm90):
         if const_expr(self.work_runs):
             sRuns, sCount = work
             ragged_tile = self.ragged_tile(n_k_tiles, mK.shape[0])
-            # guess_first: K / V of tile 0 issued now; `skip` is then 1 for the first run of
-            # chunk 0 when the guess was right (its first tile is loaded already).
-            guessed = n_k_tiles > 0
-            if const_expr(self.guess_first):
-                if guessed:
-                    kv_state = self.load_kv(kv_rings, kv_state, Int32(0))
             for ch in cutlass.range(cute.ceil_div(n_k_tiles, FWD_LIST_CHUNK), unroll=1):
                 self.build_runs(gTiles, n_k_tiles, ch, sRuns, sCount, ragged_tile, first_raw)
-                skip = Int32(0)
-                if const_expr(self.guess_first):
-                    if ch == 0:
-                        hit = (sCount[0] > 0) & ((sRuns[0] & Int32(0xFFFF)) == Int32(0))
-                        skip = Int32(1) if hit else Int32(0)
-                        # (the loop runs only for n_k_tiles > 0, when the guess was issued)
-                        if cute.arch.lane_idx() == 0:
-                            sCount[1] = Int32(0) if hit else Int32(1)
-                        cute.arch.sync_warp()
                 cute.arch.barrier_arrive(barrier_id=_BARRIER_LIST_READY, number_of_threads=self.list_meet)
                 for r in cutlass.range(sCount[0], unroll=1):
-                    for k_tile in cutlass.range((sRuns[2 * r] & Int32(0xFFFF)) + skip, sRuns[2 * r + 1],
-                                                unroll=1):
+                    for k_tile in cutlass.range(sRuns[2 * r] & Int32(0xFFFF), sRuns[2 * r + 1], unroll=1):
                         kv_state = self.load_kv(kv_rings, kv_state, k_tile)
-                    skip = Int32(0)
                 cute.arch.barrier(barrier_id=_BARRIER_LIST_FREE, number_of_threads=self.list_meet)
         elif const_expr(self.work_list):
             sList, sCount = work
@@ -832,10 +806,6 @@ class FlashForwardSm90(WarpSpecializedSm90):
             sRuns, sCount = work
             for ch in cutlass.range(cute.ceil_div(n_k_tiles, FWD_LIST_CHUNK), unroll=1):
                 cute.arch.barrier(barrier_id=_BARRIER_LIST_READY, number_of_threads=self.list_meet)
-                if const_expr(self.guess_first):
-                    if ch == 0:
-                        if cute.arch.make_warp_uniform(sCount[1]) != Int32(0):
-                            kv_state = self.release_unread(kv_state, pipeline_k, pipeline_v)
                 for r in cutlass.range(sCount[0], unroll=1):
                     # The run's first tile and end, its kind (the ragged tile is masked).
                     entry = cute.arch.make_warp_uniform(sRuns[2 * r])
@@ -941,17 +911,6 @@ class FlashForwardSm90(WarpSpecializedSm90):
             kv_state = self.mma_step(kv_state, k_tile, True, *step_args)
         else:
             kv_state = self.mma_step(kv_state, k_tile, False, *step_args)
-        return kv_state
-
-    @cute.jit
-    def release_unread(self, kv_state, pipeline_k, pipeline_v):
-        """guess_first, a wrong guess: the stage's K and V arrive (the TMA writes must land
-        before the stage is refilled) and are released unread; returns the advanced state."""
-        pipeline_k.consumer_wait(kv_state)
-        pipeline_k.consumer_release(kv_state)
-        pipeline_v.consumer_wait(kv_state)
-        pipeline_v.consumer_release(kv_state)
-        kv_state.advance()
         return kv_state
 
     @cute.jit
