@@ -56,6 +56,7 @@
 #                timed beside the default and FA4 native, then the forward + attention tests under it
 #   fre          issue 14: runs_early (the producer's tile words loaded first thing, runs over set
 #                bits): bit-identity vs work_runs, timed beside the default and FA4 native, then tests
+#   frse         issue 14: rescale_early (O's rescale before the next P V issue, FA3's order): identity, timing, tests
 #   fss          issue 14: runs_early, slot_skip, mask_r2p: their bit-identity sets, timed at 8K / 32K
 #                on causal, hstu, shared prompt, clear beside the default and FA4 native
 #   rp           issue 16: residual_periodic (a predicate proved 8-periodic in the column index evaluated
@@ -829,6 +830,17 @@ PY
     forward_switch_stage fwr work_runs_forward_is_bit_identical 200 JCOMPILEMASK_CUTE_FWD_WORK_RUNS \
       32768,8192,2048 causal,hstu,shared_prompt \
       "${JCM_FWR_VARIANTS:-base=;wr=JCOMPILEMASK_CUTE_FWD_WORK_RUNS=1}"
+    ;;
+  frse)
+    # Issue 14 (compile-checked in session 26): rescale_early — O's rescale by a step's row
+    # factors in the next step, between its S GEMM issue and its P V issue (FA3's order).
+    # ncu (causal 8K, session 26): our unmasked step's 64 rescale FMULs all ran after its 64
+    # exp2s, behind the P V wait that ptxas puts right after the row max; per tile our
+    # consumer warps sampled 2.7% more than FA4's. Bit-identity vs the default (9 cases),
+    # timed beside it and FA4 native (8K, 32K, 2K), then the forward + attention tests.
+    forward_switch_stage frse rescale_early_forward_is_bit_identical 170 JCOMPILEMASK_CUTE_FWD_RESCALE_EARLY \
+      8192,32768,2048 causal,hstu,shared_prompt,clear \
+      "${JCM_FRSE_VARIANTS:-base=;rse=JCOMPILEMASK_CUTE_FWD_RESCALE_EARLY=1}"
     ;;
   fre)
     # Issue 14 (compile-checked in session 24): runs_early — work_runs' remaining gap to FA4

@@ -32,7 +32,7 @@ def registry_switches(monkeypatch, head_dim, head_dim_v, block_q, block_kv, num_
     for name in (api.FWD_WORK_LIST_ENV, api.FWD_GROUP_MASK_ENV, api.FWD_SCHEDULE_ENV,
                  api.FWD_K_AHEAD_ENV, api.FWD_BITS_ABOVE_ENV, api.FWD_RESCALE_TAIL_ENV,
                  api.FWD_WORK_RUNS_ENV, api.FWD_RUNS_EARLY_ENV, api.FWD_SLOT_SKIP_ENV,
-                 api.FWD_MASK_R2P_ENV, api.FWD_RESIDUAL_PERIODIC_ENV):
+                 api.FWD_MASK_R2P_ENV, api.FWD_RESIDUAL_PERIODIC_ENV, api.FWD_RESCALE_EARLY_ENV):
         monkeypatch.delenv(name, raising=False)
     switches = {**api.forward_switches(head_dim, head_dim_v, block_q, block_kv, num_stages), **changes}
     if "work_runs" not in changes and (switches["rescale_tail"] or not switches["work_list"]):
@@ -831,6 +831,58 @@ def test_work_runs_forward_is_bit_identical_on_gpu(head_dim, case, softcap, shap
     from jcompilemask.kernels.cute import api
     _switch_case_is_bit_identical(monkeypatch, api.FWD_WORK_RUNS_ENV, case, 3, 11, head_dim, softcap,
                                   shape=shape, extra=(api.FWD_WORK_LIST_ENV,) + ((extra,) if extra else ()))
+
+
+@needs_cutlass
+@pytest.mark.parametrize("case", ["k1", pytest.param("k6_d64_cap", marks=knob), pytest.param("k25", marks=knob),
+                                  pytest.param("d256", marks=knob), pytest.param("persistent", marks=knob)])
+def test_rescale_early_compiles_for_sm90(case, monkeypatch):
+    """rescale_early ($JCOMPILEMASK_CUTE_FWD_RESCALE_EARLY=1, issue 14): O's rescale by the
+    last step's row factors between the S GEMM issue and the P V issue (SASS, D 128 K 1: the
+    unmasked step's 64 FMULs before its P V HGMMAs, only P's conversion after the P V wait;
+    168 registers, no stack). D 64 with K 6 and a soft cap, K 25 on the bit-mask path, D 256
+    (no runs), persistent CTAs."""
+    from jcompilemask.kernels.cute.api import compile_forward
+    head_dim = {"k6_d64_cap": 64, "d256": 256}.get(case, 128)
+    k = {"k6_d64_cap": 6, "k25": 25}.get(case, 1)
+    key = _registry_key(monkeypatch, head_dim, k, k == 1, 30.0 if case == "k6_d64_cap" else None,
+                        rescale_early=True, **(dict(schedule=True, persistent=True) if case == "persistent" else {}))
+    assert compile_forward(key) is not None and _tagged(key, "rse")
+
+
+def test_rescale_early_env_and_key(monkeypatch):
+    """Off unless $JCOMPILEMASK_CUTE_FWD_RESCALE_EARLY=1; never with rescale_tail (the key
+    refuses the pair)."""
+    from jcompilemask.kernels.cute import api
+    for name in (api.FWD_RESCALE_EARLY_ENV, api.FWD_RESCALE_TAIL_ENV):
+        monkeypatch.delenv(name, raising=False)
+    assert not api.forward_switches(128, 128, 128, 128, 2)["rescale_early"]
+    monkeypatch.setenv(api.FWD_RESCALE_EARLY_ENV, "1")
+    assert api.forward_switches(128, 128, 128, 128, 2)["rescale_early"]
+    monkeypatch.setenv(api.FWD_RESCALE_TAIL_ENV, "1")
+    assert not api.forward_switches(128, 128, 128, 128, 2)["rescale_early"]
+    base = dict(dtype="bfloat16", head_dim=128, head_dim_v=128, num_intervals=1, block_q=128,
+                block_kv=128, broadcast_batch=False, broadcast_head=True, scale=0.1)
+    with pytest.raises(ValueError, match="rescale_early"):
+        api.ForwardKey(**base, rescale_tail=True, rescale_early=True)
+
+
+@pytest.mark.parametrize("head_dim,case,softcap,shape,extra", [
+    (128, "causal", None, None, None), (128, "document", None, None, None),
+    (128, "prefix_window", None, None, None), (128, "random6", 5.0, None, None),
+    (64, "random3", None, None, None), (256, "random6", None, None, None),
+    (128, "random12", None, None, None),
+    (128, "random6", None, (256, 70000), None),         # two list chunks
+    (128, "document", None, None, "JCOMPILEMASK_CUTE_FWD_SCHEDULE=persistent")])
+def test_rescale_early_forward_is_bit_identical_on_gpu(head_dim, case, softcap, shape, extra, monkeypatch):
+    """rescale_early moves O's rescale, not its arithmetic (the same multiplies and
+    accumulations on O in the same order; factor 1 on the still-zero O before the first
+    P V): o and lse equal the default's bit for bit (ragged Nq 700 / Nk 900, per-head masks,
+    fully masked rows, GQA, a soft cap, D 64 / 256, K 12 on the bit-mask path, two list
+    chunks, persistent CTAs)."""
+    from jcompilemask.kernels.cute import api
+    _switch_case_is_bit_identical(monkeypatch, api.FWD_RESCALE_EARLY_ENV, case, 25, 27, head_dim, softcap,
+                                  shape=shape, extra=(extra,) if extra else ())
 
 
 def _dilated_window_key(case, **fields):

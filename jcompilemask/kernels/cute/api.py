@@ -188,6 +188,12 @@ class ForwardKey:
     # h200-masks.json; session 25): the default wherever residual_words is on;
     # $JCOMPILEMASK_CUTE_FWD_RESIDUAL_PERIODIC=0 turns it off.
     residual_periodic: bool = False
+    # O's rescale by a step's row factors in the next step, between its S GEMM issue and its
+    # P V issue (FA3's order), instead of after the step's P V wait, where ptxas puts the 64
+    # FMULs after all exp2s (FlashForwardSm90.rescale_early; issue 14, ncu causal 8K session
+    # 26). Bit-identical by construction; $JCOMPILEMASK_CUTE_FWD_RESCALE_EARLY=1, a benchmark
+    # knob until timed. Not with rescale_tail.
+    rescale_early: bool = False
 
     @property
     def list_smem(self) -> int:
@@ -242,6 +248,9 @@ class ForwardKey:
             raise ValueError("ForwardKey(work_runs=True) is a form of the work list: set work_list=True")
         if self.work_runs and self.rescale_tail:
             raise ValueError("ForwardKey(work_runs=True) does not combine with rescale_tail")
+        if self.rescale_early and self.rescale_tail:
+            raise ValueError("ForwardKey(rescale_early=True) moves O's rescale to the next step; "
+                             "rescale_tail moves it to the loop's tail: choose one")
         if self.runs_early and not self.work_runs:
             raise ValueError("ForwardKey(runs_early=True) is a form of work_runs: set work_runs=True")
         if self.residual_periodic and not self.residual_words:
@@ -276,6 +285,7 @@ class ForwardKey:
             + ("_ss" if self.slot_skip else "")
             + ("_r2p" if self.mask_r2p else "")
             + ("_rp" if self.residual_periodic else "")
+            + ("_rse" if self.rescale_early else "")
         )
 
 
@@ -369,7 +379,7 @@ def compile_forward(key: ForwardKey):
             k_ahead=key.k_ahead, group_mask=key.group_mask, rescale_tail=key.rescale_tail,
             work_runs=key.work_runs, runs_early=key.runs_early, slot_skip=key.slot_skip,
             mask_r2p=key.mask_r2p, residual_periodic=key.residual_periodic,
-            residual_words=key.residual_words,
+            residual_words=key.residual_words, rescale_early=key.rescale_early,
         )
         inputs = [bhsd(nq, hq, key.head_dim), bhsd(nk, hkv, key.head_dim), bhsd(nk, hkv, key.head_dim_v),
                   intervals, tiles]
@@ -540,6 +550,7 @@ FWD_RUNS_EARLY_ENV = "JCOMPILEMASK_CUTE_FWD_RUNS_EARLY"
 FWD_SLOT_SKIP_ENV = "JCOMPILEMASK_CUTE_FWD_SLOT_SKIP"
 FWD_MASK_R2P_ENV = "JCOMPILEMASK_CUTE_FWD_MASK_R2P"
 FWD_RESIDUAL_PERIODIC_ENV = "JCOMPILEMASK_CUTE_FWD_RESIDUAL_PERIODIC"
+FWD_RESCALE_EARLY_ENV = "JCOMPILEMASK_CUTE_FWD_RESCALE_EARLY"
 # L2 bytes the K / V of one group of heads may take (forward_schedule): the H100 / H200's
 # 50 MB L2, as FlashAttention's longest-first scheduler assumes.
 L2_BYTES = 50 * 1024 * 1024
@@ -660,13 +671,13 @@ def forward_switches(head_dim: int, head_dim_v: int, block_q: int, block_kv: int
     trace time) for a kernel of these sizes: ``bits_above``, ``work_list``, ``schedule``,
     ``persistent``, ``k_ahead``, ``group_mask`` (never with a residual program),
     ``residual_words`` (only with one), ``rescale_tail``, ``work_runs``, ``runs_early``,
-    ``slot_skip``, ``mask_r2p`` and ``residual_periodic`` (only with a residual program).
-    With no ``JCOMPILEMASK_CUTE_FWD_*`` variable set these are the
+    ``slot_skip``, ``mask_r2p``, ``residual_periodic`` (only with a residual program) and
+    ``rescale_early`` (never with ``rescale_tail``). With no ``JCOMPILEMASK_CUTE_FWD_*`` variable set these are the
     defaults the registry runs, so a compile test that builds its key with them compiles
     what users get.
 
     >>> sorted(forward_switches(128, 128, 128, 128, 2))
-    ['bits_above', 'group_mask', 'k_ahead', 'mask_r2p', 'persistent', 'rescale_tail', 'residual_periodic', 'residual_words', 'runs_early', 'schedule', 'slot_skip', 'work_list', 'work_runs']
+    ['bits_above', 'group_mask', 'k_ahead', 'mask_r2p', 'persistent', 'rescale_early', 'rescale_tail', 'residual_periodic', 'residual_words', 'runs_early', 'schedule', 'slot_skip', 'work_list', 'work_runs']
     """
     schedule, persistent = _fwd_schedule()
     work_list = _fwd_work_list(head_dim, head_dim_v, block_q, block_kv, num_stages)
@@ -681,7 +692,8 @@ def forward_switches(head_dim: int, head_dim_v: int, block_q: int, block_kv: int
                 work_runs=work_runs, runs_early=work_runs and _env_flag(FWD_RUNS_EARLY_ENV, "1"),
                 **_fwd_masked_switches(),
                 residual_periodic=(_env_flag(FWD_RESIDUAL_PERIODIC_ENV, "1") and residual is not None
-                                   and _fwd_residual_words(head_dim)))
+                                   and _fwd_residual_words(head_dim)),
+                rescale_early=_env_flag(FWD_RESCALE_EARLY_ENV, "0") and not rescale_tail)
 
 
 def num_sms(default: int = 132) -> int:

@@ -113,6 +113,7 @@ class FlashForwardSm90(WarpSpecializedSm90):
         slot_skip: bool = False,
         mask_r2p: bool = False,
         residual_periodic: bool = False,
+        rescale_early: bool = False,
     ):
         assert dtype in (cutlass.BFloat16, cutlass.Float16), dtype
         assert block_q == 64 * self.num_consumer_wgs, "each consumer warpgroup owns 64 rows"
@@ -244,6 +245,17 @@ class FlashForwardSm90(WarpSpecializedSm90):
         # joins two step kinds, not three (fewer register moves at the join). Bit-identical
         # results: the same products in the same order.
         self.rescale_tail = rescale_tail
+        # rescale_early (issue 14, a benchmark knob): O's rescale by a step's row factors runs
+        # in the next step, between its S = Q K^T issue and its P V issue (FA3's order), not
+        # after the step's P V wait. ncu (causal 8K, session 26): the unmasked step's 64 FMULs
+        # of the rescale all sit after its 64 exp2s, behind the P V wait, which ptxas places
+        # right after the row max (0 of 64 MUFU before it; FA4's FMULs interleave with its
+        # exp2s); per tile our consumer warps sampled 2.7% more than FA4's. Moved before the
+        # next P V issue they run while that step's S GEMM holds the tensor pipe, and after the
+        # wait only P's conversion is left. Bit-identical: O sees the same multiplies and
+        # accumulations in the same order (factor 1 before the first P V, whose O is 0).
+        assert not (rescale_early and rescale_tail)
+        self.rescale_early = rescale_early
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -764,8 +776,9 @@ class FlashForwardSm90(WarpSpecializedSm90):
         row_sum.fill(0.0)
         # rescale_tail: the last step's row factors, applied to O in the loop's tail (1 after
         # the first tile, whose O is still zero).
+        # rescale_early: the last step's factors, applied before the next P V issue.
         row_scale = None
-        if const_expr(self.rescale_tail):
+        if const_expr(self.rescale_tail or self.rescale_early):
             row_scale = cute.make_rmem_tensor(num_rows, Float32)
             row_scale.fill(1.0)
 
@@ -875,6 +888,8 @@ class FlashForwardSm90(WarpSpecializedSm90):
             v_stage = kv_state.index
             if const_expr(self.rescale_tail):
                 v_stage = cute.arch.make_warp_uniform(v_stage)     # as in mma_step
+            if const_expr(self.rescale_early):
+                self.rescale_o(acc_O, row_scale)
             issue_wgmma(wg_mma_pv, acc_O, tOrP, tOrV[None, None, None, v_stage], False)
             warpgroup.wait_group(0)
             pipeline_v.consumer_release(kv_state)
@@ -946,7 +961,9 @@ class FlashForwardSm90(WarpSpecializedSm90):
                  tSrQ, tSrK, tOrV, tOrP, acc_O, tScS, row_max, row_sum, row_intervals, seqlen_k,
                  pipeline_k, pipeline_v, wg, row_scale=None):
         """S_t = Q K_t^T is issued before O += P_{t-1} V_{t-1}; softmax of S_t overlaps that GEMM.
-        With ``rescale_tail`` the row factors go to ``row_scale`` and the caller rescales O."""
+        With ``rescale_tail`` the row factors go to ``row_scale`` and the caller rescales O; with
+        ``rescale_early`` O is rescaled by ``row_scale`` (the last step's factors) before this
+        step's P V issue, and the softmax leaves this step's factors there."""
         v_state = kv_state.clone()
         kv_state.advance()
         acc_S = cute.make_rmem_tensor(wg_mma_qk.partition_shape_C((self.block_q, self.block_kv)), Float32)
@@ -960,6 +977,10 @@ class FlashForwardSm90(WarpSpecializedSm90):
             k_stage = cute.arch.make_warp_uniform(k_stage)
             v_stage = cute.arch.make_warp_uniform(v_stage)
         issue_wgmma(wg_mma_qk, acc_S, tSrQ[None, None, None, 0], tSrK[None, None, None, k_stage], True)
+        if const_expr(self.rescale_early):
+            # The previous step's factors (its P V is done: it waited for it); this S holds
+            # the tensor pipe meanwhile.
+            self.rescale_o(acc_O, row_scale)
         pipeline_v.consumer_wait(v_state)
         issue_wgmma(wg_mma_pv, acc_O, tOrP, tOrV[None, None, None, v_stage], False)
         self.sched_signal(wg)
@@ -970,13 +991,13 @@ class FlashForwardSm90(WarpSpecializedSm90):
             self.apply_softcap(acc_S)
         if const_expr(masked):
             self.apply_mask(acc_S_rows, tScS, k_tile, row_intervals, seqlen_k)
-        if const_expr(not self.rescale_tail):
+        if const_expr(not (self.rescale_tail or self.rescale_early)):
             row_scale = cute.make_rmem_tensor(row_max.shape, Float32)
         self.online_softmax(acc_S_rows, row_max, row_sum, row_scale)
         warpgroup.wait_group(0)
         pipeline_v.consumer_release(v_state)
         tOrP.store(_as_a_operand(acc_S).load().to(self.dtype))
-        if const_expr(not self.rescale_tail):
+        if const_expr(not (self.rescale_tail or self.rescale_early)):
             self.rescale_o(acc_O, row_scale)
         return kv_state
 
