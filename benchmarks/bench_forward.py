@@ -10,7 +10,8 @@ head dim 128, bf16: FLOPs = 4 * D * heads * (visible pairs); time = ``timing.sus
 (median over repeats of a host-clocked loop of N back-to-back calls synchronised once,
 N chosen so a loop lasts >= 0.5 s, after warm-up), the same method for every impl.
 --fa4 adds FlashAttention-4's native CuTe kernel (torch) as impl "fa4-native". Records
-{mask, n, impl, fwd_ms, fwd_tflops, run, sm_clock_mhz, power_w} (``clocks.py``) go to
+{mask, n, impl, fwd_ms, fwd_tflops, run, sm_clock_mhz, power_w} (``clocks.py``; the
+masks' jcm records add ``env``, the JCOMPILEMASK_* switches in effect, when any) go to
 --out (default benchmarks/results/h200-forward.json).
 """
 
@@ -137,7 +138,7 @@ def bench_masks(ns, masks, variants=(("", {}),), save=None) -> list[dict]:
 
     import jcompilemask as jcm
     import workloads as W
-    from bench_total import environment, variant_name
+    from bench_total import environment, jcm_env, variant_name
 
     records = []
     for n in ns:
@@ -159,12 +160,13 @@ def bench_masks(ns, masks, variants=(("", {}),), save=None) -> list[dict]:
                     jax.clear_caches()            # every variant traces afresh
                     fwd = jax.jit(lambda q, k, v, d: jcm.mask_attention(q, k, v, d, implementation="cute"))
                     jax.block_until_ready(fwd(q, k, v, desc))
+                    switches = jcm_env()
                 clocks.start()
                 win = []
                 sec = _median_time(lambda: fwd(q, k, v, desc), warmup=3, repeats=5, windows=win)
                 rec = {"mask": mask, "n": n, "impl": variant_name("jcm-cute", tag), "fwd_ms": sec * 1e3,
                        "fwd_tflops": W.tflops(pairs, sec * 1e3), "pairs": pairs,
-                       **clocks.fields(win)}
+                       **clocks.fields(win), **({"env": switches} if switches else {})}
                 print(f"bench {rec['impl']} {mask} n={n} B={B}: {rec['fwd_ms']:.3f} ms "
                       f"{rec['fwd_tflops']:.1f} TF/s sm {rec.get('sm_clock_mhz')} MHz", flush=True)
                 print(json.dumps(rec), flush=True)  # the record survives a killed run

@@ -19,7 +19,9 @@ For each workload of docs/workloads.md (bf16, 8 heads, head dim 128, batch 13107
   heads * visible pairs (pairs from jcompilemask's own descriptor, so all impls compare);
 - ``run``, ``sm_clock_mhz``, ``power_w`` (``clocks.py``): the run id shared by all
   records of one process (or ``$JCM_RUN_ID``) and the median SM clock / board power over
-  the record's timed loops (null where no GPU can be sampled).
+  the record's timed loops (null where no GPU can be sampled);
+- ``env`` (jcm records, when any is set): the ``JCOMPILEMASK_*`` variables the record was
+  timed under, the process's and its ``--jcm-variants`` entry's (``jcm_env``).
 
 Every impl is timed the same way (``timing.sustained``): after warm-up, N back-to-back
 calls synchronised once (JAX: ``block_until_ready`` on the last result; torch:
@@ -132,6 +134,17 @@ def parse_variants(text):
 
 def variant_name(base, tag):
     return base if tag in ("", "base") else f"{base}-{tag}"
+
+
+def jcm_env():
+    """The ``JCOMPILEMASK_*`` variables in effect (call it inside ``environment``): a jcm
+    record's ``env`` field, so a record timed under a switch says so without a hand edit.
+
+    >>> with environment({"JCOMPILEMASK_CUTE_FWD_RESCALE_EARLY": "1"}):
+    ...     jcm_env()["JCOMPILEMASK_CUTE_FWD_RESCALE_EARLY"]
+    '1'
+    """
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith("JCOMPILEMASK_")}
 
 
 @contextlib.contextmanager
@@ -486,6 +499,8 @@ def main(argv=None):
                                               r["pre"], r["fwd"], r["step"], r["heads"],
                                               r["head_dim"], win),
                                        preprocess=r["preprocess"])
+                            if jcm_env():
+                                rec["env"] = jcm_env()
                             rec["check"] = (check_jcm(mask, args.smoke, r["impl"])
                                             if args.check else None)
                         save(rec)

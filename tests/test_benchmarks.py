@@ -171,6 +171,23 @@ def test_bench_total_records_run_and_clock_fields(tmp_path):
     assert saved["run"] == r["run"]
 
 
+def test_bench_total_records_the_switches_in_effect(tmp_path, monkeypatch):
+    """A jcm record names the JCOMPILEMASK_* variables it was timed under (the process's and
+    its --jcm-variants entry's) in ``env``; with none set it has no ``env`` field."""
+    mod = _bench_module("bench_total")
+    for name in [k for k in os.environ if k.startswith("JCOMPILEMASK_")]:
+        monkeypatch.delenv(name)
+    recs = mod.main(["--smoke", "--masks", "causal", "--out", str(tmp_path / "a.json")])
+    assert "env" not in recs[0]
+    monkeypatch.setenv("JCOMPILEMASK_CUTE_FWD_RESCALE_EARLY", "1")
+    recs = mod.main(["--smoke", "--masks", "causal", "--out", str(tmp_path / "b.json"),
+                     "--jcm-variants", "base=;x=JCOMPILEMASK_CUTE_FWD_MASK_R2P=0"])
+    assert [r["impl"] for r in recs] == ["jcm-xla", "jcm-xla-x"]
+    assert recs[0]["env"] == {"JCOMPILEMASK_CUTE_FWD_RESCALE_EARLY": "1"}
+    assert recs[1]["env"] == {"JCOMPILEMASK_CUTE_FWD_MASK_R2P": "0",
+                              "JCOMPILEMASK_CUTE_FWD_RESCALE_EARLY": "1"}
+
+
 def test_bench_total_skip_and_elapsed(tmp_path):
     """--skip IMPL:MASK leaves those records out (so a table fits one device call); each
     record says when it finished (elapsed_s); a malformed pair is refused by name."""
