@@ -56,7 +56,8 @@
 #                timed beside the default and FA4 native, then the forward + attention tests under it
 #   fre          issue 14: runs_early (the producer's tile words loaded first thing, runs over set
 #                bits): bit-identity vs work_runs, timed beside the default and FA4 native, then tests
-#   frse         issue 14: rescale_early (O's rescale before the next P V issue, FA3's order): identity, timing, tests
+#   frse         issue 14: rescale_early (O's rescale before the next P V issue, FA3's order) and operands_early
+#                (GEMM operands sliced before the K wait): identity, timing of each and both, tests
 #   fss          issue 14: runs_early, slot_skip, mask_r2p: their bit-identity sets, timed at 8K / 32K
 #                on causal, hstu, shared prompt, clear beside the default and FA4 native
 #   rp           issue 16: residual_periodic (a predicate proved 8-periodic in the column index evaluated
@@ -832,15 +833,28 @@ PY
       "${JCM_FWR_VARIANTS:-base=;wr=JCOMPILEMASK_CUTE_FWD_WORK_RUNS=1}"
     ;;
   frse)
-    # Issue 14 (compile-checked in session 26): rescale_early — O's rescale by a step's row
-    # factors in the next step, between its S GEMM issue and its P V issue (FA3's order).
-    # ncu (causal 8K, session 26): our unmasked step's 64 rescale FMULs all ran after its 64
-    # exp2s, behind the P V wait that ptxas puts right after the row max; per tile our
-    # consumer warps sampled 2.7% more than FA4's. Bit-identity vs the default (9 cases),
-    # timed beside it and FA4 native (8K, 32K, 2K), then the forward + attention tests.
-    forward_switch_stage frse rescale_early_forward_is_bit_identical 170 JCOMPILEMASK_CUTE_FWD_RESCALE_EARLY \
-      8192,32768,2048 causal,hstu,shared_prompt,clear \
-      "${JCM_FRSE_VARIANTS:-base=;rse=JCOMPILEMASK_CUTE_FWD_RESCALE_EARLY=1}"
+    # Issue 14 (compile-checked in session 26), two switches from the session's ncu pair
+    # (causal 8K: our unmasked step sampled 2.7% more than FA4's): rescale_early — O's
+    # rescale by a step's row factors in the next step, after its S GEMM issue and before its
+    # P V issue (FA3's order; the 64 FMULs had all run after the 64 exp2s, behind the P V
+    # wait) — and operands_early — the GEMM operand slices taken before the K wait and the
+    # scheduler barrier (16 instructions from that barrier to the first S HGMMA, FA4's 6).
+    # Both bit-identical: their identity cases (9 + 7) under a hang guard, then fwd ms of
+    # each and both beside the default and FA4 native (JCM_BENCH_NS, default 8K and 32K;
+    # causal and hstu, the masks under the line), then the forward tests under both.
+    export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
+    left() { local l=$(( ${JCM_STAGE_S:-570} - SECONDS )); (( l < $1 )) && echo $(( l > 5 ? l : 5 )) || echo $1; }
+    identity_gate frse "rescale_early_forward_is_bit_identical or operands_early_forward_is_bit_identical" $(left 240)
+    rse=JCOMPILEMASK_CUTE_FWD_RESCALE_EARLY=1; oe=JCOMPILEMASK_CUTE_FWD_OPERANDS_EARLY=1
+    timeout -k 5 $(left 230) python3 benchmarks/bench_forward.py --ns ${JCM_BENCH_NS:-8192,32768} \
+      --masks ${JCM_BENCH_MASKS:-causal,hstu} --fa4 \
+      --jcm-variants "${JCM_FRSE_VARIANTS:-base=;rse=$rse;oe=$oe;both=$rse $oe}" \
+      --out "$OUT/h200-fwd-frse.json" > "$OUT/bench-frse.log" 2>&1
+    echo "bench rc $? ($SECONDS s)"; pkill -9 -f bench_forward; grep -E '^bench' "$OUT/bench-frse.log" | tail -30 | cut -c1-120
+    env $rse $oe timeout -k 5 $(left 200) python3 -m pytest -q -rs -p no:cacheprovider \
+      tests/gpu/test_cute_forward.py "tests/gpu/test_cute_attention.py::test_builtin" -k "not compiles" \
+      --junitxml="$OUT/junit-frse.xml" > "$OUT/pytest-frse.log" 2>&1
+    echo "pytest rc $? ($SECONDS s)"; pkill -9 -f pytest; tail -3 "$OUT/pytest-frse.log"
     ;;
   fre)
     # Issue 14 (compile-checked in session 24): runs_early — work_runs' remaining gap to FA4

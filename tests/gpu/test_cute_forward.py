@@ -32,7 +32,8 @@ def registry_switches(monkeypatch, head_dim, head_dim_v, block_q, block_kv, num_
     for name in (api.FWD_WORK_LIST_ENV, api.FWD_GROUP_MASK_ENV, api.FWD_SCHEDULE_ENV,
                  api.FWD_K_AHEAD_ENV, api.FWD_BITS_ABOVE_ENV, api.FWD_RESCALE_TAIL_ENV,
                  api.FWD_WORK_RUNS_ENV, api.FWD_RUNS_EARLY_ENV, api.FWD_SLOT_SKIP_ENV,
-                 api.FWD_MASK_R2P_ENV, api.FWD_RESIDUAL_PERIODIC_ENV, api.FWD_RESCALE_EARLY_ENV):
+                 api.FWD_MASK_R2P_ENV, api.FWD_RESIDUAL_PERIODIC_ENV, api.FWD_RESCALE_EARLY_ENV,
+                 api.FWD_OPERANDS_EARLY_ENV):
         monkeypatch.delenv(name, raising=False)
     switches = {**api.forward_switches(head_dim, head_dim_v, block_q, block_kv, num_stages), **changes}
     if "work_runs" not in changes and (switches["rescale_tail"] or not switches["work_list"]):
@@ -883,6 +884,46 @@ def test_rescale_early_forward_is_bit_identical_on_gpu(head_dim, case, softcap, 
     from jcompilemask.kernels.cute import api
     _switch_case_is_bit_identical(monkeypatch, api.FWD_RESCALE_EARLY_ENV, case, 25, 27, head_dim, softcap,
                                   shape=shape, extra=(extra,) if extra else ())
+
+
+@needs_cutlass
+@pytest.mark.parametrize("case", ["k1", pytest.param("k6_d64_cap", marks=knob), pytest.param("k25", marks=knob),
+                                  pytest.param("d256_rse", marks=knob), pytest.param("persistent", marks=knob)])
+def test_operands_early_compiles_for_sm90(case, monkeypatch):
+    """operands_early ($JCOMPILEMASK_CUTE_FWD_OPERANDS_EARLY=1, issue 14): a step's GEMM
+    operand slices taken before its K wait and the scheduler barrier (SASS, D 128 K 1: 14-15
+    -> 9-11 instructions from the barrier to the first S HGMMA; 168 registers, no stack).
+    D 64 with K 6 and a soft cap, K 25 on the bit-mask path, D 256 with rescale_early,
+    persistent CTAs."""
+    from jcompilemask.kernels.cute.api import compile_forward
+    head_dim = {"k6_d64_cap": 64, "d256_rse": 256}.get(case, 128)
+    k = {"k6_d64_cap": 6, "k25": 25}.get(case, 1)
+    key = _registry_key(monkeypatch, head_dim, k, k == 1, 30.0 if case == "k6_d64_cap" else None,
+                        operands_early=True, rescale_early=case == "d256_rse",
+                        **(dict(schedule=True, persistent=True) if case == "persistent" else {}))
+    assert compile_forward(key) is not None and _tagged(key, "oe")
+
+
+def test_operands_early_env(monkeypatch):
+    from jcompilemask.kernels.cute import api
+    monkeypatch.delenv(api.FWD_OPERANDS_EARLY_ENV, raising=False)
+    assert not api.forward_switches(128, 128, 128, 128, 2)["operands_early"]
+    monkeypatch.setenv(api.FWD_OPERANDS_EARLY_ENV, "1")
+    assert api.forward_switches(128, 128, 128, 128, 2)["operands_early"]
+
+
+@pytest.mark.parametrize("head_dim,case,softcap,extra", [
+    (128, "causal", None, None), (128, "document", None, None), (128, "random6", 5.0, None),
+    (64, "random3", None, None), (128, "random12", None, None),
+    (128, "causal", None, "JCOMPILEMASK_CUTE_FWD_RESCALE_EARLY"),     # with it: as rescale_early alone
+    (128, "document", None, "JCOMPILEMASK_CUTE_FWD_SCHEDULE=persistent")])
+def test_operands_early_forward_is_bit_identical_on_gpu(head_dim, case, softcap, extra, monkeypatch):
+    """operands_early changes where the GEMM operands are sliced, not the GEMMs: o and lse
+    equal the default's bit for bit (with rescale_early set for both runs: equal to
+    rescale_early alone, itself checked against the default)."""
+    from jcompilemask.kernels.cute import api
+    _switch_case_is_bit_identical(monkeypatch, api.FWD_OPERANDS_EARLY_ENV, case, 29, 31, head_dim, softcap,
+                                  extra=(extra,) if extra else ())
 
 
 def _dilated_window_key(case, **fields):

@@ -114,6 +114,7 @@ class FlashForwardSm90(WarpSpecializedSm90):
         mask_r2p: bool = False,
         residual_periodic: bool = False,
         rescale_early: bool = False,
+        operands_early: bool = False,
     ):
         assert dtype in (cutlass.BFloat16, cutlass.Float16), dtype
         assert block_q == 64 * self.num_consumer_wgs, "each consumer warpgroup owns 64 rows"
@@ -256,6 +257,13 @@ class FlashForwardSm90(WarpSpecializedSm90):
         # accumulations in the same order (factor 1 before the first P V, whose O is 0).
         assert not (rescale_early and rescale_tail)
         self.rescale_early = rescale_early
+        # operands_early (issue 14, a benchmark knob): a step's GEMM operand slices (Q, K and V
+        # at their stages) are taken before the K wait and the scheduler barrier. ncu (causal
+        # 8K, session 26): FA4 issues its first S HGMMA 6 instructions after that barrier,
+        # ours 16 (the K and Q descriptors built after it, a chain of dependent uniform ops on
+        # the path from the other warpgroup's signal to the tensor pipe). SASS D 128 K 1:
+        # 14-15 -> 9-11 instructions, 2952 -> 2920 in the kernel. Bit-identical: the same GEMMs.
+        self.operands_early = operands_early
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -967,8 +975,9 @@ class FlashForwardSm90(WarpSpecializedSm90):
         v_state = kv_state.clone()
         kv_state.advance()
         acc_S = cute.make_rmem_tensor(wg_mma_qk.partition_shape_C((self.block_q, self.block_kv)), Float32)
-        pipeline_k.consumer_wait(kv_state)
-        self.sched_wait(wg)
+        if const_expr(not self.operands_early):
+            pipeline_k.consumer_wait(kv_state)
+            self.sched_wait(wg)
         k_stage, v_stage = kv_state.index, v_state.index
         if const_expr(self.rescale_tail):
             # Stage indices marked warp-uniform: with O's rescale in the loop's tail ptxas
@@ -976,13 +985,22 @@ class FlashForwardSm90(WarpSpecializedSm90):
             # (32 R2UR per tile).
             k_stage = cute.arch.make_warp_uniform(k_stage)
             v_stage = cute.arch.make_warp_uniform(v_stage)
-        issue_wgmma(wg_mma_qk, acc_S, tSrQ[None, None, None, 0], tSrK[None, None, None, k_stage], True)
+        tQ, tK, tV = tSrQ[None, None, None, 0], tSrK[None, None, None, k_stage], None
+        if const_expr(self.operands_early):
+            tV = tOrV[None, None, None, v_stage]
+            pipeline_k.consumer_wait(kv_state)
+            self.sched_wait(wg)
+        issue_wgmma(wg_mma_qk, acc_S, tQ, tK, True)
+        pipeline_v.consumer_wait(v_state)
         if const_expr(self.rescale_early):
             # The previous step's factors (its P V is done: it waited for it); this S holds
-            # the tensor pipe meanwhile.
+            # the tensor pipe meanwhile. After V's wait, whose branch keeps ptxas from
+            # hoisting the FMULs above the S GEMM's issue (before it, 20 of them sat between
+            # the scheduler barrier and the first HGMMA).
             self.rescale_o(acc_O, row_scale)
-        pipeline_v.consumer_wait(v_state)
-        issue_wgmma(wg_mma_pv, acc_O, tOrP, tOrV[None, None, None, v_stage], False)
+        if const_expr(not self.operands_early):
+            tV = tOrV[None, None, None, v_stage]
+        issue_wgmma(wg_mma_pv, acc_O, tOrP, tV, False)
         self.sched_signal(wg)
         warpgroup.wait_group(1)
         pipeline_k.consumer_release(kv_state)
