@@ -134,13 +134,29 @@ def record(config, n, impl, d, dv, cap, fwd=None, step=None, windows=(), note=No
 
 
 def parse_variants(text):
-    """'NAME@CONFIG=CFG;...' -> {NAME: (CONFIG, CFG)} (CFG: FIELD=V,... of BackwardConfig)."""
+    """'NAME@CONFIG=CFG;...' -> {NAME: (CONFIG, CFG)} (CFG: FIELD=V,... of BackwardConfig,
+    set as $JCOMPILEMASK_CUTE_BWD_CONFIG); 'NAME@CONFIG:ENV=V ENV2=V2' -> {NAME: (CONFIG,
+    {ENV: V, ...})}: ``JCOMPILEMASK_*`` variables instead, e.g. a forward switch.
+
+    >>> parse_variants("sdp@d192=split_sdp=1; rse@d256:JCOMPILEMASK_CUTE_FWD_RESCALE_EARLY=1")
+    {'sdp': ('d192', 'split_sdp=1'), 'rse': ('d256', {'JCOMPILEMASK_CUTE_FWD_RESCALE_EARLY': '1'})}
+    """
     out = {}
     for item in (x.strip() for x in text.split(";")):
         if not item:
             continue
-        head, sep, cfg = item.partition("=")
-        name, at, config = head.partition("@")
+        name, at, rest = item.partition("@")
+        head = rest.split("=", 1)[0]
+        if ":" in head:
+            config, _, assigns = rest.partition(":")
+            pairs = [a.partition("=") for a in assigns.split()]
+            if (not (at and name) or config not in CONFIGS or not pairs
+                    or any(not (k.startswith("JCOMPILEMASK_") and sep) for k, sep, _ in pairs)):
+                raise ValueError(f"--jcm-variants takes NAME@CONFIG:JCOMPILEMASK_...=V ... with "
+                                 f"CONFIG in {sorted(CONFIGS)}, got {item!r}")
+            out[name] = (config, {k: v for k, _, v in pairs})
+            continue
+        config, sep, cfg = rest.partition("=")
         if not (sep and at and name and cfg) or config not in CONFIGS:
             raise ValueError(f"--jcm-variants takes NAME@CONFIG=FIELD=V,... with CONFIG in "
                              f"{sorted(CONFIGS)}, got {item!r}")
@@ -167,7 +183,9 @@ def main(argv=None):
     p.add_argument("--jcm-variants", default="",
                    help="backward configs timed beside the default: 'NAME@CONFIG=FIELD=V,...;...' "
                         "adds impl jcm-cute-NAME at CONFIG with $JCOMPILEMASK_CUTE_BWD_CONFIG set "
-                        "to FIELD=V,... while it runs, e.g. 'sdp@d192=split_sdp=1,ds_stages=1'")
+                        "to FIELD=V,... while it runs, e.g. 'sdp@d192=split_sdp=1,ds_stages=1'; "
+                        "'NAME@CONFIG:ENV=V ...' sets JCOMPILEMASK_* variables instead, e.g. "
+                        "'rse@d256:JCOMPILEMASK_CUTE_FWD_RESCALE_EARLY=1'")
     args = p.parse_args(argv)
     try:
         variants = parse_variants(args.jcm_variants)
@@ -218,9 +236,11 @@ def main(argv=None):
                 name = impl[len("jcm-cute-"):] if impl.startswith("jcm-cute-") else None
                 try:
                     if name is not None:
-                        with environment({BWD_CONFIG_ENV: variants[name][1]}):
+                        what = variants[name][1]
+                        env = what if isinstance(what, dict) else {BWD_CONFIG_ENV: what}
+                        with environment(env):
                             f, s, note = bench_jcm("jcm-cute", n, b, d, dv, cap, ikw)
-                        note = f"{note}; {BWD_CONFIG_ENV}={variants[name][1]}"
+                        note = f"{note}; " + " ".join(f"{k}={v}" for k, v in env.items())
                     elif impl.startswith("jcm-"):
                         f, s, note = bench_jcm(impl, n, b, d, dv, cap, ikw)
                     elif impl == "fa4-native":

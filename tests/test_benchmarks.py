@@ -356,9 +356,13 @@ def test_bench_head_dims_variants_parse_and_scope_the_env(monkeypatch):
     mod = _bench_module("bench_head_dims")
     assert mod.parse_variants("sdp@d192=split_sdp=1,ds_stages=1; ss@d128cap=static_stage=1") == {
         "sdp": ("d192", "split_sdp=1,ds_stages=1"), "ss": ("d128cap", "static_stage=1")}
-    for bad in ("sdp=split_sdp=1", "sdp@d999=split_sdp=1", "sdp@d192"):
+    for bad in ("sdp=split_sdp=1", "sdp@d999=split_sdp=1", "sdp@d192", "rse@d256:",
+                "rse@d256:PATH=/x", "rse@d999:JCOMPILEMASK_CUTE_FWD_RESCALE_EARLY=1",
+                "rse@d256:JCOMPILEMASK_CUTE_FWD_RESCALE_EARLY"):
         with pytest.raises(ValueError, match="NAME@CONFIG"):
             mod.parse_variants(bad)
+    assert mod.parse_variants("b@d256:JCOMPILEMASK_CUTE_FWD_RESCALE_EARLY=1 JCOMPILEMASK_CUTE_FWD_OPERANDS_EARLY=1") == {
+        "b": ("d256", {"JCOMPILEMASK_CUTE_FWD_RESCALE_EARLY": "1", "JCOMPILEMASK_CUTE_FWD_OPERANDS_EARLY": "1"})}
     monkeypatch.delenv(mod.BWD_CONFIG_ENV, raising=False)
     with mod.environment({mod.BWD_CONFIG_ENV: "split_sdp=1"}):
         assert os.environ[mod.BWD_CONFIG_ENV] == "split_sdp=1"
