@@ -302,10 +302,15 @@ def test_bitmap_walk_compiles_for_sm90(head_dim, softcap, num_intervals):
 
 
 @needs_cutlass
-@pytest.mark.parametrize("dtype,softcap,num_intervals", [("bfloat16", None, 1), ("float16", None, 2),
-                                                        ("bfloat16", 30.0, 6)])
-def test_head_dim_192_128_compiles_for_sm90(dtype, softcap, num_intervals, monkeypatch):
-    """DeepSeek-style D 192 / Dv 128 (compiled; the registry runs it only with the opt-in)."""
+@pytest.mark.parametrize("dtype,softcap,num_intervals,changes", [
+    pytest.param("bfloat16", None, 1, {}, id="bfloat16-None-1"),
+    pytest.param("float16", None, 2, {}, id="float16-None-2"),
+    pytest.param("bfloat16", 30.0, 6, {}, id="bfloat16-30.0-6"),
+    pytest.param("bfloat16", None, 1, {"rescale_early": True, "operands_early": True}, marks=knob,
+                 id="bfloat16-None-1-early")])
+def test_head_dim_192_128_compiles_for_sm90(dtype, softcap, num_intervals, changes, monkeypatch):
+    """DeepSeek-style D 192 / Dv 128 (compiled; the registry runs it only with the opt-in);
+    the knob case with rescale_early + operands_early (O's Dv-wide rescale before P V)."""
     from jcompilemask.kernels.cute.api import (ForwardKey, compile_forward, preferred_forward_stages,
                                                preferred_forward_tiles)
 
@@ -313,7 +318,7 @@ def test_head_dim_192_128_compiles_for_sm90(dtype, softcap, num_intervals, monke
     stages = preferred_forward_stages(192, dtype)
     key = ForwardKey(dtype, 192, 128, num_intervals, bq, bk, *_BROADCAST_OF_K[num_intervals],
                      192**-0.5, num_stages=stages, softcap=softcap,
-                     **registry_switches(monkeypatch, 192, 128, bq, bk, stages))
+                     **registry_switches(monkeypatch, 192, 128, bq, bk, stages, **changes))
     assert compile_forward(key) is not None
     assert "_d192x128_" in key.target_name
 
