@@ -34,6 +34,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 import clocks  # noqa: E402
 from bench_total import environment  # noqa: E402  (a variant's env, restored after it)
+from bench_total import parse_variants as parse_env_variants  # noqa: E402
 import timing  # noqa: E402
 from jcompilemask.kernels.cute.api import BWD_CONFIG_ENV  # noqa: E402  (no cutlass import)
 
@@ -149,12 +150,15 @@ def parse_variants(text):
         head = rest.split("=", 1)[0]
         if ":" in head:
             config, _, assigns = rest.partition(":")
-            pairs = [a.partition("=") for a in assigns.split()]
-            if (not (at and name) or config not in CONFIGS or not pairs
-                    or any(not (k.startswith("JCOMPILEMASK_") and sep) for k, sep, _ in pairs)):
+            try:       # bench_total's NAME=value parser
+                env = parse_env_variants(f"v={assigns}")[0][1]
+            except ValueError:
+                env = {}
+            if (not (at and name) or config not in CONFIGS or not env
+                    or not all(k.startswith("JCOMPILEMASK_") for k in env)):
                 raise ValueError(f"--jcm-variants takes NAME@CONFIG:JCOMPILEMASK_...=V ... with "
                                  f"CONFIG in {sorted(CONFIGS)}, got {item!r}")
-            out[name] = (config, {k: v for k, _, v in pairs})
+            out[name] = (config, env)
             continue
         config, sep, cfg = rest.partition("=")
         if not (sep and at and name and cfg) or config not in CONFIGS:

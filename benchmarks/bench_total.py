@@ -499,8 +499,9 @@ def main(argv=None):
                                               r["pre"], r["fwd"], r["step"], r["heads"],
                                               r["head_dim"], win),
                                        preprocess=r["preprocess"])
-                            if jcm_env():
-                                rec["env"] = jcm_env()
+                            switches = jcm_env()
+                            if switches:
+                                rec["env"] = switches
                             rec["check"] = (check_jcm(mask, args.smoke, r["impl"])
                                             if args.check else None)
                         save(rec)

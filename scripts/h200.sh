@@ -133,9 +133,10 @@ identity_gate() {
   (( rc == 0 )) || exit 3
 }
 
-# A forward switch (ENV=1) as a candidate default: its bit-identity cases under a hang guard
-# (IDENT_S seconds at most), the forward timed with VARIANTS beside FA4 native at NS
-# (JCM_BENCH_NS overrides) on MASKS, then the forward + attention GPU tests under it.
+# A forward switch (ENV=1; several: "ENV1 ENV2", all set) as a candidate default: its
+# bit-identity cases under a hang guard (IDENT_S seconds at most), the forward timed with
+# VARIANTS beside FA4 native at NS (JCM_BENCH_NS overrides) on MASKS (JCM_BENCH_MASKS
+# overrides), then the forward + attention GPU tests under it.
 # Usage: forward_switch_stage TAG IDENT_TESTS IDENT_S ENV NS MASKS VARIANTS
 forward_switch_stage() {
   local tag=$1 ident=$2 ident_s=$3 env=$4 ns=$5 masks=$6 variants=$7
@@ -143,10 +144,10 @@ forward_switch_stage() {
   left() { local l=$(( ${JCM_STAGE_S:-570} - SECONDS )); (( l < $1 )) && echo $(( l > 5 ? l : 5 )) || echo $1; }
   identity_gate "$tag" "$ident" $(left "$ident_s")
   timeout -k 5 $(left 240) python3 benchmarks/bench_forward.py --ns ${JCM_BENCH_NS:-$ns} \
-    --masks "$masks" --fa4 --jcm-variants "$variants" \
+    --masks "${JCM_BENCH_MASKS:-$masks}" --fa4 --jcm-variants "$variants" \
     --out "$OUT/h200-fwd-$tag.json" > "$OUT/bench-$tag.log" 2>&1
   echo "bench rc $? ($SECONDS s)"; pkill -9 -f bench_forward; grep -E '^bench|^\{' "$OUT/bench-$tag.log" | tail -30 | cut -c1-200
-  env "$env=1" timeout -k 5 $(left 200) python3 -m pytest -q -rs -p no:cacheprovider \
+  env $(printf '%s=1 ' $env) timeout -k 5 $(left 200) python3 -m pytest -q -rs -p no:cacheprovider \
     tests/gpu/test_cute_forward.py "tests/gpu/test_cute_attention.py::test_builtin" -k "not compiles" \
     --junitxml="$OUT/junit-$tag.xml" > "$OUT/pytest-$tag.log" 2>&1
   echo "pytest rc $? ($SECONDS s)"; pkill -9 -f pytest; tail -3 "$OUT/pytest-$tag.log"
@@ -842,19 +843,10 @@ PY
     # Both bit-identical: their identity cases (9 + 7) under a hang guard, then fwd ms of
     # each and both beside the default and FA4 native (JCM_BENCH_NS, default 8K and 32K;
     # causal and hstu, the masks under the line), then the forward tests under both.
-    export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
-    left() { local l=$(( ${JCM_STAGE_S:-570} - SECONDS )); (( l < $1 )) && echo $(( l > 5 ? l : 5 )) || echo $1; }
-    identity_gate frse "rescale_early_forward_is_bit_identical or operands_early_forward_is_bit_identical" $(left 240)
-    rse=JCOMPILEMASK_CUTE_FWD_RESCALE_EARLY=1; oe=JCOMPILEMASK_CUTE_FWD_OPERANDS_EARLY=1
-    timeout -k 5 $(left 230) python3 benchmarks/bench_forward.py --ns ${JCM_BENCH_NS:-8192,32768} \
-      --masks ${JCM_BENCH_MASKS:-causal,hstu} --fa4 \
-      --jcm-variants "${JCM_FRSE_VARIANTS:-base=;rse=$rse;oe=$oe;both=$rse $oe}" \
-      --out "$OUT/h200-fwd-frse.json" > "$OUT/bench-frse.log" 2>&1
-    echo "bench rc $? ($SECONDS s)"; pkill -9 -f bench_forward; grep -E '^bench' "$OUT/bench-frse.log" | tail -30 | cut -c1-120
-    env $rse $oe timeout -k 5 $(left 200) python3 -m pytest -q -rs -p no:cacheprovider \
-      tests/gpu/test_cute_forward.py "tests/gpu/test_cute_attention.py::test_builtin" -k "not compiles" \
-      --junitxml="$OUT/junit-frse.xml" > "$OUT/pytest-frse.log" 2>&1
-    echo "pytest rc $? ($SECONDS s)"; pkill -9 -f pytest; tail -3 "$OUT/pytest-frse.log"
+    rse=JCOMPILEMASK_CUTE_FWD_RESCALE_EARLY; oe=JCOMPILEMASK_CUTE_FWD_OPERANDS_EARLY
+    forward_switch_stage frse "rescale_early_forward_is_bit_identical or operands_early_forward_is_bit_identical" \
+      240 "$rse $oe" 8192,32768 causal,hstu \
+      "${JCM_FRSE_VARIANTS:-base=;rse=$rse=1;oe=$oe=1;both=$rse=1 $oe=1}"
     ;;
   fre)
     # Issue 14 (compile-checked in session 24): runs_early — work_runs' remaining gap to FA4

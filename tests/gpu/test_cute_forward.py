@@ -839,23 +839,6 @@ def test_work_runs_forward_is_bit_identical_on_gpu(head_dim, case, softcap, shap
                                   shape=shape, extra=(api.FWD_WORK_LIST_ENV,) + ((extra,) if extra else ()))
 
 
-@needs_cutlass
-@pytest.mark.parametrize("case", ["k1", pytest.param("k6_d64_cap", marks=knob), pytest.param("k25", marks=knob),
-                                  pytest.param("d256", marks=knob), pytest.param("persistent", marks=knob)])
-def test_rescale_early_compiles_for_sm90(case, monkeypatch):
-    """rescale_early ($JCOMPILEMASK_CUTE_FWD_RESCALE_EARLY=1, issue 14): O's rescale by the
-    last step's row factors between the S GEMM issue and the P V issue (SASS, D 128 K 1: the
-    unmasked step's 64 FMULs before its P V HGMMAs, only P's conversion after the P V wait;
-    168 registers, no stack). D 64 with K 6 and a soft cap, K 25 on the bit-mask path, D 256
-    (no runs), persistent CTAs."""
-    from jcompilemask.kernels.cute.api import compile_forward
-    head_dim = {"k6_d64_cap": 64, "d256": 256}.get(case, 128)
-    k = {"k6_d64_cap": 6, "k25": 25}.get(case, 1)
-    key = _registry_key(monkeypatch, head_dim, k, k == 1, 30.0 if case == "k6_d64_cap" else None,
-                        rescale_early=True, **(dict(schedule=True, persistent=True) if case == "persistent" else {}))
-    assert compile_forward(key) is not None and _tagged(key, "rse")
-
-
 def test_rescale_early_env_and_key(monkeypatch):
     """Off unless $JCOMPILEMASK_CUTE_FWD_RESCALE_EARLY=1; never with rescale_tail (the key
     refuses the pair)."""
@@ -892,21 +875,24 @@ def test_rescale_early_forward_is_bit_identical_on_gpu(head_dim, case, softcap, 
 
 
 @needs_cutlass
+@pytest.mark.parametrize("field,tag", [("rescale_early", "rse"), ("operands_early", "oe")])
 @pytest.mark.parametrize("case", ["k1", pytest.param("k6_d64_cap", marks=knob), pytest.param("k25", marks=knob),
-                                  pytest.param("d256_rse", marks=knob), pytest.param("persistent", marks=knob)])
-def test_operands_early_compiles_for_sm90(case, monkeypatch):
-    """operands_early ($JCOMPILEMASK_CUTE_FWD_OPERANDS_EARLY=1, issue 14): a step's GEMM
-    operand slices taken before its K wait and the scheduler barrier (SASS, D 128 K 1: 14-15
-    -> 9-11 instructions from the barrier to the first S HGMMA; 168 registers, no stack).
-    D 64 with K 6 and a soft cap, K 25 on the bit-mask path, D 256 with rescale_early,
-    persistent CTAs."""
+                                  pytest.param("d256", marks=knob), pytest.param("persistent", marks=knob)])
+def test_early_switches_compile_for_sm90(field, tag, case, monkeypatch):
+    """rescale_early ($JCOMPILEMASK_CUTE_FWD_RESCALE_EARLY=1, issue 14): O's rescale by the
+    last step's row factors between the S GEMM issue and the P V issue (SASS, D 128 K 1: the
+    unmasked step's 64 FMULs before its P V HGMMAs, only P's conversion after the P V wait).
+    operands_early ($JCOMPILEMASK_CUTE_FWD_OPERANDS_EARLY=1): a step's GEMM operand slices
+    taken before its K wait and the scheduler barrier (14-15 -> 9-11 instructions from the
+    barrier to the first S HGMMA). Both 168 registers, no stack. D 64 with K 6 and a soft
+    cap, K 25 on the bit-mask path, D 256 (no runs; with rescale_early), persistent CTAs."""
     from jcompilemask.kernels.cute.api import compile_forward
-    head_dim = {"k6_d64_cap": 64, "d256_rse": 256}.get(case, 128)
+    head_dim = {"k6_d64_cap": 64, "d256": 256}.get(case, 128)
     k = {"k6_d64_cap": 6, "k25": 25}.get(case, 1)
-    key = _registry_key(monkeypatch, head_dim, k, k == 1, 30.0 if case == "k6_d64_cap" else None,
-                        operands_early=True, rescale_early=case == "d256_rse",
-                        **(dict(schedule=True, persistent=True) if case == "persistent" else {}))
-    assert compile_forward(key) is not None and _tagged(key, "oe")
+    changes = {field: True, **({"rescale_early": True} if case == "d256" else {}),
+               **(dict(schedule=True, persistent=True) if case == "persistent" else {})}
+    key = _registry_key(monkeypatch, head_dim, k, k == 1, 30.0 if case == "k6_d64_cap" else None, **changes)
+    assert compile_forward(key) is not None and _tagged(key, tag)
 
 
 def test_operands_early_env(monkeypatch):

@@ -257,6 +257,8 @@ class FlashForwardSm90(WarpSpecializedSm90):
         # accumulations in the same order (factor 1 before the first P V, whose O is 0).
         assert not (rescale_early and rescale_tail)
         self.rescale_early = rescale_early
+        # Both keep the row factors in a register tensor across steps (the caller's).
+        self.carries_row_scale = rescale_tail or rescale_early
         # operands_early (issue 14, a benchmark knob): a step's GEMM operand slices (Q, K and V
         # at their stages) are taken before the K wait and the scheduler barrier. ncu (causal
         # 8K, session 26): FA4 issues its first S HGMMA 6 instructions after that barrier,
@@ -786,7 +788,7 @@ class FlashForwardSm90(WarpSpecializedSm90):
         # the first tile, whose O is still zero).
         # rescale_early: the last step's factors, applied before the next P V issue.
         row_scale = None
-        if const_expr(self.rescale_tail or self.rescale_early):
+        if const_expr(self.carries_row_scale):
             row_scale = cute.make_rmem_tensor(num_rows, Float32)
             row_scale.fill(1.0)
 
@@ -985,7 +987,7 @@ class FlashForwardSm90(WarpSpecializedSm90):
             # (32 R2UR per tile).
             k_stage = cute.arch.make_warp_uniform(k_stage)
             v_stage = cute.arch.make_warp_uniform(v_stage)
-        tQ, tK, tV = tSrQ[None, None, None, 0], tSrK[None, None, None, k_stage], None
+        tQ, tK = tSrQ[None, None, None, 0], tSrK[None, None, None, k_stage]
         if const_expr(self.operands_early):
             tV = tOrV[None, None, None, v_stage]
             pipeline_k.consumer_wait(kv_state)
@@ -1009,13 +1011,13 @@ class FlashForwardSm90(WarpSpecializedSm90):
             self.apply_softcap(acc_S)
         if const_expr(masked):
             self.apply_mask(acc_S_rows, tScS, k_tile, row_intervals, seqlen_k)
-        if const_expr(not (self.rescale_tail or self.rescale_early)):
+        if const_expr(not self.carries_row_scale):
             row_scale = cute.make_rmem_tensor(row_max.shape, Float32)
         self.online_softmax(acc_S_rows, row_max, row_sum, row_scale)
         warpgroup.wait_group(0)
         pipeline_v.consumer_release(v_state)
         tOrP.store(_as_a_operand(acc_S).load().to(self.dtype))
-        if const_expr(not (self.rescale_tail or self.rescale_early)):
+        if const_expr(not self.carries_row_scale):
             self.rescale_o(acc_O, row_scale)
         return kv_state
 
