@@ -447,6 +447,11 @@ def _switch_case_is_bit_identical(monkeypatch, env, case, seed, key, head_dim=12
                                     softcap=softcap, block_q=bq, block_kv=bk)
 
 
+# A plain D 128 key's fields, for the tests of which switch combinations a ForwardKey refuses.
+_KEY_FIELDS = dict(dtype="bfloat16", head_dim=128, head_dim_v=128, num_intervals=1, block_q=128,
+                   block_kv=128, broadcast_batch=False, broadcast_head=True, scale=0.1)
+
+
 def _tagged(key, *tags):
     """Whether ``key``'s target name carries every switch tag in ``tags`` (``_tag`` parts)."""
     return all(f"_{t}_" in key.target_name + "_" for t in tags)
@@ -704,8 +709,7 @@ def test_work_runs_env_and_key(monkeypatch):
     monkeypatch.setenv(api.FWD_WORK_RUNS_ENV, "on")
     with pytest.raises(ValueError, match="0 or 1"):
         api.forward_switches(128, 128, 128, 128, 2)
-    base = dict(dtype="bfloat16", head_dim=128, head_dim_v=128, num_intervals=1, block_q=128,
-                block_kv=128, broadcast_batch=False, broadcast_head=True, scale=0.1)
+    base = _KEY_FIELDS
     with pytest.raises(ValueError, match="work_list=True"):
         api.ForwardKey(**base, work_runs=True)
     with pytest.raises(ValueError, match="rescale_tail"):
@@ -742,8 +746,7 @@ def test_runs_early_env_and_key(monkeypatch):
     monkeypatch.setenv(api.FWD_RUNS_EARLY_ENV, "1")
     monkeypatch.setenv(api.FWD_WORK_RUNS_ENV, "0")
     assert not api.forward_switches(128, 128, 128, 128, 2)["runs_early"]
-    base = dict(dtype="bfloat16", head_dim=128, head_dim_v=128, num_intervals=1, block_q=128,
-                block_kv=128, broadcast_batch=False, broadcast_head=True, scale=0.1)
+    base = _KEY_FIELDS
     with pytest.raises(ValueError, match="work_runs=True"):
         api.ForwardKey(**base, work_list=True, runs_early=True)
 
@@ -850,8 +853,7 @@ def test_rescale_early_env_and_key(monkeypatch):
     assert api.forward_switches(128, 128, 128, 128, 2)["rescale_early"]
     monkeypatch.setenv(api.FWD_RESCALE_TAIL_ENV, "1")
     assert not api.forward_switches(128, 128, 128, 128, 2)["rescale_early"]
-    base = dict(dtype="bfloat16", head_dim=128, head_dim_v=128, num_intervals=1, block_q=128,
-                block_kv=128, broadcast_batch=False, broadcast_head=True, scale=0.1)
+    base = _KEY_FIELDS
     with pytest.raises(ValueError, match="rescale_early"):
         api.ForwardKey(**base, rescale_tail=True, rescale_early=True)
 
@@ -960,8 +962,7 @@ def test_residual_periodic_env_and_key(monkeypatch):
     monkeypatch.setenv(api.FWD_RESIDUAL_PERIODIC_ENV, "1")
     monkeypatch.setenv(api.FWD_RESIDUAL_WORDS_ENV, "0")
     assert not api.forward_switches(128, 128, 128, 128, 2, residual=object())["residual_periodic"]
-    base = dict(dtype="bfloat16", head_dim=128, head_dim_v=128, num_intervals=1, block_q=128,
-                block_kv=128, broadcast_batch=False, broadcast_head=True, scale=0.1)
+    base = _KEY_FIELDS
     with pytest.raises(ValueError, match="residual_words=True"):
         api.ForwardKey(**base, residual_periodic=True)
 
