@@ -58,6 +58,8 @@
 #                bits): bit-identity vs work_runs, timed beside the default and FA4 native, then tests
 #   frse         issue 14: rescale_early (O's rescale before the next P V issue, FA3's order) and operands_early
 #                (GEMM operands sliced before the K wait): identity, timing of each and both, tests
+#   q128         issue 15: D 64's backward at 128 x 128 tiles (block_q=128): a gradient smoke under a hang
+#                guard, D 64 causal 32K / 8K timed beside the default, FA4 native and cuDNN, then its tests
 #   fss          issue 14: runs_early, slot_skip, mask_r2p: their bit-identity sets, timed at 8K / 32K
 #                on causal, hstu, shared prompt, clear beside the default and FA4 native
 #   rp           issue 16: residual_periodic (a predicate proved 8-periodic in the column index evaluated
@@ -1003,6 +1005,34 @@ PY
       --budget-s $(( b - 40 )) --out "$OUT/h200-head-dims.json" > "$OUT/bench-hdims.log" 2>&1
     echo "bench rc $? ($SECONDS s; configs $cfgs)"; pkill -9 -f bench_head_dims.py 2>/dev/null
     grep -E '^\{|budget' "$OUT/bench-hdims.log" | cut -c1-330 | tail -40
+    ;;
+  q128)
+    # Issue 15 (compile-checked in session 27): D 64 at FlashAttention's hdim-64 backward tile,
+    # 128 queries x 128 keys (BackwardConfig.block_q=128, with ds_first; the dQ product split
+    # along the queries), against the 64 x 128 default (0.87-0.88x FA4 native; the line is
+    # 0.9x). Never run on a GPU: one gradient case under a hang guard first, timed only if it
+    # passes; then the 21 gradient cases (policy vs the dense oracle) in what is left.
+    export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
+    left() { local l=$(( ${JCM_STAGE_S:-570} - SECONDS )); (( l < $1 )) && echo $(( l > 5 ? l : 5 )) || echo $1; }
+    t=tests/gpu/test_cute_backward.py
+    q128="block_q=128,ds_first=1"
+    timeout -k 5 $(left 120) python3 -m pytest -q -x -p no:cacheprovider \
+      "$t::test_q128_gradients_match_the_reference[causal]" > "$OUT/smoke-q128.log" 2>&1
+    rc=$?; pkill -9 -f "pytest -q -x -p no:cacheprovider $t" 2>/dev/null
+    echo "smoke rc $rc ($SECONDS s)"; tail -3 "$OUT/smoke-q128.log"
+    if [[ $rc == 0 ]]; then
+      b=$(left ${JCM_Q128_BENCH_S:-250})
+      export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1
+      timeout -k 5 $b python3 benchmarks/bench_head_dims.py --ns ${JCM_HDIMS_NS:-32768,8192} --configs d64 \
+        --jcm-variants "q128@d64=$q128" --impls jcm-cute,fa4-native,jax-cudnn --min-repeat-s 0.15 \
+        --budget-s $(( b - 30 )) --out "$OUT/h200-head-dims.json" > "$OUT/bench-q128.log" 2>&1
+      echo "bench rc $? ($SECONDS s)"; pkill -9 -f bench_head_dims.py 2>/dev/null
+      grep -E '^\{|budget' "$OUT/bench-q128.log" | cut -c1-330 | tail -12
+      timeout -k 5 $(left 400) python3 -m pytest -q -rs -p no:cacheprovider "$t" -k q128_gradients \
+        --junitxml="$OUT/junit-q128.xml" > "$OUT/pytest-q128.log" 2>&1
+      echo "pytest rc $? ($SECONDS s)"; pkill -9 -f "pytest -q -rs -p no:cacheprovider $t" 2>/dev/null
+      tail -8 "$OUT/pytest-q128.log"
+    fi
     ;;
   hdimspar|hdimstests)
     # The GPU tests of JCM_PAR_FILES (default: issue 15's head-dim file and the forward's

@@ -150,6 +150,70 @@ def test_residual_periodic_backward_compiles_for_sm90(case):
     assert compile_backward(key) is not None and "_rp" in key.target_name
 
 
+# The 128-query tile at D 64 (BackwardConfig.block_q=128, issue 15): each case as
+# (dtype, K, Kc, broadcast batch / head, config changes, residual spec); no soft cap (refused).
+_Q128_CASES = {
+    "causal": ("bfloat16", 1, 1, True, True, {}, None),
+    "causal_fp16_det": ("float16", 1, 1, True, True, dict(deterministic=True), None),
+    "hstu": ("bfloat16", 2, 4, False, True, {}, None),
+    "clear_fp16": ("float16", 6, 7, False, False, {}, None),
+    "no_column_view": ("bfloat16", 1, 0, False, True, {}, None),
+    "any_k": ("bfloat16", 25, 26, False, False, {}, None),
+    "schedule": ("bfloat16", 2, 4, False, True, dict(schedule=True), None),
+    "dilated": ("bfloat16", 0, 0, False, True, {}, "dilated"),
+}
+
+
+def q128_config(dtype="bfloat16", softcap=False, **changes):
+    """The D 64 config the registry runs, with 128 x 128 backward tiles (and ds_first, which
+    they need)."""
+    import dataclasses
+    from jcompilemask.kernels.cute.api import preferred_backward_config
+    return dataclasses.replace(preferred_backward_config(64, dtype, softcap), block_q=128,
+                               ds_first=True, **changes)
+
+
+@needs_cutlass
+@pytest.mark.parametrize("case", [c if c in ("causal", "clear_fp16") else pytest.param(c, marks=knob)
+                                  for c in sorted(_Q128_CASES)])
+def test_q128_backward_compiles_for_sm90(case, monkeypatch, capfd):
+    """D 64 with 128-query tiles (FlashAttention's hdim-64 backward tile; the dQ product split
+    along the queries): every mask shape of the default compiles, and ptxas serializes none
+    of its wgmmas (C7512: it did with dV in flight while dS^T was converted, i.e. without
+    ds_first)."""
+    from jcompilemask.kernels.cute.api import BackwardKey, compile_backward
+    from jcompilemask.lower.residual_program import ResidualProgram
+    dtype, kk, kc, bb, bh, changes, residual = _Q128_CASES[case]
+    pair = None
+    if residual:
+        cm = jcm.compile(MaskSpec([Region((0, q_len), (k <= q) & (k > q - 128) & ((q - k) % 2 == 0))]),
+                         warn=False)
+        pair, kk, kc = ResidualProgram.pair(cm), cm.num_intervals, cm.num_bwd_intervals
+    key = BackwardKey(dtype, 64, kk, kc, bb, bh, 64 ** -0.5, q128_config(dtype, **changes), residual=pair)
+    assert compile_checking_remarks(compile_backward, key, monkeypatch, capfd) is not None
+    assert "_t128x128_" in key.target_name
+
+
+def test_q128_config_is_validated():
+    """block_q=128: the tiles, ds_first and head dim 64 are checked with messages that say
+    what to set."""
+    import dataclasses
+    from jcompilemask.kernels.cute.api import BackwardConfig, BackwardKey, preferred_backward_config
+    with pytest.raises(ValueError, match="needs ds_first=1"):
+        BackwardConfig(block_q=128)
+    with pytest.raises(ValueError, match="128x128"):
+        BackwardConfig(block_q=128, block_kv=64, ds_first=True)
+    with pytest.raises(ValueError, match="excludes dq_blocked"):
+        BackwardConfig(block_q=128, ds_first=True, dq_blocked=True)
+    with pytest.raises(ValueError, match="head dim 64 without a soft cap only"):
+        BackwardKey("bfloat16", 128, 1, 1, True, True, 0.1,
+                    dataclasses.replace(preferred_backward_config(128), block_q=128, ds_first=True,
+                                        static_stage=False))
+    with pytest.raises(ValueError, match="head dim 64 without a soft cap only"):
+        BackwardKey("bfloat16", 64, 1, 1, True, True, 0.1, q128_config(softcap=True), softcap=30.0)
+    assert BackwardKey("bfloat16", 64, 1, 1, True, True, 0.125, q128_config()).config.block_q == 128
+
+
 @needs_cutlass
 @pytest.mark.parametrize("d,kk,kc", [(128, 25, 26), (128, 25, 0), (64, 32, 33)])
 def test_any_k_backward_compiles_for_sm90(d, kk, kc):
@@ -446,11 +510,12 @@ def _fragment_order_reference(dq, bq=64, blocked=False):
     8 g + 2 lr (+1) of its warpgroup's part; float4 chunks, thread-major). ``blocked``
     (``dq_blocked``): 8-column blocks of (row, 8 floats), as each thread's 64-bit stores
     place them at 128 warp + 2 lane (+ 64 for the row + 8) of block g."""
-    from jcompilemask.kernels.cute.api import dq_warpgroups
+    from jcompilemask.kernels.cute.api import dq_splits_queries, dq_warpgroups
     b, nq, hq, d = dq.shape
     tq = -(-nq // bq)
-    w_n = dq_warpgroups(d)
-    n_w = d // w_n
+    w_n = dq_warpgroups(d, block_q=bq)
+    by_rows = dq_splits_queries(bq)     # 128-query tiles: warpgroup w has rows 64 w.., all of D
+    n_w = d if by_rows else d // w_n
     slots = np.full((b, hq, tq, bq * d), np.nan, np.float32)
     for t_q in range(tq):
         for w in range(w_n):
@@ -459,11 +524,12 @@ def _fragment_order_reference(dq, bq=64, blocked=False):
                     warp, lq, lr = t // 32, (t % 32) // 4, t % 4
                     for h in range(2):
                         for p in range(2):
-                            row = t_q * bq + 16 * warp + 8 * h + lq
-                            col = w * n_w + 8 * g + 2 * lr + p
-                            off = w * bq * n_w + g * 512 + t * 4 + 2 * h + p
+                            row = t_q * bq + 64 * w * by_rows + 16 * warp + 8 * h + lq
+                            col = (0 if by_rows else w * n_w) + 8 * g + 2 * lr + p
+                            wg_floats = bq * d // w_n
+                            off = w * wg_floats + g * 512 + t * 4 + 2 * h + p
                             if blocked:
-                                off = (w * bq * n_w + g * 512 + 128 * warp + 2 * (t % 32)
+                                off = (w * wg_floats + g * 512 + 128 * warp + 2 * (t % 32)
                                        + 64 * h + p)
                             slots[:, :, t_q, off] = dq[:, row, :, col] if row < nq else 0.0
     return slots
@@ -480,6 +546,12 @@ def test_dq_fragment_order_round_trip():
             assert not np.isnan(slots).any()
             np.testing.assert_array_equal(
                 np.asarray(dq_fragment_unpermute(jnp.asarray(slots), nq, d, blocked=blocked)), dq)
+    # 128-query tiles (D 64): the dQ warpgroups split the rows.
+    for b, nq, hq in ((2, 300, 3), (1, 128, 1), (1, 70, 2)):
+        dq = np.random.default_rng(1).normal(size=(b, nq, hq, 64)).astype(np.float32)
+        slots = _fragment_order_reference(dq, bq=128)
+        assert not np.isnan(slots).any()
+        np.testing.assert_array_equal(np.asarray(dq_fragment_unpermute(jnp.asarray(slots), nq, 64, 128)), dq)
 
 
 def test_dq_turns_count_lower_visiting_key_tiles():
@@ -509,6 +581,16 @@ def test_backward_config_env(monkeypatch):
     monkeypatch.setenv(api.BWD_CONFIG_ENV, "tile=3")
     with pytest.raises(ValueError, match="unknown field 'tile'"):
         api._config_from_env(api.BackwardConfig())
+    # Tile fields move the descriptor's backward tiles with them: the cute backend builds
+    # the descriptor at 128 x 128 for D 64 under Q128_ENV, and the CuTe backward serves it.
+    monkeypatch.setenv(api.BWD_CONFIG_ENV, Q128_ENV)
+    assert api.preferred_backward_tiles(64) == (128, 128)
+    call = backends.Call(dtype="bfloat16", head_dim=64, head_dim_v=64, num_heads=2, num_kv_heads=2,
+                         softcap=False, has_fallback=False, num_intervals=1)
+    tiles = backends.get("cute").tiles(call)
+    assert (tiles.bwd_block_q, tiles.bwd_block_kv) == (128, 128)
+    assert backends.cute_backward_plan(64, 64, None, (128, 128)) is None
+    assert "runs 128x128" in backends.cute_backward_plan(64, 64, None, (64, 128))
 
 
 def test_backward_key_rejects_unsupported():
@@ -522,7 +604,7 @@ def test_backward_key_rejects_unsupported():
     with pytest.raises(ValueError, match="softcap"):
         BackwardKey("bfloat16", 128, 1, 1, True, True, 0.1, softcap=-1.0)
     with pytest.raises(ValueError, match="backward tiles"):
-        BackwardConfig(block_q=128)
+        BackwardConfig(block_q=96)
     with pytest.raises(ValueError, match="static_stage needs num_stages=2"):
         BackwardConfig(static_stage=True, ds_stages=1)
     assert BackwardConfig(dv_early=True).p_early                   # dv_early implies p_early
@@ -688,6 +770,60 @@ def _deterministic_grads(monkeypatch, config, spec, md, qx, kx, vx, do):
                                deterministic=True)
         return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32))
     return [np.asarray(x) for x in jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(qx, kx, vx)]
+
+
+Q128_ENV = "block_q=128,ds_first=1"     # $JCOMPILEMASK_CUTE_BWD_CONFIG of D 64's 128-query tiles
+
+
+def _q128_case(case, rng):
+    """(spec, metadata, b, n, hq, hkv, dtype, deterministic) of a 128-query-tile GPU case."""
+    from gpu_cases import random_many_intervals_case, random_residual_case
+    if case in SPECS:
+        n = 1100 if case == "clear" else 1000              # ragged: not a multiple of 128
+        return SPECS[case], metadata(case, 2, n, rng), 2, n, 4, 2, jnp.bfloat16, False
+    if case == "fully_masked_rows":
+        s = Scalar("start", max=q_len)
+        return (MaskSpec([Region((s, q_len), k <= q)]), {"start": np.array([300, 900])}, 2, 900,
+                2, 2, jnp.bfloat16, False)
+    if case == "no_column_view":
+        return (MaskSpec([Region((0, q_len), (k <= q) & (k >= q % 97 * 3))]), None, 1, 700, 2, 2,
+                jnp.bfloat16, False)
+    if case == "hstu_fp16_mqa":
+        return SPECS["hstu"], metadata("hstu", 2, 900, rng), 2, 900, 4, 1, jnp.float16, False
+    if case == "causal_deterministic":
+        return SPECS["causal"], None, 2, 777, 4, 4, jnp.bfloat16, True
+    kind, seed = case.rsplit("_", 1)
+    rng = np.random.default_rng(300 + int(seed))
+    spec, md = {"random": random_spec_case, "residual": random_residual_case,
+                "many": random_many_intervals_case}[kind](rng, 700, 2)
+    return spec, md, 2, 700, 2, 2, jnp.bfloat16, False
+
+
+@needs_gpu
+@pytest.mark.parametrize("case", sorted(SPECS) + [
+    "fully_masked_rows", "no_column_view", "hstu_fp16_mqa", "causal_deterministic",
+    "random_0", "random_1", "random_2", "residual_0", "residual_1", "many_0", "many_1"])
+def test_q128_gradients_match_the_reference(case, cute_backward_on, monkeypatch):
+    """D 64 with 128-query backward tiles (``Q128_ENV``: the descriptor is built at 128 x 128
+    and the dQ product splits along the queries) meets the tolerance policy on every
+    built-in mask, ragged lengths, fully masked rows, the row-interval path, fp16 MQA, the
+    deterministic dQ order, random lowered specs, residual predicates and K up to 32."""
+    from jcompilemask.kernels.cute import api
+    monkeypatch.setenv(api.BWD_CONFIG_ENV, Q128_ENV)
+    spec, md, b, n, hq, hkv, dtype, det = _q128_case(case, np.random.default_rng(21))
+    ks = jax.random.split(jax.random.key(7), 4)
+    mk = lambda kk, hh: jax.random.normal(kk, (b, n, hh, 64), jnp.float32).astype(dtype)  # noqa: E731
+    qx, kx, vx, do = mk(ks[0], hq), mk(ks[1], hkv), mk(ks[2], hkv), mk(ks[3], hq)
+
+    def loss(a, b_, c):
+        o = jcm.mask_attention(a, b_, c, spec, metadata=md, implementation="cute", deterministic=det)
+        return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32))
+    g = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(qx, kx, vx)
+    assert any(key.config.block_q == 128 for key in api._compiled if isinstance(key, api.BackwardKey)), \
+        "the 128-query backward did not run"
+    g_hi, g_lo = reference_gradients(qx, kx, vx, do, spec.as_dense(md, n, n))
+    problems = gradient_problems(g, g_hi, g_lo, dtype)
+    assert not problems, "; ".join(problems)
 
 
 @needs_gpu

@@ -2,7 +2,7 @@
 
     python tests/scripts/sass_offline.py ours [CONFIG] [--d 128] [--k 1 --kc 1]   # e.g. CONFIG static_stage=1
         [--dv 128] [--cap 30]     # D != Dv (192 / 128); a soft cap (the config of a capped model)
-    python tests/scripts/sass_offline.py fa4                        # FA4's SM90 backward, causal D 128
+    python tests/scripts/sass_offline.py fa4 [--d 128]              # FA4's SM90 backward, causal (its tiles at D)
     python tests/scripts/sass_offline.py ours-fwd [--d 128] [--k 1] [FIELD=VALUE,...] | fa4-fwd
         # the forwards (ours: K intervals, ForwardKey changes such as group_mask=1; FA4: causal)
 
@@ -241,19 +241,23 @@ def _hgmma_blocks(lines):
               "uniform; " + ", ".join(f"{k} {v}" for k, v in base.most_common(14)))
 
 
-def fa4():
+def fa4(d: int = 128):
+    """FA4's SM90 backward, causal, at head dim ``d`` (64 or 128) with the tile config its
+    interface picks there (64 x 128 at D 128, 128 x 128 at D 64)."""
     _fa4_import()
     import cutlass
     import cutlass.cute as cute
     from flash_attn.cute.flash_bwd_sm90 import FlashAttentionBackwardSm90
     from flash_attn.cute.utils import AuxData
-    d = 128
+    # Its interface's _tile_size_bwd_sm90 for causal D 64 / 128 (the interface module itself
+    # needs torch-side packages): (tile_m, tile_n, AtomLayoutMdQ).
+    tile_m, tile_n, atom_mdq = {64: (128, 128, 2), 128: (64, 128, 1)}[d]
     obj = FlashAttentionBackwardSm90(
-        cutlass.BFloat16, d, d, 1, True, is_local=False, deterministic=False, tile_m=64, tile_n=128,
-        Q_stage=2, dO_stage=2, PdS_stage=2, SdP_swapAB=True, dKV_swapAB=False, dQ_swapAB=False,
-        AtomLayoutMSdP=1, AtomLayoutNdKV=2, AtomLayoutMdQ=1, num_threads=384, V_in_regs=False,
-        score_mod=None, score_mod_bwd=None, mask_mod=None, has_aux_tensors=False,
-        q_subtile_factor=None, dQ_single_wg=False)
+        cutlass.BFloat16, d, d, 1, True, is_local=False, deterministic=False, tile_m=tile_m,
+        tile_n=tile_n, Q_stage=2, dO_stage=2, PdS_stage=2, SdP_swapAB=True, dKV_swapAB=False,
+        dQ_swapAB=False, AtomLayoutMSdP=1, AtomLayoutNdKV=2, AtomLayoutMdQ=atom_mdq,
+        num_threads=384, V_in_regs=False, score_mod=None, score_mod_bwd=None, mask_mod=None,
+        has_aux_tensors=False, q_subtile_factor=None, dQ_single_wg=False)
     sym, sym64 = cute.sym_int, cute.sym_int64
     b, s, h, sr = sym(), sym(), sym(), sym()
 
@@ -274,7 +278,8 @@ def fa4():
     # From the Q stage's wait (a try_wait, then the blocking one) to dO's release (+0x10
     # here: FA4's barrier layout differs from ours).
     spans = _loops(lines, r"TRYWAIT P0, \[UR\d+\], R", r"SYNCS.ARRIVE.TRANS64.A1T0 RZ, \[UR\d+\+0x10\]")
-    _report("FA4 FlashAttentionBackwardSm90 causal D 128", usage, lines, spans[:1])
+    _report(f"FA4 FlashAttentionBackwardSm90 causal D {d} ({tile_m} x {tile_n})",
+            usage, lines, spans[:1])
 
 
 if __name__ == "__main__":
@@ -282,7 +287,7 @@ if __name__ == "__main__":
     if not args or args[0] not in ("ours", "fa4", "ours-fwd", "fa4-fwd"):
         raise SystemExit(__doc__)
     if args[0] == "fa4":
-        fa4()
+        fa4(int(args[args.index("--d") + 1]) if "--d" in args else 128)
     elif args[0] == "fa4-fwd":
         fa4_forward()
     elif args[0] == "ours-fwd":

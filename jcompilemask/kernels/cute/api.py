@@ -870,6 +870,7 @@ BWD_HEAD_DIMS = (64, 128, 256)
 BWD_HEAD_DIM_PAIRS = ((192, 128),)     # (D, Dv), Dv != D: split_dkv; validated without a cap
 BWD_TILES = (64, 128)       # (bwd_block_q, bwd_block_kv): the descriptor's backward tiles
 BWD_TILES_SPLIT = (64, 64)  # ... with BackwardConfig.split_dkv (D 256: preferred_backward_config)
+BWD_TILES_WIDE = (128, 128)  # ... with 128-query tiles (D 64: BackwardConfig.block_q)
 BWD_CONFIG_ENV = "JCOMPILEMASK_CUTE_BWD_CONFIG"
 
 
@@ -879,6 +880,12 @@ class BackwardConfig:
 
     - ``block_q`` x ``block_kv``: the backward tile (queries streamed, keys resident). Two
       consumer warpgroups of 64 keys each; FA3 and FA4 use 64 x 128 at hdim 128 too.
+      ``block_q=128`` (D 64 only: 128 x 128, FlashAttention's hdim-64 tile) doubles the
+      queries per tile: S^T / dP^T are 64 x 128 per warpgroup, and the dQ product splits
+      along the queries (each warpgroup 64 of them, all of D) instead of along D. It needs
+      ``ds_first`` (FA4's order at this tile: with dV in flight while dS^T is converted
+      ptxas serializes every wgmma, C7512). D 64 causal, SASS: 657 instructions per
+      unmasked tile loop copy, 168 registers, 0 B stack (64 x 128: 458 for half the work).
     - ``num_stages``: depth of the Q / dO (and lse / delta) ring.
     - ``ds_stages``: dS^T buffers in shared memory. With 2, a warpgroup may write tile
       t + 1's dS while the other still reads tile t's for its dQ product, so one barrier
@@ -1180,11 +1187,16 @@ class BackwardConfig:
     ds_words: bool = False
 
     def __post_init__(self):
-        want = BWD_TILES_SPLIT if self.split_dkv else BWD_TILES
-        if (self.block_q, self.block_kv) != want:
-            raise ValueError(f"cute backward runs {want[0]}x{want[1]} backward tiles"
+        wants = (BWD_TILES_SPLIT,) if self.split_dkv else (BWD_TILES, BWD_TILES_WIDE)
+        if (self.block_q, self.block_kv) not in wants:
+            runs = " or ".join(f"{w[0]}x{w[1]}" for w in wants)
+            raise ValueError(f"cute backward runs {runs} backward tiles"
                              f"{' with split_dkv' if self.split_dkv else ''}; the descriptor was "
                              f"built for {self.block_q}x{self.block_kv}")
+        if self.block_q == BWD_TILES_WIDE[0] and (self.dq_blocked or not self.ds_first):
+            raise ValueError("block_q=128 needs ds_first=1 (dV issued after the dS^T stores: "
+                             "with dV in flight while dS^T is converted, ptxas serializes the "
+                             "wgmmas, C7512) and excludes dq_blocked (64-row dQ blocks)")
         if self.list_chunk < 16 or self.list_chunk % 16:
             raise ValueError(f"list_chunk={self.list_chunk} must be a positive multiple of 16 "
                              "(whole tile-state words)")
@@ -1339,7 +1351,9 @@ def preferred_backward_tiles(head_dim: int, dtype: str = "bfloat16",
     """(bwd_block_q, bwd_block_kv) the descriptor's backward view must be built at for
     ``preferred_backward_config`` of the kernel that serves (head_dim, head_dim_v)."""
     del head_dim_v      # Dv != D (192 / 128) shares D's config
-    cfg = preferred_backward_config(head_dim, dtype)
+    # The env's tiles too ($JCOMPILEMASK_CUTE_BWD_CONFIG, e.g. block_q=128 at D 64): the
+    # descriptor is then built at the tiles cute_backward will run.
+    cfg = _config_from_env(preferred_backward_config(head_dim, dtype))
     return cfg.block_q, cfg.block_kv
 
 
@@ -1428,6 +1442,13 @@ class BackwardKey:
             raise ValueError("cute backward at head dim 256 needs BackwardConfig(split_dkv=True, "
                              "block_kv=64): dK + dV of 64 keys x 256 do not fit in registers; "
                              "use preferred_backward_config(256)")
+        if self.config.block_q == BWD_TILES_WIDE[0] and (
+                (self.head_dim, self.dv) != (64, 64) or self.softcap is not None):
+            raise ValueError(f"cute backward 128-query tiles (block_q=128) run at head dim 64 "
+                             f"without a soft cap only (S^T + dP^T + dK + dV: 192 of the 240 "
+                             f"registers there; a cap's P^T copy makes ptxas serialize the "
+                             f"wgmmas and spill), got D {self.head_dim}/{self.dv}, softcap="
+                             f"{self.softcap}; use block_q=64")
         if self.num_intervals < 1 or self.num_bwd_intervals < 0:
             raise ValueError(f"interval counts K={self.num_intervals} (>= 1), "
                              f"Kc={self.num_bwd_intervals} (>= 0) out of range")
@@ -1452,11 +1473,20 @@ class BackwardKey:
                 + ("_xc" if self.exact_columns else ""))
 
 
-def dq_warpgroups(head_dim: int, num_consumer_wgs: int = 2) -> int:
-    """Consumer warpgroups that compute dQ: they split D when each half is a whole
-    128B-swizzle row (64 elements of 16 bits) of K's buffer, else the first does it alone
-    (D = 64: a 32-column half would not be a canonical wgmma layout)."""
+def dq_warpgroups(head_dim: int, num_consumer_wgs: int = 2, block_q: int = BWD_TILES[0]) -> int:
+    """Consumer warpgroups that compute dQ. With 64-query tiles they split D when each half
+    is a whole 128B-swizzle row (64 elements of 16 bits) of K's buffer, else the first does
+    it alone (D = 64: a 32-column half would not be a canonical wgmma layout); with
+    128-query tiles (``dq_splits_queries``) each takes 64 of the queries, all of D."""
+    if dq_splits_queries(block_q, num_consumer_wgs):
+        return num_consumer_wgs
     return num_consumer_wgs if head_dim // num_consumer_wgs >= 64 else 1
+
+
+def dq_splits_queries(block_q: int, num_consumer_wgs: int = 2) -> bool:
+    """Whether the dQ warpgroups split the tile's queries (one m64 wgmma row block each:
+    ``block_q`` = 64 x warpgroups) rather than D."""
+    return block_q == 64 * num_consumer_wgs
 
 
 def compile_backward(key: BackwardKey):
@@ -1547,6 +1577,8 @@ def dq_fragment_unpermute(acc, nq: int, head_dim: int, block_q: int = BWD_TILES[
     chunk g (columns 8g..8g+7 of the warpgroup's part), thread t = 32 * warp + 4 * lq + lr,
     then (row half h, column pair p). The element is row 16 * warp + 8 * h + lq,
     column w * D / W + 8 g + 2 lr + p — the SM90 wgmma accumulator layout (m64nNk16).
+    With 128-query tiles (``dq_splits_queries``) warpgroup w holds rows 64 w .. 64 w + 63
+    and all of D: the element is row 64 w + 16 * warp + 8 * h + lq, column 8 g + 2 lr + p.
     With ``blocked`` (``BackwardConfig.dq_blocked``) the slot is (column block of 8, row,
     column within the block): D / 8 blocks of block_q x 8 floats.
 
@@ -1556,13 +1588,18 @@ def dq_fragment_unpermute(acc, nq: int, head_dim: int, block_q: int = BWD_TILES[
     >>> bool((np.asarray(dq_fragment_unpermute(slots, 64, 64, blocked=True)) == dq).all())
     True
     """
-    assert block_q == 64, "the fragment order is that of one m64 wgmma per warpgroup"
     b, hq, tq, slot = acc.shape
     if blocked:
+        assert block_q == 64, "dq_blocked: 64-row blocks"
         x = acc.reshape(b, hq, tq, head_dim // 8, block_q, 8)
         x = jnp.transpose(x, (0, 2, 4, 1, 3, 5))            # b tq row | hq block 8
         return x.reshape(b, tq * block_q, hq, head_dim)[:, :nq]
-    w = dq_warpgroups(head_dim)
+    w = dq_warpgroups(head_dim, block_q=block_q)
+    if dq_splits_queries(block_q):
+        x = acc.reshape(b, hq, tq, w, head_dim // 8, 4, 8, 4, 2, 2)     # w g warp lq lr h p
+        x = jnp.transpose(x, (0, 2, 3, 5, 8, 6, 1, 4, 7, 9))             # b tq w warp h lq | hq g lr p
+        return x.reshape(b, tq * block_q, hq, head_dim)[:, :nq]
+    assert block_q == 64, "the fragment order is that of one m64 wgmma per warpgroup"
     g = head_dim // w // 8
     x = acc.reshape(b, hq, tq, w, g, 4, 8, 4, 2, 2)      # w g warp lq lr h p
     x = jnp.transpose(x, (0, 2, 5, 8, 6, 1, 3, 4, 7, 9))  # b tq warp h lq | hq w g lr p

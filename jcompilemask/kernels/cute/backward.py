@@ -27,7 +27,8 @@ its lse and dO with its delta into a `num_stages` ring); warp 1 writes dQ (per t
 dQ warpgroup, one `cp.reduce.async.bulk ... add.f32` of the warpgroup's float32 dQ tile
 from shared memory into the tile's global slot). Warpgroups 1 and 2 compute, each owning
 64 of the 128 keys for S / dP / dK / dV and half of the head dims for dQ (which needs
-both halves of dS: a named barrier; at D = 64 the first computes dQ alone).
+both halves of dS: a named barrier; at D = 64 the first computes dQ alone; with 128-query
+tiles, ``BackwardConfig.block_q=128`` at D 64, each computes dQ for 64 of the queries).
 
 Per tile a consumer warpgroup issues S^T and dP^T, reads lse / delta from shared memory
 while they run, waits S^T (P^T, mask), waits dP^T (dS^T), issues dV, stores dS^T into
@@ -66,7 +67,7 @@ from cutlass import Boolean, Float32, Int32, Uint32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-from .api import BackwardConfig, backward_grad_scale, dq_warpgroups
+from .api import BackwardConfig, backward_grad_scale, dq_splits_queries, dq_warpgroups
 from .residual_ops import CuteOps
 from .common import (COLUMNS_UNROLLED, INTERVALS_UNROLLED, WarpSpecializedSm90, _as_a_operand,
                      build_tile_list, list_first_word, _pair_runs, _rows_view, _unsigned_lt,
@@ -152,7 +153,11 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         self.entry_ahead = config.work_list and config.entry_ahead
         assert config.block_kv == (64 if self.split_dkv else 64 * self.num_consumer_wgs), \
             "each consumer warpgroup owns 64 keys (split_dkv: the same 64)"
-        assert config.block_q == 64, "dQ leaves in the fragment order of one m64 wgmma per warpgroup"
+        # 128-query tiles (D 64): each dQ warpgroup takes 64 of the queries (one m64 wgmma
+        # row block, all of D), so dQ still leaves in one m64 wgmma's fragment order.
+        self.dq_split_q = dq_splits_queries(config.block_q, self.num_consumer_wgs)
+        assert config.block_q == 64 or (self.dq_split_q and not self.split_dkv), \
+            "dQ leaves in the fragment order of one m64 wgmma per warpgroup"
         assert head_dim % 64 == 0
         assert num_intervals >= 1 and num_bwd_intervals >= 0
         self.dtype = dtype
@@ -176,7 +181,7 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         self.num_stages = config.num_stages
         self.broadcast_batch = broadcast_batch
         self.broadcast_head = broadcast_head
-        self.dq_wgs = dq_warpgroups(head_dim, self.num_consumer_wgs)
+        self.dq_wgs = dq_warpgroups(head_dim, self.num_consumer_wgs, config.block_q)
         # Warpgroups that tile S^T / dP^T (split_dkv: one tile, computed by both), and the
         # dK / dV tiling: along keys (64 per warpgroup) or, with split_dkv, along D.
         # split_sdp (with split_dkv): each warpgroup computes S^T / dP^T for half of the
@@ -212,9 +217,11 @@ class FlashBackwardSm90(WarpSpecializedSm90):
             self.dkv_atoms, self.dkv_tile = (self.num_consumer_wgs, 1, 1), (64, head_dim)
             self.dv_tile = self.dkv_tile
         self.dq_single_wg = self.dq_wgs == 1
-        # Floats of one dQ warpgroup's tile (block_q x D / dq_wgs) and its float4 chunks.
+        # Floats of one dQ warpgroup's tile (block_q x D / dq_wgs) and its float4 chunks
+        # (its D columns / 8: with dq_split_q a warpgroup's 64 queries take all of D).
         self.dq_wg_floats = self.block_q * head_dim // self.dq_wgs
-        self.dq_chunks = head_dim // self.dq_wgs // 8
+        self.dq_cols = head_dim if self.dq_split_q else head_dim // self.dq_wgs
+        self.dq_chunks = self.dq_cols // 8
         # A key's Kc column intervals stay in registers for the whole pass only up to
         # config.column_registers; above it they are re-read (L1-resident: the same 2 x Kc
         # pairs every tile) in each masked tile. At Kc = 7 (clear) holding them makes the
@@ -402,9 +409,13 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         )
 
         # dQ = dS K: (queries, D), contraction over the keys; dS (queries-major in shared
-        # memory) and K seen transposed; the dQ warpgroups split D (see dq_warpgroups).
+        # memory) and K seen transposed; the dQ warpgroups split D (see dq_warpgroups), or
+        # with 128-query tiles the queries (64 each, all of D).
+        dq_atoms, dq_inst = (1, self.dq_wgs, 1), (bq, d // self.dq_wgs)
+        if const_expr(self.dq_split_q):
+            dq_atoms, dq_inst = (self.dq_wgs, 1, 1), (64, d)
         tiled_mma_dq = sm90_helpers.make_trivial_tiled_mma(
-            self.dtype, self.dtype, MN_MAJOR, MN_MAJOR, Float32, (1, self.dq_wgs, 1), (bq, d // self.dq_wgs),
+            self.dtype, self.dtype, MN_MAJOR, MN_MAJOR, Float32, dq_atoms, dq_inst,
         )
         sK_layout = sm90_helpers.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (bk, bq, d), self.dtype, 1)
         sQ_layout = sm90_helpers.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (bk, bq, d), self.dtype, self.num_stages)
@@ -1017,15 +1028,16 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         si, n_cols = t.si, t.n_cols
         t.lse_early = (self.config.stats_early or self.config.lse_early) and not self.config.stats_shfl
         if const_expr(self.config.stats_shfl):
-            # Each lane holds 2 of the tile's 64 queries (2 lane, 2 lane + 1) of lse and
-            # delta, read before any wait; at use, column c of the accumulator (query
-            # 8 (c // 2) + 2 (lane % 4) + c % 2, the m64nN layout) comes from lane
-            # 4 (c // 2) + lane % 4 by shfl — no shared-memory load queued behind the GEMMs'
-            # operand traffic where exp2 waits for it (FA4's SM90 backward does the same).
-            assert self.block_q == 64 and n_cols == 16, "stats_shfl: 64-query tiles, 16 columns per thread"
+            # Each lane holds 2 of every 64 queries of the tile (64 h + 2 lane, + 1) of lse
+            # and delta, read before any wait; at use, column c of the accumulator (query
+            # 8 (c // 2) + 2 (lane % 4) + c % 2, the m64nN layout) comes by shfl from lane
+            # 4 (c // 2 % 8) + lane % 4, its value 2 (c // 16) + c % 2 (``stat_source``) —
+            # no shared-memory load queued behind the GEMMs' operand traffic where exp2
+            # waits for it (FA4's SM90 backward does the same). 128-query tiles: 4 values.
+            assert n_cols == self.block_q // 4, "stats_shfl: the m64nN accumulator's columns"
             t.lane = cute.arch.lane_idx()
-            t.own_lse = (f.sLSE[2 * t.lane, si], f.sLSE[2 * t.lane + 1, si])
-            t.own_delta = (f.sDelta[2 * t.lane, si], f.sDelta[2 * t.lane + 1, si])
+            t.own_lse = tuple(f.sLSE[64 * (i // 2) + 2 * t.lane + i % 2, si] for i in range(self.block_q // 32))
+            t.own_delta = tuple(f.sDelta[64 * (i // 2) + 2 * t.lane + i % 2, si] for i in range(self.block_q // 32))
         if const_expr(t.lse_early):
             for c in cutlass.range_constexpr(n_cols):
                 t.lse[c] = f.sLSE[f.tScS[0, c][1], si]
@@ -1043,7 +1055,7 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         warpgroup.wait_group(1)
         if const_expr(self.config.stats_shfl):
             for c in cutlass.range_constexpr(n_cols):
-                lse[c] = cute.arch.shuffle_sync(t.own_lse[c % 2], 4 * (c // 2) + t.lane % 4)
+                lse[c] = self.stat_source(t.own_lse, c, t.lane)
         elif const_expr(not t.lse_early and not self.config.lse_prefetch):
             for c in cutlass.range_constexpr(n_cols):
                 lse[c] = f.sLSE[f.tScS[0, c][1], si]
@@ -1078,10 +1090,14 @@ class FlashBackwardSm90(WarpSpecializedSm90):
                 self.softcap_probs(S, _rows_view(t.rP), lse)
         if const_expr(self.config.stats_shfl):
             for c in cutlass.range_constexpr(n_cols):
-                delta[c] = cute.arch.shuffle_sync(t.own_delta[c % 2], 4 * (c // 2) + t.lane % 4)
+                delta[c] = self.stat_source(t.own_delta, c, t.lane)
         elif const_expr(not self.config.stats_early):
             for c in cutlass.range_constexpr(n_cols):
                 delta[c] = f.sDelta[f.tScS[0, c][1], si]
+
+    def stat_source(self, own, c: int, lane):
+        """``stats_shfl``: accumulator column c's lse / delta from the lane that holds it."""
+        return cute.arch.shuffle_sync(own[2 * (c // 16) + c % 2], 4 * (c // 2 % 8) + lane % 4)
 
     @cute.jit
     def softmax_grad(self, masked: cutlass.Constexpr[bool], t, f):
@@ -1311,8 +1327,8 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         through shared memory (dK still in flight). With ``release_do_early``: wait for dV
         between the two issues and free dO's stage at once (the producer's next dO load
         starts a GEMM earlier)."""
-        acc_dQ = cute.make_rmem_tensor(f.mma_dq.partition_shape_C((self.block_q, self.head_dim // self.dq_wgs)),
-                                       Float32)
+        dq_tile = (self.block_q, self.head_dim if const_expr(self.dq_split_q) else self.head_dim // self.dq_wgs)
+        acc_dQ = cute.make_rmem_tensor(f.mma_dq.partition_shape_C(dq_tile), Float32)
         issue_wgmma(f.mma_dq, acc_dQ, f.tQrdS[None, None, None, ds_stage], f.tQrKt[None, None, None, 0], True)
         if const_expr(self.config.release_do_early):
             warpgroup.wait_group(1)
