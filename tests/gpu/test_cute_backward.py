@@ -194,6 +194,72 @@ def test_q128_backward_compiles_for_sm90(case, monkeypatch, capfd):
     assert "_t128x128_" in key.target_name
 
 
+@needs_cutlass
+@knob
+@pytest.mark.parametrize("changes", ["stats_shfl=1", "stats_shfl=1,static_stage=1"])
+@pytest.mark.parametrize("dtype,d,kk,kc,bb,bh,cap", [
+    ("bfloat16", 128, 1, 1, True, True, 30.0), ("float16", 128, 6, 7, False, False, 5.0),
+    ("float16", 64, 2, 4, False, True, 50.0)])
+def test_softcap_switches_compile_for_sm90(changes, dtype, d, kk, kc, bb, bh, cap, monkeypatch, capfd):
+    """Soft-cap candidates (issue 15): lse / delta by shfl (the capped D 128 tile's 4 local
+    loads / stores per unmasked tile go: 783 -> 811 instructions, 8 -> 0 B of stack), and
+    with the body once per ring stage (745); no C7512 (NOTES.md, session 27)."""
+    from jcompilemask.kernels.cute import api
+    monkeypatch.setenv(api.BWD_CONFIG_ENV, changes)
+    cfg = api._config_from_env(api.preferred_backward_config(d, dtype, True))
+    key = api.BackwardKey(dtype, d, kk, kc, bb, bh, d ** -0.5, cfg, softcap=cap)
+    assert compile_checking_remarks(api.compile_backward, key, monkeypatch, capfd) is not None
+    assert "_sh_" in key.target_name
+
+
+# Persistent CTAs (BackwardConfig.persistent, issue 16: short key columns pay a CTA's fixed
+# cost per 2-4 tiles): (D, dtype, K, Kc, broadcast batch / head, config changes, residual).
+_PERSISTENT_CASES = {
+    "d128_causal": (128, "bfloat16", 1, 1, True, True, {}, None),
+    "d128_clear_fp16": (128, "float16", 6, 7, False, False, {}, None),
+    "d128_dilated": (128, "bfloat16", 0, 0, False, True, {}, "dilated"),
+    "d64_hstu": (64, "bfloat16", 2, 4, False, True, {}, None),
+    "d64_q128": (64, "bfloat16", 1, 1, True, True, dict(block_q=128, ds_first=True), None),
+    "d256": (256, "bfloat16", 6, 7, False, False, {}, None),
+    "d192": (192, "float16", 2, 4, False, True, {}, None),
+}
+
+
+@needs_cutlass
+@pytest.mark.parametrize("case", [c if c in ("d128_causal", "d128_dilated") else pytest.param(c, marks=knob)
+                                  for c in sorted(_PERSISTENT_CASES)])
+def test_persistent_backward_compiles_for_sm90(case, monkeypatch, capfd):
+    """Persistent CTAs: each CTA runs a row of the host's unit table, the producer's and the
+    consumers' pipeline states and the list count carried from unit to unit, K / V freed
+    for the next unit once the dK / dV store has read them. No C7512 at any head dim."""
+    import dataclasses
+    from jcompilemask.kernels.cute.api import BackwardKey, compile_backward, preferred_backward_config
+    from jcompilemask.lower.residual_program import ResidualProgram
+    d, dtype, kk, kc, bb, bh, changes, residual = _PERSISTENT_CASES[case]
+    pair = None
+    if residual:
+        cm = jcm.compile(MaskSpec([Region((0, q_len), (k <= q) & (k > q - 128) & ((q - k) % 2 == 0))]),
+                         warn=False)
+        pair, kk, kc = ResidualProgram.pair(cm), cm.num_intervals, cm.num_bwd_intervals
+    cfg = dataclasses.replace(preferred_backward_config(d, dtype), schedule=True, persistent=True, **changes)
+    key = BackwardKey(dtype, d, kk, kc, bb, bh, d ** -0.5, cfg, residual=pair,
+                      head_dim_v=128 if d == 192 else None)
+    assert compile_checking_remarks(compile_backward, key, monkeypatch, capfd) is not None
+    assert key.target_name.split("_0x")[0].count("_pers") == 1
+
+
+def test_persistent_config_is_validated():
+    from jcompilemask.kernels.cute.api import BackwardConfig
+    with pytest.raises(ValueError, match="persistent .* needs schedule=1"):
+        BackwardConfig(work_list=True, dkv_tma_store=True, persistent=True)
+    with pytest.raises(ValueError, match="persistent .* needs schedule=1"):
+        BackwardConfig(work_list=True, schedule=True, persistent=True)
+    with pytest.raises(ValueError, match="excludes deterministic"):
+        BackwardConfig(work_list=True, dkv_tma_store=True, schedule=True, persistent=True,
+                       deterministic=True)
+    assert BackwardConfig(work_list=True, dkv_tma_store=True, schedule=True, persistent=True).tag.endswith("_pers")
+
+
 def test_q128_config_is_validated():
     """block_q=128: the tiles, ds_first and head dim 64 are checked with messages that say
     what to set."""
@@ -1082,6 +1148,52 @@ def test_schedule_gives_the_default_gradients(name, d, dv, dtype, policy, cute_b
     np.testing.assert_array_equal(np.asarray(base[2]), np.asarray(sched[2]))
     g_hi, g_lo = reference_gradients(qx, kx, vx, do, spec.as_dense(md, n, n))
     problems = gradient_problems(sched, g_hi, g_lo, dtype)
+    assert not problems, "; ".join(problems)
+
+
+@needs_gpu
+@pytest.mark.parametrize("ctas", [None, 5])
+@pytest.mark.parametrize("name,d,dv,dtype,extra", [
+    ("causal", 128, 128, jnp.bfloat16, ""), ("shared_prompt", 64, 64, jnp.float16, ""),
+    ("clear", 128, 128, jnp.bfloat16, ""), ("hstu", 256, 256, jnp.bfloat16, ""),
+    ("clear", 192, 128, jnp.bfloat16, ""), ("dilated_window", 128, 128, jnp.bfloat16, ""),
+    ("document", 64, 64, jnp.bfloat16, ",block_q=128,ds_first=1"),
+], ids=lambda v: str(getattr(v, "__name__", v)))
+def test_persistent_gives_the_default_gradients(name, d, dv, dtype, extra, ctas, cute_backward_on,
+                                                monkeypatch):
+    """Persistent CTAs (each runs a row of ``persistent_schedule``'s table, its pipeline
+    states, list count and K / V stage carried from unit to unit) change which CTA runs a
+    key column, not what the column computes: dK and dV equal the default grid's bit for
+    bit; dQ meets the tolerance policy. On the GPU's SMs and on 5 CTAs (``num_sms``
+    patched), where each CTA runs several units (up to ~13 here)."""
+    from jcompilemask.kernels.cute import api
+    rng = np.random.default_rng(15)
+    n = 900 if name != "clear" else 1100
+    if name == "dilated_window":
+        md, spec = None, MaskSpec([Region((0, q_len), (k <= q) & (k > q - 128) & ((q - k) % 2 == 0))])
+    else:
+        md, spec = metadata(name, 2, n, rng), SPECS[name]
+    ks = jax.random.split(jax.random.key(8), 4)
+    hs = (4, 2, 2, 4)            # GQA: 2 query heads per KV head
+    qx, kx = (jax.random.normal(kk, (2, n, h, d), jnp.float32).astype(dtype) for kk, h in zip(ks[:2], hs))
+    vx, do = (jax.random.normal(kk, (2, n, h, dv), jnp.float32).astype(dtype) for kk, h in zip(ks[2:], hs[2:]))
+    if ctas is not None:
+        monkeypatch.setattr(api, "num_sms", lambda default=132: ctas)
+
+    def grads(config):
+        monkeypatch.setenv(api.BWD_CONFIG_ENV, config + extra)
+
+        def loss(a, b_, c):
+            o = jcm.mask_attention(a, b_, c, spec, metadata=md, implementation="cute")
+            return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32))
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(qx, kx, vx)
+
+    base, pers = grads("schedule=0"), grads("schedule=1,persistent=1")
+    assert any(key.config.persistent for key in api._compiled if isinstance(key, api.BackwardKey))
+    np.testing.assert_array_equal(np.asarray(base[1]), np.asarray(pers[1]))
+    np.testing.assert_array_equal(np.asarray(base[2]), np.asarray(pers[2]))
+    g_hi, g_lo = reference_gradients(qx, kx, vx, do, spec.as_dense(md, n, n))
+    problems = gradient_problems(pers, g_hi, g_lo, dtype)
     assert not problems, "; ".join(problems)
 
 

@@ -127,3 +127,39 @@ def test_forward_192_128(name, dtype):
     assert out.shape == (b, n, 4, 128)
     assert_within_policy(out, hi[0], lo[0], "out")
     assert_within_policy(lse, hi[1], lo[1], "lse")
+
+
+# Soft-cap config candidates (issue 15, session 27; compile-checked): lse / delta by shfl
+# (stats_shfl: the capped tile's 4 local loads / stores per unmasked tile at D 128 go) and
+# the tile body once per ring stage (static_stage). Neither changes a value or the order of
+# an addition, so with the deterministic dQ order the gradients equal the default's.
+CAP_SWITCHES = {"sh": "stats_shfl=1", "shss": "stats_shfl=1,static_stage=1"}
+
+
+@pytest.mark.parametrize("switch", sorted(CAP_SWITCHES))
+@pytest.mark.parametrize("name,config,dtype", [
+    ("causal", "cap128", jnp.bfloat16), ("clear", "cap128", jnp.float16),
+    ("hstu", "cap64", jnp.bfloat16)], ids=lambda v: str(getattr(v, "__name__", v)))
+def test_softcap_switch_gives_identical_gradients(switch, name, config, dtype, monkeypatch):
+    from jcompilemask.kernels.cute import api
+    d, dv, cap = CONFIGS[config]
+    rng = np.random.default_rng(12)
+    n = 1000 if name != "clear" else 1100
+    md, spec = metadata(name, 2, n, rng), SPECS[name]
+    ks = jax.random.split(jax.random.key(6), 4)
+    qx = (3.0 * jax.random.normal(ks[0], (2, n, 4, d), jnp.float32)).astype(dtype)
+    kx, vx, do = (jax.random.normal(kk, (2, n, 2 if i < 2 else 4, d), jnp.float32).astype(dtype)
+                  for i, kk in enumerate(ks[1:]))
+
+    def grads(config_env):
+        monkeypatch.setenv(api.BWD_CONFIG_ENV, config_env)
+
+        def loss(a, b_, c):
+            o = jcm.mask_attention(a, b_, c, spec, metadata=md, implementation="cute",
+                                   logits_soft_cap=cap, deterministic=True)
+            return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32))
+        return [np.asarray(x) for x in jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(qx, kx, vx)]
+
+    base, other = grads(""), grads(CAP_SWITCHES[switch])
+    for a, b_ in zip(base, other):
+        np.testing.assert_array_equal(a, b_)

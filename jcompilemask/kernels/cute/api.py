@@ -1145,6 +1145,15 @@ class BackwardConfig:
       kernel's 224 M warp instructions). Same values where no visible P underflows to 0
       (there the guard gave +0 and this P (dP - delta), as a full tile and the reference
       do). Where the column view is not exact the guard stays. Not yet run on the H200.
+    - ``persistent`` (with ``schedule``, ``dkv_tma_store``, ``work_list``): one CTA per SM,
+      each running a row of ``persistent_schedule``'s table (``backward_schedule``'s order
+      dealt round by round, every other round reversed) instead of one key column per CTA.
+      The producer's and consumers' pipeline states and the list count carry from unit to
+      unit; the consumers free K / V once the dK / dV store has read their buffers, and the
+      producer loads the next unit's K / V after its first Q / dO tile, so that tile's load,
+      the next list and the next unit's prologue overlap the store. For short key columns
+      (the dilated window: 2-4 tiles a column, a CTA's fixed cost ~2 tiles' time). Not yet
+      run on the H200.
 
     ``preferred_backward_config`` picks the default per head dim; ``JCOMPILEMASK_CUTE_BWD_CONFIG``
     (e.g. ``ds_stages=1,stats_early=0``) overrides fields at trace time for benchmarks.
@@ -1185,6 +1194,7 @@ class BackwardConfig:
     mask_r2p: bool = False
     residual_periodic: bool = False
     ds_words: bool = False
+    persistent: bool = False
 
     def __post_init__(self):
         wants = (BWD_TILES_SPLIT,) if self.split_dkv else (BWD_TILES, BWD_TILES_WIDE)
@@ -1224,6 +1234,10 @@ class BackwardConfig:
         if not 0 <= self.rcp_emu <= 8:
             raise ValueError(f"rcp_emu={self.rcp_emu} must be 0..8 (columns of every 8 whose "
                              "soft-cap reciprocal runs on the FMA pipe)")
+        if self.persistent and not (self.schedule and self.dkv_tma_store and self.work_list):
+            raise ValueError("persistent (each CTA runs a row of units) needs schedule=1 (the host's "
+                             "unit order, dealt to the CTAs), dkv_tma_store=1 (K / V are freed for "
+                             "the next unit once the dK / dV store has read them) and work_list=1")
         if self.schedule and self.deterministic:
             raise ValueError("schedule (a host order of the key columns) excludes deterministic: "
                              "the deterministic dQ turns wait on lower key tiles, which must "
@@ -1253,7 +1267,7 @@ class BackwardConfig:
                 f"{'_lb' if self.late_balance else ''}"
                 f"{'_lse' if self.list_early and self.work_list else ''}"
                 f"{'_r2p' if self.mask_r2p else ''}{'_rp' if self.residual_periodic else ''}"
-                f"{'_dsw' if self.ds_words else ''}")
+                f"{'_dsw' if self.ds_words else ''}{'_pers' if self.persistent else ''}")
 
 
 def preferred_backward_config(head_dim: int, dtype: str = "bfloat16",
@@ -1553,7 +1567,12 @@ def compile_backward(key: BackwardKey):
                                                    assumed_align=4),
                      cute.runtime.make_fake_tensor(cutlass.Int32, (bm, max(key.residual[0].width, 1)),
                                                    stride=(sym64(), 1), assumed_align=4)]
-        if cfg.schedule:
+        if cfg.persistent:
+            # The persistent table int32 [P, 1 + J] (persistent_schedule; after the residual's).
+            entry = kernel.with_residual_schedule if key.residual is not None else kernel.with_schedule
+            args.append(cute.runtime.make_fake_tensor(cutlass.Int32, (sym(), sym()), stride=(sym64(), 1),
+                                                      assumed_align=4))
+        elif cfg.schedule:
             # The work-unit order int32 [B * Hkv * Tk] (an operand, after the residual's).
             entry = kernel.with_residual_schedule if key.residual is not None else kernel.with_schedule
             args.append(cute.runtime.make_fake_tensor(cutlass.Int32, (sym(),), stride=(1,),
@@ -1864,15 +1883,19 @@ def cute_backward(q, k, v, out, lse, do, bwd_intervals, bwd_tiles, fwd_intervals
     inputs = (q, k, v, do, lse2, delta, bwd_intervals.astype(jnp.int32),
               bwd_tiles.astype(jnp.uint32), fwd_intervals.astype(jnp.int32), exact, turns, *extra)
     def scheduled(inputs):
-        return run(name, inputs, (backward_schedule(
+        order = backward_schedule(
             bwd_tiles, B, Hq, Hkv, kv_heads_per_l2_group(Nq, D * (Hq // Hkv), Dv * (Hq // Hkv),
                                                          jnp.dtype(q.dtype).itemsize),
-            policy=policy),))
+            policy="tail" if config.persistent and policy == "auto" else policy)
+        if config.persistent:
+            # Persistent CTAs: the order dealt round by round to one CTA per SM.
+            order = persistent_schedule(order, num_sms())
+        return run(name, inputs, (order,))
 
     policy = _bwd_order_policy() if config.schedule else None
     if policy is None:
         dq_acc, _, dk, dv = run(name, inputs)
-    elif policy == "auto":
+    elif policy == "auto" and not config.persistent:
         # The scheduled kernel where tail's order moves a unit, the grid's kernel (the same
         # key without the schedule) where it would move none: no unit read, no sort.
         grid_name = _ensure_registered(dataclasses.replace(

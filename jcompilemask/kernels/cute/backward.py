@@ -469,7 +469,9 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         self.shared_storage = SharedStorage
         num_k_tiles = cute.ceil_div(mK.shape[1], bk)
         grid = [num_k_tiles, mK.shape[2], mK.shape[0]]
-        if const_expr(self.config.schedule):
+        if const_expr(self.config.persistent):
+            grid = [mSchedule.shape[0], 1, 1]      # one CTA per row of the persistent table
+        elif const_expr(self.config.schedule):
             grid = [num_k_tiles * mK.shape[2] * mK.shape[0], 1, 1]
         self.kernel(
             mQ_tma, mK_tma, mV_tma, mdO_tma, mLSE2, mDelta, mBwdIntervals, mBwdTiles,
@@ -528,7 +530,7 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         tidx, _, _ = cute.arch.thread_idx()
         k_tile, head_kv, batch = cute.arch.block_idx()
         unit = Int32(0)
-        if const_expr(self.config.schedule):
+        if const_expr(self.config.schedule and not self.config.persistent):
             # The block's work unit, read first: its latency overlaps the barrier setup.
             unit = mSchedule[k_tile]
         first_raw = None
@@ -572,7 +574,12 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         sCount = storage.sCount.get_tensor(cute.make_layout(2))
         work = (sList, sCount)
 
-        if const_expr(self.config.schedule):
+        units = None
+        if const_expr(self.config.persistent):
+            # Persistent CTAs (api.persistent_schedule): block i runs mSchedule[i, 0] units,
+            # mSchedule[i, 1:], each decoded where it starts.
+            units = (mSchedule, k_tile, cute.ceil_div(mK.shape[0], self.block_kv), mK.shape[2])
+        elif const_expr(self.config.schedule):
             # The host's order (api.backward_schedule: long key columns first): block i
             # runs unit (batch * Hkv + head_kv) * Tk + k_tile = mSchedule[i].
             unit = cute.arch.make_warp_uniform(unit)
@@ -592,10 +599,11 @@ class FlashBackwardSm90(WarpSpecializedSm90):
                 self.load(mQ, mK, mV, mdO, mLSE2, mDelta, sQ, sK, sV, sdO, sLSE, sDelta,
                           (tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_do, tma_atom_lse, tma_atom_delta),
                           pipeline_kv, pipeline_q, pipeline_do, mBwdTiles,
-                          n_q_tiles, k_tile, head_kv, batch, mask_batch, group, work, first_raw)
+                          n_q_tiles, k_tile, head_kv, batch, mask_batch, group, work, first_raw,
+                          units)
             if warp_idx == self.dq_writer_warp:
                 self.write_dq(mdQaccum, sdQ, mBwdTiles, mDqRank, mSem, n_q_tiles, k_tile, head_kv,
-                              batch, mask_batch, group, work)
+                              batch, mask_batch, group, work, units)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             smem = _Namespace(storage=storage, layouts=(sQ_layout, sdO_layout, sK_layout), sQ=sQ,
@@ -609,7 +617,7 @@ class FlashBackwardSm90(WarpSpecializedSm90):
                              k_tile=k_tile, head_kv=head_kv, batch=batch, mask_batch=mask_batch,
                              group=group)
             self.consume(smem, gmem, cta, (tiled_mma_sdp, (tiled_mma_dkv, tiled_mma_dv), tiled_mma_dq),
-                         (pipeline_kv, pipeline_q, pipeline_do), tidx - self.threads_per_wg)
+                         (pipeline_kv, pipeline_q, pipeline_do), tidx - self.threads_per_wg, units)
 
     @cute.jit
     def mask_head(self, head):
@@ -619,22 +627,64 @@ class FlashBackwardSm90(WarpSpecializedSm90):
     @cute.jit
     def load(self, mQ, mK, mV, mdO, mLSE2, mDelta, sQ, sK, sV, sdO, sLSE, sDelta, atoms,
              pipeline_kv, pipeline_q, pipeline_do, mBwdTiles, n_q_tiles, k_tile, head_kv, batch,
-             mask_batch, group, work, first_raw=None):
+             mask_batch, group, work, first_raw=None, units=None):
         """Warp 0: K and V once; per visited tile Q + lse and dO + delta into the ring
-        (with ``work_list``, it also builds each (head, chunk)'s list first)."""
+        (with ``work_list``, it also builds each (head, chunk)'s list first). ``units``
+        (``config.persistent``): (mSchedule, CTA, Tk, Hkv): the CTA's units one after the
+        other, the ring state and the list count carried over."""
+        if const_expr(units is None):
+            self.load_unit(mQ, mK, mV, mdO, mLSE2, mDelta, sQ, sK, sV, sdO, sLSE, sDelta, atoms,
+                           pipeline_kv, pipeline_q, pipeline_do, mBwdTiles, n_q_tiles, k_tile,
+                           head_kv, batch, mask_batch, group, work, first_raw)
+            total = group * self.num_chunks(n_q_tiles)
+        else:
+            mSchedule, cta, n_k_tiles, n_kv_heads = units
+            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+            total = Int32(0)
+            for u in cutlass.range(mSchedule[cta, 0], unroll=1):
+                k_tile, head_kv, batch, mask_batch = self.unit_coords(mSchedule[cta, u + 1], n_k_tiles,
+                                                                      n_kv_heads)
+                kv_state, state, total = self.load_unit(
+                    mQ, mK, mV, mdO, mLSE2, mDelta, sQ, sK, sV, sdO, sLSE, sDelta, atoms,
+                    pipeline_kv, pipeline_q, pipeline_do, mBwdTiles, n_q_tiles, k_tile, head_kv,
+                    batch, mask_batch, group, work, None, (kv_state, state, total))
+        if const_expr(self.config.work_list):
+            # Balance LIST_FREE: the readers freed every list; the builder waited for all
+            # but the last two.
+            if total >= 2:
+                cute.arch.barrier(barrier_id=int(Bar.LIST_FREE) + (total - 2) % 2, number_of_threads=self.list_meet)
+            if total >= 1:
+                cute.arch.barrier(barrier_id=int(Bar.LIST_FREE) + (total - 1) % 2, number_of_threads=self.list_meet)
+
+    @cute.jit
+    def load_unit(self, mQ, mK, mV, mdO, mLSE2, mDelta, sQ, sK, sV, sdO, sLSE, sDelta, atoms,
+                  pipeline_kv, pipeline_q, pipeline_do, mBwdTiles, n_q_tiles, k_tile, head_kv,
+                  batch, mask_batch, group, work, first_raw=None, carried=None):
+        """``load`` for one work unit. ``carried`` (persistent CTAs): the K / V and ring
+        producer states and the lists built so far, returned advanced; K and V are then
+        loaded after the unit's first visited Q / dO tile (the previous unit's dK / dV store
+        still reads their buffers while that tile loads)."""
         tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_do, tma_atom_lse, tma_atom_delta = atoms
         d, bq, bk = self.head_dim, self.block_q, self.block_kv
         gK = cute.local_tile(mK[None, None, head_kv, batch], (bk, d), (k_tile, 0))
         gV = cute.local_tile(mV[None, None, head_kv, batch], (bk, self.head_dim_v), (k_tile, 0))
         tKsK, tKgK = tma_tiles(tma_atom_k, sK, gK)
         tVsV, tVgV = tma_tiles(tma_atom_v, sV, gV)
-        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-        pipeline_kv.producer_acquire(kv_state)
-        bar = pipeline_kv.producer_get_barrier(kv_state)
-        cute.copy(tma_atom_k, tKgK, tKsK[None, 0], tma_bar_ptr=bar)
-        cute.copy(tma_atom_v, tVgV, tVsV[None, 0], tma_bar_ptr=bar)
+        seq0 = Int32(0)
+        kv_pending = Boolean(False)
+        if const_expr(carried is None):
+            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+            pipeline_kv.producer_acquire(kv_state)
+            bar = pipeline_kv.producer_get_barrier(kv_state)
+            cute.copy(tma_atom_k, tKgK, tKsK[None, 0], tma_bar_ptr=bar)
+            cute.copy(tma_atom_v, tVgV, tVsV[None, 0], tma_bar_ptr=bar)
+            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        else:
+            kv_state, state, seq0 = carried
+            kv_pending = Boolean(True)
+        kv = (pipeline_kv, kv_state, tma_atom_k, tma_atom_v, tKgK, tKsK, tVgV, tVsV)
 
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         for g in cutlass.range(group, unroll=1):
             head = head_kv * group + g
             gTiles = mBwdTiles[mask_batch, self.mask_head(head), k_tile, None]
@@ -648,6 +698,8 @@ class FlashBackwardSm90(WarpSpecializedSm90):
             tDsD, tDgD = tma_tiles(tma_atom_delta, sDelta, gD, tile_rank=1)
             for ch in cutlass.range(self.num_chunks(n_q_tiles), unroll=1):
               seq = g * self.num_chunks(n_q_tiles) + ch
+              if const_expr(carried is not None):
+                  seq = seq0 + seq
               n_iter = n_q_tiles
               if const_expr(self.config.work_list):
                 if seq >= 2:   # the readers are done with this buffer's list of seq - 2
@@ -670,14 +722,35 @@ class FlashBackwardSm90(WarpSpecializedSm90):
                     cute.copy(tma_atom_do, tdOgdO[None, q_tile], tdOsdO[None, state.index], tma_bar_ptr=bar_do)
                     cute.copy(tma_atom_delta, tDgD[None, q_tile], tDsD[None, state.index], tma_bar_ptr=bar_do)
                     state.advance()
-        if const_expr(self.config.work_list):
-            # Balance LIST_FREE: the readers freed every list; the builder waited for all
-            # but the last two.
-            total = group * self.num_chunks(n_q_tiles)
-            if total >= 2:
-                cute.arch.barrier(barrier_id=int(Bar.LIST_FREE) + (total - 2) % 2, number_of_threads=self.list_meet)
-            if total >= 1:
-                cute.arch.barrier(barrier_id=int(Bar.LIST_FREE) + (total - 1) % 2, number_of_threads=self.list_meet)
+                    if const_expr(carried is not None):
+                        if kv_pending:
+                            self.load_kv(kv)
+                            kv_pending = Boolean(False)
+        if const_expr(carried is not None):
+            if kv_pending:          # a unit without a visited tile still has its K / V stage
+                self.load_kv(kv)
+            kv_state.advance()
+            return kv_state, state, seq0 + group * self.num_chunks(n_q_tiles)
+
+    @cute.jit
+    def load_kv(self, kv):
+        """A persistent CTA's K and V of this unit, once the consumers freed their buffers
+        (after the last unit's dK / dV store read them)."""
+        pipeline_kv, kv_state, tma_atom_k, tma_atom_v, tKgK, tKsK, tVgV, tVsV = kv
+        pipeline_kv.producer_acquire(kv_state)
+        bar = pipeline_kv.producer_get_barrier(kv_state)
+        cute.copy(tma_atom_k, tKgK, tKsK[None, 0], tma_bar_ptr=bar)
+        cute.copy(tma_atom_v, tVgV, tVsV[None, 0], tma_bar_ptr=bar)
+
+    @cute.jit
+    def unit_coords(self, unit, n_k_tiles, n_kv_heads):
+        """(k_tile, head_kv, batch, mask batch) of work unit (batch * Hkv + head_kv) * Tk +
+        k_tile (warp-uniform)."""
+        unit = cute.arch.make_warp_uniform(unit)
+        k_tile = unit % n_k_tiles
+        head_kv = (unit // n_k_tiles) % n_kv_heads
+        batch = unit // (n_k_tiles * n_kv_heads)
+        return k_tile, head_kv, batch, 0 if const_expr(self.broadcast_batch) else batch
 
     # ------------------------------------------------------------------ work list
     @cute.jit
@@ -738,7 +811,26 @@ class FlashBackwardSm90(WarpSpecializedSm90):
     # ------------------------------------------------------------------ dQ writer
     @cute.jit
     def write_dq(self, mdQaccum, sdQ, mBwdTiles, mDqRank, mSem, n_q_tiles, k_tile, head_kv, batch,
-                 mask_batch, group, work):
+                 mask_batch, group, work, units=None):
+        """The dQ warp (``write_dq_unit``); with ``units`` (persistent CTAs) unit after unit,
+        the list count carried over."""
+        if const_expr(units is None):
+            self.write_dq_unit(mdQaccum, sdQ, mBwdTiles, mDqRank, mSem, n_q_tiles, k_tile, head_kv,
+                               batch, mask_batch, group, work)
+        else:
+            mSchedule, cta, n_k_tiles, n_kv_heads = units
+            seq0 = Int32(0)
+            for u in cutlass.range(mSchedule[cta, 0], unroll=1):
+                k_tile, head_kv, batch, mask_batch = self.unit_coords(mSchedule[cta, u + 1], n_k_tiles,
+                                                                      n_kv_heads)
+                seq0 = self.write_dq_unit(mdQaccum, sdQ, mBwdTiles, mDqRank, mSem, n_q_tiles, k_tile,
+                                          head_kv, batch, mask_batch, group, work, seq0)
+        if cute.arch.lane_idx() == 0:
+            cute.arch.cp_async_bulk_wait_group(0)
+
+    @cute.jit
+    def write_dq_unit(self, mdQaccum, sdQ, mBwdTiles, mDqRank, mSem, n_q_tiles, k_tile, head_kv,
+                      batch, mask_batch, group, work, seq0=None):
         """Warp 1: per visited tile (the same walk as the producer's and the consumers'),
         per dQ warpgroup: wait for its tile in shared memory, add it to the tile's global
         slot with one bulk reduce-add, wait until the add has read it, free the buffer.
@@ -759,6 +851,8 @@ class FlashBackwardSm90(WarpSpecializedSm90):
             gTiles = mBwdTiles[mask_batch, mh, k_tile, None]
             for ch in cutlass.range(self.num_chunks(n_q_tiles), unroll=1):
               seq = g * self.num_chunks(n_q_tiles) + ch
+              if const_expr(seq0 is not None):
+                  seq = seq0 + seq
               n_iter = self.list_wait(n_q_tiles, work, seq, dq_warp=True)
               for it in cutlass.range(n_iter, unroll=1):
                 q_tile, bits = self.visit(it, gTiles, work, seq)
@@ -789,18 +883,20 @@ class FlashBackwardSm90(WarpSpecializedSm90):
                             red_release_add_s32(sem, 1)
                         cute.arch.sync_warp()
               self.list_done(seq)
-        if lane == 0:
-            cute.arch.cp_async_bulk_wait_group(0)
+        if const_expr(seq0 is not None):
+            return seq0 + group * self.num_chunks(n_q_tiles)
 
     # ------------------------------------------------------------------ consumers
     @cute.jit
-    def consume(self, smem, gmem, cta, tiled_mmas, pipelines, tidx):
+    def consume(self, smem, gmem, cta, tiled_mmas, pipelines, tidx, units=None):
         """The two consumer warpgroups: per head of the CTA's key tile, per visited query
         tile (the work list), ``step``; then dK / dV out.
 
         ``smem`` / ``gmem`` / ``cta``: the CTA's shared buffers, global tensors and
         coordinates (namespaces built in ``kernel``); ``tiled_mmas`` (S^T / dP^T, (dK, dV),
-        dQ); ``pipelines`` (K / V, Q, dO); ``tidx`` among the consumers."""
+        dQ); ``pipelines`` (K / V, Q, dO); ``tidx`` among the consumers; ``units``
+        (``config.persistent``): (mSchedule, CTA, Tk, Hkv), the CTA's units one after the
+        other (``consume_unit``), the pipeline states and the list count carried over."""
         d, bq, bk = self.head_dim, self.block_q, self.block_kv
         storage, work = smem.storage, smem.work
         sQ_layout, sdO_layout, sK_layout = smem.layouts
@@ -895,6 +991,50 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         kc = self.num_bwd_intervals
         col_starts = cute.make_rmem_tensor((num_rows, max(kc, 1)), Int32)
         col_lengths = cute.make_rmem_tensor((num_rows, max(kc, 1)), Int32)
+        frags.work, frags.sK, frags.sV = work, sK, sV
+        f = frags
+        args = (f, gmem, cta, tiled_mmas, pipelines, tidx, col_starts, col_lengths)
+        if const_expr(units is None):
+            self.consume_unit(*args, cta.k_tile, cta.head_kv, cta.batch, cta.mask_batch)
+        else:
+            mSchedule, bidx, n_k_tiles, n_kv_heads = units
+            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+            seq0 = Int32(0)
+            for u in cutlass.range(mSchedule[bidx, 0], unroll=1):
+                k_tile, head_kv, batch, mask_batch = self.unit_coords(mSchedule[bidx, u + 1], n_k_tiles,
+                                                                      n_kv_heads)
+                kv_state, state, seq0 = self.consume_unit(*args, k_tile, head_kv, batch, mask_batch,
+                                                          (kv_state, state, seq0))
+            # The dQ warp's last DQ_EMPTY of the CTA (per unit the next unit's first dQ
+            # tile waited for the last one's).
+            self.balance_dq(state.count, f.wg)
+
+    @cute.jit
+    def consume_unit(self, f, gmem, cta, tiled_mmas, pipelines, tidx, col_starts, col_lengths,
+                     k_tile, head_kv, batch, mask_batch, carried=None):
+        """One work unit of the consumers: per head of the unit's key tile, per visited query
+        tile (the work list), ``step``; then dK / dV out. ``carried`` (persistent CTAs): the
+        K / V and ring consumer states and the lists read so far, returned advanced; K and V
+        are then freed once the dK / dV store has read their buffers, and dK / dV zeroed."""
+        d, bq, bk = self.head_dim, self.block_q, self.block_kv
+        # The CTA's fragments with this unit's key tile and mask batch (a copy: the caller's
+        # stays as it was across a persistent CTA's unit loop).
+        frags = _Fragments()
+        frags.__dict__.update(f.__dict__)
+        frags.k_tile, frags.mask_batch = k_tile, mask_batch
+        work = f.work
+        kc = self.num_bwd_intervals
+        num_rows = cute.size(f.tScS, mode=[0])
+        tScS, acc_dK, acc_dV = f.tScS, f.acc_dK, f.acc_dV
+        mBwdIntervals, mBwdTiles, mBwdExact = gmem.mBwdIntervals, gmem.mBwdTiles, gmem.mBwdExact
+        mdK, mdV, tma_store_atoms = gmem.mdK, gmem.mdV, gmem.tma_store_atoms
+        n_q_tiles, seqlen_q, seqlen_k, group = cta.n_q_tiles, cta.seqlen_q, cta.seqlen_k, cta.group
+        pipeline_kv = pipelines[0]
+        tiled_mmas_dkv = tiled_mmas[1]
+        tiled_mma_dkv = tiled_mmas_dkv[0]
+        sK, sV = f.sK, f.sV
+        wg = f.wg
         exact = Boolean(False)
         if const_expr(kc > 0 and not self.row_mask):
             exact = mBwdExact[mask_batch] != 0
@@ -902,9 +1042,13 @@ class FlashBackwardSm90(WarpSpecializedSm90):
                 # The column view is exact for every input (BackwardKey.exact_columns): a
                 # constant, so the row path of the masked tiles folds away.
                 exact = Boolean(True)
-        pipeline_kv.consumer_wait(pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1))
-
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        seq0 = Int32(0)
+        if const_expr(carried is None):
+            pipeline_kv.consumer_wait(pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1))
+            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        else:
+            kv_state, state, seq0 = carried
+            pipeline_kv.consumer_wait(kv_state)
         for g in cutlass.range(group, unroll=1):
             head = head_kv * group + g
             mh = self.mask_head(head)
@@ -918,6 +1062,8 @@ class FlashBackwardSm90(WarpSpecializedSm90):
             ragged_k = (seqlen_k % bk != 0) & (k_tile == cute.ceil_div(seqlen_k, bk) - 1)
             for ch in cutlass.range(self.num_chunks(n_q_tiles), unroll=1):
               seq = g * self.num_chunks(n_q_tiles) + ch
+              if const_expr(carried is not None):
+                  seq = seq0 + seq
               n_iter = self.list_wait(n_q_tiles, work, seq)
               # entry_ahead: every list entry is a visited tile, and each tile's step reads
               # the next entry before its last wgmma wait (the load completes under the
@@ -940,15 +1086,24 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         # Balance DQ_EMPTY: the dQ warp freed the buffer once per tile, this warpgroup
         # waited before every tile but the first. config.late_balance waits after the
         # dK / dV epilogue (which never touches the dQ tile) instead of before it.
-        if const_expr(not self.config.late_balance):
+        if const_expr(not self.config.late_balance and carried is None):
             self.balance_dq(state.count, wg)
         if const_expr(self.config.dkv_tma_store):
             self.epilogue_tma(acc_dK, acc_dV, mdK, mdV, sK, sV, tma_store_atoms, tiled_mmas_dkv, tidx,
                               k_tile, head_kv, batch)
         else:
             self.epilogue(acc_dK, acc_dV, mdK, mdV, tiled_mma_dkv, tidx, seqlen_k, k_tile, head_kv, batch)
-        if const_expr(self.config.late_balance):
+        if const_expr(self.config.late_balance and carried is None):
             self.balance_dq(state.count, wg)
+        if const_expr(carried is not None):
+            # The store has read K's and V's buffers (warp 0 waited for it): the producer may
+            # load the next unit's K / V there. dK / dV start over.
+            cute.arch.barrier(barrier_id=int(Bar.EPILOGUE), number_of_threads=self.num_consumer_wgs * self.threads_per_wg)
+            pipeline_kv.consumer_release(kv_state)
+            kv_state.advance()
+            acc_dK.fill(0.0)
+            acc_dV.fill(0.0)
+            return kv_state, state, seq0 + group * self.num_chunks(n_q_tiles)
 
     @cute.jit
     def balance_dq(self, count, wg):
