@@ -58,6 +58,8 @@
 #                bits): bit-identity vs work_runs, timed beside the default and FA4 native, then tests
 #   frse         issue 14: rescale_early (O's rescale before the next P V issue, FA3's order) and operands_early
 #                (GEMM operands sliced before the K wait): identity, timing of each and both, tests
+#   bpers        issue 16: the persistent backward (BackwardConfig.persistent): a smoke under a hang guard,
+#                its 14 gradient cases vs the grid, then bwd ms beside the default and schedule at 8K
 #   q128         issue 15: D 64's backward at 128 x 128 tiles (block_q=128): a gradient smoke under a hang
 #                guard, D 64 causal 32K / 8K timed beside the default, FA4 native and cuDNN, then its tests
 #   fss          issue 14: runs_early, slot_skip, mask_r2p: their bit-identity sets, timed at 8K / 32K
@@ -1005,6 +1007,32 @@ PY
       --budget-s $(( b - 40 )) --out "$OUT/h200-head-dims.json" > "$OUT/bench-hdims.log" 2>&1
     echo "bench rc $? ($SECONDS s; configs $cfgs)"; pkill -9 -f bench_head_dims.py 2>/dev/null
     grep -E '^\{|budget' "$OUT/bench-hdims.log" | cut -c1-330 | tail -40
+    ;;
+  bpers)
+    # Issue 16 (compile-checked in session 27): persistent backward CTAs (one per SM, a row of
+    # persistent_schedule's units each; pipeline states, list count and K / V carried over).
+    # A barrier or phase mistake hangs rather than fails: one case first under a short
+    # guard (5 CTAs: several units each), the rest only if it passes, then the timings.
+    export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
+    export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1
+    left() { local l=$(( ${JCM_STAGE_S:-570} - SECONDS )); (( l < $1 )) && echo $(( l > 5 ? l : 5 )) || echo $1; }
+    t=tests/gpu/test_cute_backward.py
+    JCOMPILEMASK_CUTE_BACKWARD=1 timeout -k 5 $(left 100) python3 -m pytest -q -x -p no:cacheprovider \
+      "$t::test_persistent_gives_the_default_gradients[causal-128-128-bfloat16--5]" > "$OUT/smoke-bpers.log" 2>&1
+    rc=$?; pkill -9 -f "pytest -q -x -p no:cacheprovider $t" 2>/dev/null
+    echo "smoke rc $rc ($SECONDS s)"; tail -3 "$OUT/smoke-bpers.log"
+    if [[ $rc == 0 ]]; then
+      JCOMPILEMASK_CUTE_BACKWARD=1 timeout -k 5 $(left 230) python3 -m pytest -v -rs -p no:cacheprovider "$t" \
+        -k persistent_gives > "$OUT/pytest-bpers.log" 2>&1
+      echo "pytest rc $? ($SECONDS s)"; pkill -9 -f "pytest -v -rs -p no:cacheprovider $t" 2>/dev/null
+      grep -E "::.* (PASSED|FAILED|ERROR|SKIPPED)" "$OUT/pytest-bpers.log" | sed 's/ *\[ *[0-9]*%\]//'; grep -E "^E  " "$OUT/pytest-bpers.log" | head -8
+      b=$(left 300)
+      timeout -k 5 $b python3 benchmarks/bench_total.py --ns ${JCM_BENCH_NS:-8192} \
+        --masks ${JCM_BENCH_MASKS:-dilated_window,global_window,causal,shared_prompt} --impls jcm \
+        --min-repeat-s 0.25 --jcm-variants "${JCM_BPERS_VARIANTS:-base=;sch=JCOMPILEMASK_CUTE_BWD_CONFIG=schedule=1;pers=JCOMPILEMASK_CUTE_BWD_CONFIG=schedule=1,persistent=1}" \
+        --budget-s $(( b - 20 )) --out "$OUT/h200-bpers.json" > "$OUT/bench-bpers.log" 2>&1
+      echo "bench rc $? ($SECONDS s)"; pkill -9 -f bench_total; grep -E '^\{' "$OUT/bench-bpers.log" | cut -c1-170
+    fi
     ;;
   q128)
     # Issue 15 (compile-checked in session 27): D 64 at FlashAttention's hdim-64 backward tile,
