@@ -60,6 +60,8 @@
 #                (GEMM operands sliced before the K wait): identity, timing of each and both, tests
 #   bpers        issue 16: the persistent backward (BackwardConfig.persistent): a smoke under a hang guard,
 #                its 14 gradient cases vs the grid, then bwd ms beside the default and schedule at 8K
+#   dqr          issue 15: dq_red (dQ by red.global.add.v4.f32 from registers; D 256 then fits 2 stages): its
+#                8 gradient cases under a hang guard, then D 256 / 128 timed beside the default and the peers
 #   q128         issue 15: D 64's backward at 128 x 128 tiles (block_q=128): a gradient smoke under a hang
 #                guard, D 64 causal 32K / 8K timed beside the default, FA4 native and cuDNN, then its tests
 #   fss          issue 14: runs_early, slot_skip, mask_r2p: their bit-identity sets, timed at 8K / 32K
@@ -1033,6 +1035,28 @@ PY
         --budget-s $(( b - 20 )) --out "$OUT/h200-bpers.json" > "$OUT/bench-bpers.log" 2>&1
       echo "bench rc $? ($SECONDS s)"; pkill -9 -f bench_total; grep -E '^\{' "$OUT/bench-bpers.log" | cut -c1-170
     fi
+    ;;
+  dqr)
+    # Issue 15 (compile-checked in session 27): BackwardConfig.dq_red — each consumer thread adds
+    # its dQ chunks to the tile's global slot with red.global.add.v4.f32 (no shared staging
+    # buffer, no DQ_FULL / DQ_EMPTY handoff with the dQ warp). At D 256 the freed 64 KB take a
+    # second Q / dO stage (FA4 runs 2 Q stages there; ours had 1: 0.86x cuDNN). The 8 gradient
+    # cases (dK / dV bit for bit with the default) under a guard, then the timings.
+    export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
+    export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1
+    left() { local l=$(( ${JCM_STAGE_S:-570} - SECONDS )); (( l < $1 )) && echo $(( l > 5 ? l : 5 )) || echo $1; }
+    t=tests/gpu/test_cute_backward.py
+    JCOMPILEMASK_CUTE_BACKWARD=1 timeout -k 5 $(left 220) python3 -m pytest -v -rs -p no:cacheprovider "$t" \
+      -k dq_red_gives > "$OUT/pytest-dqr.log" 2>&1
+    echo "pytest rc $? ($SECONDS s)"; pkill -9 -f "pytest -v -rs -p no:cacheprovider $t" 2>/dev/null
+    grep -E "::.* (PASSED|FAILED|ERROR|SKIPPED)" "$OUT/pytest-dqr.log" | sed 's/ *\[ *[0-9]*%\]//'; grep -E "^E  " "$OUT/pytest-dqr.log" | head -8
+    b=$(left 330)
+    timeout -k 5 $b python3 benchmarks/bench_head_dims.py --ns ${JCM_HDIMS_NS:-32768,8192} --configs ${JCM_DQR_CONFIGS:-d256,d128} \
+      --jcm-variants "${JCM_DQR_VARIANTS:-dqr2@d256=dq_red=1,num_stages=2;dqr1@d256=dq_red=1;dqr@d128=dq_red=1}" \
+      --impls jcm-cute,fa4-native,jax-cudnn --min-repeat-s 0.15 \
+      --budget-s $(( b - 30 )) --out "$OUT/h200-head-dims.json" > "$OUT/bench-dqr.log" 2>&1
+    echo "bench rc $? ($SECONDS s)"; pkill -9 -f bench_head_dims.py 2>/dev/null
+    grep -E '^\{|budget' "$OUT/bench-dqr.log" | cut -c1-330 | tail -16
     ;;
   q128)
     # Issue 15 (compile-checked in session 27): D 64 at FlashAttention's hdim-64 backward tile,

@@ -248,6 +248,34 @@ def test_persistent_backward_compiles_for_sm90(case, monkeypatch, capfd):
     assert key.target_name.split("_0x")[0].count("_pers") == 1
 
 
+# dQ added from registers (BackwardConfig.dq_red): (D, dtype, K, Kc, broadcast batch / head,
+# config changes). D 256 with the 64 KB it frees spent on a second Q / dO stage.
+_DQ_RED_CASES = {
+    "d128_causal": (128, "bfloat16", 1, 1, True, True, {}),
+    "d128_clear_fp16": (128, "float16", 6, 7, False, False, {}),
+    "d64_hstu": (64, "bfloat16", 2, 4, False, True, {}),
+    "d64_q128": (64, "bfloat16", 1, 1, True, True, dict(block_q=128, ds_first=True)),
+    "d256_2stages": (256, "bfloat16", 1, 1, True, True, dict(num_stages=2)),
+    "d192": (192, "bfloat16", 2, 4, False, True, {}),
+    "d128_persistent": (128, "bfloat16", 1, 1, True, True, dict(schedule=True, persistent=True)),
+}
+
+
+@needs_cutlass
+@pytest.mark.parametrize("case", [c if c in ("d128_causal", "d256_2stages") else pytest.param(c, marks=knob)
+                                  for c in sorted(_DQ_RED_CASES)])
+def test_dq_red_compiles_for_sm90(case, monkeypatch, capfd):
+    """dQ by ``red.global.add.v4.f32`` from the consumers' registers: no staging buffer, no
+    dQ warp handoff; at D 256 the freed 64 KB take a second ring stage (223 KB in all)."""
+    import dataclasses
+    from jcompilemask.kernels.cute.api import BackwardKey, compile_backward, preferred_backward_config
+    d, dtype, kk, kc, bb, bh, changes = _DQ_RED_CASES[case]
+    cfg = dataclasses.replace(preferred_backward_config(d, dtype), dq_red=True, **changes)
+    key = BackwardKey(dtype, d, kk, kc, bb, bh, d ** -0.5, cfg, head_dim_v=128 if d == 192 else None)
+    assert compile_checking_remarks(compile_backward, key, monkeypatch, capfd) is not None
+    assert "_dqr" in key.target_name
+
+
 def test_persistent_config_is_validated():
     from jcompilemask.kernels.cute.api import BackwardConfig
     with pytest.raises(ValueError, match="persistent .* needs schedule=1"):
@@ -258,6 +286,8 @@ def test_persistent_config_is_validated():
         BackwardConfig(work_list=True, dkv_tma_store=True, schedule=True, persistent=True,
                        deterministic=True)
     assert BackwardConfig(work_list=True, dkv_tma_store=True, schedule=True, persistent=True).tag.endswith("_pers")
+    with pytest.raises(ValueError, match="dq_red .* excludes deterministic"):
+        BackwardConfig(dq_red=True, deterministic=True)
 
 
 def test_q128_config_is_validated():
@@ -1194,6 +1224,49 @@ def test_persistent_gives_the_default_gradients(name, d, dv, dtype, extra, ctas,
     np.testing.assert_array_equal(np.asarray(base[2]), np.asarray(pers[2]))
     g_hi, g_lo = reference_gradients(qx, kx, vx, do, spec.as_dense(md, n, n))
     problems = gradient_problems(pers, g_hi, g_lo, dtype)
+    assert not problems, "; ".join(problems)
+
+
+@needs_gpu
+@pytest.mark.parametrize("name,d,dv,dtype,extra", [
+    ("causal", 128, 128, jnp.bfloat16, ""), ("shared_prompt", 64, 64, jnp.float16, ""),
+    ("clear", 128, 128, jnp.bfloat16, ""), ("hstu", 256, 256, jnp.bfloat16, ",num_stages=2"),
+    ("clear", 192, 128, jnp.bfloat16, ""), ("dilated_window", 128, 128, jnp.bfloat16, ""),
+    ("document", 64, 64, jnp.bfloat16, ",block_q=128,ds_first=1"),
+    ("causal", 128, 128, jnp.bfloat16, ",schedule=1,persistent=1"),
+], ids=lambda v: str(getattr(v, "__name__", v)))
+def test_dq_red_gives_the_default_gradients(name, d, dv, dtype, extra, cute_backward_on, monkeypatch):
+    """``dq_red`` moves where dQ is added (from the consumers' registers, not through the
+    dQ warp's shared buffer), not what: dK and dV equal the default's bit for bit, dQ (added
+    in another order) meets the tolerance policy."""
+    from jcompilemask.kernels.cute import api
+    rng = np.random.default_rng(16)
+    n = 900 if name != "clear" else 1100
+    if name == "dilated_window":
+        md, spec = None, MaskSpec([Region((0, q_len), (k <= q) & (k > q - 128) & ((q - k) % 2 == 0))])
+    else:
+        md, spec = metadata(name, 2, n, rng), SPECS[name]
+    ks = jax.random.split(jax.random.key(9), 4)
+    hs = (4, 2, 2, 4)
+    qx, kx = (jax.random.normal(kk, (2, n, h, d), jnp.float32).astype(dtype) for kk, h in zip(ks[:2], hs))
+    vx, do = (jax.random.normal(kk, (2, n, h, dv), jnp.float32).astype(dtype) for kk, h in zip(ks[2:], hs[2:]))
+
+    def grads(config):
+        monkeypatch.setenv(api.BWD_CONFIG_ENV, config)
+
+        def loss(a, b_, c):
+            o = jcm.mask_attention(a, b_, c, spec, metadata=md, implementation="cute")
+            return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32))
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(qx, kx, vx)
+
+    # (D 256's second stage needs dq_red's shared memory: its baseline is the one-stage default,
+    # which adds the same values in the same order.)
+    base, red = grads("" if "num_stages" in extra else extra.lstrip(",")), grads("dq_red=1" + extra)
+    assert any(key.config.dq_red for key in api._compiled if isinstance(key, api.BackwardKey))
+    np.testing.assert_array_equal(np.asarray(base[1]), np.asarray(red[1]))
+    np.testing.assert_array_equal(np.asarray(base[2]), np.asarray(red[2]))
+    g_hi, g_lo = reference_gradients(qx, kx, vx, do, spec.as_dense(md, n, n))
+    problems = gradient_problems(red, g_hi, g_lo, dtype)
     assert not problems, "; ".join(problems)
 
 

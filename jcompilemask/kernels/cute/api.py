@@ -1154,6 +1154,12 @@ class BackwardConfig:
       the next list and the next unit's prologue overlap the store. For short key columns
       (the dilated window: 2-4 tiles a column, a CTA's fixed cost ~2 tiles' time). Not yet
       run on the H200.
+    - ``dq_red``: each consumer thread adds its float4 chunks of the dQ tile to the tile's
+      global slot with ``red.global.add.v4.f32`` (the slot's fragment order as before)
+      instead of staging the tile in shared memory for the dQ warp's bulk reduce-add: no
+      DQ_FULL / DQ_EMPTY handoff per tile, and block_q x D x 4 bytes of shared memory free
+      (64 KB at D 256: room for a second Q / dO stage, ``num_stages=2``). Excludes
+      ``deterministic``. Not yet run on the H200.
 
     ``preferred_backward_config`` picks the default per head dim; ``JCOMPILEMASK_CUTE_BWD_CONFIG``
     (e.g. ``ds_stages=1,stats_early=0``) overrides fields at trace time for benchmarks.
@@ -1195,6 +1201,7 @@ class BackwardConfig:
     residual_periodic: bool = False
     ds_words: bool = False
     persistent: bool = False
+    dq_red: bool = False
 
     def __post_init__(self):
         wants = (BWD_TILES_SPLIT,) if self.split_dkv else (BWD_TILES, BWD_TILES_WIDE)
@@ -1238,6 +1245,10 @@ class BackwardConfig:
             raise ValueError("persistent (each CTA runs a row of units) needs schedule=1 (the host's "
                              "unit order, dealt to the CTAs), dkv_tma_store=1 (K / V are freed for "
                              "the next unit once the dK / dV store has read them) and work_list=1")
+        if self.dq_red and (self.deterministic or self.dq_blocked):
+            raise ValueError("dq_red (dQ added from registers, no dQ warp) excludes deterministic "
+                             "(the dQ warp orders the adds) and dq_blocked (a layout of the shared "
+                             "staging buffer dq_red does without)")
         if self.schedule and self.deterministic:
             raise ValueError("schedule (a host order of the key columns) excludes deterministic: "
                              "the deterministic dQ turns wait on lower key tiles, which must "
@@ -1267,7 +1278,8 @@ class BackwardConfig:
                 f"{'_lb' if self.late_balance else ''}"
                 f"{'_lse' if self.list_early and self.work_list else ''}"
                 f"{'_r2p' if self.mask_r2p else ''}{'_rp' if self.residual_periodic else ''}"
-                f"{'_dsw' if self.ds_words else ''}{'_pers' if self.persistent else ''}")
+                f"{'_dsw' if self.ds_words else ''}{'_pers' if self.persistent else ''}"
+                f"{'_dqr' if self.dq_red else ''}")
 
 
 def preferred_backward_config(head_dim: int, dtype: str = "bfloat16",
@@ -1398,7 +1410,7 @@ def backward_smem_bytes(head_dim: int, config: BackwardConfig, elem_bytes: int =
     dd = head_dim + (head_dim if head_dim_v is None else head_dim_v)     # D + Dv
     return (1024 + elem_bytes * (bk * dd + config.num_stages * bq * dd
                                  + (2 if config.split_sdp else 1) * config.ds_stages * bq * bk)
-            + 2 * 4 * bq * config.num_stages + 4 * bq * head_dim
+            + 2 * 4 * bq * config.num_stages + (16 if config.dq_red else 4 * bq * head_dim)
             + (2 * 4 * config.list_chunk if config.work_list else 16) + 8)
 
 

@@ -71,7 +71,7 @@ from .api import BackwardConfig, backward_grad_scale, dq_splits_queries, dq_warp
 from .residual_ops import CuteOps
 from .common import (COLUMNS_UNROLLED, INTERVALS_UNROLLED, WarpSpecializedSm90, _as_a_operand,
                      build_tile_list, list_first_word, _pair_runs, _rows_view, _unsigned_lt,
-                     bulk_reduce_add_f32, exp2_fma, issue_wgmma, rcp_fma, ld_acquire_s32, ld_pair_s32,
+                     bulk_reduce_add_f32, exp2_fma, issue_wgmma, rcp_fma, ld_acquire_s32, ld_pair_s32, red_add_v4_f32,
                      nanosleep, red_release_add_s32, select_by_words, fold_periodic_slots, smem_tensor, tile_bits, tma_tiles)
 from .exp2_fma import emulated_column
 
@@ -462,7 +462,7 @@ class FlashBackwardSm90(WarpSpecializedSm90):
             sP: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout) if self.split_sdp else 8], 1024]
             sLSE: cute.struct.Align[cute.struct.MemRange[Float32, bq * self.num_stages], 128]
             sDelta: cute.struct.Align[cute.struct.MemRange[Float32, bq * self.num_stages], 128]
-            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, bq * d], 128]
+            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, 4 if self.config.dq_red else bq * d], 128]
             sList: cute.struct.Align[cute.struct.MemRange[Int32, 2 * self.list_chunk if self.config.work_list else 4], 16]
             sCount: cute.struct.MemRange[Int32, 2]
 
@@ -569,7 +569,7 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         sP = smem_tensor(storage.sP, sdS_layout) if const_expr(self.split_sdp) else None
         sLSE = storage.sLSE.get_tensor(cute.make_layout((self.block_q, self.num_stages)))
         sDelta = storage.sDelta.get_tensor(cute.make_layout((self.block_q, self.num_stages)))
-        sdQ = storage.sdQ.get_tensor(cute.make_layout(self.block_q * self.head_dim))
+        sdQ = storage.sdQ.get_tensor(cute.make_layout(4 if self.config.dq_red else self.block_q * self.head_dim))
         sList = storage.sList.get_tensor(cute.make_layout(2 * self.list_chunk if self.config.work_list else 4))
         sCount = storage.sCount.get_tensor(cute.make_layout(2))
         work = (sList, sCount)
@@ -609,7 +609,7 @@ class FlashBackwardSm90(WarpSpecializedSm90):
             smem = _Namespace(storage=storage, layouts=(sQ_layout, sdO_layout, sK_layout), sQ=sQ,
                               sK=sK, sV=sV, sdO=sdO, sdS=sdS, sLSE=sLSE, sDelta=sDelta, sdQ=sdQ,
                               work=work, sP=sP)
-            gmem = _Namespace(mBwdIntervals=mBwdIntervals, mBwdTiles=mBwdTiles,
+            gmem = _Namespace(mBwdIntervals=mBwdIntervals, mBwdTiles=mBwdTiles, mdQaccum=mdQaccum,
                               mFwdIntervals=mFwdIntervals, mBwdExact=mBwdExact, mdK=mdK, mdV=mdV,
                               mRegion=mRegion, mParams=mParams,
                               tma_store_atoms=(tma_atom_dk, tma_atom_dv))
@@ -854,6 +854,8 @@ class FlashBackwardSm90(WarpSpecializedSm90):
               if const_expr(seq0 is not None):
                   seq = seq0 + seq
               n_iter = self.list_wait(n_q_tiles, work, seq, dq_warp=True)
+              if const_expr(self.config.dq_red):
+                  n_iter = Int32(0)      # the consumers add dQ themselves: only the lists' barriers
               for it in cutlass.range(n_iter, unroll=1):
                 q_tile, bits = self.visit(it, gTiles, work, seq)
                 if bits & Uint32(1) != Uint32(0):
@@ -978,7 +980,10 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         # 32 of them contiguous.
         dq_region = 0 if const_expr(self.dq_single_wg) else wg * self.dq_wg_floats
         t_wg = tidx % self.threads_per_wg
-        if const_expr(self.config.dq_blocked):
+        if const_expr(self.config.dq_red):
+            # dq_red: the same chunks at the same offsets of the tile's global slot.
+            frags.dq_offset = dq_region + t_wg * 4
+        elif const_expr(self.config.dq_blocked):
             frags.sdQ_thr = cute.make_tensor(
                 sdQ.iterator + dq_region + (t_wg // 32) * 128 + (t_wg % 32) * 2,
                 cute.make_layout(((2, 2), self.dq_chunks), stride=((1, 64), 512)))
@@ -1075,6 +1080,8 @@ class FlashBackwardSm90(WarpSpecializedSm90):
                   if bits & Uint32(1) != Uint32(0):
                       needs_mask = (bits & Uint32(2) != Uint32(0)) | (q_tile == ragged_q) | ragged_k
                       cols = _Namespace(starts=col_starts, lengths=col_lengths, exact=exact, mh=mh)
+                      if const_expr(self.config.dq_red):
+                          cols.dq_slot = gmem.mdQaccum[batch, head, q_tile, None]
                       if const_expr(self.entry_ahead):
                           cols.next_entry = (work, seq, cutlass.min(it + 1, n_iter - 1))
                       if needs_mask:
@@ -1108,7 +1115,9 @@ class FlashBackwardSm90(WarpSpecializedSm90):
     @cute.jit
     def balance_dq(self, count, wg):
         """The consumers' last DQ_EMPTY wait (one per warpgroup that handed the dQ warp a
-        tile, when the CTA visited any)."""
+        tile, when the CTA visited any; none with ``dq_red``)."""
+        if const_expr(self.config.dq_red):
+            return
         if count > 0:
             if const_expr(self.dq_single_wg):
                 if wg == 0:
@@ -1344,16 +1353,17 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         rdS, si, ds_stage = t.rdS, t.si, t.ds_stage
         pipeline_q, pipeline_do = f.pipeline_q, f.pipeline_do
         wg, mma_dkv, acc_dK, tKVrQt = f.wg, f.mma_dkv, f.acc_dK, f.tKVrQt
+        dq_slot = cols.dq_slot if const_expr(self.config.dq_red) else None
         if const_expr(self.dq_single_wg):
             if wg == 0:
-                self.dq_and_dk(f, rdS, ds_stage, state, pipeline_do, si)
+                self.dq_and_dk(f, rdS, ds_stage, state, pipeline_do, si, dq_slot)
             else:
                 issue_wgmma(mma_dkv, acc_dK, self.dk_operand(f, rdS, ds_stage), tKVrQt[None, None, None, si], False)
                 if const_expr(self.config.release_do_early):
                     warpgroup.wait_group(1)                 # dV done: dO's stage is free
                     pipeline_do.consumer_release(state)
         else:
-            self.dq_and_dk(f, rdS, ds_stage, state, pipeline_do, si)
+            self.dq_and_dk(f, rdS, ds_stage, state, pipeline_do, si, dq_slot)
         nxt = Int32(0)
         if const_expr(self.entry_ahead):
             # The next tile's work-list entry (``entry_ahead``), read while dK runs.
@@ -1477,7 +1487,7 @@ class FlashBackwardSm90(WarpSpecializedSm90):
                     S[r, c] = p * quarter
 
     @cute.jit
-    def dq_and_dk(self, f, rdS, ds_stage, state, pipeline_do, si):
+    def dq_and_dk(self, f, rdS, ds_stage, state, pipeline_do, si, dq_slot=None):
         """Issue dQ then dK; once dV and dQ are done, hand the dQ tile to the dQ warp
         through shared memory (dK still in flight). With ``release_do_early``: wait for dV
         between the two issues and free dO's stage at once (the producer's next dO load
@@ -1490,13 +1500,21 @@ class FlashBackwardSm90(WarpSpecializedSm90):
             pipeline_do.consumer_release(state)
         issue_wgmma(f.mma_dkv, f.acc_dK, self.dk_operand(f, rdS, ds_stage), f.tKVrQt[None, None, None, si], False)
         warpgroup.wait_group(1)
-        if state.count > 0:
-            self.dq_buffer_wait(f.wg)
-        dq_regs = ((2, 2), self.dq_chunks) if const_expr(self.config.dq_blocked) else (4, self.dq_chunks)
-        cute.autovec_copy(cute.make_tensor(acc_dQ.iterator, cute.make_layout(dq_regs)), f.sdQ_thr)
-        cute.arch.fence_view_async_shared()
-        cute.arch.barrier_arrive(barrier_id=int(Bar.DQ_FULL) + self.dq_wg_index(f.wg),
-                                 number_of_threads=self.threads_per_wg + 32)
+        if const_expr(self.config.dq_red):
+            # dq_red: straight from the registers into the tile's global slot.
+            regs = cute.make_tensor(acc_dQ.iterator, cute.make_layout((4, self.dq_chunks)))
+            base = dq_slot.iterator + f.dq_offset
+            for g in cutlass.range_constexpr(self.dq_chunks):
+                red_add_v4_f32((base + g * 4 * self.threads_per_wg).llvm_ptr,
+                               regs[0, g], regs[1, g], regs[2, g], regs[3, g])
+        else:
+            if state.count > 0:
+                self.dq_buffer_wait(f.wg)
+            dq_regs = ((2, 2), self.dq_chunks) if const_expr(self.config.dq_blocked) else (4, self.dq_chunks)
+            cute.autovec_copy(cute.make_tensor(acc_dQ.iterator, cute.make_layout(dq_regs)), f.sdQ_thr)
+            cute.arch.fence_view_async_shared()
+            cute.arch.barrier_arrive(barrier_id=int(Bar.DQ_FULL) + self.dq_wg_index(f.wg),
+                                     number_of_threads=self.threads_per_wg + 32)
 
     @cute.jit
     def consumer_wg(self, tidx):

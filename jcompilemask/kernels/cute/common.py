@@ -8,7 +8,7 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-from cutlass import Boolean, Int32, Uint32, const_expr
+from cutlass import Boolean, Float32, Int32, Uint32, const_expr
 from cutlass._mlir.dialects import arith, llvm
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.cutlass_dsl import dsl_user_op
@@ -102,6 +102,16 @@ def red_release_add_s32(gmem_ptr, value: int, *, loc=None, ip=None) -> None:
     p = llvm.ptrtoint(cutlass.Int64.mlir_type, gmem_ptr, loc=loc, ip=ip)
     llvm.inline_asm(None, [p, Int32(value).ir_value(loc=loc, ip=ip)],
                     "red.release.gpu.global.add.s32 [$0], $1;", "l,r",
+                    has_side_effects=True, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def red_add_v4_f32(gmem_ptr, a, b, c, d, *, loc=None, ip=None) -> None:
+    """``red.global.add.v4.f32``: add 4 float32 onto 16-byte-aligned global memory (SM90's
+    vector reduction; relaxed, no result)."""
+    p = llvm.ptrtoint(cutlass.Int64.mlir_type, gmem_ptr, loc=loc, ip=ip)
+    llvm.inline_asm(None, [p] + [Float32(x).ir_value(loc=loc, ip=ip) for x in (a, b, c, d)],
+                    "red.global.add.v4.f32 [$0], {$1, $2, $3, $4};", "l,f,f,f,f",
                     has_side_effects=True, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
 
 
