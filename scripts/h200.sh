@@ -59,7 +59,7 @@
 #   frse         issue 14: rescale_early (O's rescale before the next P V issue, FA3's order) and operands_early
 #                (GEMM operands sliced before the K wait): identity, timing of each and both, tests
 #   bpers        issue 16: the persistent backward (BackwardConfig.persistent): a smoke under a hang guard,
-#                its 14 gradient cases vs the grid, then bwd ms beside the default and schedule at 8K
+#                its 14 gradient cases vs the grid, then bwd ms beside the default, schedule and dq_red at 8K
 #   dqr          issue 15: dq_red (dQ by red.global.add.v4.f32 from registers; D 256 then fits 2 stages): its
 #                8 gradient cases under a hang guard, then D 256 / 128 timed beside the default and the peers
 #   q128         issue 15: D 64's backward at 128 x 128 tiles (block_q=128): a gradient smoke under a hang
@@ -1031,7 +1031,7 @@ PY
       b=$(left 300)
       timeout -k 5 $b python3 benchmarks/bench_total.py --ns ${JCM_BENCH_NS:-8192} \
         --masks ${JCM_BENCH_MASKS:-dilated_window,global_window,causal,shared_prompt} --impls jcm \
-        --min-repeat-s 0.25 --jcm-variants "${JCM_BPERS_VARIANTS:-base=;sch=JCOMPILEMASK_CUTE_BWD_CONFIG=schedule=1;pers=JCOMPILEMASK_CUTE_BWD_CONFIG=schedule=1,persistent=1}" \
+        --min-repeat-s 0.25 --jcm-variants "${JCM_BPERS_VARIANTS:-base=;sch=JCOMPILEMASK_CUTE_BWD_CONFIG=schedule=1;pers=JCOMPILEMASK_CUTE_BWD_CONFIG=schedule=1,persistent=1;dqr=JCOMPILEMASK_CUTE_BWD_CONFIG=dq_red=1;pdqr=JCOMPILEMASK_CUTE_BWD_CONFIG=schedule=1,persistent=1,dq_red=1}" \
         --budget-s $(( b - 20 )) --out "$OUT/h200-bpers.json" > "$OUT/bench-bpers.log" 2>&1
       echo "bench rc $? ($SECONDS s)"; pkill -9 -f bench_total; grep -E '^\{' "$OUT/bench-bpers.log" | cut -c1-170
     fi
