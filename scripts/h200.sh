@@ -60,8 +60,9 @@
 #                (GEMM operands sliced before the K wait): identity, timing of each and both, tests
 #   bpers        issue 16: the persistent backward (BackwardConfig.persistent): a smoke under a hang guard,
 #                its 14 gradient cases vs the grid, then bwd ms beside the default, schedule and dq_red at 8K
-#   dqr          issue 15: dq_red (dQ by red.global.add.v4.f32 from registers; D 256 then fits 2 stages): its
-#                8 gradient cases under a hang guard, then D 256 / 128 timed beside the default and the peers
+#   dqr          issue 15: dq_red (dQ by red.global.add.v4.f32 from registers; D 256 then fits 2 stages) and
+#                D 192's double-buffered P^T / dS^T: dq_red's 8 gradient cases, then D 256 / 192 / 128 at 32K
+#                beside the default and the peers
 #   q128         issue 15: D 64's backward at 128 x 128 tiles (block_q=128): a gradient smoke under a hang
 #                guard, D 64 causal 32K / 8K timed beside the default, FA4 native and cuDNN, then its tests
 #   fss          issue 14: runs_early, slot_skip, mask_r2p: their bit-identity sets, timed at 8K / 32K
@@ -1051,8 +1052,8 @@ PY
     echo "pytest rc $? ($SECONDS s)"; pkill -9 -f "pytest -v -rs -p no:cacheprovider $t" 2>/dev/null
     grep -E "::.* (PASSED|FAILED|ERROR|SKIPPED)" "$OUT/pytest-dqr.log" | sed 's/ *\[ *[0-9]*%\]//'; grep -E "^E  " "$OUT/pytest-dqr.log" | head -8
     b=$(left 330)
-    timeout -k 5 $b python3 benchmarks/bench_head_dims.py --ns ${JCM_HDIMS_NS:-32768,8192} --configs ${JCM_DQR_CONFIGS:-d256,d128} \
-      --jcm-variants "${JCM_DQR_VARIANTS:-dqr2@d256=dq_red=1,num_stages=2;dqr1@d256=dq_red=1;dqr@d128=dq_red=1}" \
+    timeout -k 5 $b python3 benchmarks/bench_head_dims.py --ns ${JCM_HDIMS_NS:-32768} --configs ${JCM_DQR_CONFIGS:-d256,d192,d128} \
+      --jcm-variants "${JCM_DQR_VARIANTS:-dqr2@d256=dq_red=1,num_stages=2;ds2@d192=ds_stages=2,static_stage=1;ds2r@d192=ds_stages=2,dq_red=1;dqr@d128=dq_red=1}" \
       --impls jcm-cute,fa4-native,jax-cudnn --min-repeat-s 0.15 \
       --budget-s $(( b - 30 )) --out "$OUT/h200-head-dims.json" > "$OUT/bench-dqr.log" 2>&1
     echo "bench rc $? ($SECONDS s)"; pkill -9 -f bench_head_dims.py 2>/dev/null

@@ -290,6 +290,21 @@ def test_persistent_config_is_validated():
         BackwardConfig(dq_red=True, deterministic=True)
 
 
+@needs_cutlass
+@knob
+@pytest.mark.parametrize("changes", ["ds_stages=2", "ds_stages=2,static_stage=1", "ds_stages=2,dq_red=1"])
+@pytest.mark.parametrize("dtype,kk,kc,bb,bh", [("bfloat16", 1, 1, True, True), ("float16", 6, 7, False, False)])
+def test_d192_switches_compile_for_sm90(changes, dtype, kk, kc, bb, bh, monkeypatch, capfd):
+    """D 192 / 128 with two P^T / dS^T buffer pairs (no DS_FREE barrier; 215 KB), with the
+    body once per ring stage or dQ from registers: no C7512 (NOTES.md, session 27)."""
+    from jcompilemask.kernels.cute import api
+    monkeypatch.setenv(api.BWD_CONFIG_ENV, changes)
+    cfg = api._config_from_env(api.preferred_backward_config(192, dtype))
+    key = api.BackwardKey(dtype, 192, kk, kc, bb, bh, 192 ** -0.5, cfg, head_dim_v=128)
+    assert compile_checking_remarks(api.compile_backward, key, monkeypatch, capfd) is not None
+    assert "_ds2_" in key.target_name
+
+
 def test_q128_config_is_validated():
     """block_q=128: the tiles, ds_first and head dim 64 are checked with messages that say
     what to set."""
@@ -707,10 +722,15 @@ def test_backward_key_rejects_unsupported():
     assert BackwardConfig(dv_early=True) == BackwardConfig(dv_early=True, p_early=True)
     with pytest.raises(ValueError, match="lse_prefetch places the lse loads itself"):
         BackwardConfig(lse_prefetch=True, stats_shfl=True)
-    with pytest.raises(ValueError, match="split_sdp needs split_dkv and ds_stages=1"):
+    with pytest.raises(ValueError, match="split_sdp needs split_dkv"):
         BackwardConfig(split_sdp=True)
-    with pytest.raises(ValueError, match="split_sdp needs split_dkv and ds_stages=1"):
-        BackwardConfig(block_kv=64, split_dkv=True, split_sdp=True)          # ds_stages 2
+    with pytest.raises(ValueError, match="split_sdp needs split_dkv"):
+        BackwardConfig(block_kv=64, split_dkv=True, split_sdp=True, ds_first=True)
+    # Two P^T / dS^T buffer pairs (D 192: 215 KB); D 256's would not fit.
+    assert BackwardConfig(block_kv=64, split_dkv=True, split_sdp=True).ds_stages == 2
+    with pytest.raises(ValueError, match="bytes of shared memory"):
+        BackwardKey("bfloat16", 256, 1, 1, True, True, 0.1,
+                    BackwardConfig(block_kv=64, split_dkv=True, split_sdp=True, dkv_tma_store=True))
     with pytest.raises(ValueError, match="ds_first orders the dS"):
         BackwardConfig(ds_first=True, dv_early=True)
     with pytest.raises(ValueError, match="Kc="):

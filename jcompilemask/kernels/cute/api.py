@@ -987,7 +987,8 @@ class BackwardConfig:
       our warps' stall samples at causal 32K, ncu, session 11; FA4 counts its query tiles).
       A read at the loop head one tile ahead changes nothing: ptxas puts the R2UR right
       behind the LDS.
-    - ``split_sdp`` (with ``split_dkv``, ``ds_stages=1``): the warpgroups split the S^T / dP^T
+    - ``split_sdp`` (with ``split_dkv``; ``ds_stages=2`` double-buffers P^T too, D 192
+      only: 215 KB; D 256 needs ``ds_stages=1``): the warpgroups split the S^T / dP^T
       tile by queries (64 keys x 32 queries each: 16 + 16 accumulator registers instead of
       32 + 32, each computed once instead of twice) and write P^T and dS^T to shared memory,
       where dV / dK (each warpgroup's half of D, all 64 queries) read them (SS wgmmas).
@@ -1220,10 +1221,9 @@ class BackwardConfig:
         if self.lse_prefetch and (self.stats_shfl or self.stats_early or self.lse_early):
             raise ValueError("lse_prefetch places the lse loads itself: it excludes stats_shfl, "
                              "stats_early and lse_early (set those to 0)")
-        if self.split_sdp and not (self.split_dkv and self.ds_stages == 1 and not self.dv_early
+        if self.split_sdp and not (self.split_dkv and not self.dv_early
                                    and not self.ds_first and not self.p_early and not self.stats_shfl):
-            raise ValueError("split_sdp needs split_dkv and ds_stages=1 (P^T takes the second dS "
-                             "buffer's shared memory), and excludes dv_early / p_early / ds_first "
+            raise ValueError("split_sdp needs split_dkv, and excludes dv_early / p_early / ds_first "
                              "(dV is issued from shared memory after both halves are stored) and "
                              "stats_shfl (16 query columns per thread; split_sdp has 8)")
         if self.ds_first and (self.dv_early or self.split_dkv):
