@@ -63,6 +63,8 @@
 #   dqr          issue 15: dq_red (dQ by red.global.add.v4.f32 from registers; D 256 then fits 2 stages) and
 #                D 192's double-buffered P^T / dS^T: dq_red's 8 gradient cases, then D 256 / 192 / 128 at 32K
 #                beside the default and the peers
+#   i15          issue 15's candidates in one call: q128 / dq_red smokes under hang guards, then D 64, D 256,
+#                D 192 and the capped D 128 at 32K, each beside its variants, FA4 native and cuDNN (prewarmed)
 #   q128         issue 15: D 64's backward at 128 x 128 tiles (block_q=128): a gradient smoke under a hang
 #                guard, D 64 causal 32K / 8K timed beside the default, FA4 native and cuDNN, then its tests
 #   fss          issue 14: runs_early, slot_skip, mask_r2p: their bit-identity sets, timed at 8K / 32K
@@ -1036,6 +1038,36 @@ PY
         --budget-s $(( b - 20 )) --out "$OUT/h200-bpers.json" > "$OUT/bench-bpers.log" 2>&1
       echo "bench rc $? ($SECONDS s)"; pkill -9 -f bench_total; grep -E '^\{' "$OUT/bench-bpers.log" | cut -c1-170
     fi
+    ;;
+  i15)
+    # Issue 15's candidates of session 27, timed together (one call instead of three): D 64 at
+    # 128 x 128 (q128), D 256 with dq_red and two stages, D 192 with two P^T / dS^T pairs, the
+    # capped D 128 with lse / delta by shfl (and static_stage) and rcp_emu. q128 and dq_red
+    # change the kernel's protocol (a hang is possible): one gradient case each under a guard
+    # first, and a variant is timed only if its case passed. The rest are same-protocol
+    # switches (their bit-identity cases: hdimspar with JCM_PAR_ONLY='softcap_switch|d192_switch').
+    export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
+    export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1
+    left() { local l=$(( ${JCM_STAGE_S:-570} - SECONDS )); (( l < $1 )) && echo $(( l > 5 ? l : 5 )) || echo $1; }
+    t=tests/gpu/test_cute_backward.py
+    v="ds2@d192=ds_stages=2,static_stage=1;sh@d128cap=stats_shfl=1;shss@d128cap=stats_shfl=1,static_stage=1;r4@d128cap=rcp_emu=4"
+    for c in "q128_gradients_match_the_reference and causal and not deterministic and not chunked" \
+             "dq_red_gives and hstu"; do
+      JCOMPILEMASK_CUTE_BACKWARD=1 timeout -k 5 $(left 110) python3 -m pytest -q -x -p no:cacheprovider "$t" -k "$c" \
+        > "$OUT/smoke-i15.log" 2>&1
+      rc=$?; pkill -9 -f "pytest -q -x -p no:cacheprovider $t" 2>/dev/null
+      echo "smoke [$c] rc $rc ($SECONDS s)"; tail -2 "$OUT/smoke-i15.log"
+      if [[ $rc == 0 && $c == q128* ]]; then v="$v;q128@d64=block_q=128,ds_first=1"; fi
+      if [[ $rc == 0 && $c == dq_red* ]]; then v="$v;dqr2@d256=dq_red=1,num_stages=2;ds2r@d192=ds_stages=2,dq_red=1"; fi
+    done
+    echo "variants: $v"
+    b=$(left 440)
+    timeout -k 5 $b python3 benchmarks/bench_head_dims.py --ns ${JCM_HDIMS_NS:-32768} --configs ${JCM_I15_CONFIGS:-d64,d256,d192,d128cap} \
+      --jcm-variants "$v" --impls jcm-cute,fa4-native,jax-cudnn --min-repeat-s 0.15 \
+      --prewarm ${JCM_HDIMS_PREWARM:-6} --prewarm-s ${JCM_HDIMS_PREWARM_S:-150} \
+      --budget-s $(( b - 30 )) --out "$OUT/h200-head-dims.json" > "$OUT/bench-i15.log" 2>&1
+    echo "bench rc $? ($SECONDS s)"; pkill -9 -f bench_head_dims.py 2>/dev/null
+    grep -E '^\{|budget' "$OUT/bench-i15.log" | cut -c1-330 | tail -24
     ;;
   dqr)
     # Issue 15 (compile-checked in session 27): BackwardConfig.dq_red — each consumer thread adds
