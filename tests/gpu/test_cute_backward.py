@@ -1159,6 +1159,47 @@ def test_residual_periodic_gives_identical_gradients(name, cute_backward_on, mon
         np.testing.assert_array_equal(a, b_)
 
 
+def _column_order_inputs(name, d, dv, dtype, rng_seed, key_seed):
+    """(spec, metadata, n, (q, k, v, do)) of the tests that move key columns between blocks
+    or change how dQ is added: a built-in mask or the dilated window (window 128, dilation
+    2), ragged lengths, GQA (2 query heads per KV head)."""
+    rng = np.random.default_rng(rng_seed)
+    n = 900 if name != "clear" else 1100
+    if name == "dilated_window":
+        md, spec = None, MaskSpec([Region((0, q_len), (k <= q) & (k > q - 128) & ((q - k) % 2 == 0))])
+    else:
+        md, spec = metadata(name, 2, n, rng), SPECS[name]
+    ks = jax.random.split(jax.random.key(key_seed), 4)
+    hs = (4, 2, 2, 4)
+    qx, kx = (jax.random.normal(kk, (2, n, h, d), jnp.float32).astype(dtype) for kk, h in zip(ks[:2], hs))
+    vx, do = (jax.random.normal(kk, (2, n, h, dv), jnp.float32).astype(dtype) for kk, h in zip(ks[2:], hs[2:]))
+    return spec, md, n, (qx, kx, vx, do)
+
+
+def _grads_under(monkeypatch, config, spec, md, inputs, **env):
+    """dQ, dK, dV of sum(out * do) through the CuTe backward under
+    ``$JCOMPILEMASK_CUTE_BWD_CONFIG=config`` (and the other variables in ``env``)."""
+    monkeypatch.setenv("JCOMPILEMASK_CUTE_BWD_CONFIG", config)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    qx, kx, vx, do = inputs
+
+    def loss(a, b_, c):
+        o = jcm.mask_attention(a, b_, c, spec, metadata=md, implementation="cute")
+        return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32))
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(qx, kx, vx)
+
+
+def _same_dkdv_and_policy_dq(base, new, spec, md, n, inputs, dtype):
+    """dK and dV bit for bit equal; dQ (added in another order) within the tolerance policy."""
+    np.testing.assert_array_equal(np.asarray(base[1]), np.asarray(new[1]))
+    np.testing.assert_array_equal(np.asarray(base[2]), np.asarray(new[2]))
+    qx, kx, vx, do = inputs
+    g_hi, g_lo = reference_gradients(qx, kx, vx, do, spec.as_dense(md, n, n))
+    problems = gradient_problems(new, g_hi, g_lo, dtype)
+    assert not problems, "; ".join(problems)
+
+
 @needs_gpu
 @pytest.mark.parametrize("name,d,dv,dtype,policy", [
     ("causal", 128, 128, jnp.bfloat16, "hoist"), ("shared_prompt", 64, 64, jnp.float16, "global"),
@@ -1173,32 +1214,11 @@ def test_schedule_gives_the_default_gradients(name, d, dv, dtype, policy, cute_b
     dV equal the default grid's bit for bit (one block owns a key tile); dQ, added by
     every column in whatever order the blocks run, meets the tolerance policy. Residual
     masks take the schedule's residual entry (the dilated window: window 128, dilation 2)."""
-    rng = np.random.default_rng(14)
-    n = 900 if name != "clear" else 1100
-    if name == "dilated_window":
-        md, spec = None, MaskSpec([Region((0, q_len), (k <= q) & (k > q - 128) & ((q - k) % 2 == 0))])
-    else:
-        md, spec = metadata(name, 2, n, rng), SPECS[name]
-    ks = jax.random.split(jax.random.key(7), 4)
-    hs = (4, 2, 2, 4)            # GQA: 2 query heads per KV head
-    qx, kx = (jax.random.normal(kk, (2, n, h, d), jnp.float32).astype(dtype) for kk, h in zip(ks[:2], hs))
-    vx, do = (jax.random.normal(kk, (2, n, h, dv), jnp.float32).astype(dtype) for kk, h in zip(ks[2:], hs[2:]))
-
-    def grads(config):
-        monkeypatch.setenv("JCOMPILEMASK_CUTE_BWD_CONFIG", config)
-        monkeypatch.setenv("JCOMPILEMASK_CUTE_BWD_ORDER", policy)
-
-        def loss(a, b_, c):
-            o = jcm.mask_attention(a, b_, c, spec, metadata=md, implementation="cute")
-            return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32))
-        return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(qx, kx, vx)
-
-    base, sched = grads("schedule=0"), grads("schedule=1")
-    np.testing.assert_array_equal(np.asarray(base[1]), np.asarray(sched[1]))
-    np.testing.assert_array_equal(np.asarray(base[2]), np.asarray(sched[2]))
-    g_hi, g_lo = reference_gradients(qx, kx, vx, do, spec.as_dense(md, n, n))
-    problems = gradient_problems(sched, g_hi, g_lo, dtype)
-    assert not problems, "; ".join(problems)
+    spec, md, n, inputs = _column_order_inputs(name, d, dv, dtype, 14, 7)
+    order = {"JCOMPILEMASK_CUTE_BWD_ORDER": policy}
+    base = _grads_under(monkeypatch, "schedule=0", spec, md, inputs, **order)
+    sched = _grads_under(monkeypatch, "schedule=1", spec, md, inputs, **order)
+    _same_dkdv_and_policy_dq(base, sched, spec, md, n, inputs, dtype)
 
 
 @needs_gpu
@@ -1217,34 +1237,13 @@ def test_persistent_gives_the_default_gradients(name, d, dv, dtype, extra, ctas,
     bit; dQ meets the tolerance policy. On the GPU's SMs and on 5 CTAs (``num_sms``
     patched), where each CTA runs several units (up to ~13 here)."""
     from jcompilemask.kernels.cute import api
-    rng = np.random.default_rng(15)
-    n = 900 if name != "clear" else 1100
-    if name == "dilated_window":
-        md, spec = None, MaskSpec([Region((0, q_len), (k <= q) & (k > q - 128) & ((q - k) % 2 == 0))])
-    else:
-        md, spec = metadata(name, 2, n, rng), SPECS[name]
-    ks = jax.random.split(jax.random.key(8), 4)
-    hs = (4, 2, 2, 4)            # GQA: 2 query heads per KV head
-    qx, kx = (jax.random.normal(kk, (2, n, h, d), jnp.float32).astype(dtype) for kk, h in zip(ks[:2], hs))
-    vx, do = (jax.random.normal(kk, (2, n, h, dv), jnp.float32).astype(dtype) for kk, h in zip(ks[2:], hs[2:]))
+    spec, md, n, inputs = _column_order_inputs(name, d, dv, dtype, 15, 8)
     if ctas is not None:
         monkeypatch.setattr(api, "num_sms", lambda default=132: ctas)
-
-    def grads(config):
-        monkeypatch.setenv(api.BWD_CONFIG_ENV, config + extra)
-
-        def loss(a, b_, c):
-            o = jcm.mask_attention(a, b_, c, spec, metadata=md, implementation="cute")
-            return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32))
-        return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(qx, kx, vx)
-
-    base, pers = grads("schedule=0"), grads("schedule=1,persistent=1")
+    base = _grads_under(monkeypatch, "schedule=0" + extra, spec, md, inputs)
+    pers = _grads_under(monkeypatch, "schedule=1,persistent=1" + extra, spec, md, inputs)
     assert any(key.config.persistent for key in api._compiled if isinstance(key, api.BackwardKey))
-    np.testing.assert_array_equal(np.asarray(base[1]), np.asarray(pers[1]))
-    np.testing.assert_array_equal(np.asarray(base[2]), np.asarray(pers[2]))
-    g_hi, g_lo = reference_gradients(qx, kx, vx, do, spec.as_dense(md, n, n))
-    problems = gradient_problems(pers, g_hi, g_lo, dtype)
-    assert not problems, "; ".join(problems)
+    _same_dkdv_and_policy_dq(base, pers, spec, md, n, inputs, dtype)
 
 
 @needs_gpu
@@ -1260,34 +1259,13 @@ def test_dq_red_gives_the_default_gradients(name, d, dv, dtype, extra, cute_back
     dQ warp's shared buffer), not what: dK and dV equal the default's bit for bit, dQ (added
     in another order) meets the tolerance policy."""
     from jcompilemask.kernels.cute import api
-    rng = np.random.default_rng(16)
-    n = 900 if name != "clear" else 1100
-    if name == "dilated_window":
-        md, spec = None, MaskSpec([Region((0, q_len), (k <= q) & (k > q - 128) & ((q - k) % 2 == 0))])
-    else:
-        md, spec = metadata(name, 2, n, rng), SPECS[name]
-    ks = jax.random.split(jax.random.key(9), 4)
-    hs = (4, 2, 2, 4)
-    qx, kx = (jax.random.normal(kk, (2, n, h, d), jnp.float32).astype(dtype) for kk, h in zip(ks[:2], hs))
-    vx, do = (jax.random.normal(kk, (2, n, h, dv), jnp.float32).astype(dtype) for kk, h in zip(ks[2:], hs[2:]))
-
-    def grads(config):
-        monkeypatch.setenv(api.BWD_CONFIG_ENV, config)
-
-        def loss(a, b_, c):
-            o = jcm.mask_attention(a, b_, c, spec, metadata=md, implementation="cute")
-            return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32))
-        return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(qx, kx, vx)
-
+    spec, md, n, inputs = _column_order_inputs(name, d, dv, dtype, 16, 9)
     # (D 256's second stage needs dq_red's shared memory: its baseline is the one-stage default,
     # which adds the same values in the same order.)
-    base, red = grads("" if "num_stages" in extra else extra.lstrip(",")), grads("dq_red=1" + extra)
+    base = _grads_under(monkeypatch, "" if "num_stages" in extra else extra.lstrip(","), spec, md, inputs)
+    red = _grads_under(monkeypatch, "dq_red=1" + extra, spec, md, inputs)
     assert any(key.config.dq_red for key in api._compiled if isinstance(key, api.BackwardKey))
-    np.testing.assert_array_equal(np.asarray(base[1]), np.asarray(red[1]))
-    np.testing.assert_array_equal(np.asarray(base[2]), np.asarray(red[2]))
-    g_hi, g_lo = reference_gradients(qx, kx, vx, do, spec.as_dense(md, n, n))
-    problems = gradient_problems(red, g_hi, g_lo, dtype)
-    assert not problems, "; ".join(problems)
+    _same_dkdv_and_policy_dq(base, red, spec, md, n, inputs, dtype)
 
 
 @needs_gpu

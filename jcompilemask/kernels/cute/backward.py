@@ -638,17 +638,10 @@ class FlashBackwardSm90(WarpSpecializedSm90):
                            head_kv, batch, mask_batch, group, work, first_raw)
             total = group * self.num_chunks(n_q_tiles)
         else:
-            mSchedule, cta, n_k_tiles, n_kv_heads = units
-            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
-            total = Int32(0)
-            for u in cutlass.range(mSchedule[cta, 0], unroll=1):
-                k_tile, head_kv, batch, mask_batch = self.unit_coords(mSchedule[cta, u + 1], n_k_tiles,
-                                                                      n_kv_heads)
-                kv_state, state, total = self.load_unit(
-                    mQ, mK, mV, mdO, mLSE2, mDelta, sQ, sK, sV, sdO, sLSE, sDelta, atoms,
-                    pipeline_kv, pipeline_q, pipeline_do, mBwdTiles, n_q_tiles, k_tile, head_kv,
-                    batch, mask_batch, group, work, None, (kv_state, state, total))
+            _, _, total = self.for_units(units, lambda k_tile, head_kv, batch, mask_batch, carried: self.load_unit(
+                mQ, mK, mV, mdO, mLSE2, mDelta, sQ, sK, sV, sdO, sLSE, sDelta, atoms, pipeline_kv,
+                pipeline_q, pipeline_do, mBwdTiles, n_q_tiles, k_tile, head_kv, batch, mask_batch,
+                group, work, None, carried), pipeline.PipelineUserType.Producer)
         if const_expr(self.config.work_list):
             # Balance LIST_FREE: the readers freed every list; the builder waited for all
             # but the last two.
@@ -741,6 +734,20 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         bar = pipeline_kv.producer_get_barrier(kv_state)
         cute.copy(tma_atom_k, tKgK, tKsK[None, 0], tma_bar_ptr=bar)
         cute.copy(tma_atom_v, tVgV, tVsV[None, 0], tma_bar_ptr=bar)
+
+    @cute.jit
+    def for_units(self, units, run_unit, user_type):
+        """A persistent CTA's units (``units``: mSchedule, CTA, Tk, Hkv) one after the other:
+        ``run_unit(k_tile, head_kv, batch, mask_batch, carried)`` returns ``carried`` (the K / V
+        and ring pipeline states of ``user_type`` and the lists seen so far) advanced."""
+        mSchedule, cta, n_k_tiles, n_kv_heads = units
+        kv_state = pipeline.make_pipeline_state(user_type, 1)
+        state = pipeline.make_pipeline_state(user_type, self.num_stages)
+        seq = Int32(0)
+        for u in cutlass.range(mSchedule[cta, 0], unroll=1):
+            k_tile, head_kv, batch, mask_batch = self.unit_coords(mSchedule[cta, u + 1], n_k_tiles, n_kv_heads)
+            kv_state, state, seq = run_unit(k_tile, head_kv, batch, mask_batch, (kv_state, state, seq))
+        return kv_state, state, seq
 
     @cute.jit
     def unit_coords(self, unit, n_k_tiles, n_kv_heads):
@@ -1002,15 +1009,8 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         if const_expr(units is None):
             self.consume_unit(*args, cta.k_tile, cta.head_kv, cta.batch, cta.mask_batch)
         else:
-            mSchedule, bidx, n_k_tiles, n_kv_heads = units
-            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
-            seq0 = Int32(0)
-            for u in cutlass.range(mSchedule[bidx, 0], unroll=1):
-                k_tile, head_kv, batch, mask_batch = self.unit_coords(mSchedule[bidx, u + 1], n_k_tiles,
-                                                                      n_kv_heads)
-                kv_state, state, seq0 = self.consume_unit(*args, k_tile, head_kv, batch, mask_batch,
-                                                          (kv_state, state, seq0))
+            _, state, _ = self.for_units(units, lambda k_tile, head_kv, batch, mask_batch, carried: self.consume_unit(
+                *args, k_tile, head_kv, batch, mask_batch, carried), pipeline.PipelineUserType.Consumer)
             # The dQ warp's last DQ_EMPTY of the CTA (per unit the next unit's first dQ
             # tile waited for the last one's).
             self.balance_dq(state.count, f.wg)
