@@ -1057,7 +1057,9 @@ PY
         > "$OUT/smoke-i15.log" 2>&1
       rc=$?; pkill -9 -f "pytest -q -x -p no:cacheprovider $t" 2>/dev/null
       echo "smoke [$c] rc $rc ($SECONDS s)"; tail -2 "$OUT/smoke-i15.log"
-      if [[ $rc == 0 && $c == q128* ]]; then v="$v;q128@d64=block_q=128,ds_first=1"; fi
+      if [[ $rc == 0 && $c == q128* ]]; then
+        v="$v;q128@d64=block_q=128,ds_first=1;q128w@d64=block_q=128,ds_first=1,column_words=1,residual_periodic=1"
+      fi
       if [[ $rc == 0 && $c == dq_red* ]]; then v="$v;dqr2@d256=dq_red=1,num_stages=2;ds2r@d192=ds_stages=2,dq_red=1"; fi
     done
     echo "variants: $v"

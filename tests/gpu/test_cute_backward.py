@@ -161,6 +161,10 @@ _Q128_CASES = {
     "any_k": ("bfloat16", 25, 26, False, False, {}, None),
     "schedule": ("bfloat16", 2, 4, False, True, dict(schedule=True), None),
     "dilated": ("bfloat16", 0, 0, False, True, {}, "dilated"),
+    # with D 128's masked-tile defaults: column-group words over 32 query columns
+    "hstu_words": ("bfloat16", 2, 4, False, True, dict(column_words=True, residual_periodic=True), None),
+    "dilated_words": ("bfloat16", 0, 0, False, True, dict(column_words=True, residual_periodic=True),
+                      "dilated"),
 }
 
 
@@ -924,8 +928,22 @@ def test_q128_gradients_match_the_reference(case, cute_backward_on, monkeypatch)
     and the dQ product splits along the queries) meets the tolerance policy on every
     built-in mask, ragged lengths, fully masked rows, the row-interval path, fp16 MQA, the
     deterministic dQ order, random lowered specs, residual predicates and K up to 32."""
+    _check_q128(case, Q128_ENV, monkeypatch)
+
+
+@needs_gpu
+@pytest.mark.parametrize("case", ["causal", "hstu", "shared_prompt", "clear", "document", "no_column_view",
+                                  "random_0", "residual_0", "residual_1", "many_0"])
+def test_q128_column_words_gradients_match_the_reference(case, cute_backward_on, monkeypatch):
+    """The same with D 128's masked-tile defaults (column_words, residual_periodic): a key
+    row's visibility as column-group words over the 32 query columns a thread holds at 128
+    queries (16 groups; the masked tile then keeps 8-16 B of stack instead of 24)."""
+    _check_q128(case, Q128_ENV + ",column_words=1,residual_periodic=1", monkeypatch)
+
+
+def _check_q128(case, env, monkeypatch):
     from jcompilemask.kernels.cute import api
-    monkeypatch.setenv(api.BWD_CONFIG_ENV, Q128_ENV)
+    monkeypatch.setenv(api.BWD_CONFIG_ENV, env)
     spec, md, b, n, hq, hkv, dtype, det = _q128_case(case, np.random.default_rng(21))
     ks = jax.random.split(jax.random.key(7), 4)
     mk = lambda kk, hh: jax.random.normal(kk, (b, n, hh, 64), jnp.float32).astype(dtype)  # noqa: E731
