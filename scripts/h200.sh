@@ -1060,7 +1060,9 @@ PY
       if [[ $rc == 0 && $c == q128* ]]; then
         v="$v;q128@d64=block_q=128,ds_first=1;q128w@d64=block_q=128,ds_first=1,column_words=1,residual_periodic=1"
       fi
-      if [[ $rc == 0 && $c == dq_red* ]]; then v="$v;dqr2@d256=dq_red=1,num_stages=2;ds2r@d192=ds_stages=2,dq_red=1"; fi
+      if [[ $rc == 0 && $c == dq_red* ]]; then
+        v="$v;dqr2@d256=dq_red=1,num_stages=2;ds2r@d192=ds_stages=2,dq_red=1;s3r@d192=ds_stages=2,dq_red=1,num_stages=3"
+      fi
     done
     echo "variants: $v"
     b=$(left 440)

@@ -262,6 +262,7 @@ _DQ_RED_CASES = {
     "d256_2stages": (256, "bfloat16", 1, 1, True, True, dict(num_stages=2)),
     "d192": (192, "bfloat16", 2, 4, False, True, {}),
     "d128_persistent": (128, "bfloat16", 1, 1, True, True, dict(schedule=True, persistent=True)),
+    "d192_3stages": (192, "float16", 6, 7, False, False, dict(ds_stages=2, num_stages=3)),
 }
 
 
@@ -1271,6 +1272,7 @@ def test_persistent_gives_the_default_gradients(name, d, dv, dtype, extra, ctas,
     ("clear", 192, 128, jnp.bfloat16, ""), ("dilated_window", 128, 128, jnp.bfloat16, ""),
     ("document", 64, 64, jnp.bfloat16, ",block_q=128,ds_first=1"),
     ("causal", 128, 128, jnp.bfloat16, ",schedule=1,persistent=1"),
+    ("hstu", 192, 128, jnp.float16, ",ds_stages=2,num_stages=3"),
 ], ids=lambda v: str(getattr(v, "__name__", v)))
 def test_dq_red_gives_the_default_gradients(name, d, dv, dtype, extra, cute_backward_on, monkeypatch):
     """``dq_red`` moves where dQ is added (from the consumers' registers, not through the
