@@ -670,6 +670,21 @@ def test_dq_fragment_order_round_trip():
         np.testing.assert_array_equal(np.asarray(dq_fragment_unpermute(jnp.asarray(slots), nq, 64, 128)), dq)
 
 
+@pytest.mark.parametrize("block_q", [64, 128])
+def test_stats_shfl_lanes_hold_every_query_and_shuffles_find_them(block_q):
+    """stats_shfl's lane ownership covers each of the tile's queries once, and the source
+    (lane, value) of every accumulator column holds that column's query: the m64nN layout,
+    query 8 (c // 2) + 2 (lane % 4) + c % 2 at column c (pure Python, any machine)."""
+    from jcompilemask.kernels.cute.api import stats_shfl_owned, stats_shfl_source
+    owned = [stats_shfl_owned(i) for i in range(block_q // 32)]
+    held = {lane: [a + b * lane for a, b in owned] for lane in range(32)}
+    assert sorted(x for v in held.values() for x in v) == list(range(block_q))
+    for lane in range(32):
+        for c in range(block_q // 4):
+            base, index = stats_shfl_source(c)
+            assert held[base + lane % 4][index] == 8 * (c // 2) + 2 * (lane % 4) + c % 2
+
+
 def test_dq_turns_count_lower_visiting_key_tiles():
     """Deterministic mode's turn table: per (key tile, query tile), the number of lower
     key tiles whose compute bit is set for that query tile (pure JAX, any machine)."""

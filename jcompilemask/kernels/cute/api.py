@@ -1509,6 +1509,24 @@ def dq_warpgroups(head_dim: int, num_consumer_wgs: int = 2, block_q: int = BWD_T
     return num_consumer_wgs if head_dim // num_consumer_wgs >= 64 else 1
 
 
+def stats_shfl_owned(i: int) -> tuple[int, int]:
+    """``BackwardConfig.stats_shfl``: lane L holds value i (0 .. block_q / 32 - 1) of its
+    tile's lse / delta, the query ``a + b * L`` with (a, b) returned: 2 of every 64 queries,
+    64 (i // 2) + 2 L + i % 2."""
+    return 64 * (i // 2) + i % 2, 2
+
+
+def stats_shfl_source(c: int) -> tuple[int, int]:
+    """``stats_shfl``: (lane base, value index) holding accumulator column c's lse / delta:
+    the query of column c in the m64nN accumulator, 8 (c // 2) + 2 (lane % 4) + c % 2, is
+    value ``index`` of lane ``base + lane % 4``.
+
+    >>> [stats_shfl_source(c) for c in (0, 1, 2, 15, 16, 31)]
+    [(0, 0), (0, 1), (4, 0), (28, 1), (0, 2), (28, 3)]
+    """
+    return 4 * (c // 2 % 8), 2 * (c // 16) + c % 2
+
+
 def dq_splits_queries(block_q: int, num_consumer_wgs: int = 2) -> bool:
     """Whether the dQ warpgroups split the tile's queries (one m64 wgmma row block each:
     ``block_q`` = 64 x warpgroups) rather than D."""

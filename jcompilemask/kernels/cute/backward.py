@@ -67,7 +67,8 @@ from cutlass import Boolean, Float32, Int32, Uint32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-from .api import BackwardConfig, backward_grad_scale, dq_splits_queries, dq_warpgroups
+from .api import (BackwardConfig, backward_grad_scale, dq_splits_queries, dq_warpgroups,
+                  stats_shfl_owned, stats_shfl_source)
 from .residual_ops import CuteOps
 from .common import (COLUMNS_UNROLLED, INTERVALS_UNROLLED, WarpSpecializedSm90, _as_a_operand,
                      build_tile_list, list_first_word, _pair_runs, _rows_view, _unsigned_lt,
@@ -1200,8 +1201,9 @@ class FlashBackwardSm90(WarpSpecializedSm90):
             # waits for it (FA4's SM90 backward does the same). 128-query tiles: 4 values.
             assert n_cols == self.block_q // 4, "stats_shfl: the m64nN accumulator's columns"
             t.lane = cute.arch.lane_idx()
-            t.own_lse = tuple(f.sLSE[64 * (i // 2) + 2 * t.lane + i % 2, si] for i in range(self.block_q // 32))
-            t.own_delta = tuple(f.sDelta[64 * (i // 2) + 2 * t.lane + i % 2, si] for i in range(self.block_q // 32))
+            owned = [stats_shfl_owned(i) for i in range(self.block_q // 32)]
+            t.own_lse = tuple(f.sLSE[a + b * t.lane, si] for a, b in owned)
+            t.own_delta = tuple(f.sDelta[a + b * t.lane, si] for a, b in owned)
         if const_expr(t.lse_early):
             for c in cutlass.range_constexpr(n_cols):
                 t.lse[c] = f.sLSE[f.tScS[0, c][1], si]
@@ -1260,8 +1262,10 @@ class FlashBackwardSm90(WarpSpecializedSm90):
                 delta[c] = f.sDelta[f.tScS[0, c][1], si]
 
     def stat_source(self, own, c: int, lane):
-        """``stats_shfl``: accumulator column c's lse / delta from the lane that holds it."""
-        return cute.arch.shuffle_sync(own[2 * (c // 16) + c % 2], 4 * (c // 2 % 8) + lane % 4)
+        """``stats_shfl``: accumulator column c's lse / delta from the lane that holds it
+        (``api.stats_shfl_source``)."""
+        base, index = stats_shfl_source(c)
+        return cute.arch.shuffle_sync(own[index], base + lane % 4)
 
     @cute.jit
     def softmax_grad(self, masked: cutlass.Constexpr[bool], t, f):
