@@ -120,6 +120,45 @@ fi
 python3 -c 'import sympy, jax; print("sympy", sympy.__version__, "jax", jax.__version__, jax.devices())'
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu --format=csv,noheader
 
+# Seconds for a step: $1, or what is left of the call's plan (JCM_STAGE_S, default 570 s)
+# when that is less (at least 5).
+left() { local l=$(( ${JCM_STAGE_S:-570} - SECONDS )); (( l < $1 )) && echo $(( l > 5 ? l : 5 )) || echo $1; }
+
+# A new kernel protocol's first GPU case (pytest args after $2: a node id, or a file and -k
+# EXPR) under a hang guard of $2 seconds (a barrier or phase mistake hangs rather than
+# fails), log tagged $1; returns pytest's rc.
+bwd_smoke() {
+  local tag=$1 s=$2; shift 2
+  JCOMPILEMASK_CUTE_BACKWARD=1 timeout -k 5 $(left "$s") python3 -m pytest -q -x -p no:cacheprovider \
+    "$@" > "$OUT/smoke-$tag.log" 2>&1
+  local rc=$?; pkill -9 -f "pytest -q -x -p no:cacheprovider" 2>/dev/null
+  echo "smoke $tag [$*] rc $rc ($SECONDS s)"; tail -2 "$OUT/smoke-$tag.log"
+  return $rc
+}
+
+# Backward GPU cases (pytest args after $2) under `timeout $2`, one line per case; log tagged $1.
+bwd_cases() {
+  local tag=$1 s=$2; shift 2
+  JCOMPILEMASK_CUTE_BACKWARD=1 timeout -k 5 $(left "$s") python3 -m pytest -v -rs -p no:cacheprovider \
+    "$@" > "$OUT/pytest-$tag.log" 2>&1
+  echo "pytest $tag rc $? ($SECONDS s)"; pkill -9 -f "pytest -v -rs -p no:cacheprovider" 2>/dev/null
+  grep -E "::.* (PASSED|FAILED|ERROR|SKIPPED)" "$OUT/pytest-$tag.log" | sed 's/ *\[ *[0-9]*%\]//'
+  grep -E "^E  " "$OUT/pytest-$tag.log" | head -8
+}
+
+# bench_head_dims.py (causal, every config's default backward beside VARIANTS, FA4 native and
+# cuDNN) in at most $2 seconds at NS ($3) on CONFIGS ($4) with VARIANTS ($5); more args go to
+# the script (e.g. --prewarm). Records in $OUT/h200-head-dims.json, log tagged $1.
+hdims_bench() {
+  local tag=$1 b=$(left "$2") ns=$3 configs=$4 variants=$5; shift 5
+  export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1
+  timeout -k 5 $b python3 benchmarks/bench_head_dims.py --ns "$ns" --configs "$configs" \
+    ${variants:+--jcm-variants "$variants"} --impls jcm-cute,fa4-native,jax-cudnn --min-repeat-s 0.15 \
+    "$@" --budget-s $(( b - 30 )) --out "$OUT/h200-head-dims.json" > "$OUT/bench-$tag.log" 2>&1
+  echo "bench rc $? ($SECONDS s)"; pkill -9 -f bench_head_dims.py 2>/dev/null
+  grep -E '^\{|budget' "$OUT/bench-$tag.log" | cut -c1-330 | tail -24
+}
+
 # The default backward's GPU test list (gradients of the built-ins, D 64 fp16 MQA, fully
 # masked rows, row intervals, random lowered specs, the 20-rerun stress, two attention
 # gradient cases) under `timeout $2`, JUnit / log tagged $1 (stages s8t, s9t).
@@ -150,7 +189,6 @@ identity_gate() {
 forward_switch_stage() {
   local tag=$1 ident=$2 ident_s=$3 env=$4 ns=$5 masks=$6 variants=$7
   export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
-  left() { local l=$(( ${JCM_STAGE_S:-570} - SECONDS )); (( l < $1 )) && echo $(( l > 5 ? l : 5 )) || echo $1; }
   identity_gate "$tag" "$ident" $(left "$ident_s")
   timeout -k 5 $(left 240) python3 benchmarks/bench_forward.py --ns ${JCM_BENCH_NS:-$ns} \
     --masks "${JCM_BENCH_MASKS:-$masks}" --fa4 --jcm-variants "$variants" \
@@ -169,7 +207,6 @@ forward_switch_stage() {
 variants_then_tests() {
   local tag=$1 masks=$2 forced=$3; shift 3
   export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
-  left() { local l=$(( ${JCM_STAGE_S:-570} - SECONDS )); (( l < $1 )) && echo $(( l > 5 ? l : 5 )) || echo $1; }
   local spec="base=" v b pick cfg=
   for v in "$@"; do spec+=";${v%%=*}=JCOMPILEMASK_CUTE_BWD_CONFIG=${v#*=}"; done
   b=$(left 280)
@@ -202,7 +239,6 @@ case $stage in
     # Flex+FA4 at 8K and 32K in one call (prewarmed), then the default backward's GPU tests
     # under rm. Clear's Flex+FA4 record is skipped (its 8K build never finishes; 32K: 0.80x).
     export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)} FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1
-    left() { local l=$(( ${JCM_STAGE_S:-570} - SECONDS )); (( l < $1 )) && echo $(( l > 5 ? l : 5 )) || echo $1; }
     b=$(left ${JCM_BENCH_S:-330})
     timeout -k 5 $b python3 benchmarks/bench_total.py --ns 8192,32768 --masks ${JCM_BENCH_MASKS:-shared_prompt,hstu,clear} \
       --impls jcm,flex-fa4 --skip flex-fa4:clear --min-repeat-s 0.25 --prewarm 6 --prewarm-s 150 --stack-after-s 150 \
@@ -219,7 +255,6 @@ case $stage in
     # kernel, compiles none, same results); (2) the shared prompt 8K profile script without
     # ncu (it segfaulted under ncu right after the backward's compile); (3) issue 15's
     # hdims smoke for the configs in JCM_HDIMS_SMOKE (default d256 d192 cap128).
-    left() { local l=$(( ${JCM_STAGE_S:-570} - SECONDS )); (( l < $1 )) && echo $(( l > 5 ? l : 5 )) || echo $1; }
     timeout -k 5 $(left 200) python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_cute_disk_cache.py \
       --junitxml="$OUT/junit-disk.xml" > "$OUT/pytest-disk.log" 2>&1
     echo "disk cache rc $? ($SECONDS s)"; pkill -9 -f test_cute_disk_cache; tail -4 "$OUT/pytest-disk.log"
@@ -356,7 +391,6 @@ case $stage in
     # Session 6's default (column_registers=2, column_bits=8) through the GPU backward
     # tests, then compute-sanitizer memcheck / racecheck / synccheck on the small run, then
     # list chunks of 16 on hstu, each capped by what is left of the call (570 s).
-    left() { local l=$(( ${JCM_STAGE_S:-570} - SECONDS )); (( l < $1 )) && echo $(( l > 5 ? l : 5 )) || echo $1; }
     t=tests/gpu/test_cute_backward.py
     timeout -k 5 $(left 230) python3 -m pytest -q -rs -p no:cacheprovider "$t::test_builtin_grads" \
       "$t::test_random_lowered_specs" "$t::test_fully_masked_rows" "$t::test_head_dim_64_fp16_mqa" \
@@ -397,7 +431,6 @@ case $stage in
     # (tests/scripts/gpu_kernels_standalone.py: torch tensors through the kernels' TVM-FFI
     # functions; under the sanitizer JAX's runtime segfaulted it). Per case: prepare (jax on
     # CPU), a plain run (errors vs a float32 torch reference), then each tool.
-    left() { local l=$(( ${JCM_STAGE_S:-570} - SECONDS )); (( l < $1 )) && echo $(( l > 5 ? l : 5 )) || echo $1; }
     s=tests/scripts/gpu_kernels_standalone.py
     for c in ${JCM_SANITIZE_CASES:-hstu stripes clear}; do
       timeout -k 5 $(left 60) python3 $s prepare /tmp/$c.npz $c > "$OUT/prepare-$c.log" 2>&1; tail -1 "$OUT/prepare-$c.log"
@@ -416,7 +449,6 @@ case $stage in
     # Next default candidate for the backward (session 7's timings: stats_shfl -2% causal,
     # column bits + skip -8% clear; NOTES.md "Session 7"): JCM_S8_CONFIG (default below;
     # the default config since session 8) through the GPU backward tests.
-    left() { local l=$(( ${JCM_STAGE_S:-570} - SECONDS )); (( l < $1 )) && echo $(( l > 5 ? l : 5 )) || echo $1; }
     JCOMPILEMASK_CUTE_BWD_CONFIG=${JCM_S8_CONFIG:-stats_shfl=1,column_bits=0,column_skip=1} \
       bwd_default_tests s8t $(left 540)
     ;;
@@ -424,7 +456,6 @@ case $stage in
     # Session 8's SASS change (the consumer warpgroup index made warp-uniform, forward and
     # backward: the same math, other instructions) through the default backward's GPU tests
     # (s8t's list, the 20-rerun stress among them) and the forward kernel's tests.
-    left() { local l=$(( ${JCM_STAGE_S:-570} - SECONDS )); (( l < $1 )) && echo $(( l > 5 ? l : 5 )) || echo $1; }
     bwd_default_tests s9t-bwd $(left 300)
     timeout -k 5 $(left 260) python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_jnp_preprocess_gpu.py \
       tests/gpu/test_cute_forward.py -k "not compiles" --junitxml="$OUT/junit-s9t-fwd.xml" > "$OUT/pytest-s9t-fwd.log" 2>&1
@@ -472,7 +503,6 @@ case $stage in
     # then the default backward's GPU tests under the faster at causal 32K, then its own
     # gradient cases (tests/gpu/test_cute_backward.py::test_exp2_emu_grads).
     variants_then_tests s17 causal,hstu,shared_prompt "${JCM_S17_CONFIG:-}" e2=exp2_emu=2 e4=exp2_emu=4
-    left() { local l=$(( ${JCM_STAGE_S:-570} - SECONDS )); (( l < $1 )) && echo $(( l > 5 ? l : 5 )) || echo $1; }
     timeout -k 5 $(left 120) python3 -m pytest -q -rs -p no:cacheprovider \
       tests/gpu/test_cute_backward.py::test_exp2_emu_grads > "$OUT/pytest-s17-e2e.log" 2>&1
     echo "exp2_emu grads rc $? ($SECONDS s)"; pkill -9 -f pytest; tail -4 "$OUT/pytest-s17-e2e.log"
@@ -488,7 +518,6 @@ case $stage in
     # Where the jnp preprocess's GPU time goes (shared prompt 8K: 3.54 ms in run
     # 2026-12-02T04:45:38Z, 1.60 at 32K; Flex's block mask 0.65): every kernel of one call
     # with its duration, largest first. JCM_PRE_MASK / JCM_PRE_N pick the workload.
-    left() { local l=$(( ${JCM_STAGE_S:-570} - SECONDS )); (( l < $1 )) && echo $(( l > 5 ? l : 5 )) || echo $1; }
     m=${JCM_PRE_MASK:-shared_prompt}; n=${JCM_PRE_N:-8192}
     timeout -k 5 $(left 120) python3 tests/scripts/gpu_preprocess_profile.py $m $n > "$OUT/prepro-run.log" 2>&1
     cat "$OUT/prepro-run.log" | tail -7
@@ -553,7 +582,6 @@ PY
     # and one of FA4's, same call: where the remaining ~9% goes (tensor busy, stalls,
     # instruction mix side by side). Kernel-name regexes: ours FlashBackward, FA4's bwd
     # class (FlashAttentionBackwardSm90). Reports stay on the device; text pages come back.
-    left() { local l=$(( ${JCM_STAGE_S:-570} - SECONDS )); (( l < $1 )) && echo $(( l > 5 ? l : 5 )) || echo $1; }
     sec="--section SpeedOfLight --section WarpStateStats --section LaunchStats --section Occupancy --section InstructionStats --section SourceCounters --section MemoryWorkloadAnalysis"
     # JCM_PROF_PASS=fwd profiles the two forward kernels instead (issue 14; the same
     # scripts run forward + backward). JCM_PROF_MASK / JCM_PROF_N (default causal, 32768)
@@ -629,7 +657,6 @@ PY
     # cast alone, delta, the zeroed accumulator; gpu_dq_post_time.py), then every kernel of
     # ours and FA4's causal steps with its duration under ncu (prof8's listing), at
     # JCM_PROF_N (default 8192: the cell where the kernel is the smallest share).
-    left() { local l=$(( ${JCM_STAGE_S:-570} - SECONDS )); (( l < $1 )) && echo $(( l > 5 ? l : 5 )) || echo $1; }
     export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
     timeout -k 5 $(left 120) python3 tests/scripts/gpu_dq_post_time.py ${JCM_PROF_N:-8192} > "$OUT/parts-post.log" 2>&1
     echo "post rc $? ($SECONDS s)"; grep -E '^\{' "$OUT/parts-post.log" | cut -c1-220
@@ -658,7 +685,6 @@ PY
     # The XLA pieces around the kernel timed alone (gpu_dq_post_time.py at 8K), the
     # bit-identity cases (JCM_QB_TESTS, a -k filter; default the causal D 128 one), then the
     # backward timed beside the default and FA4 native (JCM_BENCH_NS, default 8K and 32K).
-    left() { local l=$(( ${JCM_STAGE_S:-570} - SECONDS )); (( l < $1 )) && echo $(( l > 5 ? l : 5 )) || echo $1; }
     export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
     export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1
     timeout -k 5 $(left 90) python3 tests/scripts/gpu_dq_post_time.py 8192 > "$OUT/parts-post.log" 2>&1
@@ -700,7 +726,6 @@ PY
     # and the backward's `tail` column order. First their bit-identity / gradient cases in
     # JCM_PAR parallel pytest processes (default 4), then bwd / fwd ms beside the default at
     # JCM_BENCH_NS (default 8192) on JCM_BENCH_MASKS.
-    left() { local l=$(( ${JCM_STAGE_S:-570} - SECONDS )); (( l < $1 )) && echo $(( l > 5 ? l : 5 )) || echo $1; }
     export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
     export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1
     if [[ ${JCM_S21_TESTS:-1} == 1 ]]; then
@@ -735,7 +760,6 @@ PY
     # 4 + 4 + 4 + 8 bit-identity cases under a hang guard, then bwd ms beside
     # the default at JCM_BENCH_NS (default 8192) on JCM_BENCH_MASKS (the short columns of
     # issue 16 first, where ncu put 4.2% of the kernel on that wait).
-    left() { local l=$(( ${JCM_STAGE_S:-570} - SECONDS )); (( l < $1 )) && echo $(( l > 5 ? l : 5 )) || echo $1; }
     export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
     export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1
     if [[ ${JCM_LB_TESTS:-1} == 1 ]]; then
@@ -756,7 +780,6 @@ PY
     # column_skip (unrolled column bits skip intervals that miss the tile), the forward's
     # bit-mask path for K <= 8 ($JCOMPILEMASK_CUTE_FWD_BITS_ABOVE=0; clear: K 6).
     export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
-    left() { local l=$(( ${JCM_STAGE_S:-570} - SECONDS )); (( l < $1 )) && echo $(( l > 5 ? l : 5 )) || echo $1; }
     t=tests/gpu/test_cute_backward.py
     JCOMPILEMASK_CUTE_BWD_CONFIG=stats_shfl=1,column_bits=0,column_skip=1 JCOMPILEMASK_CUTE_FWD_BITS_ABOVE=0 \
       timeout -k 5 $(left 200) python3 -m pytest -q -rs -p no:cacheprovider \
@@ -780,7 +803,6 @@ PY
     # through it, then the forward timed beside the bitmap walk
     # ($JCOMPILEMASK_CUTE_FWD_WORK_LIST=0, variant bm) and FA4 native (32K, 8K).
     export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
-    left() { local l=$(( ${JCM_STAGE_S:-570} - SECONDS )); (( l < $1 )) && echo $(( l > 5 ? l : 5 )) || echo $1; }
     JCOMPILEMASK_CUTE_FWD_WORK_LIST=1 timeout -k 5 $(left 260) python3 -m pytest -q -rs -p no:cacheprovider \
       tests/gpu/test_cute_forward.py tests/gpu/test_cute_attention.py -k "not compiles" \
       --junitxml="$OUT/junit-fwl.xml" > "$OUT/pytest-fwl.log" 2>&1
@@ -798,7 +820,6 @@ PY
     # hang guard (an ordering mistake deadlocks), the forward + attention GPU tests under
     # k_ahead + work list, then the forward timed per variant beside FA4 native.
     export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
-    left() { local l=$(( ${JCM_STAGE_S:-570} - SECONDS )); (( l < $1 )) && echo $(( l > 5 ? l : 5 )) || echo $1; }
     identity_gate fka k_ahead_forward_is_bit_identical $(left 120)
     JCOMPILEMASK_CUTE_FWD_K_AHEAD=1 JCOMPILEMASK_CUTE_FWD_WORK_LIST=1 timeout -k 5 $(left 200) \
       python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_cute_forward.py \
@@ -876,7 +897,6 @@ PY
     # variants' kernels compile on the device: ~10 s each). The forward tests under a winner
     # take a later call (hdimspar with JCOMPILEMASK_CUTE_FWD_...=1).
     export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
-    left() { local l=$(( ${JCM_STAGE_S:-570} - SECONDS )); (( l < $1 )) && echo $(( l > 5 ? l : 5 )) || echo $1; }
     identity_gate fss "runs_early_forward_is_bit_identical or slot_skip_forward_is_bit_identical or mask_r2p_forward_is_bit_identical" $(left 220)
     timeout -k 5 $(left 560) python3 benchmarks/bench_forward.py --ns ${JCM_BENCH_NS:-8192,32768} \
       --masks ${JCM_BENCH_MASKS:-clear,causal,hstu,shared_prompt} --fa4 \
@@ -893,7 +913,6 @@ PY
     # Flex+FA4 at JCM_BENCH_NS (default 8192).
     export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
     export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1
-    left() { local l=$(( ${JCM_STAGE_S:-570} - SECONDS )); (( l < $1 )) && echo $(( l > 5 ? l : 5 )) || echo $1; }
     JCOMPILEMASK_CUTE_BACKWARD=1 timeout -k 5 $(left 200) python3 -m pytest -v -rs -p no:cacheprovider \
       tests/gpu/test_cute_residual.py tests/gpu/test_cute_backward.py -k "residual_periodic and not compiles" \
       > "$OUT/pytest-rp.log" 2>&1
@@ -916,7 +935,6 @@ PY
     # torch's inductor cache stays on a warm machine), then the jcm default (work list +
     # group_mask) on all four masks beside FA4 native causal, one JCM_RUN_ID for both files.
     export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
-    left() { local l=$(( ${JCM_STAGE_S:-570} - SECONDS )); (( l < $1 )) && echo $(( l > 5 ? l : 5 )) || echo $1; }
     ns=${JCM_BENCH_NS:-32768}
     # One process per Flex mask, each under its own limit (JCM_FLEX_MASK_S): session 25's
     # 8K call lost every Flex figure to CLEAR's compile (> 300 s; at 32K each mask took
@@ -942,7 +960,6 @@ PY
     # mismatch hangs), then the forward + attention GPU tests under each, then the
     # forward alone timed per variant beside FA4 native (bench_forward.py).
     export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
-    left() { local l=$(( ${JCM_STAGE_S:-570} - SECONDS )); (( l < $1 )) && echo $(( l > 5 ? l : 5 )) || echo $1; }
     identity_gate fsched scheduled_forward_is_bit_identical $(left 120)
     for mode in persistent 1; do
       JCOMPILEMASK_CUTE_FWD_SCHEDULE=$mode JCOMPILEMASK_CUTE_FWD_WORK_LIST=1 timeout -k 5 $(left 130) \
@@ -972,7 +989,6 @@ PY
     # scripts, and each timeout is capped by what is left of the call (570 s).
     export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
     t=tests/gpu/test_cute_head_dims.py
-    left() { local l=$(( ${JCM_STAGE_S:-570} - SECONDS )); (( l < $1 )) && echo $(( l > 5 ? l : 5 )) || echo $1; }
     # JCM_HDIMS_OK: configs whose smoke passed in an earlier call (session 13, s14a: d256
     # d192 cap128), timed without repeating it.
     ok=" ${JCM_HDIMS_OK:-}"
@@ -1016,21 +1032,12 @@ PY
   bpers)
     # Issue 16 (compile-checked in session 27): persistent backward CTAs (one per SM, a row of
     # persistent_schedule's units each; pipeline states, list count and K / V carried over).
-    # A barrier or phase mistake hangs rather than fails: one case first under a short
-    # guard (5 CTAs: several units each), the rest only if it passes, then the timings.
+    # One case first under a short guard (5 CTAs: several units each), the rest only if it
+    # passes, then the timings.
     export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
     export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1
-    left() { local l=$(( ${JCM_STAGE_S:-570} - SECONDS )); (( l < $1 )) && echo $(( l > 5 ? l : 5 )) || echo $1; }
-    t=tests/gpu/test_cute_backward.py
-    JCOMPILEMASK_CUTE_BACKWARD=1 timeout -k 5 $(left 100) python3 -m pytest -q -x -p no:cacheprovider \
-      "$t::test_persistent_gives_the_default_gradients[causal-128-128-bfloat16--5]" > "$OUT/smoke-bpers.log" 2>&1
-    rc=$?; pkill -9 -f "pytest -q -x -p no:cacheprovider $t" 2>/dev/null
-    echo "smoke rc $rc ($SECONDS s)"; tail -3 "$OUT/smoke-bpers.log"
-    if [[ $rc == 0 ]]; then
-      JCOMPILEMASK_CUTE_BACKWARD=1 timeout -k 5 $(left 230) python3 -m pytest -v -rs -p no:cacheprovider "$t" \
-        -k persistent_gives > "$OUT/pytest-bpers.log" 2>&1
-      echo "pytest rc $? ($SECONDS s)"; pkill -9 -f "pytest -v -rs -p no:cacheprovider $t" 2>/dev/null
-      grep -E "::.* (PASSED|FAILED|ERROR|SKIPPED)" "$OUT/pytest-bpers.log" | sed 's/ *\[ *[0-9]*%\]//'; grep -E "^E  " "$OUT/pytest-bpers.log" | head -8
+    if bwd_smoke bpers 100 "tests/gpu/test_cute_backward.py::test_persistent_gives_the_default_gradients[causal-128-128-bfloat16--5]"; then
+      bwd_cases bpers 230 tests/gpu/test_cute_backward.py -k persistent_gives
       b=$(left 300)
       timeout -k 5 $b python3 benchmarks/bench_total.py --ns ${JCM_BENCH_NS:-8192} \
         --masks ${JCM_BENCH_MASKS:-dilated_window,global_window,causal,shared_prompt} --impls jcm \
@@ -1047,31 +1054,17 @@ PY
     # first, and a variant is timed only if its case passed. The rest are same-protocol
     # switches (their bit-identity cases: hdimspar with JCM_PAR_ONLY='softcap_switch|d192_switch').
     export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
-    export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1
-    left() { local l=$(( ${JCM_STAGE_S:-570} - SECONDS )); (( l < $1 )) && echo $(( l > 5 ? l : 5 )) || echo $1; }
-    t=tests/gpu/test_cute_backward.py
     v="ds2@d192=ds_stages=2,static_stage=1;sh@d128cap=stats_shfl=1;shss@d128cap=stats_shfl=1,static_stage=1;r4@d128cap=rcp_emu=4"
-    for c in "q128_gradients_match_the_reference and causal and not deterministic and not chunked" \
-             "dq_red_gives and hstu"; do
-      JCOMPILEMASK_CUTE_BACKWARD=1 timeout -k 5 $(left 110) python3 -m pytest -q -x -p no:cacheprovider "$t" -k "$c" \
-        > "$OUT/smoke-i15.log" 2>&1
-      rc=$?; pkill -9 -f "pytest -q -x -p no:cacheprovider $t" 2>/dev/null
-      echo "smoke [$c] rc $rc ($SECONDS s)"; tail -2 "$OUT/smoke-i15.log"
-      if [[ $rc == 0 && $c == q128* ]]; then
-        v="$v;q128@d64=block_q=128,ds_first=1;q128w@d64=block_q=128,ds_first=1,column_words=1,residual_periodic=1"
-      fi
-      if [[ $rc == 0 && $c == dq_red* ]]; then
-        v="$v;dqr2@d256=dq_red=1,num_stages=2;ds2r@d192=ds_stages=2,dq_red=1;s3r@d192=ds_stages=2,dq_red=1,num_stages=3"
-      fi
-    done
+    t=tests/gpu/test_cute_backward.py
+    if bwd_smoke q128 110 "$t" -k "q128_gradients_match_the_reference and causal and not deterministic and not chunked"; then
+      v="$v;q128@d64=block_q=128,ds_first=1;q128w@d64=block_q=128,ds_first=1,column_words=1,residual_periodic=1"
+    fi
+    if bwd_smoke dqr 110 "$t" -k "dq_red_gives and hstu"; then
+      v="$v;dqr2@d256=dq_red=1,num_stages=2;ds2r@d192=ds_stages=2,dq_red=1;s3r@d192=ds_stages=2,dq_red=1,num_stages=3"
+    fi
     echo "variants: $v"
-    b=$(left 440)
-    timeout -k 5 $b python3 benchmarks/bench_head_dims.py --ns ${JCM_HDIMS_NS:-32768} --configs ${JCM_I15_CONFIGS:-d64,d256,d192,d128cap} \
-      --jcm-variants "$v" --impls jcm-cute,fa4-native,jax-cudnn --min-repeat-s 0.15 \
-      --prewarm ${JCM_HDIMS_PREWARM:-6} --prewarm-s ${JCM_HDIMS_PREWARM_S:-150} \
-      --budget-s $(( b - 30 )) --out "$OUT/h200-head-dims.json" > "$OUT/bench-i15.log" 2>&1
-    echo "bench rc $? ($SECONDS s)"; pkill -9 -f bench_head_dims.py 2>/dev/null
-    grep -E '^\{|budget' "$OUT/bench-i15.log" | cut -c1-330 | tail -24
+    hdims_bench i15 440 ${JCM_HDIMS_NS:-32768} ${JCM_I15_CONFIGS:-d64,d256,d192,d128cap} "$v" \
+      --prewarm ${JCM_HDIMS_PREWARM:-6} --prewarm-s ${JCM_HDIMS_PREWARM_S:-150}
     ;;
   dqr)
     # Issue 15 (compile-checked in session 27): BackwardConfig.dq_red — each consumer thread adds
@@ -1080,47 +1073,20 @@ PY
     # second Q / dO stage (FA4 runs 2 Q stages there; ours had 1: 0.86x cuDNN). The 8 gradient
     # cases (dK / dV bit for bit with the default) under a guard, then the timings.
     export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
-    export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1
-    left() { local l=$(( ${JCM_STAGE_S:-570} - SECONDS )); (( l < $1 )) && echo $(( l > 5 ? l : 5 )) || echo $1; }
-    t=tests/gpu/test_cute_backward.py
-    JCOMPILEMASK_CUTE_BACKWARD=1 timeout -k 5 $(left 220) python3 -m pytest -v -rs -p no:cacheprovider "$t" \
-      -k dq_red_gives > "$OUT/pytest-dqr.log" 2>&1
-    echo "pytest rc $? ($SECONDS s)"; pkill -9 -f "pytest -v -rs -p no:cacheprovider $t" 2>/dev/null
-    grep -E "::.* (PASSED|FAILED|ERROR|SKIPPED)" "$OUT/pytest-dqr.log" | sed 's/ *\[ *[0-9]*%\]//'; grep -E "^E  " "$OUT/pytest-dqr.log" | head -8
-    b=$(left 330)
-    timeout -k 5 $b python3 benchmarks/bench_head_dims.py --ns ${JCM_HDIMS_NS:-32768} --configs ${JCM_DQR_CONFIGS:-d256,d192,d128} \
-      --jcm-variants "${JCM_DQR_VARIANTS:-dqr2@d256=dq_red=1,num_stages=2;ds2@d192=ds_stages=2,static_stage=1;ds2r@d192=ds_stages=2,dq_red=1;dqr@d128=dq_red=1}" \
-      --impls jcm-cute,fa4-native,jax-cudnn --min-repeat-s 0.15 \
-      --budget-s $(( b - 30 )) --out "$OUT/h200-head-dims.json" > "$OUT/bench-dqr.log" 2>&1
-    echo "bench rc $? ($SECONDS s)"; pkill -9 -f bench_head_dims.py 2>/dev/null
-    grep -E '^\{|budget' "$OUT/bench-dqr.log" | cut -c1-330 | tail -16
+    bwd_cases dqr 220 tests/gpu/test_cute_backward.py -k dq_red_gives
+    hdims_bench dqr 330 ${JCM_HDIMS_NS:-32768} ${JCM_DQR_CONFIGS:-d256,d192,d128} \
+      "${JCM_DQR_VARIANTS:-dqr2@d256=dq_red=1,num_stages=2;ds2@d192=ds_stages=2,static_stage=1;ds2r@d192=ds_stages=2,dq_red=1;dqr@d128=dq_red=1}"
     ;;
   q128)
     # Issue 15 (compile-checked in session 27): D 64 at FlashAttention's hdim-64 backward tile,
     # 128 queries x 128 keys (BackwardConfig.block_q=128, with ds_first; the dQ product split
     # along the queries), against the 64 x 128 default (0.87-0.88x FA4 native; the line is
     # 0.9x). Never run on a GPU: one gradient case under a hang guard first, timed only if it
-    # passes; then the 21 gradient cases (policy vs the dense oracle) in what is left.
+    # passes; then the 31 gradient cases (policy vs the dense oracle) in what is left.
     export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
-    left() { local l=$(( ${JCM_STAGE_S:-570} - SECONDS )); (( l < $1 )) && echo $(( l > 5 ? l : 5 )) || echo $1; }
-    t=tests/gpu/test_cute_backward.py
-    q128="block_q=128,ds_first=1"
-    timeout -k 5 $(left 120) python3 -m pytest -q -x -p no:cacheprovider \
-      "$t::test_q128_gradients_match_the_reference[causal]" > "$OUT/smoke-q128.log" 2>&1
-    rc=$?; pkill -9 -f "pytest -q -x -p no:cacheprovider $t" 2>/dev/null
-    echo "smoke rc $rc ($SECONDS s)"; tail -3 "$OUT/smoke-q128.log"
-    if [[ $rc == 0 ]]; then
-      b=$(left ${JCM_Q128_BENCH_S:-250})
-      export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1
-      timeout -k 5 $b python3 benchmarks/bench_head_dims.py --ns ${JCM_HDIMS_NS:-32768,8192} --configs d64 \
-        --jcm-variants "q128@d64=$q128" --impls jcm-cute,fa4-native,jax-cudnn --min-repeat-s 0.15 \
-        --budget-s $(( b - 30 )) --out "$OUT/h200-head-dims.json" > "$OUT/bench-q128.log" 2>&1
-      echo "bench rc $? ($SECONDS s)"; pkill -9 -f bench_head_dims.py 2>/dev/null
-      grep -E '^\{|budget' "$OUT/bench-q128.log" | cut -c1-330 | tail -12
-      timeout -k 5 $(left 400) python3 -m pytest -q -rs -p no:cacheprovider "$t" -k q128_gradients \
-        --junitxml="$OUT/junit-q128.xml" > "$OUT/pytest-q128.log" 2>&1
-      echo "pytest rc $? ($SECONDS s)"; pkill -9 -f "pytest -q -rs -p no:cacheprovider $t" 2>/dev/null
-      tail -8 "$OUT/pytest-q128.log"
+    if bwd_smoke q128 120 "tests/gpu/test_cute_backward.py::test_q128_gradients_match_the_reference[causal]"; then
+      hdims_bench q128 ${JCM_Q128_BENCH_S:-250} ${JCM_HDIMS_NS:-32768,8192} d64 "q128@d64=block_q=128,ds_first=1"
+      bwd_cases q128 400 tests/gpu/test_cute_backward.py -k "q128_gradients or q128_column_words"
     fi
     ;;
   hdimspar|hdimstests)
