@@ -642,7 +642,7 @@ class FlashBackwardSm90(WarpSpecializedSm90):
             _, _, total = self.for_units(units, lambda k_tile, head_kv, batch, mask_batch, carried: self.load_unit(
                 mQ, mK, mV, mdO, mLSE2, mDelta, sQ, sK, sV, sdO, sLSE, sDelta, atoms, pipeline_kv,
                 pipeline_q, pipeline_do, mBwdTiles, n_q_tiles, k_tile, head_kv, batch, mask_batch,
-                group, work, None, carried), pipeline.PipelineUserType.Producer)
+                group, work, None, carried), self.unit_states(pipeline.PipelineUserType.Producer))
         if const_expr(self.config.work_list):
             # Balance LIST_FREE: the readers freed every list; the builder waited for all
             # but the last two.
@@ -737,18 +737,21 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         cute.copy(tma_atom_v, tVgV, tVsV[None, 0], tma_bar_ptr=bar)
 
     @cute.jit
-    def for_units(self, units, run_unit, user_type):
+    def for_units(self, units, run_unit, carried):
         """A persistent CTA's units (``units``: mSchedule, CTA, Tk, Hkv) one after the other:
-        ``run_unit(k_tile, head_kv, batch, mask_batch, carried)`` returns ``carried`` (the K / V
-        and ring pipeline states of ``user_type`` and the lists seen so far) advanced."""
+        ``run_unit(k_tile, head_kv, batch, mask_batch, carried)`` returns ``carried`` (what a
+        role keeps from unit to unit: ``unit_states``, or the dQ warp's list count) advanced."""
         mSchedule, cta, n_k_tiles, n_kv_heads = units
-        kv_state = pipeline.make_pipeline_state(user_type, 1)
-        state = pipeline.make_pipeline_state(user_type, self.num_stages)
-        seq = Int32(0)
         for u in cutlass.range(mSchedule[cta, 0], unroll=1):
             k_tile, head_kv, batch, mask_batch = self.unit_coords(mSchedule[cta, u + 1], n_k_tiles, n_kv_heads)
-            kv_state, state, seq = run_unit(k_tile, head_kv, batch, mask_batch, (kv_state, state, seq))
-        return kv_state, state, seq
+            carried = run_unit(k_tile, head_kv, batch, mask_batch, carried)
+        return carried
+
+    def unit_states(self, user_type):
+        """A persistent producer's or consumers' carried state before the first unit: the K / V
+        and ring pipeline states of ``user_type`` and the lists seen (0)."""
+        return (pipeline.make_pipeline_state(user_type, 1),
+                pipeline.make_pipeline_state(user_type, self.num_stages), Int32(0))
 
     @cute.jit
     def unit_coords(self, unit, n_k_tiles, n_kv_heads):
@@ -826,13 +829,9 @@ class FlashBackwardSm90(WarpSpecializedSm90):
             self.write_dq_unit(mdQaccum, sdQ, mBwdTiles, mDqRank, mSem, n_q_tiles, k_tile, head_kv,
                                batch, mask_batch, group, work)
         else:
-            mSchedule, cta, n_k_tiles, n_kv_heads = units
-            seq0 = Int32(0)
-            for u in cutlass.range(mSchedule[cta, 0], unroll=1):
-                k_tile, head_kv, batch, mask_batch = self.unit_coords(mSchedule[cta, u + 1], n_k_tiles,
-                                                                      n_kv_heads)
-                seq0 = self.write_dq_unit(mdQaccum, sdQ, mBwdTiles, mDqRank, mSem, n_q_tiles, k_tile,
-                                          head_kv, batch, mask_batch, group, work, seq0)
+            self.for_units(units, lambda k_tile, head_kv, batch, mask_batch, seq: self.write_dq_unit(
+                mdQaccum, sdQ, mBwdTiles, mDqRank, mSem, n_q_tiles, k_tile, head_kv, batch, mask_batch,
+                group, work, seq), Int32(0))
         if cute.arch.lane_idx() == 0:
             cute.arch.cp_async_bulk_wait_group(0)
 
@@ -1011,7 +1010,7 @@ class FlashBackwardSm90(WarpSpecializedSm90):
             self.consume_unit(*args, cta.k_tile, cta.head_kv, cta.batch, cta.mask_batch)
         else:
             _, state, _ = self.for_units(units, lambda k_tile, head_kv, batch, mask_batch, carried: self.consume_unit(
-                *args, k_tile, head_kv, batch, mask_batch, carried), pipeline.PipelineUserType.Consumer)
+                *args, k_tile, head_kv, batch, mask_batch, carried), self.unit_states(pipeline.PipelineUserType.Consumer))
             # The dQ warp's last DQ_EMPTY of the CTA (per unit the next unit's first dQ
             # tile waited for the last one's).
             self.balance_dq(state.count, f.wg)
