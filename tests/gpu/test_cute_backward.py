@@ -675,9 +675,8 @@ def test_stats_shfl_lanes_hold_every_query_and_shuffles_find_them(block_q):
     """stats_shfl's lane ownership covers each of the tile's queries once, and the source
     (lane, value) of every accumulator column holds that column's query: the m64nN layout,
     query 8 (c // 2) + 2 (lane % 4) + c % 2 at column c (pure Python, any machine)."""
-    from jcompilemask.kernels.cute.api import stats_shfl_owned, stats_shfl_source
-    owned = [stats_shfl_owned(i) for i in range(block_q // 32)]
-    held = {lane: [a + b * lane for a, b in owned] for lane in range(32)}
+    from jcompilemask.kernels.cute.api import stats_shfl_query, stats_shfl_source
+    held = {lane: [stats_shfl_query(i, lane) for i in range(block_q // 32)] for lane in range(32)}
     assert sorted(x for v in held.values() for x in v) == list(range(block_q))
     for lane in range(32):
         for c in range(block_q // 4):

@@ -1509,11 +1509,10 @@ def dq_warpgroups(head_dim: int, num_consumer_wgs: int = 2, block_q: int = BWD_T
     return num_consumer_wgs if head_dim // num_consumer_wgs >= 64 else 1
 
 
-def stats_shfl_owned(i: int) -> tuple[int, int]:
-    """``BackwardConfig.stats_shfl``: lane L holds value i (0 .. block_q / 32 - 1) of its
-    tile's lse / delta, the query ``a + b * L`` with (a, b) returned: 2 of every 64 queries,
-    64 (i // 2) + 2 L + i % 2."""
-    return 64 * (i // 2) + i % 2, 2
+def stats_shfl_query(i: int, lane):
+    """``BackwardConfig.stats_shfl``: the query of the tile whose lse / delta is value i
+    (0 .. block_q / 32 - 1) of lane ``lane``: 2 of every 64 queries, 64 (i // 2) + 2 lane + i % 2."""
+    return 64 * (i // 2) + 2 * lane + i % 2
 
 
 def stats_shfl_source(c: int) -> tuple[int, int]:
@@ -1597,16 +1596,12 @@ def compile_backward(key: BackwardKey):
                                                    assumed_align=4),
                      cute.runtime.make_fake_tensor(cutlass.Int32, (bm, max(key.residual[0].width, 1)),
                                                    stride=(sym64(), 1), assumed_align=4)]
-        if cfg.persistent:
-            # The persistent table int32 [P, 1 + J] (persistent_schedule; after the residual's).
+        if cfg.schedule:
+            # The work-unit order int32 [B * Hkv * Tk], or with persistent CTAs their table
+            # [P, 1 + J] (persistent_schedule); an operand, after the residual's.
             entry = kernel.with_residual_schedule if key.residual is not None else kernel.with_schedule
-            args.append(cute.runtime.make_fake_tensor(cutlass.Int32, (sym(), sym()), stride=(sym64(), 1),
-                                                      assumed_align=4))
-        elif cfg.schedule:
-            # The work-unit order int32 [B * Hkv * Tk] (an operand, after the residual's).
-            entry = kernel.with_residual_schedule if key.residual is not None else kernel.with_schedule
-            args.append(cute.runtime.make_fake_tensor(cutlass.Int32, (sym(),), stride=(1,),
-                                                      assumed_align=4))
+            shape, stride = ((sym(), sym()), (sym64(), 1)) if cfg.persistent else ((sym(),), (1,))
+            args.append(cute.runtime.make_fake_tensor(cutlass.Int32, shape, stride=stride, assumed_align=4))
         args += [dq_acc(), sem(), bshd(dtype, nk, hkv), bshd(dtype, nk, hkv, dim=key.dv)]
         fn = cute.compile(
             entry, *args,

@@ -68,7 +68,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
 from .api import (BackwardConfig, backward_grad_scale, dq_splits_queries, dq_warpgroups,
-                  stats_shfl_owned, stats_shfl_source)
+                  stats_shfl_query, stats_shfl_source)
 from .residual_ops import CuteOps
 from .common import (COLUMNS_UNROLLED, INTERVALS_UNROLLED, WarpSpecializedSm90, _as_a_operand,
                      build_tile_list, list_first_word, _pair_runs, _rows_view, _unsigned_lt,
@@ -1200,9 +1200,9 @@ class FlashBackwardSm90(WarpSpecializedSm90):
             # waits for it (FA4's SM90 backward does the same). 128-query tiles: 4 values.
             assert n_cols == self.block_q // 4, "stats_shfl: the m64nN accumulator's columns"
             t.lane = cute.arch.lane_idx()
-            owned = [stats_shfl_owned(i) for i in range(self.block_q // 32)]
-            t.own_lse = tuple(f.sLSE[a + b * t.lane, si] for a, b in owned)
-            t.own_delta = tuple(f.sDelta[a + b * t.lane, si] for a, b in owned)
+            owned = [stats_shfl_query(i, t.lane) for i in range(self.block_q // 32)]
+            t.own_lse = tuple(f.sLSE[query, si] for query in owned)
+            t.own_delta = tuple(f.sDelta[query, si] for query in owned)
         if const_expr(t.lse_early):
             for c in cutlass.range_constexpr(n_cols):
                 t.lse[c] = f.sLSE[f.tScS[0, c][1], si]
