@@ -583,11 +583,8 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         elif const_expr(self.config.schedule):
             # The host's order (api.backward_schedule: long key columns first): block i
             # runs unit (batch * Hkv + head_kv) * Tk + k_tile = mSchedule[i].
-            unit = cute.arch.make_warp_uniform(unit)
-            n_k_tiles = cute.ceil_div(mK.shape[0], self.block_kv)
-            k_tile = unit % n_k_tiles
-            head_kv = (unit // n_k_tiles) % mK.shape[2]
-            batch = unit // (n_k_tiles * mK.shape[2])
+            k_tile, head_kv, batch, _ = self.unit_coords(unit, cute.ceil_div(mK.shape[0], self.block_kv),
+                                                         mK.shape[2])
         group = num_heads // mK.shape[2]
         mask_batch = 0 if const_expr(self.broadcast_batch) else batch
         n_q_tiles = cute.ceil_div(seqlen_q, self.block_q)
