@@ -28,6 +28,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import clocks  # noqa: E402  (run id, SM clock / power medians of every record)
+import compile_only  # noqa: E402  (--compile-only: the kernels into the disk cache, no timing)
 import timing  # noqa: E402  (one timing method for every impl)
 
 BLOCK = 128
@@ -159,7 +160,7 @@ def bench_masks(ns, masks, variants=(("", {}),), save=None) -> list[dict]:
                 with environment(env):
                     jax.clear_caches()            # every variant traces afresh
                     fwd = jax.jit(lambda q, k, v, d: jcm.mask_attention(q, k, v, d, implementation="cute"))
-                    jax.block_until_ready(fwd(q, k, v, desc))
+                    compile_only.first_call(lambda: fwd(q, k, v, desc))
                     switches = jcm_env()
                 clocks.start()
                 win = []
@@ -223,11 +224,18 @@ def main():
                     "mask_attention, e.g. causal,hstu,shared_prompt,clear")
     ap.add_argument("--jcm-variants", default=None, help="with --masks: time jcm once per "
                     "tag=ENV entry (bench_total.py's syntax), e.g. 'base=;ls=JCOMPILEMASK_CUTE_FWD_SCHEDULE=1'")
+    ap.add_argument("--compile-only", action="store_true",
+                    help="compile the CuTe kernels --bench / --masks would run into the disk "
+                         "cache and time nothing (compile_only.py; no GPU, CUTE_DSL_ARCH=sm_90a); "
+                         "--check and --fa4 are skipped, nothing is written")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "h200-forward.json"))
     args = ap.parse_args()
     ns = [int(x) for x in args.ns.split(",")]
     ok = True
+    if args.compile_only:
+        compile_only.activate()
+        args.check = args.fa4 = False
     if args.check:
         ok = run_checks(args.seed)
         print("checks:", "ALL OK" if ok else "FAILURES", flush=True)
@@ -250,7 +258,10 @@ def main():
         from bench_total import parse_variants
         done = list(records)
         records += bench_masks(ns, args.masks.split(","), parse_variants(args.jcm_variants),
-                               save=lambda recs: save(done + recs))
+                               save=None if args.compile_only else lambda recs: save(done + recs))
+    if args.compile_only:
+        print(compile_only.summary(), flush=True)
+        sys.exit(0)
     if records:
         save(records)
         print(f"{'impl':12s} {'mask':8s} {'n':>6s} {'fwd_ms':>9s} {'TF/s':>7s}")

@@ -184,6 +184,10 @@ def main(argv=None):
                         "caches")
     p.add_argument("--prewarm-s", type=float, default=200,
                    help="wall-clock limit of the prewarm phase")
+    p.add_argument("--compile-only", action="store_true",
+                   help="compile the CuTe kernels the run would need into the disk cache and "
+                        "time nothing (compile_only.py; a machine without a GPU, "
+                        "CUTE_DSL_ARCH=sm_90a); jcm-cute and its variants only")
     p.add_argument("--jcm-variants", default="",
                    help="backward configs timed beside the default: 'NAME@CONFIG=FIELD=V,...;...' "
                         "adds impl jcm-cute-NAME at CONFIG with $JCOMPILEMASK_CUTE_BWD_CONFIG set "
@@ -199,6 +203,11 @@ def main(argv=None):
     xla_ns = {int(x) for x in args.xla_ns.split(",") if x} if not args.smoke else set(ns)
     impls = args.impls.split(",") if not args.smoke else ["jcm-xla"]
     configs = args.configs.split(",")
+    if args.compile_only:
+        import compile_only
+        compile_only.activate()
+        impls = [i for i in impls if i == "jcm-cute"]
+        args.prewarm, args.out, args.budget_s = 0, None, float("inf")
     prewarmed = None
     if args.prewarm > 0:
         import prewarm as P
@@ -262,6 +271,9 @@ def main(argv=None):
                 records.append(rec)
                 print(json.dumps(rec), flush=True)
                 save()
+    if args.compile_only:
+        import compile_only
+        print(compile_only.summary(), flush=True)
     return records
 
 

@@ -387,6 +387,10 @@ def main(argv=None):
                          "entry with that environment (impl jcm-<backend>-<tag>; tag base or "
                          "empty: jcm-<backend>), e.g. "
                          "'base=;ds1=JCOMPILEMASK_CUTE_BWD_CONFIG=ds_stages=1'")
+    ap.add_argument("--compile-only", action="store_true",
+                    help="compile the CuTe kernels the run would need into the disk cache and "
+                         "time nothing (compile_only.py; a machine without a GPU, "
+                         "CUTE_DSL_ARCH=sm_90a): jcm (and its variants) only, no records")
     ap.add_argument("--check", action="store_true",
                     help="record check: ok | FAIL: ... for each jcompilemask record (dq, dk, dv "
                          "of the mask at N=2048, batch 1, 2 heads against the dense reference)")
@@ -428,6 +432,11 @@ def main(argv=None):
         os.environ["JCOMPILEMASK_CUTE_BACKWARD"] = "0"
     ns = SMOKE["ns"] if args.smoke else [int(x) for x in args.ns.split(",")]
     impls = ["jcm"] if args.smoke else args.impls.split(",")
+    if args.compile_only:
+        import compile_only
+        compile_only.activate()
+        impls, args.prewarm, args.check = [i for i in impls if i == "jcm"], 0, False
+        args.budget_s = float("inf")     # a slower CPU than the device's: every record
     prewarmed = None
     if args.prewarm > 0:
         prewarmed = prewarm(argv if argv is not None else sys.argv[1:], ns,
@@ -448,6 +457,8 @@ def main(argv=None):
             rec["prewarmed"] = prewarmed.get((rec["n"], rec["mask"]), False)
         records.append(rec)
         print(json.dumps(rec), flush=True)
+        if args.compile_only:
+            return
         try:
             import jax
             device = jax.devices()[0].device_kind
@@ -532,6 +543,10 @@ def main(argv=None):
                     rec = failed(impl, mask, n, e)
                 faulthandler.cancel_dump_traceback_later()
                 save(rec)
+    if args.compile_only:
+        import compile_only
+        print(compile_only.summary(), flush=True)
+        return records
     print("\n" + table(records))
     return records
 

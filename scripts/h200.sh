@@ -105,6 +105,42 @@ mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 bundle=cute
 [[ $stage == tilelang ]] && bundle=tilelang
+# Kernels compiled before the call (scripts/kernel_cache.sh, which runs this script with
+# JCM_COMPILE_ONLY=1 on a machine without a GPU; carry .device-stage/kernels too): unpacked
+# into the disk cache, and CUTE_DSL_ARCH set as they were compiled (it is part of their
+# key). On exit the stage says how many kernels it still had to compile.
+kc_tar=.device-stage/kernels/kernels.tar.xz
+if [[ -z ${JCM_COMPILE_ONLY:-} && -f $kc_tar ]]; then
+  kc_dir=${JCOMPILEMASK_CACHE_DIR:-$HOME/.cache/jcompilemask}
+  mkdir -p "$kc_dir" && tar -xJf "$kc_tar" -C "$kc_dir" && touch "$kc_dir/.unpacked"
+  export CUTE_DSL_ARCH=${CUTE_DSL_ARCH:-sm_90a}
+  echo "kernel cache: $(find "$kc_dir" -name kernel.o | wc -l) kernels shipped ($(cat .device-stage/kernels/REVISION 2>/dev/null))"
+  trap 'echo "kernel cache: $(find "$kc_dir" -name kernel.o -newer "$kc_dir/.unpacked" | wc -l) kernels compiled in this call"' EXIT
+fi
+if [[ -n ${JCM_COMPILE_ONLY:-} ]]; then
+  # The stage's own command lines on this machine: benchmarks with --compile-only and
+  # pytest with -p compile_only in the device's Python twin (scripts/kernel_cache.sh sets
+  # JCM_DEVICE_PY, CUTE_DSL_ARCH and the cache); other Python programs, the installs, the
+  # GPU tools and every pkill are skipped. Nothing is timed and no time limit applies.
+  : "${JCM_DEVICE_PY:?JCM_COMPILE_ONLY needs JCM_DEVICE_PY (run scripts/kernel_cache.sh)}"
+  export PYTHONPATH=$PWD:$PWD/benchmarks JCM_STAGE_S=100000
+  wrap=$(mktemp -d)
+  cat > "$wrap/python3" <<'WRAP'
+#!/usr/bin/env bash
+case "${1:-}" in
+  benchmarks/bench_total.py|benchmarks/bench_head_dims.py|benchmarks/bench_forward.py)
+    exec "$JCM_DEVICE_PY" "$1" --compile-only "${@:2}" ;;
+  -m) [[ ${2:-} == pytest ]] && exec "$JCM_DEVICE_PY" -m pytest -p compile_only "${@:3}" ;;
+esac
+echo "compile-only: skipped python3 $*" | cut -c1-160 >&2
+WRAP
+  chmod +x "$wrap/python3"
+  export PATH=$wrap:$PATH
+  pkill() { :; }
+  nvidia-smi() { :; }
+  timeout() { while [[ ${1:-} == -* ]]; do [[ $1 == -k || $1 == -s ]] && shift; shift; done; shift; "$@"; }
+  export JCM_BUNDLE_READY=1
+fi
 # h200-pair.sh unpacks once for both of its stages (two concurrent unpacks would race).
 # JCM_BUNDLE_READY=1 skips the unpack on a machine still warm from the last call; when the
 # machine was released in between (~30 s idle: a fresh one, nothing unpacked) the bundle's
@@ -117,7 +153,8 @@ if [[ -n ${JCM_BUNDLE_READY:-} ]] && ! python3 -c "import $ready_mod" >/dev/null
 fi
 [[ -n ${JCM_BUNDLE_READY:-} ]] || python3 ".device-stage/$bundle/install.py" >/dev/null \
   || { echo "install of $bundle failed"; exit 2; }
-python3 -c 'import sympy, jax; print("sympy", sympy.__version__, "jax", jax.__version__, jax.devices())'
+[[ -n ${JCM_COMPILE_ONLY:-} ]] || \
+  python3 -c 'import sympy, jax; print("sympy", sympy.__version__, "jax", jax.__version__, jax.devices())'
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu --format=csv,noheader
 
 # Seconds for a step: $1, or what is left of the call's plan (JCM_STAGE_S, default 570 s)

@@ -721,6 +721,15 @@ def test_backward_config_env(monkeypatch):
     assert (tiles.bwd_block_q, tiles.bwd_block_kv) == (128, 128)
     assert backends.cute_backward_plan(64, 64, None, (128, 128)) is None
     assert "runs 128x128" in backends.cute_backward_plan(64, 64, None, (64, 128))
+    # ... and cute_backward's config for that descriptor: the variable's ds_first arrives
+    # with the descriptor's block_q=128, not after it (which had refused the tile alone).
+    cfg = api.backward_config(64, "bfloat16", False, 128, 128, num_q_tiles=8)
+    assert (cfg.block_q, cfg.block_kv, cfg.ds_first) == (128, 128, True)
+    cfg = api.backward_config(64, "bfloat16", False, 128, 128, deterministic=True)
+    assert cfg.deterministic and not cfg.schedule
+    # The descriptor's tiles win over the variable's.
+    monkeypatch.setenv(api.BWD_CONFIG_ENV, "block_q=128,ds_first=1")
+    assert api.backward_config(64, "bfloat16", False, 64, 128).block_q == 64
 
 
 def test_backward_key_rejects_unsupported():

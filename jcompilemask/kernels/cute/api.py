@@ -1383,12 +1383,23 @@ def preferred_backward_tiles(head_dim: int, dtype: str = "bfloat16",
     return cfg.block_q, cfg.block_kv
 
 
-def _config_from_env(config: BackwardConfig) -> BackwardConfig:
-    """Apply ``$JCOMPILEMASK_CUTE_BWD_CONFIG`` (``field=value,...``; read at trace time)."""
+def _config_from_env(config: BackwardConfig, **fixed) -> BackwardConfig:
+    """Apply ``$JCOMPILEMASK_CUTE_BWD_CONFIG`` (``field=value,...``; read at trace time).
+    ``fixed`` fields (the descriptor's tiles in ``cute_backward``) are set in the same step
+    and win over the variable's, so a config is validated only whole: ``block_q=128``
+    from a descriptor needs the variable's ``ds_first=1`` beside it.
+
+    >>> import os
+    >>> os.environ[BWD_CONFIG_ENV] = "block_q=128,ds_first=1"
+    >>> cfg = _config_from_env(preferred_backward_config(64), block_q=128, block_kv=128)
+    >>> (cfg.block_q, cfg.ds_first)
+    (128, True)
+    >>> del os.environ[BWD_CONFIG_ENV]
+    """
     import os
     text = os.environ.get(BWD_CONFIG_ENV, "").strip()
     if not text:
-        return config
+        return dataclasses.replace(config, **fixed) if fixed else config
     fields = {f.name: f.type for f in dataclasses.fields(BackwardConfig)}
     changes = {}
     for item in text.split(","):
@@ -1399,7 +1410,7 @@ def _config_from_env(config: BackwardConfig) -> BackwardConfig:
         default = getattr(config, name)
         changes[name] = (value.strip() in ("1", "true", "True")) if isinstance(default, bool) \
             else int(value)
-    return dataclasses.replace(config, **changes)
+    return dataclasses.replace(config, **{**changes, **fixed})
 
 
 def backward_smem_bytes(head_dim: int, config: BackwardConfig, elem_bytes: int = 2,
@@ -1853,11 +1864,8 @@ def cute_backward(q, k, v, out, lse, do, bwd_intervals, bwd_tiles, fwd_intervals
         raise ValueError(f"bwd_tiles shape {bwd_tiles.shape} does not match {block_q}x{block_kv} "
                          f"backward tiles of Nq={Nq}, Nk={Nk}")
     dtype_name = jnp.dtype(q.dtype).name
-    preferred = preferred_backward_config(D, dtype_name, softcap is not None)
-    config = _config_from_env(dataclasses.replace(
-        preferred, block_q=block_q, block_kv=block_kv, deterministic=bool(deterministic),
-        schedule=preferred.schedule and not deterministic))
-    config = _fit_list_to_length(config, Tq)
+    config = backward_config(D, dtype_name, softcap is not None, block_q, block_kv,
+                             deterministic, Tq)
     key = BackwardKey(
         dtype=dtype_name, head_dim=D, num_intervals=K, num_bwd_intervals=Kc,
         broadcast_batch=(Bm == 1), broadcast_head=(Hm == 1), scale=float(scale), config=config,
@@ -1932,6 +1940,25 @@ def cute_backward(q, k, v, out, lse, do, bwd_intervals, bwd_tiles, fwd_intervals
     # One fused XLA pass: un-permute, scale, cast.
     dq = dq_fragment_unpermute(dq_acc, Nq, D, block_q, blocked=config.dq_blocked)
     return (dq * np.float32(backward_grad_scale(scale, softcap, config))).astype(q.dtype), dk, dv
+
+
+def backward_config(head_dim: int, dtype: str, softcap: bool, block_q: int, block_kv: int,
+                    deterministic: bool = False, num_q_tiles: int = 1) -> BackwardConfig:
+    """The config ``cute_backward`` compiles for a descriptor of these backward tiles:
+    ``preferred_backward_config``, ``deterministic`` as asked (no host order then), the
+    fields of ``$JCOMPILEMASK_CUTE_BWD_CONFIG`` over those, and the descriptor's tiles over
+    everything (the data is laid out in them), validated once, whole; no work list for
+    columns of more than LIST_MAX_TILES query tiles.
+
+    >>> cfg = backward_config(128, "bfloat16", False, 64, 128, deterministic=True)
+    >>> (cfg.block_q, cfg.deterministic, cfg.schedule)
+    (64, True, False)
+    """
+    preferred = preferred_backward_config(head_dim, dtype, softcap)
+    config = _config_from_env(dataclasses.replace(
+        preferred, deterministic=bool(deterministic),
+        schedule=preferred.schedule and not deterministic), block_q=block_q, block_kv=block_kv)
+    return _fit_list_to_length(config, num_q_tiles)
 
 
 def backward_grad_scale(scale: float, softcap, config: BackwardConfig) -> float:

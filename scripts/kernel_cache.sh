@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Compile here, before a device call, the CuTe kernels that h200.sh stages would compile on
+# the device, and pack them for the call: each stage runs with JCM_COMPILE_ONLY=1 (its own
+# command lines: benchmarks with --compile-only, pytest with -p compile_only; see
+# benchmarks/compile_only.py) in the device's Python twin (scripts/device_env.sh), and the
+# kernels of the current sources go to .device-stage/kernels/kernels.tar.xz. h200.sh
+# unpacks that into the disk cache before its stage and says, on exit, how many kernels the
+# call still compiled. A kernel's key holds a hash of every .py file of jcompilemask/, so
+# pack after the last edit: a later edit makes the device compile afresh (never load a
+# stale kernel).
+#
+#   bash scripts/kernel_cache.sh STAGE ['VAR=VALUE ... STAGE' ...]
+#   e.g. bash scripts/kernel_cache.sh frse 'JCM_BENCH_NS=8192 fwdtable' i15 bpers
+#   then run(command="bash scripts/h200.sh frse", carry=[".device-stage/cute", ".device-stage/kernels"])
+#
+# Each entry adds to the cache (~5-10 s of CPU a kernel here); the tar holds every kernel
+# of the current sources compiled so far (JCM_KERNEL_CACHE_RESET=1 starts empty). A call
+# carries at most 64 MiB with the cute bundle (~56 MiB) and the tree: the size is checked.
+set -euo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$root"
+(( $# )) || { sed -n 2,19p "$0"; exit 2; }
+source scripts/device_env.sh
+export CUTE_DSL_ARCH=sm_90a
+cache=${JCM_KERNEL_CACHE:-$HOME/.cache/jcm-kernel-stage}
+[[ -n ${JCM_KERNEL_CACHE_RESET:-} ]] && rm -rf "$cache"
+mkdir -p "$cache"
+export JCOMPILEMASK_CACHE_DIR=$cache
+[[ -z $(git status --porcelain -- jcompilemask) ]] \
+  || echo "kernel_cache.sh: jcompilemask/ has uncommitted changes; the device must get this same tree" >&2
+for entry in "$@"; do
+  read -r -a words <<< "$entry"
+  stage=${words[-1]}
+  echo "== $entry"
+  out=$(mktemp -d)
+  env "${words[@]:0:${#words[@]}-1}" JCM_COMPILE_ONLY=1 OUT="$out" bash scripts/h200.sh "$stage" 2>&1 \
+    | grep -E "^compile-only: [0-9]+ |^compile-only: skipped|Error|error:" | sort | uniq -c | cut -c1-200 || true
+done
+# The kernels of the current sources only (a kernel of older sources would never load).
+fp=$("$JCM_DEVICE_PY" -c 'from jcompilemask.kernels.cute import api; print(api._package_fingerprint())')
+mkdir -p .device-stage/kernels
+list=$(mktemp)
+for key in "$cache"/cute-*/*/key.json; do
+  [[ -f $key ]] || continue
+  dir=$(dirname "$key")
+  grep -q "\"source_fingerprint\": \"$fp\"" "$key" && [[ -f $dir/kernel.o ]] \
+    && echo "${dir#"$cache"/}" >> "$list"
+done
+n=$(wc -l < "$list")
+tar -cf - -C "$cache" -T "$list" | xz -T2 -9 > .device-stage/kernels/kernels.tar.xz
+echo "$(git rev-parse --short HEAD)$([[ -n $(git status --porcelain -- jcompilemask) ]] && echo +dirty) $fp $n kernels" \
+  > .device-stage/kernels/REVISION
+rm -f "$list"
+tree=$(git ls-files -z | xargs -0 du -cb | tail -1 | cut -f1)
+carry=$(du -cb .device-stage/cute .device-stage/kernels | tail -1 | cut -f1)
+echo "kernel cache: $n kernels, $(du -h .device-stage/kernels/kernels.tar.xz | cut -f1) packed;" \
+  "tree + cute bundle + kernels = $(( (tree + carry) / 1048576 )) MiB of 64"
+(( tree + carry < 64 * 1048576 )) || { echo "kernel_cache.sh: over the 64 MiB a call carries" >&2; exit 1; }
