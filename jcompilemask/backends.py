@@ -307,7 +307,8 @@ def _cute_backend() -> Backend:
             # The backward configs of D 256 and 192 / 128 run 64 x 64 backward tiles.
             from .kernels.cute.api import preferred_backward_tiles
             if cute_backward_plan(call.head_dim, call.head_dim_v, call.softcap) is None:
-                bwd = preferred_backward_tiles(call.head_dim, call.dtype, call.head_dim_v)
+                bwd = preferred_backward_tiles(call.head_dim, call.dtype, call.head_dim_v,
+                                               softcap=bool(call.softcap))
         return TileConfig(bq, bk, *bwd)
 
     def residual_program(desc):
@@ -429,7 +430,7 @@ def cute_backward_plan(d: int, dv: int, softcap, bwd_tiles=None, num_bwd_interva
     elif d not in BWD_HEAD_DIMS or dv != d:
         return (f"head dims {d}/{dv} (the CuTe backward is built for D in {BWD_HEAD_DIMS} with "
                 f"Dv == D, and (D, Dv) in {BWD_HEAD_DIM_PAIRS})")
-    want = preferred_backward_tiles(d, "bfloat16", dv)
+    want = preferred_backward_tiles(d, "bfloat16", dv, softcap=capped)
     if bwd_tiles is not None and tuple(bwd_tiles) != want:
         return (f"backward tiles {bwd_tiles[0]}x{bwd_tiles[1]} (the kernel for head dims "
                 f"{d}/{dv} runs {want[0]}x{want[1]})")

@@ -32,9 +32,31 @@ for entry in "$@"; do
   read -r -a words <<< "$entry"
   stage=${words[-1]}
   echo "== $entry"
-  out=$(mktemp -d)
-  env "${words[@]:0:${#words[@]}-1}" JCM_COMPILE_ONLY=1 OUT="$out" bash scripts/h200.sh "$stage" 2>&1 \
-    | grep -E "^compile-only: [0-9]+ |^compile-only: skipped|Error|error:" | sort | uniq -c | cut -c1-200 || true
+  out=${JCM_KERNEL_CACHE_OUT:-/tmp/kernel-cache-out}/$stage
+  rm -rf "$out"; mkdir -p "$out"
+  env "${words[@]:0:${#words[@]}-1}" JCM_COMPILE_ONLY=1 OUT="$out" bash scripts/h200.sh "$stage" \
+    > "$out/stage.log" 2>&1 || echo "   the stage exited with $?"
+  # Every test fails here (no kernel ran: AssertionError and the like). Any other error was
+  # raised while tracing, i.e. before a kernel was built: it would fail on the device too.
+  cat "$out"/*.log | grep -hE "^compile-only: [0-9]+ " | sort | uniq -c | sed 's/^/   /'
+  "$JCM_DEVICE_PY" - "$out" <<'PY'
+import collections, glob, json, re, sys
+seen = collections.Counter()
+for path in glob.glob(f"{sys.argv[1]}/*.log"):
+    if path.endswith("/stage.log"):
+        continue
+    for line in open(path, errors="replace"):
+        if line.startswith('{"') and '"error"' in line:
+            try:
+                rec = json.loads(line)
+                seen[f"{rec.get('impl')} {rec.get('mask')} {rec.get('n')}: {rec['error']}"] += 1
+            except (ValueError, KeyError):
+                pass
+        elif re.match(r"E +[A-Za-z_.]*(Error|Exception)\b", line) and "AssertionError" not in line:
+            seen[line.strip()] += 1
+for text, n in sorted(seen.items()):
+    print(f"   TRACE ERROR x{n}: {text[:300]}")
+PY
 done
 # The kernels of the current sources only (a kernel of older sources would never load).
 fp=$("$JCM_DEVICE_PY" -c 'from jcompilemask.kernels.cute import api; print(api._package_fingerprint())')

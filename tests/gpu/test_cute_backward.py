@@ -9,6 +9,7 @@ SM90 GPU and jax-tvm-ffi and skip elsewhere, saying why.
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 
@@ -730,6 +731,14 @@ def test_backward_config_env(monkeypatch):
     # The descriptor's tiles win over the variable's.
     monkeypatch.setenv(api.BWD_CONFIG_ENV, "block_q=128,ds_first=1")
     assert api.backward_config(64, "bfloat16", False, 64, 128).block_q == 64
+    # The variable applies to the soft cap's config when the tiles are chosen, as in
+    # cute_backward: stats_shfl=1 fits it (not the uncapped config's lse_prefetch).
+    monkeypatch.setenv(api.BWD_CONFIG_ENV, "stats_shfl=1")
+    assert api.preferred_backward_tiles(128, softcap=True) == (64, 128)
+    capped = dataclasses.replace(call, head_dim=128, head_dim_v=128, softcap=True)
+    tiles = backends.get("cute").tiles(capped)
+    assert (tiles.bwd_block_q, tiles.bwd_block_kv) == (64, 128)
+    assert api.backward_config(128, "bfloat16", True, 64, 128).stats_shfl
 
 
 def test_backward_key_rejects_unsupported():

@@ -1373,13 +1373,16 @@ def preferred_backward_config(head_dim: int, dtype: str = "bfloat16",
 
 
 def preferred_backward_tiles(head_dim: int, dtype: str = "bfloat16",
-                             head_dim_v: int | None = None) -> tuple[int, int]:
+                             head_dim_v: int | None = None, softcap: bool = False
+                             ) -> tuple[int, int]:
     """(bwd_block_q, bwd_block_kv) the descriptor's backward view must be built at for
-    ``preferred_backward_config`` of the kernel that serves (head_dim, head_dim_v)."""
+    ``preferred_backward_config`` of the kernel that serves (head_dim, head_dim_v, softcap)."""
     del head_dim_v      # Dv != D (192 / 128) shares D's config
     # The env's tiles too ($JCOMPILEMASK_CUTE_BWD_CONFIG, e.g. block_q=128 at D 64): the
-    # descriptor is then built at the tiles cute_backward will run.
-    cfg = _config_from_env(preferred_backward_config(head_dim, dtype))
+    # descriptor is then built at the tiles cute_backward will run. The env's fields apply
+    # to the config of this softcap, as in cute_backward (stats_shfl=1 is valid beside the
+    # capped config, not beside the uncapped one's lse_prefetch).
+    cfg = _config_from_env(preferred_backward_config(head_dim, dtype, bool(softcap)))
     return cfg.block_q, cfg.block_kv
 
 
