@@ -109,8 +109,19 @@ bundle=cute
 # JCM_COMPILE_ONLY=1 on a machine without a GPU; carry .device-stage/kernels too): unpacked
 # into the disk cache, and CUTE_DSL_ARCH set as they were compiled (it is part of their
 # key). On exit the stage says how many kernels it still had to compile.
+# The kernels' host launchers are compiled for the packing machine's CPU (LLVM's native
+# target: AVX-512 there): they are used only where this CPU has every instruction-set flag
+# that one had (.device-stage/kernels/HOST_FLAGS), else the call compiles as before.
 kc_tar=.device-stage/kernels/kernels.tar.xz
-if [[ -z ${JCM_COMPILE_ONLY:-} && -f $kc_tar ]]; then
+kc_lacks=
+if [[ -f $kc_tar ]]; then
+  have=" $(grep -m1 '^flags' /proc/cpuinfo | cut -d: -f2) "
+  for f in $(cat .device-stage/kernels/HOST_FLAGS 2>/dev/null); do
+    [[ $have == *" $f "* ]] || kc_lacks+=" $f"
+  done
+  [[ -z $kc_lacks ]] || echo "kernel cache: not used, this CPU lacks$kc_lacks"
+fi
+if [[ -z ${JCM_COMPILE_ONLY:-} && -f $kc_tar && -z $kc_lacks ]]; then
   kc_dir=${JCOMPILEMASK_CACHE_DIR:-$HOME/.cache/jcompilemask}
   mkdir -p "$kc_dir" && tar -xJf "$kc_tar" -C "$kc_dir" && touch "$kc_dir/.unpacked"
   export CUTE_DSL_ARCH=${CUTE_DSL_ARCH:-sm_90a}
