@@ -14,19 +14,21 @@
 #   then run(command="bash scripts/h200.sh frse", carry=[".device-stage/cute", ".device-stage/kernels"])
 #
 # Each entry adds to the cache (~5-10 s of CPU a kernel here); the tar holds every kernel
-# of the current sources compiled so far (JCM_KERNEL_CACHE_RESET=1 starts empty). A call
+# of the current sources compiled so far (JCM_KERNEL_CACHE_RESET=1 starts empty; `--pack`
+# alone packs them again). A call
 # carries at most 64 MiB with the cute bundle (~56 MiB) and the tree: the size is checked.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
-(( $# )) || { sed -n 2,19p "$0"; exit 2; }
+(( $# )) || { sed -n 2,20p "$0"; exit 2; }
+[[ $1 == --pack ]] && shift      # no stage: only pack what the cache holds
 source scripts/device_env.sh
 export CUTE_DSL_ARCH=sm_90a
 cache=${JCM_KERNEL_CACHE:-$HOME/.cache/jcm-kernel-stage}
 [[ -n ${JCM_KERNEL_CACHE_RESET:-} ]] && rm -rf "$cache"
 mkdir -p "$cache"
 export JCOMPILEMASK_CACHE_DIR=$cache
-[[ -z $(git status --porcelain -- jcompilemask) ]] \
+[[ -z $(git status --porcelain -- 'jcompilemask/*.py') ]] \
   || echo "kernel_cache.sh: jcompilemask/ has uncommitted changes; the device must get this same tree" >&2
 for entry in "$@"; do
   read -r -a words <<< "$entry"
@@ -70,7 +72,7 @@ for key in "$cache"/cute-*/*/key.json; do
 done
 n=$(wc -l < "$list")
 tar -cf - -C "$cache" -T "$list" | xz -T2 -9 > .device-stage/kernels/kernels.tar.xz
-echo "$(git rev-parse --short HEAD)$([[ -n $(git status --porcelain -- jcompilemask) ]] && echo +dirty) $fp $n kernels" \
+echo "$(git rev-parse --short HEAD)$([[ -n $(git status --porcelain -- 'jcompilemask/*.py') ]] && echo +dirty) $fp $n kernels" \
   > .device-stage/kernels/REVISION
 rm -f "$list"
 # The host launchers use this CPU's instruction sets (LLVM's native target; the DSL takes no
