@@ -160,7 +160,7 @@ def bench_masks(ns, masks, variants=(("", {}),), save=None) -> list[dict]:
                 with environment(env):
                     jax.clear_caches()            # every variant traces afresh
                     fwd = jax.jit(lambda q, k, v, d: jcm.mask_attention(q, k, v, d, implementation="cute"))
-                    compile_only.first_call(lambda: fwd(q, k, v, desc))
+                    jax.block_until_ready(fwd(q, k, v, desc))
                     switches = jcm_env()
                 clocks.start()
                 win = []

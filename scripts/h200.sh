@@ -145,8 +145,8 @@ case "${1:-}" in
 esac
 echo "compile-only: skipped python3 $*" | cut -c1-160 >&2
 WRAP
-  # timeout without its limit (this CPU is slower than the device's), also where `env`
-  # runs it: an executable first on PATH as well as a function.
+  # timeout without its limit (this CPU is slower than the device's): first on PATH, so
+  # the stage's calls and those through `env` both find it.
   cat > "$wrap/timeout" <<'WRAP'
 #!/usr/bin/env bash
 while [[ ${1:-} == -* ]]; do [[ $1 == -k || $1 == -s ]] && shift; shift; done
@@ -157,7 +157,6 @@ WRAP
   export PATH=$wrap:$PATH
   pkill() { :; }
   nvidia-smi() { :; }
-  timeout() { "$wrap/timeout" "$@"; }
   export JCM_BUNDLE_READY=1
 fi
 # h200-pair.sh unpacks once for both of its stages (two concurrent unpacks would race).
