@@ -422,17 +422,101 @@ DISK_CACHE_ENV = "JCOMPILEMASK_CUTE_DISK_CACHE"
 _EXPORTED = "jcm_kernel"          # the function's name inside an exported object file
 
 
+# The top-level functions of this module that never run while a kernel is traced: the
+# registry's policy (which key / config to build), the JAX wrappers around the call, the
+# schedules and the cache plumbing. The kernel fingerprint leaves their lines out, so an
+# edit to them keeps the disk cache's kernels (tests/test_cute_fingerprint.py checks that
+# nothing the kernels run names one of them).
+_HOST_ONLY = frozenset({
+    "preferred_forward_stages", "_package_fingerprint", "_strip_host_only", "_module_files",
+    "_kernel_sources", "disk_cache_key", "kernel_function", "_ensure_registered",
+    "_fit_list_to_length", "_fwd_bits_above", "_env_flag", "_fwd_work_list", "_fwd_schedule",
+    "_fwd_k_ahead", "_fwd_group_mask", "_fwd_residual_words", "_fwd_rescale_tail",
+    "_fwd_work_runs", "_fwd_masked_switches", "forward_switches", "num_sms",
+    "persistent_schedule", "kv_heads_per_l2_group", "forward_schedule", "cute_forward",
+    "preferred_backward_config", "preferred_backward_tiles", "_config_from_env",
+    "dq_fragment_unpermute", "dq_turns", "_bwd_exact_columns", "_bwd_order_policy",
+    "_popcount_visited", "_unit_counts", "_late_units", "backward_schedule_moves",
+    "backward_schedule", "cute_backward", "backward_config",
+})
+# Where the kernels' code lives: the kernel modules, and the residual programs they emit
+# into partial tiles; their imports inside the package are followed (_kernel_sources).
+_KERNEL_ROOTS = ("kernels/cute/forward.py", "kernels/cute/backward.py", "kernels/cute/api.py",
+                 "lower/residual_program.py")
+
+
+def _strip_host_only(text: str) -> str:
+    """api.py's text without the lines of its _HOST_ONLY functions (decorators included)."""
+    import ast
+    lines = text.splitlines(keepends=True)
+    drop = set()
+    for node in ast.parse(text).body:
+        if isinstance(node, ast.FunctionDef) and node.name in _HOST_ONLY:
+            first = min([node.lineno] + [d.lineno for d in node.decorator_list])
+            drop.update(range(first - 1, node.end_lineno))
+    return "".join(line for i, line in enumerate(lines) if i not in drop)
+
+
+def _module_files(parts) -> list:
+    """The files a package module (its dotted path's parts below jcompilemask) may be."""
+    stem = "/".join(parts)
+    return [f"{stem}/__init__.py", f"{stem}.py"] if stem else ["__init__.py"]
+
+
+def _kernel_sources(read) -> dict:
+    """{path inside the package: text} of every module a kernel's trace can run: the
+    _KERNEL_ROOTS and, transitively, the package modules they import (anywhere in the file,
+    relative or absolute), api.py without its _HOST_ONLY functions. ``read(path)`` gives a
+    file's text or None where it does not exist (a checkout, or a git revision's tree)."""
+    import ast
+    import posixpath
+    out, todo = {}, list(_KERNEL_ROOTS)
+    while todo:
+        path = todo.pop()
+        if path in out:
+            continue
+        text = read(path)
+        if text is None:
+            continue
+        if path == "kernels/cute/api.py":
+            text = _strip_host_only(text)
+        out[path] = text
+        pkg = posixpath.dirname(path).split("/") if posixpath.dirname(path) else []
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                up = pkg[:len(pkg) - node.level + 1]
+                mod = up + (node.module.split(".") if node.module else [])
+            elif isinstance(node, ast.ImportFrom) and node.module.split(".")[0] == "jcompilemask":
+                mod = node.module.split(".")[1:]
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name.split(".")[0] == "jcompilemask":
+                        todo += _module_files(alias.name.split(".")[1:])
+                continue
+            else:
+                continue
+            todo += _module_files(mod)
+            for alias in node.names:        # `from . import name`: name may be a module
+                todo += _module_files(mod + [alias.name])
+    return out
+
+
 @functools.lru_cache(maxsize=1)
 def _package_fingerprint() -> str:
-    """sha256 of every .py file of the installed jcompilemask package (path and text):
-    a kernel compiled by other code is never reused."""
+    """sha256 of the sources a kernel's trace runs (_kernel_sources: paths and text): a
+    kernel compiled by other kernel code is never reused; edits elsewhere in the package
+    (the registry's policy, docs, the XLA path) keep the cached kernels."""
     import hashlib
     from pathlib import Path
     root = Path(__file__).resolve().parents[2]
+
+    def read(path):
+        f = root / path
+        return f.read_text() if f.is_file() else None
+
     h = hashlib.sha256()
-    for path in sorted(root.rglob("*.py")):
-        h.update(str(path.relative_to(root)).encode() + b"\0")
-        h.update(path.read_bytes() + b"\0")
+    for path, text in sorted(_kernel_sources(read).items()):
+        h.update(path.encode() + b"\0" + text.encode() + b"\0")
     return h.hexdigest()[:24]
 
 
