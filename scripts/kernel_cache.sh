@@ -5,9 +5,10 @@
 # benchmarks/compile_only.py) in the device's Python twin (scripts/device_env.sh), and the
 # kernels of the current sources go to .device-stage/kernels/kernels.tar.xz. h200.sh
 # unpacks that into the disk cache before its stage and says, on exit, how many kernels the
-# call still compiled. A kernel's key holds a hash of every .py file of jcompilemask/, so
-# pack after the last edit: a later edit makes the device compile afresh (never load a
-# stale kernel).
+# call still compiled. A kernel's key holds a hash of the sources a kernel's trace runs
+# (api._package_fingerprint: the kernel modules, the residual programs, api.py without its
+# host-only policy functions), so pack after the last edit to those: a later one makes the
+# device compile afresh (never load a stale kernel); edits elsewhere keep the pack.
 #
 #   bash scripts/kernel_cache.sh STAGE ['VAR=VALUE ... STAGE' ...]
 #   e.g. bash scripts/kernel_cache.sh frse 'JCM_BENCH_NS=8192 fwdtable' i15 bpers
