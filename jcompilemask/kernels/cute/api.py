@@ -527,10 +527,10 @@ def disk_cache_key(key):
     The disk cache (``$JCOMPILEMASK_CACHE_DIR``, default ``~/.cache/jcompilemask``,
     ``cute-forward/`` and ``cute-backward/``) lets a new process load a kernel instead of
     compiling it again (tens of seconds per kernel). The key holds the kernel's FFI target
-    name (every field of the ForwardKey / BackwardKey), a hash of the sources its trace runs (_package_fingerprint),
-    the versions of cutlass-dsl (and of its compiler libraries) and tvm-ffi, and
-    ``$CUTE_DSL_ARCH``, so a change to any of
-    them compiles afresh. Off with ``$JCOMPILEMASK_CUTE_DISK_CACHE=0``, and whenever
+    name (every field of the ForwardKey / BackwardKey), a hash of the sources its trace
+    runs (:func:`_package_fingerprint`), the versions of cutlass-dsl (and of its compiler
+    libraries) and tvm-ffi, and ``$CUTE_DSL_ARCH``, so a change to any of them compiles
+    afresh. Off with ``$JCOMPILEMASK_CUTE_DISK_CACHE=0``, and whenever
     ``$JCOMPILEMASK_CUTE_DUMP_DIR`` or ``$JCOMPILEMASK_CUTE_PTXAS_REMARKS`` asks for a
     real compile's by-products.
     """
