@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import ast
 import hashlib
+import io
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -33,19 +35,14 @@ def _edited(path, old, new):
     text = _read(path)
     assert text.count(old) >= 1, (path, old)
     changed = text.replace(old, new, 1)
+    ast.parse(changed)                  # still Python
     return lambda p: changed if p == path else _read(p)
 
 
-def _names(text):
-    out = set()
-    for node in ast.walk(ast.parse(text)):
-        if isinstance(node, ast.Name):
-            out.add(node.id)
-        elif isinstance(node, ast.Attribute):
-            out.add(node.attr)
-        elif isinstance(node, ast.alias):
-            out.add(node.name.split(".")[-1])
-    return out
+def _names(code):
+    """Every identifier of a _code_only text (a call, an attribute, an import; no strings)."""
+    return {t.string for t in tokenize.generate_tokens(io.StringIO(code).readline)
+            if t.type == tokenize.NAME}
 
 
 def test_the_fingerprint_is_the_hash_of_the_kernel_sources():
@@ -84,6 +81,11 @@ def test_the_kernel_sources_hold_the_kernel_modules_and_their_imports():
 
 
 @pytest.mark.parametrize("path, old, new", [
+    # prose in the kernel sources: a comment, a docstring, blank lines
+    ("kernels/cute/backward.py", "import enum", "import enum  # edited"),
+    ("kernels/cute/common.py", "from __future__", "# edited\n\n\nfrom __future__"),
+    ("kernels/cute/api.py", "\nclass BackwardConfig:\n    \"\"\"", "\nclass BackwardConfig:\n    \"\"\"Edited. "),
+    ("lower/residual_program.py", "import dataclasses", "import dataclasses  # edited"),
     # the registry's policy: a config choice, its comment, a wrapper's body
     ("kernels/cute/api.py", "    if head_dim == 192:\n", "    if head_dim == 192:  # edited\n"),
     ("kernels/cute/api.py", "def cute_backward(", "def cute_backward(  # edited\n        "),
@@ -96,13 +98,15 @@ def test_host_edits_keep_the_fingerprint(path, old, new):
 
 
 @pytest.mark.parametrize("path, old, new", [
-    ("kernels/cute/api.py", "def compile_backward(", "def compile_backward(  # edited\n        "),
-    ("kernels/cute/api.py", "class BackwardConfig", "# edited\nclass BackwardConfig"),
-    ("kernels/cute/api.py", "def dq_warpgroups(", "def dq_warpgroups(  # edited\n        "),
-    ("kernels/cute/backward.py", "import enum", "import enum  # edited"),
-    ("kernels/cute/common.py", "from __future__", "# edited\nfrom __future__"),
-    ("lower/residual_program.py", "import dataclasses", "import dataclasses  # edited"),
-    ("spec/expr.py", "\n", "\n# edited\n"),
+    ("kernels/cute/api.py", "def compile_backward(key: BackwardKey", "def compile_backward(key: BackwardKey, _e=0"),
+    ("kernels/cute/api.py", "    head_dim: int\n", "    head_dim: int\n    EDITED = 1\n"),
+    ("kernels/cute/api.py", "def dq_warpgroups(head_dim: int", "def dq_warpgroups(head_dim: int, _e: int = 0"),
+    ("kernels/cute/backward.py", "import enum", "import enum, os"),
+    ("kernels/cute/common.py", "from __future__ import annotations", "from __future__ import annotations\nEDITED = 1"),
+    ("lower/residual_program.py", "import dataclasses", "import dataclasses, os"),
+    ("spec/expr.py", "from __future__ import annotations\n", "from __future__ import annotations\nEDITED = 1\n"),
+    # a string that is not a docstring, and a '#' inside one, are code
+    ("kernels/cute/api.py", '_EXPORTED = "jcm_kernel"', '_EXPORTED = "jcm_kernel # x"'),
 ])
 def test_kernel_edits_change_the_fingerprint(path, old, new):
     assert _fingerprint(_edited(path, old, new)) != _fingerprint(_read)
@@ -121,3 +125,26 @@ def test_a_new_module_a_kernel_imports_joins_the_sources():
     assert extra in api._kernel_sources(read)
     edited = lambda p: "X = 2\n" if p == extra else read(p)  # noqa: E731
     assert _fingerprint(edited) != _fingerprint(read)
+
+
+def test_code_only_cuts_comments_and_docstrings_only():
+    text = "\n".join([
+        '"""Module doc."""',
+        "import os  # why",
+        "",
+        "",
+        "class A:",
+        '    """Doc."""',
+        '    x = "# not a comment"',
+        "",
+        "    def f(self):",
+        '        """Doc',
+        '        two."""',
+        '        return "s"  # tail',
+        ""])
+    assert api._code_only(text) == "\n".join([
+        "import os",
+        "class A:",
+        '    x = "# not a comment"',
+        "    def f(self):",
+        '        return "s"'])

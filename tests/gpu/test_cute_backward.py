@@ -569,7 +569,10 @@ def test_backward_key_names_of_new_configs():
                                                             lse_prefetch=True, column_words=True,
                                                             residual_periodic=True)
     assert "_t64x64_s1_ds1_" in d256.target_name and d256.target_name.count("_sdkv_ssdp") == 1
-    assert preferred_backward_tiles(128) == (64, 128) and preferred_backward_tiles(64) == (64, 128)
+    det256 = preferred_backward_config(256, deterministic=True)
+    assert (det256.num_stages, det256.dq_red) == (1, False)
+    assert preferred_backward_tiles(128) == (64, 128) and preferred_backward_tiles(64) == (128, 128)
+    assert preferred_backward_tiles(64, softcap=True) == (64, 128)
     assert preferred_backward_tiles(256) == (64, 64)
     assert preferred_backward_tiles(192, head_dim_v=128) == (64, 64)
     d192 = BackwardKey("bfloat16", 192, 1, 1, True, True, 0.07, preferred_backward_config(192),
@@ -582,8 +585,9 @@ def test_backward_key_names_of_new_configs():
     assert backward_smem_bytes(192, preferred_backward_config(192), head_dim_v=128) <= 232448
     assert backward_smem_bytes(256, preferred_backward_config(256)) <= 232448
     import dataclasses
-    two_stages = dataclasses.replace(preferred_backward_config(256), num_stages=2)
-    assert backward_smem_bytes(256, two_stages) > 232448   # why D 256 runs one stage
+    two_stages = dataclasses.replace(det256, num_stages=2)
+    assert backward_smem_bytes(256, two_stages) > 232448   # one stage unless dq_red
+    assert backward_smem_bytes(256, dataclasses.replace(two_stages, dq_red=True)) <= 232448
 
 
 def test_registry_runs_every_validated_config(monkeypatch):
@@ -593,7 +597,7 @@ def test_registry_runs_every_validated_config(monkeypatch):
     monkeypatch.delenv(backends.CUTE_BACKWARD_ENV, raising=False)
     monkeypatch.delenv(backends.CUTE_EXPERIMENTAL_ENV, raising=False)
     plan = backends.cute_backward_plan
-    for args in ((128, 128, None, (64, 128)), (64, 64, None, (64, 128)),
+    for args in ((128, 128, None, (64, 128)), (64, 64, None, (128, 128)),
                  (128, 128, 5.0, (64, 128)), (64, 64, 5.0, (64, 128)),
                  (256, 256, None, (64, 64)), (256, 256, 5.0, (64, 64)),
                  (192, 128, None, (64, 64))):
@@ -613,6 +617,9 @@ def test_registry_runs_every_validated_config(monkeypatch):
     t = cute.tiles(call(256, 256))
     assert (t.block_q, t.block_kv, t.bwd_block_q, t.bwd_block_kv) == (128, 80, 64, 64)
     assert cute.tiles(call(192, 128)).bwd_block_kv == 64
+    t = cute.tiles(call(64, 64))
+    assert (t.bwd_block_q, t.bwd_block_kv) == (128, 128)
+    assert (cute.tiles(call(64, 64, True)).bwd_block_q, cute.tiles(call(64, 64, True)).bwd_block_kv) == (64, 128)
     assert cute.tiles(call(192, 128, True)).bwd_block_kv == 128    # xla backward: default tiles
     assert cute.tiles(call(128, 128, True)).bwd_block_kv == 128
     assert "except 192 / 128 with a soft cap" in backends._cute_backward_note()
@@ -1036,19 +1043,23 @@ def test_dq_switch_gives_identical_gradients(switch, name, d, dv, dtype, cute_ba
     ks = jax.random.split(jax.random.key(6), 4)
     qx, kx = (jax.random.normal(kk, (2, n, 4, d), jnp.float32).astype(dtype) for kk in ks[:2])
     vx, do = (jax.random.normal(kk, (2, n, 4, dv), jnp.float32).astype(dtype) for kk in ks[2:])
-    base = _deterministic_grads(monkeypatch, "", spec, md, qx, kx, vx, do)
-    new = _deterministic_grads(monkeypatch, f"{switch}=1", spec, md, qx, kx, vx, do)
+    # dq_blocked lays out 64-row dQ tiles: at D 64 (128 x 128 by default) on 64-query tiles
+    tiles = "block_q=64," if switch == "dq_blocked" and d == 64 else ""
+    base = _deterministic_grads(monkeypatch, tiles.rstrip(","), spec, md, qx, kx, vx, do)
+    new = _deterministic_grads(monkeypatch, f"{tiles}{switch}=1", spec, md, qx, kx, vx, do)
     for a, b_ in zip(base, new):
         np.testing.assert_array_equal(a, b_)
 
 
 def test_exact_columns_and_column_words_defaults(monkeypatch):
-    """The D 128 defaults since session 23: column_words in the config, the exact_columns
-    promise honoured; other head dims and the soft cap keep the row path; the variable
-    forces either way."""
+    """The D 128 defaults since session 23 (and D 64's since session 29): column_words in
+    the config, the exact_columns promise honoured at D 128; other head dims and the soft
+    cap keep the row path; the variable forces either way."""
     from jcompilemask.kernels.cute import api
     assert api.preferred_backward_config(128).column_words
-    assert not any(api.preferred_backward_config(d).column_words for d in (64, 192, 256))
+    assert api.preferred_backward_config(64).column_words
+    assert not any(api.preferred_backward_config(d).column_words for d in (192, 256))
+    assert not api.preferred_backward_config(64, softcap=True).column_words
     assert not api.preferred_backward_config(128, softcap=True).column_words
     monkeypatch.delenv(api.BWD_EXACT_COLUMNS_ENV, raising=False)
     assert api._bwd_exact_columns(128, 128, None)

@@ -428,8 +428,8 @@ _EXPORTED = "jcm_kernel"          # the function's name inside an exported objec
 # edit to them keeps the disk cache's kernels (tests/test_cute_fingerprint.py checks that
 # nothing the kernels run names one of them).
 _HOST_ONLY = frozenset({
-    "preferred_forward_stages", "_package_fingerprint", "_strip_host_only", "_module_files",
-    "_kernel_sources", "disk_cache_key", "kernel_function", "_ensure_registered",
+    "preferred_forward_stages", "_package_fingerprint", "_strip_host_only", "_code_only",
+    "_module_files", "_kernel_sources", "disk_cache_key", "kernel_function", "_ensure_registered",
     "_fit_list_to_length", "_fwd_bits_above", "_env_flag", "_fwd_work_list", "_fwd_schedule",
     "_fwd_k_ahead", "_fwd_group_mask", "_fwd_residual_words", "_fwd_rescale_tail",
     "_fwd_work_runs", "_fwd_masked_switches", "forward_switches", "num_sms",
@@ -451,10 +451,39 @@ def _strip_host_only(text: str) -> str:
     lines = text.splitlines(keepends=True)
     drop = set()
     for node in ast.parse(text).body:
-        if isinstance(node, ast.FunctionDef) and node.name in _HOST_ONLY:
-            first = min([node.lineno] + [d.lineno for d in node.decorator_list])
+        host = isinstance(node, ast.FunctionDef) and node.name in _HOST_ONLY
+        # ... and the two tables of this machinery (what they leave out is seen in the rest)
+        host = host or isinstance(node, ast.Assign) and any(
+            getattr(t, "id", None) in ("_HOST_ONLY", "_KERNEL_ROOTS") for t in node.targets)
+        if host:
+            first = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", ())])
             drop.update(range(first - 1, node.end_lineno))
     return "".join(line for i, line in enumerate(lines) if i not in drop)
+
+
+def _code_only(text: str) -> str:
+    """``text`` without its comments, docstrings, trailing blanks and empty lines: what a
+    kernel's trace runs, so that prose edits in the kernel sources keep the fingerprint.
+    (Cut from the text rather than re-printed from the AST or the token stream, both of
+    which differ between Python versions.)"""
+    import ast
+    import io
+    import tokenize
+    cuts = []
+    for node in ast.walk(ast.parse(text)):
+        body = getattr(node, "body", None)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) \
+                and body and isinstance(body[0], ast.Expr) \
+                and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
+            d = body[0]
+            cuts.append(((d.lineno, d.col_offset), (d.end_lineno, d.end_col_offset)))
+    cuts += [(t.start, t.end) for t in tokenize.generate_tokens(io.StringIO(text).readline)
+             if t.type == tokenize.COMMENT]
+    lines = text.splitlines()
+    for (r0, c0), (r1, c1) in sorted(cuts, reverse=True):   # later spans first: offsets hold
+        head, tail = lines[r0 - 1][:c0], lines[r1 - 1][c1:]
+        lines[r0 - 1:r1] = [head + tail] + [""] * (r1 - r0)
+    return "\n".join(line.rstrip() for line in lines if line.strip())
 
 
 def _module_files(parts) -> list:
@@ -464,10 +493,11 @@ def _module_files(parts) -> list:
 
 
 def _kernel_sources(read) -> dict:
-    """{path inside the package: text} of every module a kernel's trace can run: the
+    """{path inside the package: code} of every module a kernel's trace can run: the
     _KERNEL_ROOTS and, transitively, the package modules they import (anywhere in the file,
-    relative or absolute), api.py without its _HOST_ONLY functions. ``read(path)`` gives a
-    file's text or None where it does not exist (a checkout, or a git revision's tree)."""
+    relative or absolute), api.py without its _HOST_ONLY functions; each as _code_only.
+    ``read(path)`` gives a file's text or None where it does not exist (a checkout, or a git
+    revision's tree)."""
     import ast
     import posixpath
     out, todo = {}, list(_KERNEL_ROOTS)
@@ -480,7 +510,7 @@ def _kernel_sources(read) -> dict:
             continue
         if path == "kernels/cute/api.py":
             text = _strip_host_only(text)
-        out[path] = text
+        out[path] = _code_only(text)
         pkg = posixpath.dirname(path).split("/") if posixpath.dirname(path) else []
         for node in ast.walk(ast.parse(text)):
             if isinstance(node, ast.ImportFrom) and node.level:
@@ -964,7 +994,7 @@ class BackwardConfig:
 
     - ``block_q`` x ``block_kv``: the backward tile (queries streamed, keys resident). Two
       consumer warpgroups of 64 keys each; FA3 and FA4 use 64 x 128 at hdim 128 too.
-      ``block_q=128`` (D 64 only: 128 x 128, FlashAttention's hdim-64 tile) doubles the
+      ``block_q=128`` (D 64 only, its default: 128 x 128, FlashAttention's hdim-64 tile) doubles the
       queries per tile: S^T / dP^T are 64 x 128 per warpgroup, and the dQ product splits
       along the queries (each warpgroup 64 of them, all of D) instead of along D. It needs
       ``ds_first`` (FA4's order at this tile: with dV in flight while dS^T is converted
@@ -1244,7 +1274,8 @@ class BackwardConfig:
       instead of staging the tile in shared memory for the dQ warp's bulk reduce-add: no
       DQ_FULL / DQ_EMPTY handoff per tile, and block_q x D x 4 bytes of shared memory free
       (64 KB at D 256: room for a second Q / dO stage, ``num_stages=2``). Excludes
-      ``deterministic``. Not yet run on the H200.
+      ``deterministic``. Its gradient cases passed on the H200 (dK / dV bit for bit with
+      the default; session 29); D 256's candidate (preferred_backward_config).
 
     ``preferred_backward_config`` picks the default per head dim; ``JCOMPILEMASK_CUTE_BWD_CONFIG``
     (e.g. ``ds_stages=1,stats_early=0``) overrides fields at trace time for benchmarks.
@@ -1367,9 +1398,9 @@ class BackwardConfig:
 
 
 def preferred_backward_config(head_dim: int, dtype: str = "bfloat16",
-                              softcap: bool = False) -> BackwardConfig:
-    """The backward config the registry uses. D 64 and 128 share it: 64 x 128 tiles, a
-    2-stage Q / dO ring, two dS buffers (NOTES.md, "Backward v1": the run that compared
+                              softcap: bool = False, deterministic: bool = False) -> BackwardConfig:
+    """The backward config the registry uses. D 128 (and D 64 until session 29, which moved
+    it to 128 x 128 tiles: below): 64 x 128 tiles, a 2-stage Q / dO ring, two dS buffers (NOTES.md, "Backward v1": the run that compared
     ds_stages 1 / 2 and stats_early on / off); at D 128 the lse read before the S^T GEMM
     and the tile body compiled once per ring stage (session 10).
 
@@ -1414,6 +1445,15 @@ def preferred_backward_config(head_dim: int, dtype: str = "bfloat16",
                               split_sdp=True, work_list=True, dkv_tma_store=True,
                               column_registers=2, column_bits=8)
     if head_dim == 256:
+        # Candidate (opt-in until tests/gpu/test_cute_head_dims.py's 20 D 256 cases run
+        # under it): dq_red=1,num_stages=2, dQ added from the consumers' registers (no 64 KB
+        # float32 dQ tile in shared memory), which frees room for a second Q / dO stage as
+        # FlashAttention's hdim-256 backward has. Causal bwd ms, default -> candidate: 32K
+        # 137.46 -> 111.34 (cuDNN 117.50, FA4 native 122.59; run 2026-12-05T02:47:39Z), 8K
+        # 34.73 -> 27.40 (cuDNN 29.86, FA4 31.44; run 2026-12-05T05:44:19Z;
+        # h200-head-dims.json). dq_red excludes the deterministic dQ order (``deterministic``
+        # keeps this one-stage config when the candidate becomes the default).
+        del deterministic
         return BackwardConfig(block_q=64, block_kv=64, num_stages=1, ds_stages=1, split_dkv=True,
                               split_sdp=True, work_list=True, dkv_tma_store=True,
                               column_registers=2, column_bits=8)
@@ -1433,8 +1473,16 @@ def preferred_backward_config(head_dim: int, dtype: str = "bfloat16",
         # register resources"; CUTE_DSL_COMPILER_OPT='remarks{ptx}'; SASS: an arrive and a
         # wait around each of the 28 HGMMAs of a tile): D 64 keeps session 8's config
         # (the compile tests of the defaults fail on C7512: gpu_cases.compile_checking_remarks).
+        # 128 x 128 tiles (FlashAttention's hdim-64 backward tile; ds_first, which they need)
+        # with D 128's masked-tile words (column_words, residual_periodic): causal bwd ms
+        # 24.14 -> 22.21 at 32K (FA4 native 21.37; run 2026-12-05T02:47:39Z), 6.408 -> 5.945
+        # at 8K (FA4 native 5.561; run 2026-12-05T05:44:19Z; h200-head-dims.json); all 31
+        # 128-query gradient cases of tests/gpu/test_cute_backward.py passed on the H200
+        # (session 29).
         return BackwardConfig(work_list=True, dkv_tma_store=True, column_registers=2,
-                              column_bits=0, column_skip=True, stats_shfl=True)
+                              column_bits=0, column_skip=True, stats_shfl=True,
+                              block_q=128, ds_first=True, column_words=True,
+                              residual_periodic=True)
     # static_stage + lse_prefetch (stats_shfl off: lse_prefetch places the lse loads): the 23
     # GPU backward / gradient cases passed (h200.sh s8t, session 10); bwd ms vs the config
     # before, same run (2026-12-02T08:22:59Z, h200-bwd-s10b.json; 32K / 8K): causal 37.49 ->
@@ -2041,7 +2089,7 @@ def backward_config(head_dim: int, dtype: str, softcap: bool, block_q: int, bloc
     >>> (cfg.block_q, cfg.deterministic, cfg.schedule)
     (64, True, False)
     """
-    preferred = preferred_backward_config(head_dim, dtype, softcap)
+    preferred = preferred_backward_config(head_dim, dtype, softcap, deterministic)
     config = _config_from_env(dataclasses.replace(
         preferred, deterministic=bool(deterministic),
         schedule=preferred.schedule and not deterministic), block_q=block_q, block_kv=block_kv)
