@@ -51,7 +51,7 @@ def test_backward_compiles_for_sm90(dtype, d, kk, kc, bb, bh, det, monkeypatch, 
     from jcompilemask.kernels.cute.api import BackwardKey, compile_backward, preferred_backward_config
     # The config the registry runs (work list, dK / dV by TMA store; deterministic as
     # cute_backward sets it); ptxas must not serialize its wgmmas.
-    cfg = dataclasses.replace(preferred_backward_config(d, dtype), deterministic=det)
+    cfg = dataclasses.replace(preferred_backward_config(d, dtype, deterministic=det), deterministic=det)
     key = BackwardKey(dtype, d, kk, kc, bb, bh, d ** -0.5, cfg)
     assert compile_checking_remarks(compile_backward, key, monkeypatch, capfd) is not None
     assert key.target_name.startswith("jcompilemask_cute_bwd_")
