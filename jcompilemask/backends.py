@@ -418,7 +418,7 @@ def cute_backward_plan(d: int, dv: int, softcap, bwd_tiles=None, num_bwd_interva
     """None when the CuTe backward kernel would serve gradients of this shape, else why the
     xla backward does (static facts only: head dims, soft cap, the descriptor's backward
     tiles)."""
-    from .kernels.cute.api import BWD_HEAD_DIM_PAIRS, BWD_HEAD_DIMS, preferred_backward_tiles
+    from .kernels.cute.api import BWD_HEAD_DIM_PAIRS, BWD_HEAD_DIMS, served_backward_tiles
     del num_bwd_intervals   # any Kc: unrolled up to COLUMNS_UNROLLED, a loop past it
     if not _cute_backward_enabled():
         return f"the CuTe backward is turned off ({CUTE_BACKWARD_ENV}=0)"
@@ -430,10 +430,11 @@ def cute_backward_plan(d: int, dv: int, softcap, bwd_tiles=None, num_bwd_interva
     elif d not in BWD_HEAD_DIMS or dv != d:
         return (f"head dims {d}/{dv} (the CuTe backward is built for D in {BWD_HEAD_DIMS} with "
                 f"Dv == D, and (D, Dv) in {BWD_HEAD_DIM_PAIRS})")
-    want = preferred_backward_tiles(d, "bfloat16", dv, softcap=capped)
-    if bwd_tiles is not None and tuple(bwd_tiles) != want:
+    served = served_backward_tiles(d, "bfloat16", dv, softcap=capped)
+    if bwd_tiles is not None and tuple(bwd_tiles) not in served:
+        runs = " or ".join(f"{q}x{k}" for q, k in served)
         return (f"backward tiles {bwd_tiles[0]}x{bwd_tiles[1]} (the kernel for head dims "
-                f"{d}/{dv} runs {want[0]}x{want[1]})")
+                f"{d}/{dv} runs {runs})")
     return None
 
 

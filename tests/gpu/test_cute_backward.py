@@ -590,6 +590,26 @@ def test_backward_key_names_of_new_configs():
     assert backward_smem_bytes(256, dataclasses.replace(two_stages, dq_red=True)) <= 232448
 
 
+def test_d64_descriptor_at_default_tiles_runs_the_64_query_config(monkeypatch):
+    """D 64 runs 128 x 128 backward tiles by default (session 29); a descriptor instantiated
+    at the generic 64 x 128 tiles still gets the CuTe backward, with the 64-query config D 64
+    ran before (validated on the H200 since session 8), not the xla backward."""
+    from jcompilemask.kernels.cute import api
+    monkeypatch.delenv(api.BWD_CONFIG_ENV, raising=False)
+    monkeypatch.delenv(backends.CUTE_BACKWARD_ENV, raising=False)
+    assert api.served_backward_tiles(64) == ((128, 128), (64, 128))
+    assert api.served_backward_tiles(64, softcap=True) == ((64, 128),)
+    assert api.served_backward_tiles(256) == ((64, 64),)
+    assert backends.cute_backward_plan(64, 64, None, (64, 128)) is None
+    old = api.backward_config(64, "bfloat16", False, 64, 128)
+    assert old == dataclasses.replace(api._d64_query64_config(), block_q=64, block_kv=128)
+    assert not old.ds_first and not old.column_words
+    new = api.backward_config(64, "bfloat16", False, 128, 128)
+    assert (new.block_q, new.ds_first, new.column_words, new.residual_periodic) == (128, True, True, True)
+    # the capped D 64 config is the 64-query one whatever the tiles
+    assert api.backward_config(64, "bfloat16", True, 64, 128).block_q == 64
+
+
 def test_registry_runs_every_validated_config(monkeypatch):
     """Soft cap, D 256 and 192 / 128 reach the CuTe backward by default (validated on the
     H200), the descriptor's backward tiles follow (64 x 64 for D 256 / 192); 192 / 128 with
@@ -728,7 +748,10 @@ def test_backward_config_env(monkeypatch):
     tiles = backends.get("cute").tiles(call)
     assert (tiles.bwd_block_q, tiles.bwd_block_kv) == (128, 128)
     assert backends.cute_backward_plan(64, 64, None, (128, 128)) is None
-    assert "runs 128x128" in backends.cute_backward_plan(64, 64, None, (64, 128))
+    # A D 64 descriptor at the generic 64 x 128 keeps the CuTe backward (the 64-query config);
+    # other tiles go to the xla backward, saying which ones the kernel runs.
+    assert backends.cute_backward_plan(64, 64, None, (64, 128)) is None
+    assert "runs 128x128 or 64x128" in backends.cute_backward_plan(64, 64, None, (64, 64))
     # ... and cute_backward's config for that descriptor: the variable's ds_first arrives
     # with the descriptor's block_q=128, not after it (which had refused the tile alone).
     cfg = api.backward_config(64, "bfloat16", False, 128, 128, num_q_tiles=8)

@@ -435,6 +435,7 @@ _HOST_ONLY = frozenset({
     "_fwd_work_runs", "_fwd_masked_switches", "forward_switches", "num_sms",
     "persistent_schedule", "kv_heads_per_l2_group", "forward_schedule", "cute_forward",
     "preferred_backward_config", "preferred_backward_tiles", "_config_from_env",
+    "_d64_query64_config", "served_backward_tiles",
     "dq_fragment_unpermute", "dq_turns", "_bwd_exact_columns", "_bwd_order_policy",
     "_popcount_visited", "_unit_counts", "_late_units", "backward_schedule_moves",
     "backward_schedule", "cute_backward", "backward_config",
@@ -1479,10 +1480,8 @@ def preferred_backward_config(head_dim: int, dtype: str = "bfloat16",
         # at 8K (FA4 native 5.561; run 2026-12-05T05:44:19Z; h200-head-dims.json); all 31
         # 128-query gradient cases of tests/gpu/test_cute_backward.py passed on the H200
         # (session 29).
-        return BackwardConfig(work_list=True, dkv_tma_store=True, column_registers=2,
-                              column_bits=0, column_skip=True, stats_shfl=True,
-                              block_q=128, ds_first=True, column_words=True,
-                              residual_periodic=True)
+        return dataclasses.replace(_d64_query64_config(), block_q=128, ds_first=True,
+                                   column_words=True, residual_periodic=True)
     # static_stage + lse_prefetch (stats_shfl off: lse_prefetch places the lse loads): the 23
     # GPU backward / gradient cases passed (h200.sh s8t, session 10); bwd ms vs the config
     # before, same run (2026-12-02T08:22:59Z, h200-bwd-s10b.json; 32K / 8K): causal 37.49 ->
@@ -1502,6 +1501,31 @@ def preferred_backward_config(head_dim: int, dtype: str = "bfloat16",
     return BackwardConfig(work_list=True, dkv_tma_store=True, column_registers=2, column_bits=0,
                           column_skip=True, static_stage=True, lse_prefetch=True,
                           column_words=True, residual_periodic=True)
+
+
+def _d64_query64_config() -> BackwardConfig:
+    """D 64's 64 x 128 config (its default from session 8 to 28, validated on the H200
+    throughout): what a D 64 descriptor built at the generic 64 x 128 backward tiles runs."""
+    return BackwardConfig(work_list=True, dkv_tma_store=True, column_registers=2,
+                          column_bits=0, column_skip=True, stats_shfl=True)
+
+
+def served_backward_tiles(head_dim: int, dtype: str = "bfloat16", head_dim_v: int | None = None,
+                          softcap: bool = False) -> tuple:
+    """The (bwd_block_q, bwd_block_kv) a descriptor may be built at for the CuTe backward of
+    these head dims: ``preferred_backward_tiles`` first; at D 64 without a soft cap also
+    64 x 128, the generic default (``_d64_query64_config`` serves it), so a descriptor
+    instantiated with default tiles keeps the CuTe backward.
+
+    >>> served_backward_tiles(64)
+    ((128, 128), (64, 128))
+    >>> served_backward_tiles(128)
+    ((64, 128),)
+    """
+    want = preferred_backward_tiles(head_dim, dtype, head_dim_v, softcap)
+    if head_dim == 64 and (head_dim_v in (None, 64)) and not softcap and want != BWD_TILES:
+        return want, BWD_TILES
+    return (want,)
 
 
 def preferred_backward_tiles(head_dim: int, dtype: str = "bfloat16",
@@ -2090,6 +2114,8 @@ def backward_config(head_dim: int, dtype: str, softcap: bool, block_q: int, bloc
     (64, True, False)
     """
     preferred = preferred_backward_config(head_dim, dtype, softcap, deterministic)
+    if head_dim == 64 and not softcap and block_q != preferred.block_q:
+        preferred = _d64_query64_config()       # a descriptor at 64 x 128 (served_backward_tiles)
     config = _config_from_env(dataclasses.replace(
         preferred, deterministic=bool(deterministic),
         schedule=preferred.schedule and not deterministic), block_q=block_q, block_kv=block_kv)
