@@ -435,7 +435,7 @@ _HOST_ONLY = frozenset({
     "_fwd_work_runs", "_fwd_masked_switches", "forward_switches", "num_sms",
     "persistent_schedule", "kv_heads_per_l2_group", "forward_schedule", "cute_forward",
     "preferred_backward_config", "preferred_backward_tiles", "_config_from_env",
-    "_d64_query64_config", "served_backward_tiles",
+    "_d64_query64_config", "_backward_configs", "served_backward_tiles",
     "dq_fragment_unpermute", "dq_turns", "_bwd_exact_columns", "_bwd_order_policy",
     "_popcount_visited", "_unit_counts", "_late_units", "backward_schedule_moves",
     "backward_schedule", "cute_backward", "backward_config",
@@ -995,8 +995,8 @@ class BackwardConfig:
 
     - ``block_q`` x ``block_kv``: the backward tile (queries streamed, keys resident). Two
       consumer warpgroups of 64 keys each; FA3 and FA4 use 64 x 128 at hdim 128 too.
-      ``block_q=128`` (D 64 only, its default: 128 x 128, FlashAttention's hdim-64 tile) doubles the
-      queries per tile: S^T / dP^T are 64 x 128 per warpgroup, and the dQ product splits
+      ``block_q=128`` (D 64 only, its default: 128 x 128, FlashAttention's hdim-64 tile)
+      doubles the queries per tile: S^T / dP^T are 64 x 128 per warpgroup, and the dQ product splits
       along the queries (each warpgroup 64 of them, all of D) instead of along D. It needs
       ``ds_first`` (FA4's order at this tile: with dV in flight while dS^T is converted
       ptxas serializes every wgmma, C7512). D 64 causal, SASS: 657 instructions per
@@ -1401,8 +1401,8 @@ class BackwardConfig:
 def preferred_backward_config(head_dim: int, dtype: str = "bfloat16",
                               softcap: bool = False, deterministic: bool = False) -> BackwardConfig:
     """The backward config the registry uses. D 128 (and D 64 until session 29, which moved
-    it to 128 x 128 tiles: below): 64 x 128 tiles, a 2-stage Q / dO ring, two dS buffers (NOTES.md, "Backward v1": the run that compared
-    ds_stages 1 / 2 and stats_early on / off); at D 128 the lse read before the S^T GEMM
+    it to 128 x 128 tiles: below): 64 x 128 tiles, a 2-stage Q / dO ring, two dS buffers
+    (NOTES.md, "Backward v1": the run that compared ds_stages 1 / 2 and stats_early on / off); at D 128 the lse read before the S^T GEMM
     and the tile body compiled once per ring stage (session 10).
 
     D 256 was chosen by arithmetic (below: the one layout that fits) and is the registry's
@@ -1510,12 +1510,23 @@ def _d64_query64_config() -> BackwardConfig:
                           column_bits=0, column_skip=True, stats_shfl=True)
 
 
+def _backward_configs(head_dim: int, dtype: str = "bfloat16", softcap: bool = False,
+                      deterministic: bool = False) -> tuple:
+    """The configs the CuTe backward runs for these head dims, preferred first; a descriptor
+    built at another one's tiles runs that one. At D 64 without a soft cap also the 64 x 128
+    config (``_d64_query64_config``), so a descriptor instantiated at the generic default
+    tiles keeps the CuTe backward."""
+    preferred = preferred_backward_config(head_dim, dtype, softcap, deterministic)
+    if head_dim == 64 and not softcap and preferred.block_q != BWD_TILES[0]:
+        return preferred, _d64_query64_config()
+    return (preferred,)
+
+
 def served_backward_tiles(head_dim: int, dtype: str = "bfloat16", head_dim_v: int | None = None,
                           softcap: bool = False) -> tuple:
     """The (bwd_block_q, bwd_block_kv) a descriptor may be built at for the CuTe backward of
-    these head dims: ``preferred_backward_tiles`` first; at D 64 without a soft cap also
-    64 x 128, the generic default (``_d64_query64_config`` serves it), so a descriptor
-    instantiated with default tiles keeps the CuTe backward.
+    these head dims: ``preferred_backward_tiles`` first, then the other configs' tiles
+    (``_backward_configs``).
 
     >>> served_backward_tiles(64)
     ((128, 128), (64, 128))
@@ -1523,9 +1534,8 @@ def served_backward_tiles(head_dim: int, dtype: str = "bfloat16", head_dim_v: in
     ((64, 128),)
     """
     want = preferred_backward_tiles(head_dim, dtype, head_dim_v, softcap)
-    if head_dim == 64 and (head_dim_v in (None, 64)) and not softcap and want != BWD_TILES:
-        return want, BWD_TILES
-    return (want,)
+    others = [(c.block_q, c.block_kv) for c in _backward_configs(head_dim, dtype, bool(softcap))[1:]]
+    return (want,) + tuple(t for t in others if t != want)
 
 
 def preferred_backward_tiles(head_dim: int, dtype: str = "bfloat16",
@@ -2113,9 +2123,9 @@ def backward_config(head_dim: int, dtype: str, softcap: bool, block_q: int, bloc
     >>> (cfg.block_q, cfg.deterministic, cfg.schedule)
     (64, True, False)
     """
-    preferred = preferred_backward_config(head_dim, dtype, softcap, deterministic)
-    if head_dim == 64 and not softcap and block_q != preferred.block_q:
-        preferred = _d64_query64_config()       # a descriptor at 64 x 128 (served_backward_tiles)
+    configs = _backward_configs(head_dim, dtype, softcap, deterministic)
+    preferred = next((c for c in configs if (c.block_q, c.block_kv) == (block_q, block_kv)),
+                     configs[0])
     config = _config_from_env(dataclasses.replace(
         preferred, deterministic=bool(deterministic),
         schedule=preferred.schedule and not deterministic), block_q=block_q, block_kv=block_kv)
