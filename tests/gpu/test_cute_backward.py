@@ -311,6 +311,51 @@ def test_d192_switches_compile_for_sm90(changes, dtype, kk, kc, bb, bh, monkeypa
     assert "_ds2_" in key.target_name
 
 
+# dv_split (issue 15, session 30; compile-checked): dV issued in pieces as the soft cap's P^T
+# is made, so its first k-blocks run under the next columns' tanh / exp2 (the capped tile's
+# MUFU phase otherwise has only dP^T on the tensor pipe). (changes, dtype, D, K, Kc).
+_DV_SPLIT_CASES = {
+    "d128_causal_r": ("dv_split=2,softcap_r=1", "bfloat16", 128, 1, 1),
+    "d128_causal": ("dv_split=2", "bfloat16", 128, 1, 1),
+    "d128_causal_r4": ("dv_split=4,softcap_r=1", "bfloat16", 128, 1, 1),
+    "d128_clear_fp16_r": ("dv_split=2,softcap_r=1", "float16", 128, 6, 7),
+    "d64_hstu_r": ("dv_split=2,softcap_r=1", "bfloat16", 64, 2, 4),
+    "d128_anyk_r": ("dv_split=2,softcap_r=1", "bfloat16", 128, 25, 26),
+}
+
+
+@needs_cutlass
+@pytest.mark.parametrize("case", [c if c == "d128_causal_r" else pytest.param(c, marks=knob)
+                                  for c in sorted(_DV_SPLIT_CASES)])
+def test_dv_split_compiles_for_sm90(case, monkeypatch, capfd):
+    """dv_split with a soft cap: no wgmma serialized (C7512). With softcap_r the capped D 128
+    causal tile keeps 0 B of stack (666 instructions per unmasked tile copy; the default cap
+    783 with 8 B, dv_split alone 803 with 56 B: NOTES.md, session 30)."""
+    from jcompilemask.kernels.cute import api
+    changes, dtype, d, kk, kc = _DV_SPLIT_CASES[case]
+    monkeypatch.setenv(api.BWD_CONFIG_ENV, changes)
+    cfg = api._config_from_env(api.preferred_backward_config(d, dtype, True))
+    key = api.BackwardKey(dtype, d, kk, kc, (kk, kc) == (1, 1), True, d ** -0.5, cfg, softcap=30.0)
+    assert compile_checking_remarks(api.compile_backward, key, monkeypatch, capfd) is not None
+    assert f"_dvs{cfg.dv_split}" in key.target_name
+
+
+def test_dv_split_config_is_validated():
+    """dv_split: 0, 2 or 4 pieces, and not beside another dV placement or split_sdp."""
+    from jcompilemask.kernels.cute.api import BackwardConfig
+    for bad in (1, 3, 8, -2):
+        with pytest.raises(ValueError, match=f"dv_split={bad} must be 0"):
+            BackwardConfig(dv_split=bad)
+    with pytest.raises(ValueError, match="dv_split .* excludes split_sdp"):
+        BackwardConfig(block_kv=64, split_dkv=True, split_sdp=True, dv_split=2)
+    for other in (dict(dv_early=True), dict(p_early=True), dict(ds_first=True),
+                  dict(block_q=128, block_kv=128, ds_first=True)):
+        with pytest.raises(ValueError, match="dv_split"):
+            BackwardConfig(dv_split=2, **other)
+    assert BackwardConfig(dv_split=4).tag.endswith("_dvs4")
+    assert "_dvs" not in BackwardConfig().tag
+
+
 def test_q128_config_is_validated():
     """block_q=128: the tiles, ds_first and head dim 64 are checked with messages that say
     what to set."""

@@ -129,10 +129,10 @@ def test_forward_192_128(name, dtype):
     assert_within_policy(lse, hi[1], lo[1], "lse")
 
 
-def _identical_under(monkeypatch, switch, name, config, dtype, rng_seed, key_seed):
+def _identical_under(monkeypatch, switch, name, config, dtype, rng_seed, key_seed, base=""):
     """dQ, dK, dV of a built-in mask at head-dim config ``config`` equal the default
-    backward's bit for bit under ``$JCOMPILEMASK_CUTE_BWD_CONFIG=switch`` (deterministic dQ
-    order: a switch that changes no value and no order of addition passes)."""
+    backward's (or ``base``'s) bit for bit under ``$JCOMPILEMASK_CUTE_BWD_CONFIG=switch``
+    (deterministic dQ order: a switch that changes no value and no order of addition passes)."""
     from jcompilemask.kernels.cute import api
     d, dv, cap = CONFIGS[config]
     rng = np.random.default_rng(rng_seed)
@@ -154,7 +154,7 @@ def _identical_under(monkeypatch, switch, name, config, dtype, rng_seed, key_see
             return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32))
         return [np.asarray(x) for x in jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(qx, kx, vx)]
 
-    for a, b_ in zip(grads(""), grads(switch)):
+    for a, b_ in zip(grads(base), grads(switch)):
         np.testing.assert_array_equal(a, b_)
 
 
@@ -162,7 +162,10 @@ def _identical_under(monkeypatch, switch, name, config, dtype, rng_seed, key_see
 # (stats_shfl: the capped tile's 4 local loads / stores per unmasked tile at D 128 go) and
 # the tile body once per ring stage (static_stage). Neither changes a value or the order of
 # an addition, so with the deterministic dQ order the gradients equal the default's.
-CAP_SWITCHES = {"sh": "stats_shfl=1", "shss": "stats_shfl=1,static_stage=1"}
+# dv_split (session 30): dV issued in pieces as P^T is made; the same products in the same
+# k-block order, so bit for bit too.
+CAP_SWITCHES = {"sh": "stats_shfl=1", "shss": "stats_shfl=1,static_stage=1",
+                "dvs2": "dv_split=2", "dvs4": "dv_split=4"}
 
 
 @pytest.mark.parametrize("switch", sorted(CAP_SWITCHES))
@@ -171,6 +174,28 @@ CAP_SWITCHES = {"sh": "stats_shfl=1", "shss": "stats_shfl=1,static_stage=1"}
     ("hstu", "cap64", jnp.bfloat16)], ids=lambda v: str(getattr(v, "__name__", v)))
 def test_softcap_switch_gives_identical_gradients(switch, name, config, dtype, monkeypatch):
     _identical_under(monkeypatch, CAP_SWITCHES[switch], name, config, dtype, 12, 6)
+
+
+@pytest.mark.parametrize("name,config,dtype", [
+    ("causal", "cap128", jnp.bfloat16), ("clear", "cap128", jnp.float16),
+    ("hstu", "cap64", jnp.bfloat16)], ids=lambda v: str(getattr(v, "__name__", v)))
+def test_dv_split_with_softcap_r_gives_identical_gradients(name, config, dtype, monkeypatch):
+    """dv_split beside softcap_r (the candidate with 0 B of stack) equals softcap_r alone bit
+    for bit; softcap_r's own gradients against the reference are
+    test_cute_backward.py::test_exp2_emu_grads and test_softcap_r_grads below."""
+    _identical_under(monkeypatch, "dv_split=2,softcap_r=1", name, config, dtype, 12, 6,
+                     base="softcap_r=1")
+
+
+@pytest.mark.parametrize("config", ["cap128", "cap64"])
+@pytest.mark.parametrize("name", ["causal", "shared_prompt", "document"])
+def test_softcap_r_grads(name, config, monkeypatch):
+    """softcap_r (the capped score kept as r = 1 / (e + 1), the factor 4 in the final scale;
+    not bit-identical to the default) with dv_split meets the tolerance policy."""
+    from jcompilemask.kernels.cute import api
+    monkeypatch.setenv(api.BWD_CONFIG_ENV, "dv_split=2,softcap_r=1")
+    rng = np.random.default_rng(7)
+    _grads(SPECS[name], metadata(name, 2, 1000, rng), 2, 1000, 4, 2, config)
 
 
 # D 192 / 128 candidate (issue 15, session 27; compile-checked): two P^T / dS^T buffer pairs

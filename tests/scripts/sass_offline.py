@@ -11,7 +11,7 @@ Compiles for sm_90a (``CUTE_DSL_ARCH``), keeps the cubin, disassembles it with `
 ``bin`` folder, else ``PATH``) and prints registers / stack and, per copy of the tile loop
 (from the Q-stage barrier wait to the stage release), its instruction count and opcode mix.
 The mix counts instructions per visited tile and warp, the unit of ncu's per-tile figures in
-``kernels/cute/NOTES.md``.
+``kernels/cute/NOTES.md``. ``JCM_SASS_OUT=FILE`` also writes the whole SASS there.
 
 ``fa4`` needs the flash-attn-4 and quack-kernels wheels of ``../shared/device/make-bundles``
 (``~/.cache/device-bundles/wheels``). It imports their SM90 backward class with stand-ins
@@ -79,6 +79,9 @@ def _mix(lines):
 
 def _report(name, usage, lines, spans):
     print(f"{name}: {usage}, {len(lines)} SASS lines")
+    if os.environ.get("JCM_SASS_OUT"):           # the whole SASS, to read where spills sit
+        with open(os.environ["JCM_SASS_OUT"], "w") as fh:
+            fh.write("\n".join(lines) + "\n")
     for a, b in spans:
         ops = _mix(lines[a:b + 1])
         base = collections.Counter(o.split(".")[0] for o in ops)

@@ -1278,6 +1278,20 @@ class BackwardConfig:
       ``deterministic``. Its gradient cases passed on the H200 (dK / dV bit for bit with
       the default; session 29); D 256's candidate (preferred_backward_config).
 
+    - ``dv_split`` (0, 2 or 4; soft cap only, ignored without one): dV += P^T dO issued in
+      that many pieces along the tile's queries (its k-blocks), each as soon as its query
+      columns' P^T is in registers, instead of once after dS^T. With a cap each score costs
+      3 MUFU ops (the tanh's ex2 and rcp, P's ex2) where the uncapped tile has 1, and during
+      that phase the tensor pipe holds only dP^T (session 19's arithmetic: ~1000 clocks of a
+      ~4000-clock tile with no GEMM under them; the cap costs +16.5-20.7% over no cap, the
+      line is 15%). With pieces, dV's first k-blocks run under the next columns' tanh and
+      exp2. In unmasked tiles each piece's tanh, P^T and dV issue follow one another; in
+      masked tiles the tanh and the mask cover the tile first (the mask reads whole rows),
+      then P^T and dV go piece by piece. The same products accumulate in the same k-block
+      order: bit-identical gradients. Excludes ``split_sdp`` (P^T from shared memory),
+      ``dv_early`` / ``p_early`` and ``ds_first`` (other dV placements). Not yet run on the
+      H200.
+
     ``preferred_backward_config`` picks the default per head dim; ``JCOMPILEMASK_CUTE_BWD_CONFIG``
     (e.g. ``ds_stages=1,stats_early=0``) overrides fields at trace time for benchmarks.
     """
@@ -1319,6 +1333,7 @@ class BackwardConfig:
     ds_words: bool = False
     persistent: bool = False
     dq_red: bool = False
+    dv_split: int = 0
 
     def __post_init__(self):
         wants = (BWD_TILES_SPLIT,) if self.split_dkv else (BWD_TILES, BWD_TILES_WIDE)
@@ -1369,6 +1384,15 @@ class BackwardConfig:
             raise ValueError("schedule (a host order of the key columns) excludes deterministic: "
                              "the deterministic dQ turns wait on lower key tiles, which must "
                              "have lower block indices")
+        if self.dv_split not in (0, 2, 4):
+            raise ValueError(f"dv_split={self.dv_split} must be 0 (dV issued once), 2 or 4 (pieces "
+                             "of the 64-query tile's 4 k-blocks)")
+        if self.dv_split and (self.split_sdp or self.dv_early or self.p_early or self.ds_first
+                              or self.block_q != BWD_TILES[0]):
+            raise ValueError("dv_split issues dV from P^T's registers piece by piece as the soft "
+                             "cap's probabilities are made: it excludes split_sdp (P^T from shared "
+                             "memory), dv_early / p_early / ds_first (other dV placements) and "
+                             "block_q=128 (no soft cap there)")
         if self.num_stages < 1 or self.ds_stages not in (1, 2):
             raise ValueError(f"num_stages={self.num_stages} must be >= 1 and ds_stages="
                              f"{self.ds_stages} 1 or 2")
@@ -1395,7 +1419,7 @@ class BackwardConfig:
                 f"{'_lse' if self.list_early and self.work_list else ''}"
                 f"{'_r2p' if self.mask_r2p else ''}{'_rp' if self.residual_periodic else ''}"
                 f"{'_dsw' if self.ds_words else ''}{'_pers' if self.persistent else ''}"
-                f"{'_dqr' if self.dq_red else ''}")
+                f"{'_dqr' if self.dq_red else ''}{f'_dvs{self.dv_split}' if self.dv_split else ''}")
 
 
 def preferred_backward_config(head_dim: int, dtype: str = "bfloat16",

@@ -202,7 +202,11 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         # with dv_early in softmax_grad before the dP^T wait; by default before dS^T is
         # converted; with ds_first between the dS^T stores and their fence; with split_sdp
         # after DS_READY (P^T of both halves in shared memory).
-        self.dv_at = ("early" if config.dv_early else "after_ready" if self.split_sdp
+        # dv_split (soft cap only): in pieces along the queries, each issued in
+        # ``probabilities`` once its columns' P^T is made.
+        self.dv_split = config.dv_split if softcap is not None else 0
+        self.dv_at = ("split" if self.dv_split else "early" if config.dv_early
+                      else "after_ready" if self.split_sdp
                       else "after_stores" if config.ds_first else "before_ds")
         # The halves of D (dK, dQ) and of Dv (dV) start at a column of K's / Q's / dO's
         # buffers seen MN-major, which must begin a swizzle atom: 128B atoms (64 elements)
@@ -1226,8 +1230,17 @@ class FlashBackwardSm90(WarpSpecializedSm90):
             for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
                 for c in cutlass.range_constexpr(n_cols):
                     S[r, c] = self.p_exp2(S[r, c] * scale_log2 - lse[c], c)
+        elif const_expr(self.dv_split and not masked):
+            # dv_split, unmasked tile: each piece of the queries' columns through tanh and
+            # P^T, then its k-blocks of dV issued, so that they run under the next piece.
+            t.rP = cute.make_rmem_tensor_like(t.acc_S, self.dtype)
+            per = n_cols // self.dv_split
+            for j in cutlass.range_constexpr(self.dv_split):
+                self.softcap_tanh(S, j * per, (j + 1) * per)
+                self.capped_probs(False, S, t.rP, lse, j * per, (j + 1) * per)
+                self.issue_dv(t, f, j)
         else:
-            self.softcap_tanh(S)                # S^T -> t = tanh(scale S^T / cap) (softcap_r: r)
+            self.softcap_tanh(S, 0, n_cols)     # S^T -> t = tanh(scale S^T / cap) (softcap_r: r)
         if const_expr(masked):
             # With a cap the mask writes t = -inf (softcap_r: r = +inf): exp2 then gives P = 0.
             fill = 0.0
@@ -1242,14 +1255,18 @@ class FlashBackwardSm90(WarpSpecializedSm90):
             self.apply_mask(S, f.tScS, q_tile, cols.starts, cols.lengths, cols.exact, f.mFwdIntervals,
                             f.mBwdIntervals, f.seqlen_q, f.seqlen_k, f.k_tile, cols.mh, f.mask_batch,
                             f.residual_args, fill, keep_words)
-        if const_expr(self.softcap is not None):
+        if const_expr(self.softcap is not None and not (self.dv_split and not masked)):
             # P^T for dV (bf16 / fp16 registers) and, in S, P^T (1 - t^2) (softcap_r: a
             # quarter of it): the gradient of the capped logits is that times (dP^T - delta).
+            # dv_split: piece by piece, each piece's dV issued once its P^T is made.
             t.rP = cute.make_rmem_tensor_like(t.acc_S, self.dtype)
-            if const_expr(self.config.softcap_r):
-                self.softcap_probs_r(masked, S, _rows_view(t.rP), lse)
+            if const_expr(self.dv_split):
+                per = n_cols // self.dv_split
+                for j in cutlass.range_constexpr(self.dv_split):
+                    self.capped_probs(masked, S, t.rP, lse, j * per, (j + 1) * per)
+                    self.issue_dv(t, f, j)
             else:
-                self.softcap_probs(S, _rows_view(t.rP), lse)
+                self.capped_probs(masked, S, t.rP, lse, 0, n_cols)
         if const_expr(self.config.stats_shfl):
             for c in cutlass.range_constexpr(n_cols):
                 delta[c] = self.stat_source(t.own_delta, c, t.lane)
@@ -1275,7 +1292,8 @@ class FlashBackwardSm90(WarpSpecializedSm90):
             self.issue_dv(t, f)
             warpgroup.wait_group(1)
         else:
-            warpgroup.wait_group(0)
+            # dv_split: dV's pieces were committed after dP^T and may stay in flight.
+            warpgroup.wait_group(self.dv_split)
         dP = _rows_view(t.acc_dP)
         if const_expr(masked and self.ds_words):
             if t.exact:
@@ -1374,11 +1392,18 @@ class FlashBackwardSm90(WarpSpecializedSm90):
             pipeline_do.consumer_release(state)
         return nxt
 
-    def issue_dv(self, t, f):
+    def issue_dv(self, t, f, piece: int = -1):
         """dV += P^T dO for this tile (where: ``self.dv_at``). P^T from registers
-        (``t.rP``) or, with ``split_sdp``, the whole tile's from its shared buffer."""
+        (``t.rP``) or, with ``split_sdp``, the whole tile's from its shared buffer. With
+        ``piece`` >= 0 (``dv_split``) only that piece's k-blocks (16 queries each: P^T's
+        accumulator columns 4 kb .. 4 kb + 3, ``_as_a_operand``), as its own group."""
         p = f.tKVsP[None, None, None, t.ds_stage] if const_expr(self.split_sdp) else _as_a_operand(t.rP)
-        issue_wgmma(f.mma_dv, f.acc_dV, p, f.tKVrdOt[None, None, None, t.si], False)
+        if const_expr(piece >= 0):
+            per = cute.size(p.shape[2]) // self.dv_split
+            issue_wgmma(f.mma_dv, f.acc_dV, p, f.tKVrdOt[None, None, None, t.si], False,
+                        piece * per, per)
+        else:
+            issue_wgmma(f.mma_dv, f.acc_dV, p, f.tKVrdOt[None, None, None, t.si], False)
 
     def dk_operand(self, f, rdS, ds_stage):
         """dK += dS^T Q's left operand: dS^T from registers, or with ``split_sdp`` (each
@@ -1426,16 +1451,16 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         return cute.math.exp2(x, fastmath=True)
 
     @cute.jit
-    def softcap_tanh(self, S):
+    def softcap_tanh(self, S, c0: cutlass.Constexpr[int], c1: cutlass.Constexpr[int]):
         """S^T -> t = tanh(scale S^T / cap) in place, as the forward's default tanh
         (``FlashForwardSm90.apply_softcap``): 1 - 2 rcp(ex2(2 log2 e scale / cap * s) + 1),
         |t error| < ~4e-7, saturating to +-1 without NaN; P is then recomputed from the
         same capped logits the forward's lse saw. 2 MUFU ops per score; ``rcp_emu`` of every
         8 columns take the reciprocal on the FMA pipe (``rcp_fma``, within 1 ulp as the
-        MUFU's)."""
+        MUFU's). Columns ``c0 .. c1 - 1`` of the rows view (``dv_split``: one piece)."""
         pre = Float32(2.0 * _LOG2_E * self.scale / self.softcap)
         for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
-            for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
+            for c in cutlass.range_constexpr(c0, c1):
                 e = cute.math.exp2(S[r, c] * pre, fastmath=True)
                 if const_expr(emulated_column(c, self.config.rcp_emu)):
                     rcp = rcp_fma(e + Float32(1.0))
@@ -1447,7 +1472,17 @@ class FlashBackwardSm90(WarpSpecializedSm90):
                     S[r, c] = Float32(1.0) - Float32(2.0) * rcp
 
     @cute.jit
-    def softcap_probs(self, S, rP_rows, lse):
+    def capped_probs(self, masked: cutlass.Constexpr[bool], S, rP, lse,
+                     c0: cutlass.Constexpr[int], c1: cutlass.Constexpr[int]):
+        """``softcap_probs`` (or ``softcap_probs_r``) over columns ``c0 .. c1 - 1`` of the
+        rows view, P^T into ``rP`` (the dV operand's registers)."""
+        if const_expr(self.config.softcap_r):
+            self.softcap_probs_r(masked, S, _rows_view(rP), lse, c0, c1)
+        else:
+            self.softcap_probs(S, _rows_view(rP), lse, c0, c1)
+
+    @cute.jit
+    def softcap_probs(self, S, rP_rows, lse, c0: cutlass.Constexpr[int], c1: cutlass.Constexpr[int]):
         """t (S^T after softcap_tanh and the mask; -inf where masked) -> P^T = exp2(t cap
         log2 e - lse2) into rP_rows (the dV operand, input dtype) and P^T (1 - t^2) into S
         (0 where P^T is 0: a masked t of -inf would give 0 * -inf). One live fp32 tile, as
@@ -1456,14 +1491,15 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         gives exactly 0 there too); the tanh's ex2 and rcp stay on the MUFU."""
         cap_log2 = Float32(self.softcap * _LOG2_E)
         for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
-            for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
+            for c in cutlass.range_constexpr(c0, c1):
                 t = S[r, c]
                 p = self.p_exp2(t * cap_log2 - lse[c], c)     # -inf (masked) -> exactly 0
                 rP_rows[r, c] = p.to(self.dtype)
                 S[r, c] = Float32(0.0) if p == Float32(0.0) else p * (Float32(1.0) - t * t)
 
     @cute.jit
-    def softcap_probs_r(self, masked: cutlass.Constexpr[bool], S, rP_rows, lse):
+    def softcap_probs_r(self, masked: cutlass.Constexpr[bool], S, rP_rows, lse,
+                        c0: cutlass.Constexpr[int], c1: cutlass.Constexpr[int]):
         """``softcap_r``: softcap_probs from r = 1 / (e + 1) (t = 1 - 2 r; S^T after
         softcap_tanh and the mask, +inf where masked). P^T = exp2(r (-2 cap log2 e) + (cap
         log2 e - lse2)): one FFMA per score (the column's constant once per column), and
@@ -1473,10 +1509,10 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         r (1 - r) NaN; elsewhere r is finite, or NaN from a NaN score, which propagates."""
         cap_log2 = Float32(self.softcap * _LOG2_E)
         minus_2cap_log2 = Float32(-2.0 * self.softcap * _LOG2_E)
-        for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
+        for c in cutlass.range_constexpr(c0, c1):
             lse[c] = cap_log2 - lse[c]          # the column's constant, in place (lse's last use)
         for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
-            for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
+            for c in cutlass.range_constexpr(c0, c1):
                 rc = S[r, c]
                 p = self.p_exp2(rc * minus_2cap_log2 + lse[c], c)
                 rP_rows[r, c] = p.to(self.dtype)

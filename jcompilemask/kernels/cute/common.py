@@ -202,13 +202,18 @@ def _as_a_operand(acc: cute.Tensor) -> cute.Tensor:
 
 
 @cute.jit
-def issue_wgmma(tiled_mma, acc, tA, tB, zero_init: cutlass.Constexpr[bool]):
-    """Issue one warpgroup GEMM over all k-blocks and commit it; does not wait."""
+def issue_wgmma(tiled_mma, acc, tA, tB, zero_init: cutlass.Constexpr[bool],
+                first_kb: cutlass.Constexpr[int] = 0, num_kb: cutlass.Constexpr[int] = 0):
+    """Issue one warpgroup GEMM and commit it; does not wait. Over all k-blocks, or with
+    ``num_kb`` > 0 over k-blocks ``first_kb .. first_kb + num_kb - 1`` only (a GEMM issued
+    in pieces as its A operand's registers are written: ``BackwardConfig.dv_split``)."""
     warpgroup.fence()
     # A fresh atom: its ACCUMULATE field is mutated per k-block below.
     atom = cute.make_mma_atom(tiled_mma.op)
     atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
-    for kb in cutlass.range_constexpr(cute.size(tA.shape[2])):
+    count = num_kb if const_expr(num_kb > 0) else cute.size(tA.shape[2])
+    for i in cutlass.range_constexpr(count):
+        kb = first_kb + i
         cute.gemm(atom, acc, tA[None, None, kb], tB[None, None, kb], acc)
         atom.set(warpgroup.Field.ACCUMULATE, True)
     warpgroup.commit_group()
