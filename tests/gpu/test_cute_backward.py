@@ -341,19 +341,28 @@ def test_dv_split_compiles_for_sm90(case, monkeypatch, capfd):
 
 
 def test_dv_split_config_is_validated():
-    """dv_split: 0, 2 or 4 pieces, and not beside another dV placement or split_sdp."""
-    from jcompilemask.kernels.cute.api import BackwardConfig
+    """dv_split: 0, 2 or 4 pieces; with a soft cap not beside another dV placement or
+    split_sdp (BackwardKey says so); without a cap it is ignored (the variable may apply to
+    every config of a run)."""
+    import dataclasses
+    from jcompilemask.kernels.cute.api import BackwardConfig, BackwardKey, preferred_backward_config
     for bad in (1, 3, 8, -2):
         with pytest.raises(ValueError, match=f"dv_split={bad} must be 0"):
             BackwardConfig(dv_split=bad)
-    with pytest.raises(ValueError, match="dv_split .* excludes split_sdp"):
-        BackwardConfig(block_kv=64, split_dkv=True, split_sdp=True, dv_split=2)
-    for other in (dict(dv_early=True), dict(p_early=True), dict(ds_first=True),
-                  dict(block_q=128, block_kv=128, ds_first=True)):
-        with pytest.raises(ValueError, match="dv_split"):
-            BackwardConfig(dv_split=2, **other)
     assert BackwardConfig(dv_split=4).tag.endswith("_dvs4")
     assert "_dvs" not in BackwardConfig().tag
+
+    def key(d, cap, **changes):
+        cfg = dataclasses.replace(preferred_backward_config(d, softcap=cap is not None), **changes)
+        return BackwardKey("bfloat16", d, 1, 1, True, True, 0.1, cfg, softcap=cap)
+    key(128, 30.0, dv_split=2)
+    key(64, None, dv_split=2)                    # D 64's 128 x 128 config (ds_first): ignored
+    key(256, None, dv_split=4)
+    with pytest.raises(ValueError, match="dv_split .* excludes split_sdp"):
+        key(256, 30.0, dv_split=2)
+    for other in (dict(dv_early=True), dict(p_early=True), dict(ds_first=True)):
+        with pytest.raises(ValueError, match="dv_split .* set dv_split=0"):
+            key(128, 30.0, dv_split=2, **other)
 
 
 def test_q128_config_is_validated():

@@ -1288,9 +1288,9 @@ class BackwardConfig:
       exp2. In unmasked tiles each piece's tanh, P^T and dV issue follow one another; in
       masked tiles the tanh and the mask cover the tile first (the mask reads whole rows),
       then P^T and dV go piece by piece. The same products accumulate in the same k-block
-      order: bit-identical gradients. Excludes ``split_sdp`` (P^T from shared memory),
-      ``dv_early`` / ``p_early`` and ``ds_first`` (other dV placements). Not yet run on the
-      H200.
+      order: bit-identical gradients. With a cap it excludes ``split_sdp`` (P^T from shared
+      memory) and ``dv_early`` / ``p_early`` / ``ds_first`` (other dV placements):
+      ``BackwardKey`` says so. Not yet run on the H200.
 
     ``preferred_backward_config`` picks the default per head dim; ``JCOMPILEMASK_CUTE_BWD_CONFIG``
     (e.g. ``ds_stages=1,stats_early=0``) overrides fields at trace time for benchmarks.
@@ -1387,12 +1387,6 @@ class BackwardConfig:
         if self.dv_split not in (0, 2, 4):
             raise ValueError(f"dv_split={self.dv_split} must be 0 (dV issued once), 2 or 4 (pieces "
                              "of the 64-query tile's 4 k-blocks)")
-        if self.dv_split and (self.split_sdp or self.dv_early or self.p_early or self.ds_first
-                              or self.block_q != BWD_TILES[0]):
-            raise ValueError("dv_split issues dV from P^T's registers piece by piece as the soft "
-                             "cap's probabilities are made: it excludes split_sdp (P^T from shared "
-                             "memory), dv_early / p_early / ds_first (other dV placements) and "
-                             "block_q=128 (no soft cap there)")
         if self.num_stages < 1 or self.ds_stages not in (1, 2):
             raise ValueError(f"num_stages={self.num_stages} must be >= 1 and ds_stages="
                              f"{self.ds_stages} 1 or 2")
@@ -1679,6 +1673,13 @@ class BackwardKey:
                              f"registers there; a cap's P^T copy makes ptxas serialize the "
                              f"wgmmas and spill), got D {self.head_dim}/{self.dv}, softcap="
                              f"{self.softcap}; use block_q=64")
+        c = self.config
+        if self.softcap is not None and c.dv_split and (
+                c.split_sdp or c.dv_early or c.p_early or c.ds_first or c.block_q != BWD_TILES[0]):
+            raise ValueError("dv_split issues dV from P^T's registers piece by piece as the soft "
+                             "cap's probabilities are made: it excludes split_sdp (P^T from shared "
+                             "memory; head dims 256 and 192) and dv_early / p_early / ds_first "
+                             "(other dV placements); set dv_split=0 for this config")
         if self.num_intervals < 1 or self.num_bwd_intervals < 0:
             raise ValueError(f"interval counts K={self.num_intervals} (>= 1), "
                              f"Kc={self.num_bwd_intervals} (>= 0) out of range")
