@@ -37,12 +37,16 @@ CONFIGS = {
     "d256": (256, 256, None),
     "d256cap": (256, 256, 5.0),
     "d192": (192, 128, None),
+    # 192 / 128 with a soft cap: compiled since session 11, never run on a GPU, so the
+    # registry serves it only under CUTE_EXPERIMENTAL_ENV (set below) until these pass.
+    "d192cap": (192, 128, 5.0),
 }
 
 
 @pytest.fixture(autouse=True)
 def cute_backward_on(monkeypatch):
     monkeypatch.setenv(backends.CUTE_BACKWARD_ENV, "1")
+    monkeypatch.setenv(backends.CUTE_EXPERIMENTAL_ENV, "1")    # d192cap (the others ignore it)
 
 
 def _grads(spec, md, b, n, hq, hkv, config, dtype=jnp.bfloat16, seed=0):
@@ -92,13 +96,13 @@ def test_fully_masked_rows(config):
     _grads(spec, {"start": np.array([300, 900])}, 2, 900, 2, 2, config)
 
 
-@pytest.mark.parametrize("config", ["cap128", "d256", "d192"])
+@pytest.mark.parametrize("config", ["cap128", "d256", "d192", "d192cap"])
 def test_no_column_view_uses_row_intervals(config):
     spec = MaskSpec([Region((0, q_len), (k <= q) & (k >= q % 97 * 3))])
     _grads(spec, None, 1, 700, 2, 2, config)
 
 
-@pytest.mark.parametrize("config", ["cap128", "d256", "d192"])
+@pytest.mark.parametrize("config", ["cap128", "d256", "d192", "d192cap"])
 @pytest.mark.parametrize("seed", range(3))
 def test_random_lowered_specs(seed, config):
     rng = np.random.default_rng(300 + seed)
