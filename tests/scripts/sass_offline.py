@@ -232,6 +232,9 @@ def _hgmma_blocks(lines):
     code between consecutive QK^T GEMMs (the first HGMMA of a run of 64 x 128 S products)
     with its size and mix, the largest first; then the code before the first GEMM and
     after the last (_ends)."""
+    if os.environ.get("JCM_SASS_OUT"):
+        with open(os.environ["JCM_SASS_OUT"], "w") as fh:
+            fh.write("\n".join(lines) + "\n")
     _ends(lines)
     starts = [i for i, ln in enumerate(lines) if "HGMMA" in ln and "RZ, !UPT" in ln]
     spans = [(a, b) for a, b in zip(starts, starts[1:])]
