@@ -340,6 +340,50 @@ def test_dv_split_compiles_for_sm90(case, monkeypatch, capfd):
     assert f"_dvs{cfg.dv_split}" in key.target_name
 
 
+@needs_cutlass
+@pytest.mark.parametrize("groups", [8, 16])
+def test_dv_split_pieces_are_whole_k_blocks(groups):
+    """dv_split issues k-block kb of dV's register A operand (``_as_a_operand`` of P^T) once
+    the rows-view columns 4 kb .. 4 kb + 3 (``_rows_view``) are made: the two views of one
+    m64nN accumulator fragment ((2, 2, groups), 1, 1) must agree on that, register for
+    register (traced with the DSL's own layouts, no GPU)."""
+    import ast
+    import cutlass
+    import cutlass.cute as cute
+    from jcompilemask.kernels.cute.common import _as_a_operand, _rows_view
+    got = []
+
+    @cute.jit
+    def probe():
+        acc = cute.make_rmem_tensor(cute.make_layout(((2, 2, groups), 1, 1)), cutlass.Float32)
+        got.append((str(_rows_view(acc).layout), str(_as_a_operand(acc).layout)))
+    cute.compile(probe)
+
+    def offsets(text):
+        """{flat coordinate tuple: offset} of a printed static layout 'shape:stride'."""
+        shape, stride = (ast.literal_eval(x) for x in text.split(":"))
+
+        def walk(sh, st):
+            if isinstance(sh, int):
+                return [((i,), i * st) for i in range(sh)]
+            out = [((), 0)]
+            for a, b in zip(sh, st):
+                out = [(c + d, o + p) for c, o in out for d, p in walk(a, b)]
+            return out
+        return walk(shape, stride)
+
+    rows, a_op = got[0]
+    by_col = {}
+    for crd, off in offsets(rows):          # ((row, 1), (pair, group, 1)): column pair + 2 group
+        by_col.setdefault(crd[2] + 2 * crd[3], set()).add(off)
+    by_kb = {}
+    for crd, off in offsets(a_op):          # ((2, 2, 2), 1, (groups / 2, 1)): k-block crd[4]
+        by_kb.setdefault(crd[4], set()).add(off)
+    assert len(by_kb) == groups // 2
+    for kb, offs in by_kb.items():
+        assert offs == set().union(*(by_col[c] for c in range(4 * kb, 4 * kb + 4))), kb
+
+
 def test_dv_split_config_is_validated():
     """dv_split: 0, 2 or 4 pieces; with a soft cap not beside another dV placement or
     split_sdp (BackwardKey says so); without a cap it is ignored (the variable may apply to
