@@ -63,8 +63,8 @@
 #   dqr          issue 15: dq_red (dQ by red.global.add.v4.f32 from registers; D 256 then fits 2 stages) and
 #                D 192's double-buffered P^T / dS^T: dq_red's 8 gradient cases, then D 256 / 192 / 128 at 32K
 #                beside the default and the peers
-#   dvs          issue 15: dv_split (dV issued in pieces under the soft cap's MUFU work): identity and
-#                softcap_r gradient cases, then D 128 with / without the cap timed in one run (8K, 32K)
+#   dvs          issue 15: dv_split / dk_split (dV, dK issued in pieces under the soft cap's MUFU work):
+#                identity and softcap_r gradient cases, then D 128 with / without the cap timed (8K)
 #   i15          issue 15's candidates in one call: q128 / dq_red smokes under hang guards, then D 64, D 256,
 #                D 192 and the capped D 128 at 32K, each beside its variants, FA4 native and cuDNN (prewarmed)
 #   q128         issue 15: D 64's backward at 128 x 128 tiles (block_q=128): a gradient smoke under a hang
@@ -1126,15 +1126,19 @@ PY
   dvs)
     # Issue 15, the soft cap's cost (compile-checked in session 30): BackwardConfig.dv_split issues
     # dV in pieces as the capped P^T is made, so it runs under the tanh / exp2 (3 MUFU ops a
-    # score) instead of after them; beside softcap_r the capped tile keeps 0 B of stack. Same
+    # score) instead of after them; beside softcap_r the capped tile keeps 0 B of stack; dk_split
+    # issues dK's pieces the same way (dQ is then the tile's last GEMM). Same
     # protocol (only where dV's wgmmas are issued): its bit-identity cases and softcap_r's
-    # gradients first (test_cute_head_dims.py), then D 128 with and without the cap in one run
-    # (the cost is the capped / uncapped ratio), 8K then 32K, beside FA4 native.
+    # gradients first (test_cute_head_dims.py; JCM_DVS_TESTS=0 skips them), then D 128 with and
+    # without the cap in one run beside FA4 native (the cost is the capped / uncapped ratio) at
+    # 8K; JCM_HDIMS_NS=32768 for the other line.
     export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
-    bwd_cases dvs ${JCM_DVS_TESTS_S:-230} tests/gpu/test_cute_head_dims.py \
-      -k "dv_split or softcap_r_grads or (softcap_switch and dvs)"
-    hdims_bench dvs ${JCM_DVS_BENCH_S:-320} ${JCM_HDIMS_NS:-8192,32768} ${JCM_DVS_CONFIGS:-d128,d128cap} \
-      "${JCM_DVS_VARIANTS:-scr@d128cap=softcap_r=1;dvs2@d128cap=dv_split=2;dvs2r@d128cap=dv_split=2,softcap_r=1;dvs4r@d128cap=dv_split=4,softcap_r=1}" \
+    if [[ ${JCM_DVS_TESTS:-1} == 1 ]]; then
+      bwd_cases dvs ${JCM_DVS_TESTS_S:-250} tests/gpu/test_cute_head_dims.py \
+        -k "dv_split or softcap_r_grads or (softcap_switch and dvs)"
+    fi
+    hdims_bench dvs ${JCM_DVS_BENCH_S:-300} ${JCM_HDIMS_NS:-8192} ${JCM_DVS_CONFIGS:-d128,d128cap} \
+      "${JCM_DVS_VARIANTS:-scr@d128cap=softcap_r=1;dvs2r@d128cap=dv_split=2,softcap_r=1;dvs2rk@d128cap=dv_split=2,softcap_r=1,dk_split=1;dvs4rk@d128cap=dv_split=4,softcap_r=1,dk_split=1;dvs2rks@d128cap=dv_split=2,softcap_r=1,dk_split=1,stats_shfl=1}" \
       --prewarm ${JCM_HDIMS_PREWARM:-6} --prewarm-s ${JCM_HDIMS_PREWARM_S:-90}
     ;;
   dqr)

@@ -321,6 +321,13 @@ _DV_SPLIT_CASES = {
     "d128_clear_fp16_r": ("dv_split=2,softcap_r=1", "float16", 128, 6, 7),
     "d64_hstu_r": ("dv_split=2,softcap_r=1", "bfloat16", 64, 2, 4),
     "d128_anyk_r": ("dv_split=2,softcap_r=1", "bfloat16", 128, 25, 26),
+    # dk_split: dK's pieces too, issued before DS_READY (dQ the tile's last GEMM)
+    "d128_causal_rk": ("dv_split=2,softcap_r=1,dk_split=1", "bfloat16", 128, 1, 1),
+    "d128_causal_k": ("dv_split=2,dk_split=1", "bfloat16", 128, 1, 1),
+    "d128_clear_fp16_rk": ("dv_split=2,softcap_r=1,dk_split=1", "float16", 128, 6, 7),
+    "d64_hstu_rk4": ("dv_split=4,softcap_r=1,dk_split=1", "bfloat16", 64, 2, 4),
+    "d128_det_rk": ("dv_split=2,softcap_r=1,dk_split=1,deterministic=1", "bfloat16", 128, 2, 4),
+    "d128_causal_rks": ("dv_split=2,softcap_r=1,dk_split=1,stats_shfl=1", "bfloat16", 128, 1, 1),
 }
 
 
@@ -395,6 +402,11 @@ def test_dv_split_config_is_validated():
             BackwardConfig(dv_split=bad)
     assert BackwardConfig(dv_split=4).tag.endswith("_dvs4")
     assert "_dvs" not in BackwardConfig().tag
+    assert BackwardConfig(dv_split=2, dk_split=True).tag.endswith("_dvs2_dks")
+    with pytest.raises(ValueError, match="dk_split .* needs dv_split"):
+        BackwardConfig(dk_split=True)
+    with pytest.raises(ValueError, match="dk_split .* excludes release_do_early"):
+        BackwardConfig(dv_split=2, dk_split=True, release_do_early=True)
 
     def key(d, cap, **changes):
         cfg = dataclasses.replace(preferred_backward_config(d, softcap=cap is not None), **changes)

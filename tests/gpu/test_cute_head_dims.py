@@ -169,7 +169,7 @@ def _identical_under(monkeypatch, switch, name, config, dtype, rng_seed, key_see
 # dv_split (session 30): dV issued in pieces as P^T is made; the same products in the same
 # k-block order, so bit for bit too.
 CAP_SWITCHES = {"sh": "stats_shfl=1", "shss": "stats_shfl=1,static_stage=1",
-                "dvs2": "dv_split=2", "dvs4": "dv_split=4"}
+                "dvs2": "dv_split=2", "dvs4": "dv_split=4", "dvs2k": "dv_split=2,dk_split=1"}
 
 
 @pytest.mark.parametrize("switch", sorted(CAP_SWITCHES))
@@ -180,24 +180,26 @@ def test_softcap_switch_gives_identical_gradients(switch, name, config, dtype, m
     _identical_under(monkeypatch, CAP_SWITCHES[switch], name, config, dtype, 12, 6)
 
 
+@pytest.mark.parametrize("switch", ["dv_split=2,softcap_r=1", "dv_split=2,softcap_r=1,dk_split=1",
+                                    "dv_split=4,softcap_r=1,dk_split=1",
+                                    "dv_split=2,softcap_r=1,dk_split=1,stats_shfl=1"])
 @pytest.mark.parametrize("name,config,dtype", [
     ("causal", "cap128", jnp.bfloat16), ("clear", "cap128", jnp.float16),
     ("hstu", "cap64", jnp.bfloat16)], ids=lambda v: str(getattr(v, "__name__", v)))
-def test_dv_split_with_softcap_r_gives_identical_gradients(name, config, dtype, monkeypatch):
-    """dv_split beside softcap_r (the candidate with 0 B of stack) equals softcap_r alone bit
-    for bit; softcap_r's own gradients against the reference are
+def test_dv_split_with_softcap_r_gives_identical_gradients(switch, name, config, dtype, monkeypatch):
+    """dv_split (and dk_split) beside softcap_r (the candidates with 0-8 B of stack) equal
+    softcap_r alone bit for bit; softcap_r's own gradients against the reference are
     test_cute_backward.py::test_exp2_emu_grads and test_softcap_r_grads below."""
-    _identical_under(monkeypatch, "dv_split=2,softcap_r=1", name, config, dtype, 12, 6,
-                     base="softcap_r=1")
+    _identical_under(monkeypatch, switch, name, config, dtype, 12, 6, base="softcap_r=1")
 
 
 @pytest.mark.parametrize("config", ["cap128", "cap64"])
 @pytest.mark.parametrize("name", ["causal", "shared_prompt", "document"])
 def test_softcap_r_grads(name, config, monkeypatch):
     """softcap_r (the capped score kept as r = 1 / (e + 1), the factor 4 in the final scale;
-    not bit-identical to the default) with dv_split meets the tolerance policy."""
+    not bit-identical to the default) with dv_split and dk_split meets the tolerance policy."""
     from jcompilemask.kernels.cute import api
-    monkeypatch.setenv(api.BWD_CONFIG_ENV, "dv_split=2,softcap_r=1")
+    monkeypatch.setenv(api.BWD_CONFIG_ENV, "dv_split=2,softcap_r=1,dk_split=1")
     rng = np.random.default_rng(7)
     _grads(SPECS[name], metadata(name, 2, 1000, rng), 2, 1000, 4, 2, config)
 

@@ -1291,6 +1291,12 @@ class BackwardConfig:
       order: bit-identical gradients. With a cap it excludes ``split_sdp`` (P^T from shared
       memory) and ``dv_early`` / ``p_early`` / ``ds_first`` (other dV placements):
       ``BackwardKey`` says so. Not yet run on the H200.
+    - ``dk_split`` (with ``dv_split``): each piece's dS^T is also made as soon as its P^T is
+      (the first piece waits for dP^T, leaving its dV in flight) and its k-blocks of dK +=
+      dS^T Q are issued at once, before the DS_READY barrier, so dK too runs under the next
+      piece's MUFU work; dQ becomes the tile's last GEMM (its handoff then waits for every
+      group). The same products in the same order: bit-identical. Excludes
+      ``release_do_early``. Not yet run on the H200.
 
     ``preferred_backward_config`` picks the default per head dim; ``JCOMPILEMASK_CUTE_BWD_CONFIG``
     (e.g. ``ds_stages=1,stats_early=0``) overrides fields at trace time for benchmarks.
@@ -1334,6 +1340,7 @@ class BackwardConfig:
     persistent: bool = False
     dq_red: bool = False
     dv_split: int = 0
+    dk_split: bool = False
 
     def __post_init__(self):
         wants = (BWD_TILES_SPLIT,) if self.split_dkv else (BWD_TILES, BWD_TILES_WIDE)
@@ -1387,6 +1394,9 @@ class BackwardConfig:
         if self.dv_split not in (0, 2, 4):
             raise ValueError(f"dv_split={self.dv_split} must be 0 (dV issued once), 2 or 4 (pieces "
                              "of the 64-query tile's 4 k-blocks)")
+        if self.dk_split and (not self.dv_split or self.release_do_early):
+            raise ValueError("dk_split issues dK with dv_split's pieces: it needs dv_split=2 or 4 "
+                             "and excludes release_do_early (dO's stage is freed with Q's)")
         if self.num_stages < 1 or self.ds_stages not in (1, 2):
             raise ValueError(f"num_stages={self.num_stages} must be >= 1 and ds_stages="
                              f"{self.ds_stages} 1 or 2")
@@ -1413,7 +1423,8 @@ class BackwardConfig:
                 f"{'_lse' if self.list_early and self.work_list else ''}"
                 f"{'_r2p' if self.mask_r2p else ''}{'_rp' if self.residual_periodic else ''}"
                 f"{'_dsw' if self.ds_words else ''}{'_pers' if self.persistent else ''}"
-                f"{'_dqr' if self.dq_red else ''}{f'_dvs{self.dv_split}' if self.dv_split else ''}")
+                f"{'_dqr' if self.dq_red else ''}{f'_dvs{self.dv_split}' if self.dv_split else ''}"
+                f"{'_dks' if self.dk_split else ''}")
 
 
 def preferred_backward_config(head_dim: int, dtype: str = "bfloat16",

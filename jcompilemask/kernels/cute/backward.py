@@ -205,6 +205,9 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         # dv_split (soft cap only): in pieces along the queries, each issued in
         # ``probabilities`` once its columns' P^T is made.
         self.dv_split = config.dv_split if softcap is not None else 0
+        # dk_split (with dv_split): each piece's dS^T made once dP^T is done, and its k-blocks
+        # of dK issued at once, before the DS_READY barrier (dQ is then the tile's last GEMM).
+        self.dk_split = config.dk_split and self.dv_split > 0
         self.dv_at = ("split" if self.dv_split else "early" if config.dv_early
                       else "after_ready" if self.split_sdp
                       else "after_stores" if config.ds_first else "before_ds")
@@ -1160,7 +1163,8 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         self.issue_scores(t, state, f)
         self.load_statistics(t, f)
         self.probabilities(masked, t, q_tile, f, cols)
-        self.softmax_grad(masked, t, f)
+        if const_expr(not self.dk_split):       # dk_split: dS^T made piece by piece there
+            self.softmax_grad(masked, t, f)
         self.dv_and_ds(t, state, f, stage)
         return self.dq_dk_and_release(t, state, f, cols)
 
@@ -1237,8 +1241,7 @@ class FlashBackwardSm90(WarpSpecializedSm90):
             per = n_cols // self.dv_split
             for j in cutlass.range_constexpr(self.dv_split):
                 self.softcap_tanh(S, j * per, (j + 1) * per)
-                self.capped_probs(False, S, t.rP, lse, j * per, (j + 1) * per)
-                self.issue_dv(t, f, j)
+                self.capped_piece(False, t, f, j, per)
         else:
             self.softcap_tanh(S, 0, n_cols)     # S^T -> t = tanh(scale S^T / cap) (softcap_r: r)
         if const_expr(masked):
@@ -1263,16 +1266,50 @@ class FlashBackwardSm90(WarpSpecializedSm90):
             if const_expr(self.dv_split):
                 per = n_cols // self.dv_split
                 for j in cutlass.range_constexpr(self.dv_split):
-                    self.capped_probs(masked, S, t.rP, lse, j * per, (j + 1) * per)
-                    self.issue_dv(t, f, j)
+                    self.capped_piece(masked, t, f, j, per)
             else:
                 self.capped_probs(masked, S, t.rP, lse, 0, n_cols)
+        if const_expr(not self.dk_split):
+            self.load_delta(t, f)
+
+    @cute.jit
+    def load_delta(self, t, f):
+        """The tile's delta for the thread's columns (by shfl with ``stats_shfl``; with
+        ``stats_early`` it was read after the issues)."""
+        delta = t.delta
         if const_expr(self.config.stats_shfl):
-            for c in cutlass.range_constexpr(n_cols):
+            for c in cutlass.range_constexpr(t.n_cols):
                 delta[c] = self.stat_source(t.own_delta, c, t.lane)
         elif const_expr(not self.config.stats_early):
-            for c in cutlass.range_constexpr(n_cols):
-                delta[c] = f.sDelta[f.tScS[0, c][1], si]
+            for c in cutlass.range_constexpr(t.n_cols):
+                delta[c] = f.sDelta[f.tScS[0, c][1], t.si]
+
+    @cute.jit
+    def capped_piece(self, masked: cutlass.Constexpr[bool], t, f, j: cutlass.Constexpr[int],
+                     per: cutlass.Constexpr[int]):
+        """``dv_split``: piece j (columns j per .. (j + 1) per, after their tanh and mask) to
+        P^T and P^T (1 - t^2), and its k-blocks of dV issued. With ``dk_split`` also its
+        dS^T (the first piece waits for dP^T, leaving its dV in flight) and its k-blocks of
+        dK issued."""
+        c0, c1 = j * per, (j + 1) * per
+        self.capped_probs(masked, t.S, t.rP, t.lse, c0, c1)
+        self.issue_dv(t, f, j)
+        if const_expr(self.dk_split):
+            if const_expr(j == 0):
+                self.load_delta(t, f)
+                warpgroup.wait_group(1)             # dP^T done; dV's first piece runs on
+                t.rdS = cute.make_rmem_tensor_like(t.acc_dP, self.dtype)
+            dP, rdS_rows = _rows_view(t.acc_dP), _rows_view(t.rdS)
+            if const_expr(masked):
+                self.guarded_ds(dP, t.S, t.delta, c0, c1)
+            else:
+                for r in cutlass.range_constexpr(cute.size(dP, mode=[0])):
+                    for c in cutlass.range_constexpr(c0, c1):
+                        dP[r, c] = t.S[r, c] * (dP[r, c] - t.delta[c])
+            for r in cutlass.range_constexpr(cute.size(dP, mode=[0])):
+                for c in cutlass.range_constexpr(c0, c1):
+                    rdS_rows[r, c] = dP[r, c].to(self.dtype)
+            self.issue_dk(t, f, j)
 
     def stat_source(self, own, c: int, lane):
         """``stats_shfl``: accumulator column c's lse / delta from the lane that holds it
@@ -1305,21 +1342,21 @@ class FlashBackwardSm90(WarpSpecializedSm90):
                     w = t.keep_words[r]
                     select_by_words(dP, r, w, w >> Uint32(16), t.n_cols // 2, 0.0)
             else:
-                self.guarded_ds(dP, S, delta, t.n_cols)
+                self.guarded_ds(dP, S, delta, 0, t.n_cols)
         elif const_expr(masked):
-            self.guarded_ds(dP, S, delta, t.n_cols)
+            self.guarded_ds(dP, S, delta, 0, t.n_cols)
         else:
             for r in cutlass.range_constexpr(cute.size(dP, mode=[0])):
                 for c in cutlass.range_constexpr(t.n_cols):
                     dP[r, c] = S[r, c] * (dP[r, c] - delta[c])
 
     @cute.jit
-    def guarded_ds(self, dP, S, delta, n_cols: cutlass.Constexpr[int]):
-        """dS^T of a masked tile with the P == 0 guard: a masked pair carries no gradient
-        even when its query's delta is NaN (a NaN input in q or k), where 0 * (dP - NaN)
-        would leak into dK."""
+    def guarded_ds(self, dP, S, delta, c0: cutlass.Constexpr[int], c1: cutlass.Constexpr[int]):
+        """dS^T of a masked tile (columns c0 .. c1 - 1) with the P == 0 guard: a masked pair
+        carries no gradient even when its query's delta is NaN (a NaN input in q or k), where
+        0 * (dP - NaN) would leak into dK."""
         for r in cutlass.range_constexpr(cute.size(dP, mode=[0])):
-            for c in cutlass.range_constexpr(n_cols):
+            for c in cutlass.range_constexpr(c0, c1):
                 dP[r, c] = Float32(0.0) if S[r, c] == Float32(0.0) else S[r, c] * (dP[r, c] - delta[c])
 
     @cute.jit
@@ -1334,8 +1371,11 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         if const_expr(self.dv_at == "before_ds"):
             self.issue_dv(t, f)
 
-        rdS = cute.make_rmem_tensor_like(t.acc_dP, self.dtype)
-        rdS.store(t.acc_dP.load().to(self.dtype))
+        if const_expr(self.dk_split):
+            rdS = t.rdS                         # made piece by piece (capped_piece)
+        else:
+            rdS = cute.make_rmem_tensor_like(t.acc_dP, self.dtype)
+            rdS.store(t.acc_dP.load().to(self.dtype))
         ds_stage = 0
         if const_expr(self.config.ds_stages == 1):
             cute.arch.barrier(barrier_id=int(Bar.DS_FREE), number_of_threads=both)
@@ -1376,7 +1416,8 @@ class FlashBackwardSm90(WarpSpecializedSm90):
             if wg == 0:
                 self.dq_and_dk(f, rdS, ds_stage, state, pipeline_do, si, dq_slot)
             else:
-                issue_wgmma(mma_dkv, acc_dK, self.dk_operand(f, rdS, ds_stage), tKVrQt[None, None, None, si], False)
+                if const_expr(not self.dk_split):
+                    issue_wgmma(mma_dkv, acc_dK, self.dk_operand(f, rdS, ds_stage), tKVrQt[None, None, None, si], False)
                 if const_expr(self.config.release_do_early):
                     warpgroup.wait_group(1)                 # dV done: dO's stage is free
                     pipeline_do.consumer_release(state)
@@ -1404,6 +1445,13 @@ class FlashBackwardSm90(WarpSpecializedSm90):
                         piece * per, per)
         else:
             issue_wgmma(f.mma_dv, f.acc_dV, p, f.tKVrdOt[None, None, None, t.si], False)
+
+    def issue_dk(self, t, f, piece: int):
+        """``dk_split``: dK += dS^T Q over this piece's k-blocks (its 16-query blocks of dS^T,
+        from registers), as its own group."""
+        a = _as_a_operand(t.rdS)
+        per = cute.size(a.shape[2]) // self.dv_split
+        issue_wgmma(f.mma_dkv, f.acc_dK, a, f.tKVrQt[None, None, None, t.si], False, piece * per, per)
 
     def dk_operand(self, f, rdS, ds_stage):
         """dK += dS^T Q's left operand: dS^T from registers, or with ``split_sdp`` (each
@@ -1534,8 +1582,11 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         if const_expr(self.config.release_do_early):
             warpgroup.wait_group(1)
             pipeline_do.consumer_release(state)
-        issue_wgmma(f.mma_dkv, f.acc_dK, self.dk_operand(f, rdS, ds_stage), f.tKVrQt[None, None, None, si], False)
-        warpgroup.wait_group(1)
+        if const_expr(self.dk_split):
+            warpgroup.wait_group(0)             # dK's pieces went before DS_READY: dQ is last
+        else:
+            issue_wgmma(f.mma_dkv, f.acc_dK, self.dk_operand(f, rdS, ds_stage), f.tKVrQt[None, None, None, si], False)
+            warpgroup.wait_group(1)
         if const_expr(self.config.dq_red):
             # dq_red: straight from the registers into the tile's global slot.
             regs = cute.make_tensor(acc_dQ.iterator, cute.make_layout((4, self.dq_chunks)))
