@@ -18,14 +18,21 @@ loops of >= ``--min-repeat-s`` seconds); the xla backward is slow (about a secon
 at 32K) and runs only at ``--xla-ns``. Configurations run in the order given and stop when
 ``--budget-s`` is spent (records so far are saved after each one).
 
+``--impls`` also takes ``fa4-native-tMxN`` (e.g. ``fa4-native-t64x64``): FA4's backward
+with its SM90 tile forced to M queries x N keys (its other choices kept, its forward
+unchanged), to measure how much of a gap is the tile: at D 192 FA4 runs 64 x 96 and ours
+64 x 64.
+
 ``--smoke``: tiny shapes on any machine (CPU: the xla path only), for the tests.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
+import re
 import sys
 import time
 
@@ -88,7 +95,39 @@ def bench_jcm(impl, n, b, d, dv, cap, kw):
     return f, s, note
 
 
-def bench_fa4(n, b, d, dv, cap, kw):
+def fa4_tile(impl):
+    """(M, N) of a ``fa4-native-tMxN`` impl name, None for ``fa4-native``.
+
+    >>> fa4_tile("fa4-native-t64x64"), fa4_tile("fa4-native")
+    ((64, 64), None)
+    """
+    if impl == "fa4-native":
+        return None
+    m = re.fullmatch(r"fa4-native-t(\d+)x(\d+)", impl)
+    if not m:
+        raise ValueError(f"unknown impl {impl!r} (fa4-native or fa4-native-tMxN)")
+    return int(m.group(1)), int(m.group(2))
+
+
+@contextlib.contextmanager
+def fa4_bwd_tile(tile):
+    """FA4's SM90 backward config with its tile replaced by ``tile`` (M, N) while inside."""
+    if tile is None:
+        yield
+        return
+    from flash_attn.cute import interface
+    orig = interface._tile_size_bwd_sm90
+
+    def forced(*a, **k):
+        return dataclasses.replace(orig(*a, **k), m_block_size=tile[0], n_block_size=tile[1])
+    interface._tile_size_bwd_sm90 = forced
+    try:
+        yield
+    finally:
+        interface._tile_size_bwd_sm90 = orig
+
+
+def bench_fa4(n, b, d, dv, cap, kw, tile=None):
     import torch
     from flash_attn.cute import flash_attn_func
     g = torch.Generator(device="cuda").manual_seed(n)
@@ -104,8 +143,9 @@ def bench_fa4(n, b, d, dv, cap, kw):
         return o[0] if isinstance(o, tuple) else o
     with torch.no_grad():
         f = timing.torch_time(fwd, **kw)
-    s = timing.torch_time(lambda: torch.autograd.grad(fwd(), (q, k, v), do), **kw)
-    return f * 1e3, s * 1e3, ""
+    with fa4_bwd_tile(tile):
+        s = timing.torch_time(lambda: torch.autograd.grad(fwd(), (q, k, v), do), **kw)
+    return f * 1e3, s * 1e3, "" if tile is None else f"backward tile forced to {tile[0]}x{tile[1]}"
 
 
 def bench_cudnn(n, b, d, dv, cap, kw):
@@ -256,8 +296,8 @@ def main(argv=None):
                         note = f"{note}; " + " ".join(f"{k}={v}" for k, v in env.items())
                     elif impl.startswith("jcm-"):
                         f, s, note = bench_jcm(impl, n, b, d, dv, cap, ikw)
-                    elif impl == "fa4-native":
-                        f, s, note = bench_fa4(n, b, d, dv, cap, ikw)
+                    elif impl.startswith("fa4-native"):
+                        f, s, note = bench_fa4(n, b, d, dv, cap, ikw, fa4_tile(impl))
                     elif impl == "jax-cudnn":
                         f, s, note = bench_cudnn(n, b, d, dv, cap, ikw)
                     else:
