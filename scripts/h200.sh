@@ -56,6 +56,8 @@
 #                timed beside the default and FA4 native, then the forward + attention tests under it
 #   fre          issue 14: runs_early (the producer's tile words loaded first thing, runs over set
 #                bits): bit-identity vs work_runs, timed beside the default and FA4 native, then tests
+#   fpd          issue 14: p_double (P in two register tensors, the P V wait after more of the exp2s):
+#                identity, timed beside operands_early / the default / FA4 native, then the forward tests
 #   frse         issue 14: rescale_early (O's rescale before the next P V issue, FA3's order) and operands_early
 #                (GEMM operands sliced before the K wait): identity, timing of each and both, tests
 #   bpers        issue 16: the persistent backward (BackwardConfig.persistent): a smoke under a hang guard,
@@ -935,6 +937,17 @@ PY
     forward_switch_stage frse "rescale_early_forward_is_bit_identical or operands_early_forward_is_bit_identical" \
       240 "$rse $oe" 8192,32768 causal,hstu \
       "${JCM_FRSE_VARIANTS:-base=;rse=$rse=1;oe=$oe=1;both=$rse=1 $oe=1}"
+    ;;
+  fpd)
+    # Issue 14 (compile-checked in session 30): p_double — P in two register tensors by step
+    # parity, so P's conversion no longer waits for the previous P V, and ptxas puts that wait
+    # after 15 of the step's 64 exp2s instead of 0 (FA4: 10; our causal 8K forward is 0.976x
+    # FA4's). Bit-identical: its 7 identity cases under a hang guard, then fwd ms beside
+    # operands_early and the default and FA4 native (8K then 32K; causal, hstu, shared
+    # prompt), then the forward tests under it with operands_early.
+    pd=JCOMPILEMASK_CUTE_FWD_P_DOUBLE; oe=JCOMPILEMASK_CUTE_FWD_OPERANDS_EARLY
+    forward_switch_stage fpd "p_double_forward_is_bit_identical" 200 "$pd $oe" 8192,32768 \
+      causal,hstu,shared_prompt "${JCM_FPD_VARIANTS:-base=;oe=$oe=1;pd=$pd=1;oepd=$oe=1 $pd=1}"
     ;;
   fre)
     # Issue 14 (compile-checked in session 24): runs_early — work_runs' remaining gap to FA4

@@ -33,7 +33,7 @@ def registry_switches(monkeypatch, head_dim, head_dim_v, block_q, block_kv, num_
                  api.FWD_K_AHEAD_ENV, api.FWD_BITS_ABOVE_ENV, api.FWD_RESCALE_TAIL_ENV,
                  api.FWD_WORK_RUNS_ENV, api.FWD_RUNS_EARLY_ENV, api.FWD_SLOT_SKIP_ENV,
                  api.FWD_MASK_R2P_ENV, api.FWD_RESIDUAL_PERIODIC_ENV, api.FWD_RESCALE_EARLY_ENV,
-                 api.FWD_OPERANDS_EARLY_ENV):
+                 api.FWD_OPERANDS_EARLY_ENV, api.FWD_P_DOUBLE_ENV):
         monkeypatch.delenv(name, raising=False)
     switches = {**api.forward_switches(head_dim, head_dim_v, block_q, block_kv, num_stages), **changes}
     if "work_runs" not in changes and (switches["rescale_tail"] or not switches["work_list"]):
@@ -916,6 +916,53 @@ def test_operands_early_forward_is_bit_identical_on_gpu(head_dim, case, softcap,
     rescale_early alone, itself checked against the default)."""
     from jcompilemask.kernels.cute import api
     _switch_case_is_bit_identical(monkeypatch, api.FWD_OPERANDS_EARLY_ENV, case, 29, 31, head_dim, softcap,
+                                  extra=(extra,) if extra else ())
+
+
+@needs_cutlass
+@pytest.mark.parametrize("case", ["k1", pytest.param("k1_oe", marks=knob), pytest.param("k6_d64_cap", marks=knob),
+                                  pytest.param("k25", marks=knob), pytest.param("persistent", marks=knob),
+                                  pytest.param("k2", marks=knob)])
+def test_p_double_compiles_for_sm90(case, monkeypatch):
+    """p_double ($JCOMPILEMASK_CUTE_FWD_P_DOUBLE=1, issue 14): P in two register tensors by
+    step parity, so P's conversion does not wait for the previous P V; each step kind is
+    compiled once per parity. SASS, D 128 K 1: 168 registers, 0 B of stack; the P V wait
+    comes after 15 of the step's 64 exp2s (one P: after 0; FA4: 10)."""
+    from jcompilemask.kernels.cute.api import compile_forward
+    head_dim = 64 if case == "k6_d64_cap" else 128
+    k = {"k6_d64_cap": 6, "k25": 25, "k2": 2}.get(case, 1)
+    changes = {"p_double": True, **({"operands_early": True} if case == "k1_oe" else {}),
+               **(dict(schedule=True, persistent=True) if case == "persistent" else {})}
+    key = _registry_key(monkeypatch, head_dim, k, k == 1, 30.0 if case == "k6_d64_cap" else None,
+                        **changes)
+    assert compile_forward(key) is not None and _tagged(key, "pd")
+
+
+def test_p_double_env(monkeypatch):
+    """$JCOMPILEMASK_CUTE_FWD_P_DOUBLE=1 turns p_double on where the forward walks work runs
+    (D 64 / 128), never beside the rescale knobs or at D 256."""
+    from jcompilemask.kernels.cute import api
+    monkeypatch.delenv(api.FWD_P_DOUBLE_ENV, raising=False)
+    monkeypatch.delenv(api.FWD_RESCALE_EARLY_ENV, raising=False)
+    assert not api.forward_switches(128, 128, 128, 128, 2)["p_double"]
+    monkeypatch.setenv(api.FWD_P_DOUBLE_ENV, "1")
+    assert api.forward_switches(128, 128, 128, 128, 2)["p_double"]
+    bq, bk = api.preferred_forward_tiles(256)
+    assert not api.forward_switches(256, 256, bq, bk, api.preferred_forward_stages(256))["p_double"]
+    monkeypatch.setenv(api.FWD_RESCALE_EARLY_ENV, "1")
+    assert not api.forward_switches(128, 128, 128, 128, 2)["p_double"]
+
+
+@pytest.mark.parametrize("head_dim,case,softcap,extra", [
+    (128, "causal", None, None), (128, "document", None, None), (128, "random6", 5.0, None),
+    (64, "random3", None, None), (128, "random12", None, None),
+    (128, "causal", None, "JCOMPILEMASK_CUTE_FWD_OPERANDS_EARLY"),     # with it: as operands_early alone
+    (128, "document", None, "JCOMPILEMASK_CUTE_FWD_SCHEDULE=persistent")])
+def test_p_double_forward_is_bit_identical_on_gpu(head_dim, case, softcap, extra, monkeypatch):
+    """p_double changes which registers hold P, not a product or its order: o and lse equal
+    the default's bit for bit (odd and even run lengths, masked runs, persistent units)."""
+    from jcompilemask.kernels.cute import api
+    _switch_case_is_bit_identical(monkeypatch, api.FWD_P_DOUBLE_ENV, case, 33, 35, head_dim, softcap,
                                   extra=(extra,) if extra else ())
 
 

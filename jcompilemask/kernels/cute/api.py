@@ -199,6 +199,10 @@ class ForwardKey:
     # S GEMM issue (FlashForwardSm90.operands_early; issue 14, ncu causal 8K session 26).
     # Bit-identical; $JCOMPILEMASK_CUTE_FWD_OPERANDS_EARLY=1, a benchmark knob until timed.
     operands_early: bool = False
+    # P in two register tensors by step parity, so P's conversion does not wait for the
+    # previous P V (FlashForwardSm90.p_double; issue 14, session 30). Bit-identical;
+    # $JCOMPILEMASK_CUTE_FWD_P_DOUBLE=1, a benchmark knob until timed. Work runs only.
+    p_double: bool = False
 
     @property
     def list_smem(self) -> int:
@@ -292,6 +296,7 @@ class ForwardKey:
             + ("_rp" if self.residual_periodic else "")
             + ("_rse" if self.rescale_early else "")
             + ("_oe" if self.operands_early else "")
+            + ("_pd" if self.p_double else "")
         )
 
 
@@ -386,7 +391,7 @@ def compile_forward(key: ForwardKey):
             work_runs=key.work_runs, runs_early=key.runs_early, slot_skip=key.slot_skip,
             mask_r2p=key.mask_r2p, residual_periodic=key.residual_periodic,
             residual_words=key.residual_words, rescale_early=key.rescale_early,
-            operands_early=key.operands_early,
+            operands_early=key.operands_early, p_double=key.p_double,
         )
         inputs = [bhsd(nq, hq, key.head_dim), bhsd(nk, hkv, key.head_dim), bhsd(nk, hkv, key.head_dim_v),
                   intervals, tiles]
@@ -674,6 +679,7 @@ FWD_MASK_R2P_ENV = "JCOMPILEMASK_CUTE_FWD_MASK_R2P"
 FWD_RESIDUAL_PERIODIC_ENV = "JCOMPILEMASK_CUTE_FWD_RESIDUAL_PERIODIC"
 FWD_RESCALE_EARLY_ENV = "JCOMPILEMASK_CUTE_FWD_RESCALE_EARLY"
 FWD_OPERANDS_EARLY_ENV = "JCOMPILEMASK_CUTE_FWD_OPERANDS_EARLY"
+FWD_P_DOUBLE_ENV = "JCOMPILEMASK_CUTE_FWD_P_DOUBLE"
 # L2 bytes the K / V of one group of heads may take (forward_schedule): the H100 / H200's
 # 50 MB L2, as FlashAttention's longest-first scheduler assumes.
 L2_BYTES = 50 * 1024 * 1024
@@ -795,18 +801,20 @@ def forward_switches(head_dim: int, head_dim_v: int, block_q: int, block_kv: int
     ``persistent``, ``k_ahead``, ``group_mask`` (never with a residual program),
     ``residual_words`` (only with one), ``rescale_tail``, ``work_runs``, ``runs_early``,
     ``slot_skip``, ``mask_r2p``, ``residual_periodic`` (only with a residual program),
-    ``rescale_early`` (never with ``rescale_tail``) and ``operands_early``. With no ``JCOMPILEMASK_CUTE_FWD_*`` variable set these are the
+    ``rescale_early`` (never with ``rescale_tail``), ``operands_early`` and ``p_double`` (with
+    work runs, without the rescale knobs). With no ``JCOMPILEMASK_CUTE_FWD_*`` variable set these are the
     defaults the registry runs, so a compile test that builds its key with them compiles
     what users get.
 
     >>> sorted(forward_switches(128, 128, 128, 128, 2))
-    ['bits_above', 'group_mask', 'k_ahead', 'mask_r2p', 'operands_early', 'persistent', 'rescale_early', 'rescale_tail', 'residual_periodic', 'residual_words', 'runs_early', 'schedule', 'slot_skip', 'work_list', 'work_runs']
+    ['bits_above', 'group_mask', 'k_ahead', 'mask_r2p', 'operands_early', 'p_double', 'persistent', 'rescale_early', 'rescale_tail', 'residual_periodic', 'residual_words', 'runs_early', 'schedule', 'slot_skip', 'work_list', 'work_runs']
     """
     schedule, persistent = _fwd_schedule()
     work_list = _fwd_work_list(head_dim, head_dim_v, block_q, block_kv, num_stages)
     rescale_tail = _fwd_rescale_tail()
     work_runs = _fwd_work_runs(work_list, rescale_tail, head_dim, head_dim_v, block_q, block_kv,
                                num_stages)
+    rescale_early = _env_flag(FWD_RESCALE_EARLY_ENV, "0") and not rescale_tail
     return dict(bits_above=_fwd_bits_above(), work_list=work_list,
                 schedule=schedule, persistent=persistent, k_ahead=_fwd_k_ahead(),
                 group_mask=_fwd_group_mask() and residual is None,
@@ -816,8 +824,10 @@ def forward_switches(head_dim: int, head_dim_v: int, block_q: int, block_kv: int
                 **_fwd_masked_switches(),
                 residual_periodic=(_env_flag(FWD_RESIDUAL_PERIODIC_ENV, "1") and residual is not None
                                    and _fwd_residual_words(head_dim)),
-                rescale_early=_env_flag(FWD_RESCALE_EARLY_ENV, "0") and not rescale_tail,
-                operands_early=_env_flag(FWD_OPERANDS_EARLY_ENV, "0"))
+                rescale_early=rescale_early,
+                operands_early=_env_flag(FWD_OPERANDS_EARLY_ENV, "0"),
+                p_double=(_env_flag(FWD_P_DOUBLE_ENV, "0") and work_runs and not rescale_tail
+                          and not rescale_early))
 
 
 def num_sms(default: int = 132) -> int:

@@ -115,6 +115,7 @@ class FlashForwardSm90(WarpSpecializedSm90):
         residual_periodic: bool = False,
         rescale_early: bool = False,
         operands_early: bool = False,
+        p_double: bool = False,
     ):
         assert dtype in (cutlass.BFloat16, cutlass.Float16), dtype
         assert block_q == 64 * self.num_consumer_wgs, "each consumer warpgroup owns 64 rows"
@@ -266,6 +267,16 @@ class FlashForwardSm90(WarpSpecializedSm90):
         # the path from the other warpgroup's signal to the tensor pipe). SASS D 128 K 1:
         # 14-15 -> 9-11 instructions, 2952 -> 2920 in the kernel. Bit-identical: the same GEMMs.
         self.operands_early = operands_early
+        # p_double (issue 14, a benchmark knob): P alternates between two register tensors,
+        # so a step writes its P while the previous P V (reading the other) is still running;
+        # the P V wait then guards only O's rescale and V's release. With one P, ptxas puts
+        # that wait right after the row max (0 of the 64 exp2s before it at causal D 128;
+        # FA4: 10), because the P conversions it interleaves with the exp2s write the
+        # in-flight operand (static SASS, session 30); with two, 15. The parity is a
+        # warp-uniform run-time value: each step kind is compiled once per parity. Work runs
+        # only, not beside the rescale knobs. Bit-identical: the same products in the same order.
+        assert not p_double or (work_runs and not rescale_tail and not rescale_early)
+        self.p_double = p_double
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -775,6 +786,9 @@ class FlashForwardSm90(WarpSpecializedSm90):
         tOrV = wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(sV))
         acc_O = cute.make_rmem_tensor(wg_mma_pv.partition_shape_C((self.block_q, self.head_dim_v)), Float32)
         tOrP = wg_mma_pv.make_fragment_A(wg_mma_pv.partition_shape_A((self.block_q, self.block_kv)))
+        tOrP1 = None
+        if const_expr(self.p_double):
+            tOrP1 = wg_mma_pv.make_fragment_A(wg_mma_pv.partition_shape_A((self.block_q, self.block_kv)))
         acc_O.fill(0.0)
 
         # Coordinates of this thread's score elements inside a (block_q, block_kv) tile.
@@ -825,6 +839,12 @@ class FlashForwardSm90(WarpSpecializedSm90):
                      row_intervals, seqlen_k, pipeline_k, pipeline_v, wg, row_scale)
         first_args = (wg_mma_qk, tSrQ, tSrK, tOrP, tScS, row_max, row_sum, row_intervals, seqlen_k,
                       pipeline_k)
+        # p_double: the same with P read from the second buffer (the step then writes the first).
+        step_args_1 = None
+        p_par = Int32(0)
+        if const_expr(self.p_double):
+            step_args_1 = (wg_mma_qk, wg_mma_pv, tSrQ, tSrK, tOrV, tOrP1, acc_O, tScS, row_max,
+                           row_sum, row_intervals, seqlen_k, pipeline_k, pipeline_v, wg, row_scale)
         if const_expr(self.work_runs):
             sRuns, sCount = work
             for ch in cutlass.range(cute.ceil_div(n_k_tiles, FWD_LIST_CHUNK), unroll=1):
@@ -840,12 +860,29 @@ class FlashForwardSm90(WarpSpecializedSm90):
                         self.first_either(masked, kv_state, k_first, first_args)
                         started = Boolean(True)
                         k_first = k_first + 1
-                    if masked:
-                        for k_tile in cutlass.range(k_first, run_end, unroll=1):
-                            kv_state = self.mma_step(kv_state, k_tile, True, *step_args)
+                    if const_expr(self.p_double):
+                        # The buffer holding the pending P is p_par (mma_first wrote buffer 0).
+                        if masked:
+                            for k_tile in cutlass.range(k_first, run_end, unroll=1):
+                                if p_par == 0:
+                                    kv_state = self.mma_step(kv_state, k_tile, True, *step_args, tOrP_next=tOrP1)
+                                else:
+                                    kv_state = self.mma_step(kv_state, k_tile, True, *step_args_1, tOrP_next=tOrP)
+                                p_par = p_par ^ Int32(1)
+                        else:
+                            for k_tile in cutlass.range(k_first, run_end, unroll=1):
+                                if p_par == 0:
+                                    kv_state = self.mma_step(kv_state, k_tile, False, *step_args, tOrP_next=tOrP1)
+                                else:
+                                    kv_state = self.mma_step(kv_state, k_tile, False, *step_args_1, tOrP_next=tOrP)
+                                p_par = p_par ^ Int32(1)
                     else:
-                        for k_tile in cutlass.range(k_first, run_end, unroll=1):
-                            kv_state = self.mma_step(kv_state, k_tile, False, *step_args)
+                        if masked:
+                            for k_tile in cutlass.range(k_first, run_end, unroll=1):
+                                kv_state = self.mma_step(kv_state, k_tile, True, *step_args)
+                        else:
+                            for k_tile in cutlass.range(k_first, run_end, unroll=1):
+                                kv_state = self.mma_step(kv_state, k_tile, False, *step_args)
                 cute.arch.barrier_arrive(barrier_id=_BARRIER_LIST_FREE, number_of_threads=self.list_meet)
         elif const_expr(self.work_list):
             sList, sCount = work
@@ -900,7 +937,13 @@ class FlashForwardSm90(WarpSpecializedSm90):
                 v_stage = cute.arch.make_warp_uniform(v_stage)     # as in mma_step
             if const_expr(self.rescale_early):
                 self.rescale_o(acc_O, row_scale)
-            issue_wgmma(wg_mma_pv, acc_O, tOrP, tOrV[None, None, None, v_stage], False)
+            if const_expr(self.p_double):
+                if p_par == 0:
+                    issue_wgmma(wg_mma_pv, acc_O, tOrP, tOrV[None, None, None, v_stage], False)
+                else:
+                    issue_wgmma(wg_mma_pv, acc_O, tOrP1, tOrV[None, None, None, v_stage], False)
+            else:
+                issue_wgmma(wg_mma_pv, acc_O, tOrP, tOrV[None, None, None, v_stage], False)
             warpgroup.wait_group(0)
             pipeline_v.consumer_release(kv_state)
             if const_expr(self.persistent):
@@ -969,7 +1012,7 @@ class FlashForwardSm90(WarpSpecializedSm90):
     @cute.jit
     def mma_step(self, kv_state, k_tile, masked: cutlass.Constexpr[bool], wg_mma_qk, wg_mma_pv,
                  tSrQ, tSrK, tOrV, tOrP, acc_O, tScS, row_max, row_sum, row_intervals, seqlen_k,
-                 pipeline_k, pipeline_v, wg, row_scale=None):
+                 pipeline_k, pipeline_v, wg, row_scale=None, tOrP_next=None):
         """S_t = Q K_t^T is issued before O += P_{t-1} V_{t-1}; softmax of S_t overlaps that GEMM.
         With ``rescale_tail`` the row factors go to ``row_scale`` and the caller rescales O; with
         ``rescale_early`` O is rescaled by ``row_scale`` (the last step's factors) before this
@@ -1014,9 +1057,16 @@ class FlashForwardSm90(WarpSpecializedSm90):
         if const_expr(not self.carries_row_scale):
             row_scale = cute.make_rmem_tensor(row_max.shape, Float32)
         self.online_softmax(acc_S_rows, row_max, row_sum, row_scale)
-        warpgroup.wait_group(0)
-        pipeline_v.consumer_release(v_state)
-        tOrP.store(_as_a_operand(acc_S).load().to(self.dtype))
+        if const_expr(tOrP_next is not None):
+            # p_double: this P into the other buffer while P V reads this one; the wait
+            # guards only V's release and O's rescale.
+            tOrP_next.store(_as_a_operand(acc_S).load().to(self.dtype))
+            warpgroup.wait_group(0)
+            pipeline_v.consumer_release(v_state)
+        else:
+            warpgroup.wait_group(0)
+            pipeline_v.consumer_release(v_state)
+            tOrP.store(_as_a_operand(acc_S).load().to(self.dtype))
         if const_expr(not self.carries_row_scale):
             self.rescale_o(acc_O, row_scale)
         return kv_state
