@@ -350,6 +350,21 @@ def test_bench_head_dims_smoke_records(tmp_path):
     assert len(recs) == 1 and recs[0]["prewarmed"] is True and "error" not in recs[0]
 
 
+def test_bench_head_dims_fa4_tile_impls():
+    """fa4-native-tMxN names FA4 with its SM90 backward tile forced (fa4_tile); other names
+    are refused with what is accepted."""
+    import pytest
+    mod = _bench_module("bench_head_dims")
+    assert mod.fa4_tile("fa4-native") is None
+    assert mod.fa4_tile("fa4-native-t64x64") == (64, 64)
+    assert mod.fa4_tile("fa4-native-t80x128") == (80, 128)
+    for bad in ("fa4-native-64x64", "fa4-native-t64", "fa4", "fa4-native-tAxB"):
+        with pytest.raises(ValueError, match="fa4-native-tMxN"):
+            mod.fa4_tile(bad)
+    with mod.fa4_bwd_tile(None):          # no tile: nothing imported, nothing patched
+        pass
+
+
 def test_bench_head_dims_variants_parse_and_scope_the_env(monkeypatch):
     """--jcm-variants: NAME@CONFIG=CFG items; the config env is set only while a variant runs."""
     import pytest
