@@ -14,6 +14,8 @@
 #   e.g. bash scripts/kernel_cache.sh frse 'JCM_BENCH_NS=8192 fwdtable' i15 bpers
 #   then run(command="bash scripts/h200.sh frse", carry=[".device-stage/cute", ".device-stage/kernels"])
 #
+# An entry is split on whitespace and its quote characters are kept: write a value with ';'
+# unquoted (JCM_LB_VARIANTS=a=X=1;b=Y=1 lb), never '...' (the stage then sees the quotes).
 # Each entry adds to the cache (~5-10 s of CPU a kernel here); the tar holds every kernel
 # of the current sources compiled so far (JCM_KERNEL_CACHE_RESET=1 starts empty; `--pack`
 # alone packs them again). A call
