@@ -77,11 +77,16 @@ def _mix(lines):
     return ops
 
 
-def _report(name, usage, lines, spans):
-    print(f"{name}: {usage}, {len(lines)} SASS lines")
-    if os.environ.get("JCM_SASS_OUT"):           # the whole SASS, to read where spills sit
+def _dump(lines):
+    """``JCM_SASS_OUT=FILE``: the whole SASS there, to read where waits and spills sit."""
+    if os.environ.get("JCM_SASS_OUT"):
         with open(os.environ["JCM_SASS_OUT"], "w") as fh:
             fh.write("\n".join(lines) + "\n")
+
+
+def _report(name, usage, lines, spans):
+    print(f"{name}: {usage}, {len(lines)} SASS lines")
+    _dump(lines)
     for a, b in spans:
         ops = _mix(lines[a:b + 1])
         base = collections.Counter(o.split(".")[0] for o in ops)
@@ -232,9 +237,7 @@ def _hgmma_blocks(lines):
     code between consecutive QK^T GEMMs (the first HGMMA of a run of 64 x 128 S products)
     with its size and mix, the largest first; then the code before the first GEMM and
     after the last (_ends)."""
-    if os.environ.get("JCM_SASS_OUT"):
-        with open(os.environ["JCM_SASS_OUT"], "w") as fh:
-            fh.write("\n".join(lines) + "\n")
+    _dump(lines)
     _ends(lines)
     starts = [i for i, ln in enumerate(lines) if "HGMMA" in ln and "RZ, !UPT" in ln]
     spans = [(a, b) for a, b in zip(starts, starts[1:])]
