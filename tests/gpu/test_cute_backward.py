@@ -678,7 +678,8 @@ def test_backward_key_names_of_new_configs():
                                                             column_skip=True, static_stage=True,
                                                             lse_prefetch=True, column_words=True,
                                                             residual_periodic=True)
-    assert "_t64x64_s1_ds1_" in d256.target_name and d256.target_name.count("_sdkv_ssdp") == 1
+    assert "_t64x64_s2_ds1_" in d256.target_name and d256.target_name.count("_sdkv_ssdp") == 1
+    assert "_dqr" in d256.target_name
     det256 = preferred_backward_config(256, deterministic=True)
     assert (det256.num_stages, det256.dq_red) == (1, False)
     assert preferred_backward_tiles(128) == (64, 128) and preferred_backward_tiles(64) == (128, 128)

@@ -1485,18 +1485,17 @@ def preferred_backward_config(head_dim: int, dtype: str = "bfloat16",
                               split_sdp=True, work_list=True, dkv_tma_store=True,
                               column_registers=2, column_bits=8)
     if head_dim == 256:
-        # Candidate (opt-in until tests/gpu/test_cute_head_dims.py's 20 D 256 cases run
-        # under it): dq_red=1,num_stages=2, dQ added from the consumers' registers (no 64 KB
-        # float32 dQ tile in shared memory), which frees room for a second Q / dO stage as
-        # FlashAttention's hdim-256 backward has. Causal bwd ms, default -> candidate: 32K
-        # 137.46 -> 111.34 (cuDNN 117.50, FA4 native 122.59; run 2026-12-05T02:47:39Z), 8K
-        # 34.73 -> 27.40 (cuDNN 29.86, FA4 31.44; run 2026-12-05T05:44:19Z;
-        # h200-head-dims.json). dq_red excludes the deterministic dQ order (``deterministic``
-        # keeps this one-stage config when the candidate becomes the default).
-        del deterministic
-        return BackwardConfig(block_q=64, block_kv=64, num_stages=1, ds_stages=1, split_dkv=True,
-                              split_sdp=True, work_list=True, dkv_tma_store=True,
-                              column_registers=2, column_bits=8)
+        # dq_red (dQ added from the consumers' registers: no 64 KB float32 dQ tile in shared
+        # memory) frees room for a second Q / dO stage, as FlashAttention's hdim-256 backward
+        # has. Causal bwd ms, one stage -> this: 32K 137.46 -> 111.34 (cuDNN 117.50, FA4
+        # native 122.59; run 2026-12-05T02:47:39Z), 8K 34.73 -> 27.40 (cuDNN 29.86, FA4
+        # 31.44; run 2026-12-05T05:44:19Z; h200-head-dims.json). dq_red excludes the
+        # deterministic dQ order, whose form is the one-stage config (the same sums in the
+        # same order).
+        fast = not deterministic
+        return BackwardConfig(block_q=64, block_kv=64, num_stages=2 if fast else 1, ds_stages=1,
+                              split_dkv=True, split_sdp=True, work_list=True, dkv_tma_store=True,
+                              column_registers=2, column_bits=8, dq_red=fast)
     if softcap:
         return BackwardConfig(work_list=True, dkv_tma_store=True, column_registers=2,
                               column_bits=8)
