@@ -388,18 +388,10 @@ def residual_reason_of(cm) -> Optional[str]:
 
 
 CUTE_BACKWARD_ENV = "JCOMPILEMASK_CUTE_BACKWARD"
-# Opt-in to the one CuTe backward config compiled but not yet run on the H200: D 192 / Dv 128
-# with a soft cap (every other config the CuTe forward accepts has passed the GPU gradient
-# tests). Read at trace time.
-CUTE_EXPERIMENTAL_ENV = "JCOMPILEMASK_CUTE_BWD_EXPERIMENTAL"
 
 
 def _cute_backward_enabled() -> bool:
     return os.environ.get(CUTE_BACKWARD_ENV, "1") != "0"
-
-
-def _cute_experimental_enabled() -> bool:
-    return os.environ.get(CUTE_EXPERIMENTAL_ENV, "0") == "1"
 
 
 def _cute_backward_note() -> str:
@@ -407,10 +399,9 @@ def _cute_backward_note() -> str:
         return (f"gradients from the xla backward on the CuTe forward's residuals "
                 f"({CUTE_BACKWARD_ENV}=0 turned the CuTe backward off)")
     return ("CuTe backward for every config the CuTe forward runs (D 64 / 128 / 256, 192 / "
-            "128, soft cap, any K, residual predicates), except 192 / 128 with a soft cap "
-            f"(compiled, not yet run on the GPU: {CUTE_EXPERIMENTAL_ENV}=1 opts in); xla "
-            f"backward on the CuTe forward's residuals there ({CUTE_BACKWARD_ENV}=0 uses it "
-            "always)")
+            "128, each with or without a soft cap; any K, residual predicates); "
+            f"{CUTE_BACKWARD_ENV}=0 uses the xla backward on the CuTe forward's residuals "
+            "instead")
 
 
 def cute_backward_plan(d: int, dv: int, softcap, bwd_tiles=None, num_bwd_intervals: int = 0
@@ -423,11 +414,7 @@ def cute_backward_plan(d: int, dv: int, softcap, bwd_tiles=None, num_bwd_interva
     if not _cute_backward_enabled():
         return f"the CuTe backward is turned off ({CUTE_BACKWARD_ENV}=0)"
     capped = softcap is not None and softcap is not False
-    if (d, dv) in BWD_HEAD_DIM_PAIRS:
-        if capped and not _cute_experimental_enabled():
-            return (f"soft cap at D {d} / Dv {dv}: that CuTe backward config is compiled, not "
-                    f"yet run on the GPU; set {CUTE_EXPERIMENTAL_ENV}=1 to use it")
-    elif d not in BWD_HEAD_DIMS or dv != d:
+    if (d, dv) not in BWD_HEAD_DIM_PAIRS and (d not in BWD_HEAD_DIMS or dv != d):
         return (f"head dims {d}/{dv} (the CuTe backward is built for D in {BWD_HEAD_DIMS} with "
                 f"Dv == D, and (D, Dv) in {BWD_HEAD_DIM_PAIRS})")
     served = served_backward_tiles(d, "bfloat16", dv, softcap=capped)
@@ -459,9 +446,7 @@ def explain_backward(call: Call) -> str:
     bwd_tiles = None if call.tiles is None else (call.tiles.bwd_block_q, call.tiles.bwd_block_kv)
     why = cute_backward_plan(call.head_dim, call.head_dim_v, call.softcap or None, bwd_tiles)
     if why is None:
-        extra = (f" (opted in with {CUTE_EXPERIMENTAL_ENV}=1: not yet run on the GPU)"
-                 if call.head_dim_v != call.head_dim and call.softcap else "")
-        return "backward: the CuTe backward kernel" + extra
+        return "backward: the CuTe backward kernel"
     return f"backward: xla on the CuTe forward's residuals, because {why}"
 
 

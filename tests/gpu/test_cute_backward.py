@@ -581,7 +581,7 @@ def test_backward_config_variants_compile_for_sm90(d, changes):
     ("bfloat16", 192, 2, 4, False, True, 30.0),
 ])
 def test_new_backward_configs_compile_for_sm90(dtype, d, kk, kc, bb, bh, cap, monkeypatch, capfd):
-    """Issue 15's configs, as the registry runs them once opted in (preferred config per
+    """Issue 15's configs, as the registry runs them (preferred config per
     head dim; D 192 runs with Dv 128); ptxas serializes none of their wgmmas (C7512: D 256
     did until split_sdp, session 11)."""
     from jcompilemask.kernels.cute.api import BackwardKey, compile_backward, preferred_backward_config
@@ -722,21 +722,19 @@ def test_d64_descriptor_at_default_tiles_runs_the_64_query_config(monkeypatch):
 
 
 def test_registry_runs_every_validated_config(monkeypatch):
-    """Soft cap, D 256 and 192 / 128 reach the CuTe backward by default (validated on the
-    H200), the descriptor's backward tiles follow (64 x 64 for D 256 / 192); 192 / 128 with
-    a soft cap, compiled but not yet run on a GPU, only with the opt-in."""
+    """Soft cap, D 256 and 192 / 128 (with and without a cap) reach the CuTe backward by
+    default (each validated on a Hopper GPU), and the descriptor's backward tiles follow
+    (64 x 64 for D 256 / 192)."""
     monkeypatch.delenv(backends.CUTE_BACKWARD_ENV, raising=False)
-    monkeypatch.delenv(backends.CUTE_EXPERIMENTAL_ENV, raising=False)
     plan = backends.cute_backward_plan
     for args in ((128, 128, None, (64, 128)), (64, 64, None, (128, 128)),
                  (128, 128, 5.0, (64, 128)), (64, 64, 5.0, (64, 128)),
                  (256, 256, None, (64, 64)), (256, 256, 5.0, (64, 64)),
-                 (192, 128, None, (64, 64))):
+                 (192, 128, None, (64, 64)), (192, 128, 5.0, (64, 64))):
         assert plan(*args) is None, args
     assert plan(128, 128, None, (64, 128), 40) is None                  # any Kc
     assert "backward tiles 64x128" in plan(256, 256, None, (64, 128))
-    why = plan(192, 128, 5.0, (64, 64))
-    assert "not yet run on the GPU" in why and backends.CUTE_EXPERIMENTAL_ENV in why
+    assert "backward tiles 64x128" in plan(192, 128, 5.0, (64, 128))
     assert "head dims 96/96" in plan(96, 96, None)
     cute = backends.get("cute")
 
@@ -751,12 +749,9 @@ def test_registry_runs_every_validated_config(monkeypatch):
     t = cute.tiles(call(64, 64))
     assert (t.bwd_block_q, t.bwd_block_kv) == (128, 128)
     assert (cute.tiles(call(64, 64, True)).bwd_block_q, cute.tiles(call(64, 64, True)).bwd_block_kv) == (64, 128)
-    assert cute.tiles(call(192, 128, True)).bwd_block_kv == 128    # xla backward: default tiles
-    assert cute.tiles(call(128, 128, True)).bwd_block_kv == 128
-    assert "except 192 / 128 with a soft cap" in backends._cute_backward_note()
-    monkeypatch.setenv(backends.CUTE_EXPERIMENTAL_ENV, "1")
-    assert plan(192, 128, 5.0, (64, 64)) is None
     assert cute.tiles(call(192, 128, True)).bwd_block_kv == 64
+    assert cute.tiles(call(128, 128, True)).bwd_block_kv == 128
+    assert "each with or without a soft cap" in backends._cute_backward_note()
 
 
 def _fragment_order_reference(dq, bq=64, blocked=False):
@@ -937,7 +932,6 @@ def test_backward_selection_reasons(monkeypatch):
     assert "turned off" in backends.cute_backward_reason(x, x, desc, None)
     assert "turned the CuTe backward off" in backends.get("cute").backward_note()  # asked afresh
     monkeypatch.setenv(backends.CUTE_BACKWARD_ENV, "1")
-    monkeypatch.delenv(backends.CUTE_EXPERIMENTAL_ENV, raising=False)
     assert backends.cute_backward_reason(x, x, desc, None) is None
     assert backends.cute_backward_reason(x, x, desc, 5.0) is None
     x256 = jnp.zeros((1, 256, 2, 256), jnp.bfloat16)
@@ -1502,21 +1496,18 @@ def test_explain_says_which_backward_runs(monkeypatch):
     backends.register(dataclasses.replace(real, available=lambda: None))
     try:
         monkeypatch.delenv(backends.CUTE_BACKWARD_ENV, raising=False)
-        monkeypatch.delenv(backends.CUTE_EXPERIMENTAL_ENV, raising=False)
 
         def call(d, dv, cap=False):
             return backends.Call(dtype="bfloat16", head_dim=d, head_dim_v=dv, num_heads=4,
                                  num_kv_heads=2, softcap=cap, has_fallback=False)
-        for c in (call(128, 128), call(256, 256), call(128, 128, True), call(192, 128)):
+        for c in (call(128, 128), call(256, 256), call(128, 128, True), call(192, 128),
+                  call(192, 128, True)):
             text = backends.explain(c)
             assert "chosen: cute" in text and "backward: the CuTe backward kernel" in text
-            assert "opted in" not in text
+        monkeypatch.setenv(backends.CUTE_BACKWARD_ENV, "0")
         text = backends.explain(call(192, 128, True))
-        assert "backward: xla on the CuTe forward's residuals" in text
-        assert "soft cap at D 192 / Dv 128" in text
-        monkeypatch.setenv(backends.CUTE_EXPERIMENTAL_ENV, "1")
-        assert "backward: the CuTe backward kernel (opted in" in backends.explain(call(192, 128, True))
-        monkeypatch.delenv(backends.CUTE_EXPERIMENTAL_ENV)
+        assert "backward: xla on the CuTe forward's residuals" in text and "turned off" in text
+        monkeypatch.delenv(backends.CUTE_BACKWARD_ENV)
         # Residual predicates: emitted into both CuTe kernels; one that cannot run in a
         # kernel (per-token segment ids) keeps the mask on xla.
         fallback = dataclasses.replace(call(128, 128), has_fallback=True)

@@ -37,8 +37,6 @@ CONFIGS = {
     "d256": (256, 256, None),
     "d256cap": (256, 256, 5.0),
     "d192": (192, 128, None),
-    # 192 / 128 with a soft cap: compiled since session 11, never run on a GPU, so the
-    # registry serves it only under CUTE_EXPERIMENTAL_ENV (set below) until these pass.
     "d192cap": (192, 128, 5.0),
 }
 
@@ -46,7 +44,6 @@ CONFIGS = {
 @pytest.fixture(autouse=True)
 def cute_backward_on(monkeypatch):
     monkeypatch.setenv(backends.CUTE_BACKWARD_ENV, "1")
-    monkeypatch.setenv(backends.CUTE_EXPERIMENTAL_ENV, "1")    # d192cap (the others ignore it)
 
 
 def _grads(spec, md, b, n, hq, hkv, config, dtype=jnp.bfloat16, seed=0):
