@@ -1157,6 +1157,45 @@ PY
       "${JCM_DVS_VARIANTS:-scr@d128cap=softcap_r=1;dvs2r@d128cap=dv_split=2,softcap_r=1;dvs2rk@d128cap=dv_split=2,softcap_r=1,dk_split=1;dvs4rk@d128cap=dv_split=4,softcap_r=1,dk_split=1;dvs2rks@d128cap=dv_split=2,softcap_r=1,dk_split=1,stats_shfl=1}" \
       --prewarm ${JCM_HDIMS_PREWARM:-6} --prewarm-s ${JCM_HDIMS_PREWARM_S:-90}
     ;;
+  quick)
+    # One short call's decisions for issues 14-16, timings only, each beside its peer in the
+    # same run (device time was scarce in sessions 30-31: ~1 start a session). Each part is
+    # packed (scripts/kernel_cache.sh 'quick'); FA4 compiles its own on the device. In issue
+    # order, each with its share of JCM_STAGE_S:
+    # 1. the forward at causal 8K: default, operands_early, + p_double, FA4 native;
+    # 2. D 128 with and without the soft cap at 8K: the cap's cost under dv_split + dk_split
+    #    (+ softcap_r) against the default cap;
+    # 3. D 192 / 128 at 8K: ours beside FA4 at its 64 x 96 and forced to 64 x 64;
+    # 4. the dilated window and global + window at 8K: the backward's auto order and the
+    #    forward's p_double beside the default.
+    export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
+    export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1
+    pd=JCOMPILEMASK_CUTE_FWD_P_DOUBLE; oe=JCOMPILEMASK_CUTE_FWD_OPERANDS_EARLY
+    if [[ ${JCM_QUICK:-fwd,cap,d192,masks} == *fwd* ]]; then
+      timeout -k 5 $(left 110) python3 benchmarks/bench_forward.py --ns 8192 --masks causal --fa4 \
+        --jcm-variants "base=;oe=$oe=1;oepd=$oe=1 $pd=1;pd=$pd=1" \
+        --out "$OUT/h200-fwd-quick.json" > "$OUT/bench-quick-fwd.log" 2>&1
+      echo "fwd rc $? ($SECONDS s)"; pkill -9 -f bench_forward; grep -E '^bench|^\{' "$OUT/bench-quick-fwd.log" | tail -12 | cut -c1-200
+    fi
+    if [[ ${JCM_QUICK:-fwd,cap,d192,masks} == *cap* ]]; then
+      hdims_bench quick-cap 130 8192 d128,d128cap \
+        "dvs2rk@d128cap=dv_split=2,softcap_r=1,dk_split=1;dvs2rks@d128cap=dv_split=2,softcap_r=1,dk_split=1,stats_shfl=1;scr@d128cap=softcap_r=1" \
+        --impls jcm-cute,fa4-native
+      mv -f "$OUT/h200-head-dims.json" "$OUT/h200-head-dims-cap.json" 2>/dev/null
+    fi
+    if [[ ${JCM_QUICK:-fwd,cap,d192,masks} == *d192* ]]; then
+      hdims_bench quick-d192 100 8192 d192 "" --impls jcm-cute,fa4-native,fa4-native-t64x64
+      mv -f "$OUT/h200-head-dims.json" "$OUT/h200-head-dims-d192.json" 2>/dev/null
+    fi
+    if [[ ${JCM_QUICK:-fwd,cap,d192,masks} == *masks* ]]; then
+      b=$(left 120)
+      timeout -k 5 $b python3 benchmarks/bench_total.py --ns 8192 --masks dilated_window,global_window \
+        --impls jcm --min-repeat-s 0.25 --budget-s $(( b - 15 )) \
+        --jcm-variants "base=;au=JCOMPILEMASK_CUTE_BWD_CONFIG=schedule=1 JCOMPILEMASK_CUTE_BWD_ORDER=auto;pd=$pd=1" \
+        --out "$OUT/h200-quick-masks.json" > "$OUT/bench-quick-masks.log" 2>&1
+      echo "masks rc $? ($SECONDS s)"; pkill -9 -f bench_total; grep -E '^\{' "$OUT/bench-quick-masks.log" | cut -c1-170
+    fi
+    ;;
   d192t)
     # Issue 15's last head-dim gap (D 192 / 128 at 0.84x FA4 native): FA4 runs 64 x 96 tiles with
     # dK / dV swapped, ours 64 x 64. FA4 with its backward tile forced to 64 x 64 in the same run
