@@ -1278,15 +1278,17 @@ class BackwardConfig:
       unit; the consumers free K / V once the dK / dV store has read their buffers, and the
       producer loads the next unit's K / V after its first Q / dO tile, so that tile's load,
       the next list and the next unit's prologue overlap the store. For short key columns
-      (the dilated window: 2-4 tiles a column, a CTA's fixed cost ~2 tiles' time). Not yet
-      run on the H200.
+      (the dilated window: 2-4 tiles a column, a CTA's fixed cost ~2 tiles' time). Its 14
+      gradient cases passed on the H200 (session 28), but it timed 4.3% slower than the grid
+      on the dilated window at 8K (run 2026-12-05T02:53:41Z): opt-in.
     - ``dq_red``: each consumer thread adds its float4 chunks of the dQ tile to the tile's
       global slot with ``red.global.add.v4.f32`` (the slot's fragment order as before)
       instead of staging the tile in shared memory for the dQ warp's bulk reduce-add: no
       DQ_FULL / DQ_EMPTY handoff per tile, and block_q x D x 4 bytes of shared memory free
       (64 KB at D 256: room for a second Q / dO stage, ``num_stages=2``). Excludes
       ``deterministic``. Its gradient cases passed on the H200 (dK / dV bit for bit with
-      the default; session 29); D 256's candidate (preferred_backward_config).
+      the default; session 29); D 256's default with ``num_stages=2`` since session 31
+      (preferred_backward_config).
 
     - ``dv_split`` (0, 2 or 4; soft cap only, ignored without one): dV += P^T dO issued in
       that many pieces along the tile's queries (its k-blocks), each as soon as its query
