@@ -1180,7 +1180,7 @@ PY
     if [[ ${JCM_QUICK:-fwd,cap,d192,masks} == *cap* ]]; then
       hdims_bench quick-cap 130 8192 d128,d128cap \
         "dvs2rk@d128cap=dv_split=2,softcap_r=1,dk_split=1;dvs2rks@d128cap=dv_split=2,softcap_r=1,dk_split=1,stats_shfl=1;scr@d128cap=softcap_r=1" \
-        --impls jcm-cute,fa4-native
+        --impls jcm-cute,fa4-native --prewarm 2 --prewarm-s 80   # FA4's two compile side by side
       mv -f "$OUT/h200-head-dims.json" "$OUT/h200-head-dims-cap.json" 2>/dev/null
     fi
     if [[ ${JCM_QUICK:-fwd,cap,d192,masks} == *d192* ]]; then
