@@ -1195,6 +1195,7 @@ PY
         --out "$OUT/h200-quick-masks.json" > "$OUT/bench-quick-masks.log" 2>&1
       echo "masks rc $? ($SECONDS s)"; pkill -9 -f bench_total; grep -E '^\{' "$OUT/bench-quick-masks.log" | cut -c1-170
     fi
+    python3 benchmarks/quick_summary.py "$OUT"    # the ratio each decision rests on
     ;;
   d192t)
     # Issue 15's last head-dim gap (D 192 / 128 at 0.84x FA4 native): FA4 runs 64 x 96 tiles with

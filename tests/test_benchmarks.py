@@ -382,3 +382,49 @@ def test_bench_head_dims_variants_parse_and_scope_the_env(monkeypatch):
     with mod.environment({mod.BWD_CONFIG_ENV: "split_sdp=1"}):
         assert os.environ[mod.BWD_CONFIG_ENV] == "split_sdp=1"
     assert mod.BWD_CONFIG_ENV not in os.environ
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(
+        name, os.path.join(ROOT, "benchmarks", f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_quick_summary_reads_each_part(tmp_path, capsys):
+    """benchmarks/quick_summary.py: the ratio each of h200.sh quick's decisions rests on."""
+    qs = _load("quick_summary")
+    _write(tmp_path / "h200-fwd-quick.json", {"records": [
+        {"mask": "causal", "n": 8192, "impl": "fa4-native", "fwd_ms": 3.8},
+        {"mask": "causal", "n": 8192, "impl": "jcm-cute", "fwd_ms": 4.0},
+        {"mask": "causal", "n": 8192, "impl": "jcm-cute-oepd", "fwd_ms": 3.7}]})
+    hd = dict(mask="causal", n=8192, head_dim=128, head_dim_v=128)
+    _write(tmp_path / "h200-head-dims-cap.json", {"records": [
+        dict(hd, impl="jcm-cute", config="d128", bwd_ms=10.0),
+        dict(hd, impl="jcm-cute", config="d128cap", bwd_ms=12.0),
+        dict(hd, impl="jcm-cute-dvs2rk", config="d128cap", bwd_ms=11.0),
+        dict(hd, impl="fa4-native", config="d128cap", bwd_ms=14.3)]})
+    _write(tmp_path / "h200-head-dims-d192.json", {"records": [
+        dict(hd, impl="jcm-cute", config="d192", bwd_ms=18.0),
+        dict(hd, impl="fa4-native", config="d192", bwd_ms=15.0),
+        dict(hd, impl="fa4-native-t64x64", config="d192", bwd_ms=18.0, error=None)]})
+    lines = qs.summary(str(tmp_path))
+    text = "\n".join(lines)
+    assert "fwd causal 8192: jcm-cute-oepd 3.7 ms, FA4 / ours 1.027" in text
+    assert "fwd causal 8192: jcm-cute 4.0 ms, FA4 / ours 0.950" in text
+    assert "cap 8192: jcm-cute 12.0 ms, cost 1.200 (line 1.15)" in text
+    assert "cap 8192: jcm-cute-dvs2rk 11.0 ms, cost 1.100 (line 1.15), FA4 capped / ours 1.300" in text
+    assert "d192 8192: fa4-native 15.0 ms, fa4-native / ours 0.833" in text
+    assert "d192 8192: fa4-native-t64x64 18.0 ms, fa4-native-t64x64 / ours 1.000" in text
+    assert lines[-1] == "masks: no records (h200-quick-masks.json missing or empty)"
+    _write(tmp_path / "h200-quick-masks.json", {"records": [
+        {"mask": "dilated_window", "n": 8192, "impl": "jcm-cute", "bwd_ms": 1.43, "step_ms": 1.95},
+        {"mask": "dilated_window", "n": 8192, "impl": "jcm-cute-au", "bwd_ms": 1.50,
+         "step_ms": 2.0},
+        {"mask": "dilated_window", "n": 8192, "impl": "jcm-cute-pd", "error": "failed"}]})
+    text = "\n".join(qs.summary(str(tmp_path)))
+    assert "masks dilated_window 8192: jcm-cute-au bwd 1.5 ms (1.049 of the default), step 1.026" in text
+    assert "masks dilated_window 8192: jcm-cute-pd bwd None ms (- of the default), step -" in text
+    assert qs.main([str(tmp_path / "nowhere")]) == 2
+    assert qs.main([str(tmp_path)]) == 0 and "d192 8192" in capsys.readouterr().out
