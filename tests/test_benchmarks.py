@@ -11,12 +11,17 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _report():
+def _load(name):
+    """benchmarks/NAME.py as a module (the benchmarks are scripts, not a package)."""
     spec = importlib.util.spec_from_file_location(
-        "report", os.path.join(ROOT, "benchmarks", "report.py"))
+        name, os.path.join(ROOT, "benchmarks", f"{name}.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def _report():
+    return _load("report")
 
 
 def _write(path, obj):
@@ -382,14 +387,6 @@ def test_bench_head_dims_variants_parse_and_scope_the_env(monkeypatch):
     with mod.environment({mod.BWD_CONFIG_ENV: "split_sdp=1"}):
         assert os.environ[mod.BWD_CONFIG_ENV] == "split_sdp=1"
     assert mod.BWD_CONFIG_ENV not in os.environ
-
-
-def _load(name):
-    spec = importlib.util.spec_from_file_location(
-        name, os.path.join(ROOT, "benchmarks", f"{name}.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def test_quick_summary_reads_each_part(tmp_path, capsys):
