@@ -16,17 +16,11 @@ run):
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 
-
-def _records(path):
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        data = json.load(f)
-    return data["records"] if isinstance(data, dict) else data
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from report import _records  # noqa: E402  (the results-file reader every report shares)
 
 
 def _ms(r, key):
@@ -107,7 +101,8 @@ def summary(out_dir):
     ]
     lines = []
     for name, fname, fn in parts:
-        recs = _records(os.path.join(out_dir, fname))
+        path = os.path.join(out_dir, fname)
+        recs = _records(path) if os.path.exists(path) else []
         lines += fn(recs) if recs else [f"{name}: no records ({fname} missing or empty)"]
     return lines
 

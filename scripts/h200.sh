@@ -212,9 +212,10 @@ bwd_cases() {
 hdims_bench() {
   local tag=$1 b=$(left "$2") ns=$3 configs=$4 variants=$5; shift 5
   export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1
+  # JCM_HDIMS_OUT: the records' file under $OUT (one per part when a stage times several)
   timeout -k 5 $b python3 benchmarks/bench_head_dims.py --ns "$ns" --configs "$configs" \
     ${variants:+--jcm-variants "$variants"} --impls jcm-cute,fa4-native,jax-cudnn --min-repeat-s 0.15 \
-    "$@" --budget-s $(( b - 30 )) --out "$OUT/h200-head-dims.json" > "$OUT/bench-$tag.log" 2>&1
+    "$@" --budget-s $(( b - 30 )) --out "$OUT/${JCM_HDIMS_OUT:-h200-head-dims.json}" > "$OUT/bench-$tag.log" 2>&1
   echo "bench rc $? ($SECONDS s)"; pkill -9 -f bench_head_dims.py 2>/dev/null
   grep -E '^\{|budget' "$OUT/bench-$tag.log" | cut -c1-330 | tail -24
 }
@@ -1171,23 +1172,23 @@ PY
     export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
     export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1
     pd=JCOMPILEMASK_CUTE_FWD_P_DOUBLE; oe=JCOMPILEMASK_CUTE_FWD_OPERANDS_EARLY
-    if [[ ${JCM_QUICK:-fwd,cap,d192,masks} == *fwd* ]]; then
+    parts=",${JCM_QUICK:-fwd,cap,d192,masks},"
+    if [[ $parts == *,fwd,* ]]; then
       timeout -k 5 $(left 110) python3 benchmarks/bench_forward.py --ns 8192 --masks causal --fa4 \
         --jcm-variants "base=;oe=$oe=1;oepd=$oe=1 $pd=1;pd=$pd=1" \
         --out "$OUT/h200-fwd-quick.json" > "$OUT/bench-quick-fwd.log" 2>&1
       echo "fwd rc $? ($SECONDS s)"; pkill -9 -f bench_forward; grep -E '^bench|^\{' "$OUT/bench-quick-fwd.log" | tail -12 | cut -c1-200
     fi
-    if [[ ${JCM_QUICK:-fwd,cap,d192,masks} == *cap* ]]; then
-      hdims_bench quick-cap 130 8192 d128,d128cap \
+    if [[ $parts == *,cap,* ]]; then
+      JCM_HDIMS_OUT=h200-head-dims-cap.json hdims_bench quick-cap 130 8192 d128,d128cap \
         "dvs2rk@d128cap=dv_split=2,softcap_r=1,dk_split=1;dvs2rks@d128cap=dv_split=2,softcap_r=1,dk_split=1,stats_shfl=1;scr@d128cap=softcap_r=1" \
         --impls jcm-cute,fa4-native --prewarm 2 --prewarm-s 80   # FA4's two compile side by side
-      mv -f "$OUT/h200-head-dims.json" "$OUT/h200-head-dims-cap.json" 2>/dev/null
     fi
-    if [[ ${JCM_QUICK:-fwd,cap,d192,masks} == *d192* ]]; then
-      hdims_bench quick-d192 100 8192 d192 "" --impls jcm-cute,fa4-native,fa4-native-t64x64
-      mv -f "$OUT/h200-head-dims.json" "$OUT/h200-head-dims-d192.json" 2>/dev/null
+    if [[ $parts == *,d192,* ]]; then
+      JCM_HDIMS_OUT=h200-head-dims-d192.json hdims_bench quick-d192 100 8192 d192 "" \
+        --impls jcm-cute,fa4-native,fa4-native-t64x64
     fi
-    if [[ ${JCM_QUICK:-fwd,cap,d192,masks} == *masks* ]]; then
+    if [[ $parts == *,masks,* ]]; then
       b=$(left 120)
       timeout -k 5 $b python3 benchmarks/bench_total.py --ns 8192 --masks dilated_window,global_window \
         --impls jcm --min-repeat-s 0.25 --budget-s $(( b - 15 )) \
