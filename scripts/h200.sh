@@ -68,6 +68,7 @@
 #   dvs          issue 15: dv_split / dk_split (dV, dK issued in pieces under the soft cap's MUFU work):
 #                identity and softcap_r gradient cases, then D 128 with / without the cap timed (8K)
 #   d192t        issue 15: D 192 / 128, ours beside FA4 native at its 64 x 96 tile and forced to 64 x 64
+#   d192s        issue 15: BackwardConfig.dkv_swap (D 192 at 64 x 96, FA4's shape): its 12 gradient cases, then bwd ms beside FA4
 #   i15          issue 15's candidates in one call: q128 / dq_red smokes under hang guards, then D 64, D 256,
 #                D 192 and the capped D 128 at 32K, each beside its variants, FA4 native and cuDNN (prewarmed)
 #   q128         issue 15: D 64's backward at 128 x 128 tiles (block_q=128): a gradient smoke under a hang
@@ -1205,6 +1206,22 @@ PY
     # follow). JCM_HDIMS_NS (default 8192).
     export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
     hdims_bench d192t ${JCM_D192T_S:-480} ${JCM_HDIMS_NS:-8192} d192 "" \
+      --impls jcm-cute,fa4-native,fa4-native-t64x64
+    ;;
+  d192s)
+    # Issue 15's D 192 / 128 design (kernels/cute/D192_64x96_PLAN.md): BackwardConfig.dkv_swap,
+    # 64 x 96 tiles with S = Q K^T per query row and dK^T / dV^T from shared memory (FA4's D 192
+    # shape). Its 12 gradient cases of tests/gpu/test_cute_head_dims.py (the D 192 ids without a
+    # cap) in JCM_PAR processes under a guard, then bwd ms at 8K: the default (64 x 64), the swap
+    # (+ dq_red with two dS stages), FA4 native at its 64 x 96 and forced to 64 x 64.
+    export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
+    swp=block_kv=96,split_dkv=0,split_sdp=0,dkv_swap=1
+    if [[ -z ${JCM_D192S_BENCH_ONLY:-} ]]; then
+      JCOMPILEMASK_CUTE_BWD_CONFIG=$swp JCM_PAR_FILES=tests/gpu/test_cute_head_dims.py \
+        JCM_PAR_ONLY='d192\]' JCM_STAGE_S=${JCM_D192S_TEST_S:-200} bash "$0" hdimspar
+    fi
+    hdims_bench d192s ${JCM_D192S_S:-300} ${JCM_HDIMS_NS:-8192} d192 \
+      "swp@d192=$swp;swpr@d192=$swp,dq_red=1,ds_stages=2" \
       --impls jcm-cute,fa4-native,fa4-native-t64x64
     ;;
   dqr)

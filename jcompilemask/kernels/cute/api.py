@@ -996,6 +996,7 @@ BWD_HEAD_DIM_PAIRS = ((192, 128),)     # (D, Dv), Dv != D: split_dkv; validated 
 BWD_TILES = (64, 128)       # (bwd_block_q, bwd_block_kv): the descriptor's backward tiles
 BWD_TILES_SPLIT = (64, 64)  # ... with BackwardConfig.split_dkv (D 256: preferred_backward_config)
 BWD_TILES_WIDE = (128, 128)  # ... with 128-query tiles (D 64: BackwardConfig.block_q)
+BWD_TILES_SWAP = (64, 96)    # ... with BackwardConfig.dkv_swap (D 192 / Dv 128)
 BWD_CONFIG_ENV = "JCOMPILEMASK_CUTE_BWD_CONFIG"
 
 
@@ -1309,6 +1310,20 @@ class BackwardConfig:
       piece's MUFU work; dQ becomes the tile's last GEMM (its handoff then waits for every
       group). The same products in the same order: bit-identical. Excludes
       ``release_do_early``. Not yet run on the H200.
+    - ``dkv_swap`` (D 192 / Dv 128 without a soft cap; 64 x 96 tiles): the queries are the
+      rows of S and dP (S = Q K^T, dP = dO V^T; each consumer warpgroup owns 48 of the 96
+      keys, a thread 2 query rows x 12 key columns), and dK / dV are accumulated transposed
+      (dV^T += dO^T P, dK^T += Q^T dS, M = Dv / D, both operands from shared memory: P and
+      dS go through their buffers, like ``split_sdp``). 72 + 48 fp32 of dK^T / dV^T per
+      thread, 24 + 24 of S / dP: the 96-key tile fits the 240 registers, where the S^T
+      orientation needs ``split_dkv``'s 64 keys. Partial tiles test each query row's forward
+      intervals (the column view is not read). Needs ``dkv_tma_store`` (stmatrix.trans into
+      K's / V's buffers) and ``ds_stages=1`` (P + dS: 2 x 12 KB a stage, 227 KB in all),
+      or ``ds_stages=2`` with ``dq_red``; excludes ``split_dkv`` / ``split_sdp``, the dV
+      placements (``dv_early`` / ``p_early`` / ``ds_first`` / ``dv_split`` / ``dk_split``),
+      ``stats_shfl`` and the column-view masks (``column_words`` / ``ds_words`` /
+      ``residual_periodic``). FlashAttention-4's SM90 backward runs D 192 this way.
+      Not yet run on the H200.
 
     ``preferred_backward_config`` picks the default per head dim; ``JCOMPILEMASK_CUTE_BWD_CONFIG``
     (e.g. ``ds_stages=1,stats_early=0``) overrides fields at trace time for benchmarks.
@@ -1353,14 +1368,31 @@ class BackwardConfig:
     dq_red: bool = False
     dv_split: int = 0
     dk_split: bool = False
+    dkv_swap: bool = False
 
     def __post_init__(self):
-        wants = (BWD_TILES_SPLIT,) if self.split_dkv else (BWD_TILES, BWD_TILES_WIDE)
+        wants = ((BWD_TILES_SWAP,) if self.dkv_swap else (BWD_TILES_SPLIT,) if self.split_dkv
+                 else (BWD_TILES, BWD_TILES_WIDE))
         if (self.block_q, self.block_kv) not in wants:
             runs = " or ".join(f"{w[0]}x{w[1]}" for w in wants)
-            raise ValueError(f"cute backward runs {runs} backward tiles"
-                             f"{' with split_dkv' if self.split_dkv else ''}; the descriptor was "
-                             f"built for {self.block_q}x{self.block_kv}")
+            knob = " with dkv_swap" if self.dkv_swap else " with split_dkv" if self.split_dkv else ""
+            raise ValueError(f"cute backward runs {runs} backward tiles{knob}; the descriptor "
+                             f"was built for {self.block_q}x{self.block_kv}")
+        if self.dkv_swap:
+            clash = [n for n in ("split_dkv", "split_sdp", "dv_early", "p_early", "ds_first",
+                                 "dv_split", "dk_split", "stats_shfl", "column_words",
+                                 "ds_words", "residual_periodic") if getattr(self, n)]
+            if clash or not self.dkv_tma_store:
+                raise ValueError(
+                    "dkv_swap (S = Q K^T per query row, dK^T / dV^T from shared memory) needs "
+                    "dkv_tma_store=1 and excludes split_dkv / split_sdp, the dV placements "
+                    "(dv_early, p_early, ds_first, dv_split, dk_split), stats_shfl and the "
+                    "column-view masks (column_words, ds_words, residual_periodic)"
+                    + (f"; set {', '.join(n + '=0' for n in clash)}" if clash else
+                       "; set dkv_tma_store=1"))
+            if self.ds_stages == 2 and not self.dq_red:
+                raise ValueError("dkv_swap with ds_stages=2 needs dq_red=1: two P + dS stages "
+                                 "and the float32 dQ tile do not fit 227 KB of shared memory")
         if self.block_q == BWD_TILES_WIDE[0] and (self.dq_blocked or not self.ds_first):
             raise ValueError("block_q=128 needs ds_first=1 (dV issued after the dS^T stores: "
                              "with dV in flight while dS^T is converted, ptxas serializes the "
@@ -1436,7 +1468,7 @@ class BackwardConfig:
                 f"{'_r2p' if self.mask_r2p else ''}{'_rp' if self.residual_periodic else ''}"
                 f"{'_dsw' if self.ds_words else ''}{'_pers' if self.persistent else ''}"
                 f"{'_dqr' if self.dq_red else ''}{f'_dvs{self.dv_split}' if self.dv_split else ''}"
-                f"{'_dks' if self.dk_split else ''}")
+                f"{'_dks' if self.dk_split else ''}{'_swp' if self.dkv_swap else ''}")
 
 
 def preferred_backward_config(head_dim: int, dtype: str = "bfloat16",
@@ -1629,7 +1661,8 @@ def backward_smem_bytes(head_dim: int, config: BackwardConfig, elem_bytes: int =
     bq, bk = config.block_q, config.block_kv
     dd = head_dim + (head_dim if head_dim_v is None else head_dim_v)     # D + Dv
     return (1024 + elem_bytes * (bk * dd + config.num_stages * bq * dd
-                                 + (2 if config.split_sdp else 1) * config.ds_stages * bq * bk)
+                                 + (2 if config.split_sdp or config.dkv_swap else 1)
+                                 * config.ds_stages * bq * bk)
             + 2 * 4 * bq * config.num_stages + (16 if config.dq_red else 4 * bq * head_dim)
             + (2 * 4 * config.list_chunk if config.work_list else 16) + 8)
 
@@ -1675,9 +1708,9 @@ class BackwardKey:
             if (self.head_dim, self.head_dim_v) not in BWD_HEAD_DIM_PAIRS:
                 raise ValueError(f"cute backward head dims {self.head_dim}/{self.head_dim_v}: Dv != D "
                                  f"only as {BWD_HEAD_DIM_PAIRS}")
-            if not (self.config.split_dkv and self.config.dkv_tma_store):
-                raise ValueError("Dv != D needs BackwardConfig(split_dkv=True, dkv_tma_store=True); "
-                                 "use preferred_backward_config(D)")
+            if not ((self.config.split_dkv or self.config.dkv_swap) and self.config.dkv_tma_store):
+                raise ValueError("Dv != D needs BackwardConfig(split_dkv=True, dkv_tma_store=True) "
+                                 "or dkv_swap=True; use preferred_backward_config(D)")
         if self.softcap is not None and not (math.isfinite(self.softcap) and self.softcap > 0):
             raise ValueError(f"softcap must be None or a positive finite float, got {self.softcap!r}")
         dims = BWD_HEAD_DIMS
@@ -1696,6 +1729,10 @@ class BackwardKey:
                              f"wgmmas and spill), got D {self.head_dim}/{self.dv}, softcap="
                              f"{self.softcap}; use block_q=64")
         c = self.config
+        if c.dkv_swap and ((self.head_dim, self.dv) != (192, 128) or self.softcap is not None):
+            raise ValueError(f"dkv_swap runs head dims 192 / 128 without a soft cap, got "
+                             f"{self.head_dim}/{self.dv}, softcap={self.softcap}; use "
+                             f"preferred_backward_config(D) (dkv_swap=0) here")
         if self.softcap is not None and c.dv_split and (
                 c.split_sdp or c.dv_early or c.p_early or c.ds_first or c.block_q != BWD_TILES[0]):
             raise ValueError("dv_split issues dV from P^T's registers piece by piece as the soft "

@@ -150,10 +150,14 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         # split_dkv: both consumer warpgroups own the same 64 keys (each computes all of S^T
         # and dP^T, and half of dK / dV's head dims); else each owns 64 of the tile's keys.
         self.split_dkv = config.split_dkv
+        # dkv_swap (D 192 / Dv 128): the queries are the rows of S / dP (S = Q K^T), each
+        # warpgroup owns 48 of 96 keys, dK^T / dV^T accumulate from P / dS in shared memory.
+        self.dkv_swap = config.dkv_swap
         # entry_ahead: each tile's step reads the next work-list entry (needs the list).
         self.entry_ahead = config.work_list and config.entry_ahead
-        assert config.block_kv == (64 if self.split_dkv else 64 * self.num_consumer_wgs), \
-            "each consumer warpgroup owns 64 keys (split_dkv: the same 64)"
+        wg_keys = 48 if self.dkv_swap else 64
+        assert config.block_kv == (64 if self.split_dkv else wg_keys * self.num_consumer_wgs), \
+            "each consumer warpgroup owns 64 keys (split_dkv: the same 64; dkv_swap: 48)"
         # 128-query tiles (D 64): each dQ warpgroup takes 64 of the queries (one m64 wgmma
         # row block, all of D), so dQ still leaves in one m64 wgmma's fragment order.
         self.dq_split_q = dq_splits_queries(config.block_q, self.num_consumer_wgs)
@@ -165,8 +169,10 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         self.head_dim = head_dim
         # Dv != D (192 / 128): V, dO and dV are (rows, Dv) buffers and dV its own tiled MMA.
         self.head_dim_v = head_dim if head_dim_v is None else head_dim_v
-        assert self.head_dim_v == head_dim or (config.split_dkv and config.dkv_tma_store), \
-            "Dv != D runs split_dkv with the TMA epilogue"
+        assert self.head_dim_v == head_dim or (
+            (config.split_dkv or config.dkv_swap) and config.dkv_tma_store), \
+            "Dv != D runs split_dkv or dkv_swap with the TMA epilogue"
+        assert not (self.dkv_swap and softcap is not None), "dkv_swap runs without a soft cap"
         self.num_intervals = num_intervals
         self.num_bwd_intervals = num_bwd_intervals
         self.scale = float(scale)
@@ -190,11 +196,17 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         self.split_sdp = config.split_sdp
         # The whole S^T / dP^T tile in each warpgroup (split_dkv without split_sdp).
         self.sdp_shared = self.split_dkv and not self.split_sdp
+        # P (P^T) through its own shared buffer, beside dS (dS^T), for dV.
+        self.p_in_smem = self.split_sdp or self.dkv_swap
         # S^T / dP^T tiling: (64 keys, all queries) per warpgroup along the keys (one atom
         # with split_dkv), or with split_sdp the warpgroups split the queries of 64 keys.
         if self.split_sdp:
             self.sdp_atoms = (1, self.num_consumer_wgs, 1)
             self.sdp_tile = (64, config.block_q // self.num_consumer_wgs)
+        elif self.dkv_swap:
+            # (64 queries, 48 keys) per warpgroup, the keys split along N.
+            self.sdp_atoms = (1, self.num_consumer_wgs, 1)
+            self.sdp_tile = (config.block_q, wg_keys)
         else:
             self.sdp_atoms = (1 if self.split_dkv else self.num_consumer_wgs, 1, 1)
             self.sdp_tile = (64, config.block_q)
@@ -209,13 +221,19 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         # of dK issued at once, before the DS_READY barrier (dQ is then the tile's last GEMM).
         self.dk_split = config.dk_split and self.dv_split > 0
         self.dv_at = ("split" if self.dv_split else "early" if config.dv_early
-                      else "after_ready" if self.split_sdp
+                      else "after_ready" if self.split_sdp or self.dkv_swap
                       else "after_stores" if config.ds_first else "before_ds")
         # The halves of D (dK, dQ) and of Dv (dV) start at a column of K's / Q's / dO's
         # buffers seen MN-major, which must begin a swizzle atom: 128B atoms (64 elements)
         # when the half is a multiple of 64, else (D 192: halves of 96) 64B atoms for Q and K.
         self.qk_sw64 = False
-        if self.split_dkv:
+        if self.dkv_swap:
+            # dK^T / dV^T: (D or Dv, this warpgroup's 48 keys), M repeated over D / Dv;
+            # dQ's halves of D (96 columns) start 64B atoms of K's buffer (and Q's).
+            self.qk_sw64 = (head_dim // self.num_consumer_wgs) % 64 != 0
+            self.dkv_atoms, self.dkv_tile = (1, self.num_consumer_wgs, 1), (64, wg_keys)
+            self.dv_tile = self.dkv_tile
+        elif self.split_dkv:
             half, half_v = head_dim // self.num_consumer_wgs, self.head_dim_v // self.num_consumer_wgs
             assert half_v % 64 == 0 and half % 32 == 0, "D / Dv halves must start swizzle atoms"
             self.qk_sw64 = half % 64 != 0
@@ -247,6 +265,9 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         # column, as where the column view is not exact) instead of the column view (Kc per
         # key): fewer tests per element where K < Kc (shared prompt: K 2, Kc 13).
         self.row_mask = config.row_mask and residual is None
+        # dkv_swap: a thread holds 2 query rows of 12 keys, so partial tiles always test the
+        # rows' forward intervals (``mask_query_rows``); the column view is not read.
+        self.query_rows = self.dkv_swap
         # column_words (issue 16; the D 128 default since session 23): masked tiles of the column
         # view build each key row's visibility as column-group words (mask_by_column_words).
         self.column_words = config.column_words and not self.row_mask
@@ -266,8 +287,10 @@ class FlashBackwardSm90(WarpSpecializedSm90):
                        if not (self.residual_periodic and self.periodic_slots[m])]
         self.ds_words = (config.ds_words and self.column_words and not per_element
                          and self.softcap is None)
-        if self.row_mask:
+        if self.row_mask or self.query_rows:
             self.hold_columns = self.column_bits = self.columns_looped = False
+        if self.query_rows:
+            self.column_words = self.residual_periodic = self.ds_words = False
         self.rows_looped = num_intervals > INTERVALS_UNROLLED
         # work_list: the query tiles a key column visits, built once per (head, chunk of
         # list_chunk query tiles) by the producer warp into one of two shared buffers.
@@ -411,9 +434,13 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         # left operand comes from registers, dO and Q are their buffers seen transposed.
         # (split_sdp: the left operand, P^T / dS^T of all the tile's queries, from shared
         # memory.)
+        # dkv_swap: dK^T += Q^T dS and dV^T += dO^T P, (D or Dv, keys): Q^T / dO^T are their
+        # buffers seen transposed (MN-major), dS / P (keys, queries) K-major, both from
+        # shared memory.
         tiled_mma_dkv = sm90_helpers.make_trivial_tiled_mma(
-            self.dtype, self.dtype, K_MAJOR, MN_MAJOR, Float32, self.dkv_atoms, self.dkv_tile,
-            warpgroup.OperandSource.SMEM if self.split_sdp else warpgroup.OperandSource.RMEM,
+            self.dtype, self.dtype, MN_MAJOR if self.dkv_swap else K_MAJOR,
+            K_MAJOR if self.dkv_swap else MN_MAJOR, Float32, self.dkv_atoms, self.dkv_tile,
+            warpgroup.OperandSource.SMEM if self.split_sdp or self.dkv_swap else warpgroup.OperandSource.RMEM,
         )
 
         # dQ = dS K: (queries, D), contraction over the keys; dS (queries-major in shared
@@ -467,7 +494,7 @@ class FlashBackwardSm90(WarpSpecializedSm90):
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdO_layout)], 1024]
             sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], 1024]
-            sP: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout) if self.split_sdp else 8], 1024]
+            sP: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout) if self.p_in_smem else 8], 1024]
             sLSE: cute.struct.Align[cute.struct.MemRange[Float32, bq * self.num_stages], 128]
             sDelta: cute.struct.Align[cute.struct.MemRange[Float32, bq * self.num_stages], 128]
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, 4 if self.config.dq_red else bq * d], 128]
@@ -567,14 +594,16 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         tiled_mma_dv = tiled_mma_dkv
         if const_expr(self.head_dim_v != self.head_dim):
             # Rebuilt here, not passed in: IR values stay in their region (and the kernel's
-            # parameters, so the Dv == D kernels' PTX, stay as they were).
+            # parameters, so the Dv == D kernels' PTX, stay as they were). dkv_swap: one
+            # tiled MMA for dK^T and dV^T (M repeated over D or Dv).
             sV_layout, sdO_layout = self.v_do_layouts()
-            tiled_mma_dv = self.dv_tiled_mma()
+            if const_expr(not self.dkv_swap):
+                tiled_mma_dv = self.dv_tiled_mma()
         sV = smem_tensor(storage.sV, sV_layout)
         sQ = smem_tensor(storage.sQ, sQ_layout)
         sdO = smem_tensor(storage.sdO, sdO_layout)
         sdS = smem_tensor(storage.sdS, sdS_layout)
-        sP = smem_tensor(storage.sP, sdS_layout) if const_expr(self.split_sdp) else None
+        sP = smem_tensor(storage.sP, sdS_layout) if const_expr(self.p_in_smem) else None
         sLSE = storage.sLSE.get_tensor(cute.make_layout((self.block_q, self.num_stages)))
         sDelta = storage.sDelta.get_tensor(cute.make_layout((self.block_q, self.num_stages)))
         sdQ = storage.sdQ.get_tensor(cute.make_layout(4 if self.config.dq_red else self.block_q * self.head_dim))
@@ -938,15 +967,25 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         # Operand fragments (shared-memory descriptors) of the five products.
         frags = _Fragments()
         frags.wg = wg
-        frags.tSrK = mma_sdp.make_fragment_A(mma_sdp.partition_A(sK))
-        frags.tSrV = mma_sdp.make_fragment_A(mma_sdp.partition_A(sV))
-        frags.tSrQ = mma_sdp.make_fragment_B(mma_sdp.partition_B(sQ))
-        frags.tSrdO = mma_sdp.make_fragment_B(mma_sdp.partition_B(sdO))
         sQt = smem_tensor(storage.sQ, sQ_layout, [1, 0, 2])     # (D, queries, stage)
         sdOt = smem_tensor(storage.sdO, sdO_layout, [1, 0, 2])  # (Dv, queries, stage)
         sKt = smem_tensor(storage.sK, sK_layout, [1, 0, 2])     # (D, keys, 1)
-        frags.tKVrQt = mma_dkv.make_fragment_B(mma_dkv.partition_B(sQt))
-        frags.tKVrdOt = mma_dv.make_fragment_B(mma_dv.partition_B(sdOt))
+        if const_expr(self.dkv_swap):
+            # S = Q K^T, dP = dO V^T (queries x this warpgroup's keys); dK^T / dV^T's left
+            # operands Q^T / dO^T.
+            frags.tSrQ = mma_sdp.make_fragment_A(mma_sdp.partition_A(sQ))
+            frags.tSrdO = mma_sdp.make_fragment_A(mma_sdp.partition_A(sdO))
+            frags.tSrK = mma_sdp.make_fragment_B(mma_sdp.partition_B(sK))
+            frags.tSrV = mma_sdp.make_fragment_B(mma_sdp.partition_B(sV))
+            frags.tKVrQt = mma_dkv.make_fragment_A(mma_dkv.partition_A(sQt))
+            frags.tKVrdOt = mma_dv.make_fragment_A(mma_dv.partition_A(sdOt))
+        else:
+            frags.tSrK = mma_sdp.make_fragment_A(mma_sdp.partition_A(sK))
+            frags.tSrV = mma_sdp.make_fragment_A(mma_sdp.partition_A(sV))
+            frags.tSrQ = mma_sdp.make_fragment_B(mma_sdp.partition_B(sQ))
+            frags.tSrdO = mma_sdp.make_fragment_B(mma_sdp.partition_B(sdO))
+            frags.tKVrQt = mma_dkv.make_fragment_B(mma_dkv.partition_B(sQt))
+            frags.tKVrdOt = mma_dv.make_fragment_B(mma_dv.partition_B(sdOt))
         frags.tQrdS = mma_dq.make_fragment_A(mma_dq.partition_A(sdS))
         frags.tQrKt = mma_dq.make_fragment_B(mma_dq.partition_B(sKt))
         frags.mma_sdp, frags.mma_dkv, frags.mma_dq, frags.mma_dv = mma_sdp, mma_dkv, mma_dq, mma_dv
@@ -956,27 +995,42 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         frags.pipeline_q, frags.pipeline_do = pipeline_q, pipeline_do
         frags.seqlen_q, frags.seqlen_k, frags.k_tile, frags.mask_batch = seqlen_q, seqlen_k, k_tile, mask_batch
 
-        acc_dK = cute.make_rmem_tensor(mma_dkv.partition_shape_C((bk, d)), Float32)
-        acc_dV = cute.make_rmem_tensor(mma_dv.partition_shape_C((bk, self.head_dim_v)), Float32)
+        dk_shape, dv_shape = (bk, d), (bk, self.head_dim_v)
+        if const_expr(self.dkv_swap):
+            dk_shape, dv_shape = (d, bk), (self.head_dim_v, bk)     # dK^T, dV^T
+        acc_dK = cute.make_rmem_tensor(mma_dkv.partition_shape_C(dk_shape), Float32)
+        acc_dV = cute.make_rmem_tensor(mma_dv.partition_shape_C(dv_shape), Float32)
         acc_dK.fill(0.0)
         acc_dV.fill(0.0)
         frags.acc_dK, frags.acc_dV = acc_dK, acc_dV
 
-        # (key, query) coordinates of this thread's elements of an S^T tile: 2 keys (rows).
-        tScS = _rows_view(thr_sdp.partition_C(cute.make_identity_tensor((bk, bq))))
+        # (key, query) coordinates of this thread's elements of an S^T tile: 2 keys (rows);
+        # dkv_swap: (query, key) of an S tile, 2 queries (rows) of 12 keys.
+        tScS = _rows_view(thr_sdp.partition_C(cute.make_identity_tensor(
+            (bq, bk) if const_expr(self.dkv_swap) else (bk, bq))))
         frags.tScS = tScS
         num_rows = cute.size(tScS, mode=[0])
 
         # dS^T as written from registers: the (keys, queries) view of the dQ A operand.
         # Written with stmatrix (8x8 blocks, queries contiguous in both), like an epilogue.
+        # dkv_swap: dS (queries x keys, a thread's pairs along the keys) into the same
+        # queries-contiguous buffer: stmatrix.trans.
         sdS_t = cute.make_tensor(sdS.iterator, cute.select(sdS.layout, mode=[1, 0, 2]))
         ds_copy = cute.make_tiled_copy_C(
-            cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype),
+            cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=self.dkv_swap, num_matrices=4),
+                                self.dtype),
             tiled_mma_sdp,
         ).get_slice(sdp_tidx)
         frags.ds_copy = ds_copy
-        frags.tdSsdS = ds_copy.partition_D(sdS_t)
-        if const_expr(self.split_sdp):
+        frags.tdSsdS = ds_copy.partition_D(sdS if const_expr(self.dkv_swap) else sdS_t)
+        if const_expr(self.dkv_swap):
+            # P the same way into its own buffer; dV^T / dK^T read this warpgroup's keys of
+            # P / dS (keys x queries, queries contiguous: K-major) as their right operand.
+            sP_t = cute.make_tensor(smem.sP.iterator, cute.select(smem.sP.layout, mode=[1, 0, 2]))
+            frags.tPsP = ds_copy.partition_D(smem.sP)
+            frags.tKVsP = mma_dv.make_fragment_B(mma_dv.partition_B(sP_t))
+            frags.tKVsdS = mma_dkv.make_fragment_B(mma_dkv.partition_B(sdS_t))
+        elif const_expr(self.split_sdp):
             # P^T the same way into its own buffer; dV / dK read P^T / dS^T of the whole
             # tile (keys x queries, queries contiguous: K-major) from shared memory.
             sP_t = cute.make_tensor(smem.sP.iterator, cute.select(smem.sP.layout, mode=[1, 0, 2]))
@@ -1174,21 +1228,40 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         tile's lse / delta registers; with ``lse_prefetch`` the lse read before S^T."""
         bq, bk = self.block_q, self.block_kv
         si = t.si
-        t.acc_S = cute.make_rmem_tensor(f.mma_sdp.partition_shape_C((bk, bq)), Float32)
-        t.acc_dP = cute.make_rmem_tensor(f.mma_sdp.partition_shape_C((bk, bq)), Float32)
+        shape = (bq, bk) if const_expr(self.dkv_swap) else (bk, bq)
+        t.acc_S = cute.make_rmem_tensor(f.mma_sdp.partition_shape_C(shape), Float32)
+        t.acc_dP = cute.make_rmem_tensor(f.mma_sdp.partition_shape_C(shape), Float32)
         t.S = _rows_view(t.acc_S)
         t.n_cols = cute.size(t.S, mode=[1])
-        t.lse = cute.make_rmem_tensor(t.n_cols, Float32)
-        t.delta = cute.make_rmem_tensor(t.n_cols, Float32)
+        # A statistic per query: per column of S^T, per row of S (dkv_swap).
+        t.n_stats = cute.size(t.S, mode=[0]) if const_expr(self.dkv_swap) else t.n_cols
+        t.lse = cute.make_rmem_tensor(t.n_stats, Float32)
+        t.delta = cute.make_rmem_tensor(t.n_stats, Float32)
         f.pipeline_q.consumer_wait(state)
         if const_expr(self.config.lse_prefetch):
             # The lse of the tile's queries (they came with Q) read before the S^T issue:
             # the loads complete under the GEMM (FA4's SM90 placement).
-            for c in cutlass.range_constexpr(t.n_cols):
-                t.lse[c] = f.sLSE[f.tScS[0, c][1], si]
-        issue_wgmma(f.mma_sdp, t.acc_S, f.tSrK[None, None, None, 0], f.tSrQ[None, None, None, si], True)
-        f.pipeline_do.consumer_wait(state)
-        issue_wgmma(f.mma_sdp, t.acc_dP, f.tSrV[None, None, None, 0], f.tSrdO[None, None, None, si], True)
+            self.read_stats(t.lse, f.sLSE, t, f)
+        if const_expr(self.dkv_swap):
+            issue_wgmma(f.mma_sdp, t.acc_S, f.tSrQ[None, None, None, si], f.tSrK[None, None, None, 0], True)
+            f.pipeline_do.consumer_wait(state)
+            issue_wgmma(f.mma_sdp, t.acc_dP, f.tSrdO[None, None, None, si], f.tSrV[None, None, None, 0], True)
+        else:
+            issue_wgmma(f.mma_sdp, t.acc_S, f.tSrK[None, None, None, 0], f.tSrQ[None, None, None, si], True)
+            f.pipeline_do.consumer_wait(state)
+            issue_wgmma(f.mma_sdp, t.acc_dP, f.tSrV[None, None, None, 0], f.tSrdO[None, None, None, si], True)
+
+    @cute.jit
+    def read_stats(self, dst, src, t, f):
+        """``dst[i]`` = this stage's statistic (``src``: sLSE or sDelta) of the thread's i-th
+        query: column i of S^T, or with ``dkv_swap`` row i of S."""
+        for i in cutlass.range_constexpr(t.n_stats):
+            query = f.tScS[i, 0][0] if const_expr(self.dkv_swap) else f.tScS[0, i][1]
+            dst[i] = src[query, t.si]
+
+    def stat_at(self, r: int, c: int) -> int:
+        """The statistic index (``read_stats``) of element (r, c) of the rows view."""
+        return r if self.dkv_swap else c
 
     @cute.jit
     def load_statistics(self, t, f):
@@ -1209,11 +1282,9 @@ class FlashBackwardSm90(WarpSpecializedSm90):
             t.own_lse = tuple(f.sLSE[query, si] for query in owned)
             t.own_delta = tuple(f.sDelta[query, si] for query in owned)
         if const_expr(t.lse_early):
-            for c in cutlass.range_constexpr(n_cols):
-                t.lse[c] = f.sLSE[f.tScS[0, c][1], si]
+            self.read_stats(t.lse, f.sLSE, t, f)
         if const_expr(self.config.stats_early):
-            for c in cutlass.range_constexpr(n_cols):
-                t.delta[c] = f.sDelta[f.tScS[0, c][1], si]
+            self.read_stats(t.delta, f.sDelta, t, f)
 
     @cute.jit
     def probabilities(self, masked: cutlass.Constexpr[bool], t, q_tile, f, cols):
@@ -1227,13 +1298,12 @@ class FlashBackwardSm90(WarpSpecializedSm90):
             for c in cutlass.range_constexpr(n_cols):
                 lse[c] = self.stat_source(t.own_lse, c, t.lane)
         elif const_expr(not t.lse_early and not self.config.lse_prefetch):
-            for c in cutlass.range_constexpr(n_cols):
-                lse[c] = f.sLSE[f.tScS[0, c][1], si]
+            self.read_stats(lse, f.sLSE, t, f)
         if const_expr(self.softcap is None):
             scale_log2 = Float32(self.scale_log2)
             for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
                 for c in cutlass.range_constexpr(n_cols):
-                    S[r, c] = self.p_exp2(S[r, c] * scale_log2 - lse[c], c)
+                    S[r, c] = self.p_exp2(S[r, c] * scale_log2 - lse[self.stat_at(r, c)], c)
         elif const_expr(self.dv_split and not masked):
             # dv_split, unmasked tile: each piece of the queries' columns through tanh and
             # P^T, then its k-blocks of dV issued, so that they run under the next piece.
@@ -1255,9 +1325,14 @@ class FlashBackwardSm90(WarpSpecializedSm90):
                 t.keep_words = cute.make_rmem_tensor(cute.size(S, mode=[0]), Uint32)
                 t.exact = cols.exact
                 keep_words = t.keep_words
-            self.apply_mask(S, f.tScS, q_tile, cols.starts, cols.lengths, cols.exact, f.mFwdIntervals,
-                            f.mBwdIntervals, f.seqlen_q, f.seqlen_k, f.k_tile, cols.mh, f.mask_batch,
-                            f.residual_args, fill, keep_words)
+            if const_expr(self.query_rows):
+                self.mask_query_rows(S, f.tScS, f.mFwdIntervals, f.seqlen_q, f.seqlen_k,
+                                     q_tile * self.block_q, f.k_tile * self.block_kv, cols.mh,
+                                     f.mask_batch, f.residual_args, fill)
+            else:
+                self.apply_mask(S, f.tScS, q_tile, cols.starts, cols.lengths, cols.exact, f.mFwdIntervals,
+                                f.mBwdIntervals, f.seqlen_q, f.seqlen_k, f.k_tile, cols.mh, f.mask_batch,
+                                f.residual_args, fill, keep_words)
         if const_expr(self.softcap is not None and not (self.dv_split and not masked)):
             # P^T for dV (bf16 / fp16 registers) and, in S, P^T (1 - t^2) (softcap_r: a
             # quarter of it): the gradient of the capped logits is that times (dP^T - delta).
@@ -1281,8 +1356,7 @@ class FlashBackwardSm90(WarpSpecializedSm90):
             for c in cutlass.range_constexpr(t.n_cols):
                 delta[c] = self.stat_source(t.own_delta, c, t.lane)
         elif const_expr(not self.config.stats_early):
-            for c in cutlass.range_constexpr(t.n_cols):
-                delta[c] = f.sDelta[f.tScS[0, c][1], t.si]
+            self.read_stats(delta, f.sDelta, t, f)
 
     @cute.jit
     def capped_piece(self, masked: cutlass.Constexpr[bool], t, f, j: cutlass.Constexpr[int],
@@ -1348,7 +1422,7 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         else:
             for r in cutlass.range_constexpr(cute.size(dP, mode=[0])):
                 for c in cutlass.range_constexpr(t.n_cols):
-                    dP[r, c] = S[r, c] * (dP[r, c] - delta[c])
+                    dP[r, c] = S[r, c] * (dP[r, c] - delta[self.stat_at(r, c)])
 
     @cute.jit
     def guarded_ds(self, dP, S, delta, c0: cutlass.Constexpr[int], c1: cutlass.Constexpr[int]):
@@ -1357,7 +1431,8 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         0 * (dP - NaN) would leak into dK."""
         for r in cutlass.range_constexpr(cute.size(dP, mode=[0])):
             for c in cutlass.range_constexpr(c0, c1):
-                dP[r, c] = Float32(0.0) if S[r, c] == Float32(0.0) else S[r, c] * (dP[r, c] - delta[c])
+                dP[r, c] = Float32(0.0) if S[r, c] == Float32(0.0) \
+                    else S[r, c] * (dP[r, c] - delta[self.stat_at(r, c)])
 
     @cute.jit
     def dv_and_ds(self, t, state, f, stage: cutlass.Constexpr = None):
@@ -1383,9 +1458,9 @@ class FlashBackwardSm90(WarpSpecializedSm90):
             # With a 2-stage ring the dS^T buffer alternates with the ring stage.
             ds_stage = state.count % 2 if const_expr(stage is None) else stage
         wg = f.wg
-        if const_expr(self.split_sdp):
+        if const_expr(self.p_in_smem):
             # Each warpgroup's half of the queries: P^T and dS^T, then dV from shared memory
-            # once both warpgroups' halves are there.
+            # once both warpgroups' halves are there (dkv_swap: its keys of P and dS).
             cute.copy(f.ds_copy, f.ds_copy.retile(t.rP), f.tPsP[None, None, None, ds_stage])
             cute.copy(f.ds_copy, f.ds_copy.retile(rdS), f.tdSsdS[None, None, None, ds_stage])
             cute.arch.fence_view_async_shared()
@@ -1438,6 +1513,10 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         (``t.rP``) or, with ``split_sdp``, the whole tile's from its shared buffer. With
         ``piece`` >= 0 (``dv_split``) only that piece's k-blocks (16 queries each: P^T's
         accumulator columns 4 kb .. 4 kb + 3, ``_as_a_operand``), as its own group."""
+        if const_expr(self.dkv_swap):       # dV^T += dO^T P
+            issue_wgmma(f.mma_dv, f.acc_dV, f.tKVrdOt[None, None, None, t.si],
+                        f.tKVsP[None, None, None, t.ds_stage], False)
+            return
         p = f.tKVsP[None, None, None, t.ds_stage] if const_expr(self.split_sdp) else _as_a_operand(t.rP)
         if const_expr(piece >= 0):
             per = cute.size(p.shape[2]) // self.dv_split
@@ -1584,6 +1663,9 @@ class FlashBackwardSm90(WarpSpecializedSm90):
             pipeline_do.consumer_release(state)
         if const_expr(self.dk_split):
             warpgroup.wait_group(0)             # dK's pieces went before DS_READY: dQ is last
+        elif const_expr(self.dkv_swap):     # dK^T += Q^T dS
+            issue_wgmma(f.mma_dkv, f.acc_dK, f.tKVrQt[None, None, None, si], f.tKVsdS[None, None, None, ds_stage], False)
+            warpgroup.wait_group(1)
         else:
             issue_wgmma(f.mma_dkv, f.acc_dK, self.dk_operand(f, rdS, ds_stage), f.tKVrQt[None, None, None, si], False)
             warpgroup.wait_group(1)
@@ -1718,6 +1800,74 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         else:
             self.mask_by_rows(P, tScS, mFwdIntervals, seqlen_q, seqlen_k, row0, col0, mh,
                               mask_batch, fill)
+
+    @cute.jit
+    def mask_query_rows(self, P, tScS, mFwdIntervals, seqlen_q, seqlen_k, q0, k0, mh, mask_batch,
+                        residual_args, fill: cutlass.Constexpr[float] = 0.0):
+        """``dkv_swap``: P (query rows, key columns) set to ``fill`` where the pair is not
+        visible, by the forward row intervals of each of the thread's query rows (and their
+        residual predicates: the forward program of the row's region), or out of range. Up
+        to INTERVALS_UNROLLED intervals are held and tested per element; above, or with
+        residuals, each interval that meets the tile's keys sets its columns' bits in a
+        visibility mask (the intervals looped, not unrolled, without residuals)."""
+        nrows, ncols = cute.size(P, mode=[0]), cute.size(P, mode=[1])
+        assert ncols <= 32, f"the query-row mask needs <= 32 key columns per thread, got {ncols}"
+        ops = None
+        if const_expr(self.residual is not None):
+            ops = CuteOps(residual_args[1], mask_batch, seqlen_q, seqlen_k)
+        for r in cutlass.range_constexpr(nrows):
+            i = q0 + tScS[r, 0][0]
+            q_ok = i < seqlen_q
+            safe = i if q_ok else 0
+            if const_expr(self.rows_looped or self.residual is not None):
+                region = residual_args[0][mask_batch, safe] if const_expr(self.residual is not None) else None
+                seen_t = cute.make_rmem_tensor(1, Uint32)
+                seen_t[0] = Uint32(0)
+                if const_expr(self.residual is not None):
+                    for m in cutlass.range_constexpr(self.num_intervals):
+                        self.mark_query_row(seen_t, P, tScS, r, i, k0, m, mFwdIntervals[mask_batch, mh, safe, m, None],
+                                            ops, mh, region)
+                else:
+                    for m in cutlass.range(self.num_intervals, unroll=1):
+                        self.mark_query_row(seen_t, P, tScS, r, i, k0, m, mFwdIntervals[mask_batch, mh, safe, m, None],
+                                            ops, mh, region)
+                seen = seen_t[0]
+                for c in cutlass.range_constexpr(ncols):
+                    j = k0 + tScS[r, c][1]
+                    keep = (seen & Uint32(1 << c) != Uint32(0)) & q_ok & (j < seqlen_k)
+                    P[r, c] = P[r, c] if keep else Float32(fill)
+            else:
+                starts = cute.make_rmem_tensor(self.num_intervals, Int32)
+                lengths = cute.make_rmem_tensor(self.num_intervals, Int32)
+                for m in cutlass.range_constexpr(self.num_intervals):
+                    # One 8-byte load per (start, length) (see mask_by_rows).
+                    lo, n = ld_pair_s32(mFwdIntervals[mask_batch, mh, safe, m, None].iterator.llvm_ptr)
+                    starts[m] = lo
+                    lengths[m] = n
+                for c in cutlass.range_constexpr(ncols):
+                    j = k0 + tScS[r, c][1]
+                    vis = Boolean(False)
+                    for m in cutlass.range_constexpr(self.num_intervals):
+                        vis = vis | _unsigned_lt(j - starts[m], lengths[m])
+                    keep = vis & q_ok & (j < seqlen_k)
+                    P[r, c] = P[r, c] if keep else Float32(fill)
+
+    @cute.jit
+    def mark_query_row(self, seen_t, P, tScS, r: cutlass.Constexpr[int], i, k0, m, interval, ops, mh,
+                       region):
+        """``mask_query_rows``: the bits of row r's key columns inside ``interval`` (start,
+        length; slot m's residual AND-ed when it has one, m then static) set in seen_t[0];
+        an interval that misses the tile's keys is skipped."""
+        start, length = interval[0], interval[1]
+        if (length > 0) & (start < k0 + self.block_kv) & (start + length > k0):
+            for c in cutlass.range_constexpr(cute.size(P, mode=[1])):
+                j = k0 + tScS[r, c][1]
+                hit = _unsigned_lt(j - start, length)
+                if const_expr(self.residual is not None):
+                    if const_expr(len(self.residual[0].slots[m]) > 0):
+                        hit = hit & self.residual[0].emit_slot(ops, m, q=i, k=j, h=mh, region=region)
+                if hit:
+                    seen_t[0] = seen_t[0] | Uint32(1 << c)
 
     @cute.jit
     def mask_by_rows(self, P, tScS, mFwdIntervals, seqlen_q, seqlen_k, row0, col0, mh,
@@ -1959,18 +2109,24 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         # The other warpgroup's last dQ product reads all of K: wait for it.
         cute.arch.barrier(barrier_id=int(Bar.EPILOGUE), number_of_threads=both)
         tiled_mma_dkv, tiled_mma_dv = tiled_mmas_dkv
-        stmatrix = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4),
-                                       self.dtype)
+        # dkv_swap: dK^T / dV^T (D or Dv, keys; a thread's pairs along the keys) into the
+        # buffers seen (D or Dv, keys): stmatrix.trans writes them as key rows.
+        stmatrix = cute.make_copy_atom(
+            cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=self.dkv_swap, num_matrices=4), self.dtype)
         smem_store = cute.make_tiled_copy_C(stmatrix, tiled_mma_dkv).get_slice(tidx)
         smem_store_v = smem_store
-        if const_expr(self.head_dim_v != self.head_dim):
+        if const_expr(self.head_dim_v != self.head_dim and not self.dkv_swap):
             smem_store_v = cute.make_tiled_copy_C(stmatrix, tiled_mma_dv).get_slice(tidx)
+        sK_out, sV_out = sK[None, None, 0], sV[None, None, 0]
+        if const_expr(self.dkv_swap):
+            sK_out = cute.make_tensor(sK.iterator, cute.select(sK.layout, mode=[1, 0, 2]))[None, None, 0]
+            sV_out = cute.make_tensor(sV.iterator, cute.select(sV.layout, mode=[1, 0, 2]))[None, None, 0]
         rdK = cute.make_rmem_tensor_like(acc_dK, self.dtype)
         rdK.store((acc_dK.load() * Float32(self.grad_scale)).to(self.dtype))
-        cute.copy(smem_store, smem_store.retile(rdK), smem_store.partition_D(sK[None, None, 0]))
+        cute.copy(smem_store, smem_store.retile(rdK), smem_store.partition_D(sK_out))
         rdV = cute.make_rmem_tensor_like(acc_dV, self.dtype)
         rdV.store(acc_dV.load().to(self.dtype))
-        cute.copy(smem_store_v, smem_store_v.retile(rdV), smem_store_v.partition_D(sV[None, None, 0]))
+        cute.copy(smem_store_v, smem_store_v.retile(rdV), smem_store_v.partition_D(sV_out))
         # Generic-proxy smem writes are fenced before the TMA (async proxy) reads them.
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=int(Bar.EPILOGUE), number_of_threads=both)
