@@ -311,6 +311,80 @@ def test_d192_switches_compile_for_sm90(changes, dtype, kk, kc, bb, bh, monkeypa
     assert "_ds2_" in key.target_name
 
 
+# dkv_swap (issue 15, session 32; kernels/cute/D192_64x96_PLAN.md): D 192 / 128 at 64 x 96 tiles
+# with S = Q K^T per query row and dK^T / dV^T from shared memory. (changes, dtype, K, Kc, bb, bh).
+_SWAP = "block_kv=96,split_dkv=0,split_sdp=0,dkv_swap=1"
+_DKV_SWAP_CASES = {
+    "causal": (_SWAP, "bfloat16", 1, 1, True, True),
+    "clear_fp16": (_SWAP, "float16", 6, 7, False, False),        # 6 intervals per query row
+    "any_k": (_SWAP, "bfloat16", 12, 13, False, True),           # looped intervals (bit mask)
+    "dq_red_ds2": (_SWAP + ",dq_red=1,ds_stages=2", "bfloat16", 1, 1, True, True),
+    "det": (_SWAP + ",deterministic=1", "bfloat16", 2, 4, False, True),
+}
+
+
+@needs_cutlass
+@pytest.mark.parametrize("case", [c if c == "causal" else pytest.param(c, marks=knob)
+                                  for c in sorted(_DKV_SWAP_CASES)])
+def test_dkv_swap_compiles_for_sm90(case, monkeypatch, capfd):
+    """dkv_swap: no wgmma serialized (C7512). Static SASS (D 192 / 128, causal): 168
+    registers, 0 B stack, 46 HGMMA per tile copy (FA4's D 192: 46), 454 / 605 instructions
+    per unmasked / masked copy (64 x 64 split_sdp: 32 HGMMA, 347 / 596 per tile of 2/3 the
+    keys)."""
+    from jcompilemask.kernels.cute import api
+    changes, dtype, kk, kc, bb, bh = _DKV_SWAP_CASES[case]
+    monkeypatch.setenv(api.BWD_CONFIG_ENV, changes)
+    cfg = api._config_from_env(api.preferred_backward_config(192, dtype))
+    key = api.BackwardKey(dtype, 192, kk, kc, bb, bh, 192 ** -0.5, cfg, head_dim_v=128)
+    assert compile_checking_remarks(api.compile_backward, key, monkeypatch, capfd) is not None
+    assert "_t64x96_" in key.target_name and key.target_name.count("_swp") == 1
+
+
+@needs_cutlass
+def test_dkv_swap_residual_compiles_for_sm90():
+    """dkv_swap with residual predicates: each query row's forward intervals AND the forward
+    program of the row's region (``mask_query_rows``)."""
+    import dataclasses
+    from jcompilemask.kernels.cute.api import BackwardConfig, BackwardKey, compile_backward
+    from jcompilemask.lower.residual_program import ResidualProgram
+    cm = jcm.compile(MaskSpec([Region((0, q_len), (k <= q) & ((q - k) % 2 == 0))]), warn=False)
+    cfg = BackwardConfig(block_kv=96, dkv_swap=True, ds_stages=1, work_list=True, dkv_tma_store=True)
+    key = BackwardKey("bfloat16", 192, cm.num_intervals, cm.num_bwd_intervals, False, True,
+                      192 ** -0.5, cfg, head_dim_v=128, residual=ResidualProgram.pair(cm))
+    assert compile_backward(key) is not None
+
+
+def test_dkv_swap_config_is_validated():
+    """dkv_swap: 64 x 96 tiles, the TMA epilogue, one P + dS stage unless dQ leaves from
+    registers, none of the S^T-only knobs; D 192 / 128 without a cap only (BackwardKey)."""
+    import dataclasses
+    from jcompilemask.kernels.cute import api
+    from jcompilemask.kernels.cute.api import BackwardConfig, BackwardKey
+    ok = dict(block_kv=96, dkv_swap=True, ds_stages=1, work_list=True, dkv_tma_store=True)
+    cfg = BackwardConfig(**ok)
+    assert cfg.tag.endswith("_swp") and "_swp" not in BackwardConfig().tag
+    # K + V, 2 Q / dO stages, P + dS, lse / delta, the float32 dQ tile, the list: 227336 B
+    assert api.backward_smem_bytes(192, cfg, head_dim_v=128) == 227336 <= api._SMEM_LIMIT
+    assert api.backward_smem_bytes(192, dataclasses.replace(cfg, ds_stages=2, dq_red=True),
+                                   head_dim_v=128) <= api._SMEM_LIMIT
+    with pytest.raises(ValueError, match="runs 64x96 backward tiles with dkv_swap"):
+        BackwardConfig(**{**ok, "block_kv": 128})
+    with pytest.raises(ValueError, match="runs 64x64 backward tiles with split_dkv"):
+        BackwardConfig(block_kv=96, split_dkv=True)
+    for bad in ("split_sdp", "dv_early", "ds_first", "stats_shfl", "column_words", "ds_words"):
+        with pytest.raises(ValueError, match=f"dkv_swap .*; set {bad}=0"):
+            BackwardConfig(**{**ok, bad: True})
+    with pytest.raises(ValueError, match="set dkv_tma_store=1"):
+        BackwardConfig(**{**ok, "dkv_tma_store": False})
+    with pytest.raises(ValueError, match="ds_stages=2 needs dq_red=1"):
+        BackwardConfig(**{**ok, "ds_stages": 2})
+    BackwardKey("bfloat16", 192, 1, 1, True, True, 0.1, cfg, head_dim_v=128)
+    with pytest.raises(ValueError, match="dkv_swap runs head dims 192 / 128 without a soft cap"):
+        BackwardKey("bfloat16", 192, 1, 1, True, True, 0.1, cfg, head_dim_v=128, softcap=30.0)
+    with pytest.raises(ValueError, match="dkv_swap runs head dims 192 / 128"):
+        BackwardKey("bfloat16", 128, 1, 1, True, True, 0.1, cfg)
+
+
 # dv_split (issue 15, session 30; compile-checked): dV issued in pieces as the soft cap's P^T
 # is made, so its first k-blocks run under the next columns' tanh / exp2 (the capped tile's
 # MUFU phase otherwise has only dP^T on the tensor pipe). (changes, dtype, D, K, Kc).
