@@ -62,7 +62,8 @@ def test_named_barrier_ids_are_distinct_and_fit():
     """Every named barrier (ids + their per-warpgroup / per-buffer copies) is its own id in
     1..15 (0 is __syncthreads), so no two protocols share a barrier generation."""
     from jcompilemask.kernels.cute.backward import Bar
-    copies = {"DQ_FULL": 2, "DQ_EMPTY": 2, "LIST_READY": 2, "LIST_FREE": 2, "LIST_READY_DQ": 2}
+    copies = {"DQ_FULL": 2, "DQ_EMPTY": 2, "LIST_READY": 2, "LIST_FREE": 2, "LIST_READY_DQ": 2,
+              "P_READY": 2}
     ids = [b.value + i for b in Bar for i in range(copies.get(b.name, 1))]
     assert len(ids) == len(set(ids)), sorted(ids)
     assert min(ids) >= 1 and max(ids) <= 15, sorted(ids)
@@ -320,6 +321,8 @@ _DKV_SWAP_CASES = {
     "any_k": (_SWAP, "bfloat16", 12, 13, False, True),           # looped intervals (bit mask)
     "dq_red_ds2": (_SWAP + ",dq_red=1,ds_stages=2", "bfloat16", 1, 1, True, True),
     "det": (_SWAP + ",deterministic=1", "bfloat16", 2, 4, False, True),
+    "dv_early": (_SWAP + ",dv_early=1", "bfloat16", 1, 1, True, True),
+    "dv_early_clear": (_SWAP + ",dv_early=1,dq_red=1,ds_stages=2", "float16", 6, 7, False, False),
 }
 
 
@@ -371,7 +374,7 @@ def test_dkv_swap_config_is_validated():
         BackwardConfig(**{**ok, "block_kv": 128})
     with pytest.raises(ValueError, match="runs 64x64 backward tiles with split_dkv"):
         BackwardConfig(block_kv=96, split_dkv=True)
-    for bad in ("split_sdp", "dv_early", "ds_first", "stats_shfl", "column_words", "ds_words"):
+    for bad in ("split_sdp", "ds_first", "stats_shfl", "column_words", "ds_words"):
         with pytest.raises(ValueError, match=f"dkv_swap .*; set {bad}=0"):
             BackwardConfig(**{**ok, bad: True})
     with pytest.raises(ValueError, match="set dkv_tma_store=1"):

@@ -1319,10 +1319,12 @@ class BackwardConfig:
       orientation needs ``split_dkv``'s 64 keys. Partial tiles test each query row's forward
       intervals (the column view is not read). Needs ``dkv_tma_store`` (stmatrix.trans into
       K's / V's buffers) and ``ds_stages=1`` (P + dS: 2 x 12 KB a stage, 227 KB in all),
-      or ``ds_stages=2`` with ``dq_red``; excludes ``split_dkv`` / ``split_sdp``, the dV
-      placements (``dv_early`` / ``p_early`` / ``ds_first`` / ``dv_split`` / ``dk_split``),
-      ``stats_shfl`` and the column-view masks (``column_words`` / ``ds_words`` /
-      ``residual_periodic``). FlashAttention-4's SM90 backward runs D 192 this way.
+      or ``ds_stages=2`` with ``dq_red``; excludes ``split_dkv`` / ``split_sdp``, the other
+      dV placements (``ds_first`` / ``dv_split`` / ``dk_split``), ``stats_shfl`` and the
+      column-view masks (``column_words`` / ``ds_words`` / ``residual_periodic``). dV^T is
+      issued after DS_READY; with ``dv_early`` each warpgroup stores its keys' P before the
+      dP wait, meets its own 128 threads (a named barrier per warpgroup) and issues dV^T
+      there, so it runs under dS. FlashAttention-4's SM90 backward runs D 192 this way.
       Not yet run on the H200.
 
     ``preferred_backward_config`` picks the default per head dim; ``JCOMPILEMASK_CUTE_BWD_CONFIG``
@@ -1379,14 +1381,14 @@ class BackwardConfig:
             raise ValueError(f"cute backward runs {runs} backward tiles{knob}; the descriptor "
                              f"was built for {self.block_q}x{self.block_kv}")
         if self.dkv_swap:
-            clash = [n for n in ("split_dkv", "split_sdp", "dv_early", "p_early", "ds_first",
+            clash = [n for n in ("split_dkv", "split_sdp", "ds_first",
                                  "dv_split", "dk_split", "stats_shfl", "column_words",
                                  "ds_words", "residual_periodic") if getattr(self, n)]
             if clash or not self.dkv_tma_store:
                 raise ValueError(
                     "dkv_swap (S = Q K^T per query row, dK^T / dV^T from shared memory) needs "
                     "dkv_tma_store=1 and excludes split_dkv / split_sdp, the dV placements "
-                    "(dv_early, p_early, ds_first, dv_split, dk_split), stats_shfl and the "
+                    "other than dv_early (ds_first, dv_split, dk_split), stats_shfl and the "
                     "column-view masks (column_words, ds_words, residual_periodic)"
                     + (f"; set {', '.join(n + '=0' for n in clash)}" if clash else
                        "; set dkv_tma_store=1"))

@@ -96,6 +96,8 @@ class Bar(enum.IntEnum):
                         # waited on from one instruction only (bar.sync is .aligned): the
                         # consumers' and the dQ warp's waits sit at different instructions,
                         # which compute-sanitizer's synccheck reports as divergent.
+    P_READY = 14    # 14, 15 (per consumer warpgroup; dkv_swap with dv_early): the warpgroup
+                    # stored its keys' P, which its dV^T reads
 
 
 class FlashBackwardSm90(WarpSpecializedSm90):
@@ -1213,7 +1215,7 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         ``f``: the CTA's fragments, accumulators and constants (``consume``); ``cols``: the
         head's column intervals and mask head; ``stage``: the ring stage of this tile as a
         compile-time constant (``static_stage``), or None to index by ``state.index``."""
-        t = _Namespace(si=state.index if const_expr(stage is None) else stage)
+        t = _Namespace(si=state.index if const_expr(stage is None) else stage, ring=(state, stage))
         self.issue_scores(t, state, f)
         self.load_statistics(t, f)
         self.probabilities(masked, t, q_tile, f, cols)
@@ -1400,6 +1402,8 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         if const_expr(self.config.p_early):
             self.convert_p(t)
         if const_expr(self.dv_at == "early"):
+            if const_expr(self.dkv_swap):
+                self.store_own_p(t, f, *t.ring)
             self.issue_dv(t, f)
             warpgroup.wait_group(1)
         else:
@@ -1435,6 +1439,19 @@ class FlashBackwardSm90(WarpSpecializedSm90):
                     else S[r, c] * (dP[r, c] - delta[self.stat_at(r, c)])
 
     @cute.jit
+    def store_own_p(self, t, f, state, stage: cutlass.Constexpr = None):
+        """``dkv_swap`` with ``dv_early``: this warpgroup's P to its keys' slice of the P
+        buffer, fenced, then its 128 threads meet (P_READY + wg) so its dV^T may read it.
+        Only this warpgroup's dV^T reads the slice, and its last one completed before the
+        previous tile's stage release: no cross-warpgroup wait."""
+        t.ds_stage = 0
+        if const_expr(self.config.ds_stages == 2):
+            t.ds_stage = state.count % 2 if const_expr(stage is None) else stage
+        cute.copy(f.ds_copy, f.ds_copy.retile(t.rP), f.tPsP[None, None, None, t.ds_stage])
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=int(Bar.P_READY) + f.wg, number_of_threads=self.threads_per_wg)
+
+    @cute.jit
     def dv_and_ds(self, t, state, f, stage: cutlass.Constexpr = None):
         """dV += P^T dO (P^T from registers) issued (with ``dv_early``: done already, in
         ``softmax_grad``); dS^T converted once, to its shared buffer for dQ (``t.rdS`` keeps
@@ -1460,8 +1477,10 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         wg = f.wg
         if const_expr(self.p_in_smem):
             # Each warpgroup's half of the queries: P^T and dS^T, then dV from shared memory
-            # once both warpgroups' halves are there (dkv_swap: its keys of P and dS).
-            cute.copy(f.ds_copy, f.ds_copy.retile(t.rP), f.tPsP[None, None, None, ds_stage])
+            # once both warpgroups' halves are there (dkv_swap: its keys of P and dS; with
+            # dv_early P went before the dP wait, ``store_own_p``).
+            if const_expr(self.dv_at != "early"):
+                cute.copy(f.ds_copy, f.ds_copy.retile(t.rP), f.tPsP[None, None, None, ds_stage])
             cute.copy(f.ds_copy, f.ds_copy.retile(rdS), f.tdSsdS[None, None, None, ds_stage])
             cute.arch.fence_view_async_shared()
         elif const_expr(self.split_dkv):
