@@ -1211,15 +1211,15 @@ PY
   d192s)
     # Issue 15's D 192 / 128 design (kernels/cute/D192_64x96_PLAN.md): BackwardConfig.dkv_swap,
     # 64 x 96 tiles with S = Q K^T per query row and dK^T / dV^T from shared memory (FA4's D 192
-    # shape). Its 12 gradient cases of tests/gpu/test_cute_head_dims.py (the D 192 ids without a
-    # cap) in JCM_PAR processes under a guard, then bwd ms at 8K: the default (64 x 64), the swap
+    # shape). Its 24 gradient cases of tests/gpu/test_cute_head_dims.py (the D 192 ids, with and
+    # without a cap) in JCM_PAR processes under a guard, then bwd ms at 8K: the default (64 x 64), the swap
     # (+ dv_early: dV^T issued under dS; + dq_red with two dS stages), FA4 native at its 64 x 96
     # and forced to 64 x 64.
     export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
     swp=block_kv=96,split_dkv=0,split_sdp=0,dkv_swap=1
     if [[ -z ${JCM_D192S_BENCH_ONLY:-} ]]; then
       JCOMPILEMASK_CUTE_BWD_CONFIG=$swp JCM_PAR_FILES=tests/gpu/test_cute_head_dims.py \
-        JCM_PAR_ONLY='d192\]' JCM_STAGE_S=${JCM_D192S_TEST_S:-200} bash "$0" hdimspar
+        JCM_PAR_ONLY='d192(cap)?\]' JCM_STAGE_S=${JCM_D192S_TEST_S:-200} bash "$0" hdimspar
     fi
     hdims_bench d192s ${JCM_D192S_S:-300} ${JCM_HDIMS_NS:-8192} d192 \
       "swp@d192=$swp;swpe@d192=$swp,dv_early=1;swpr@d192=$swp,dq_red=1,ds_stages=2" \

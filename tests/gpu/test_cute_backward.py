@@ -315,14 +315,16 @@ def test_d192_switches_compile_for_sm90(changes, dtype, kk, kc, bb, bh, monkeypa
 # dkv_swap (issue 15, session 32; kernels/cute/D192_64x96_PLAN.md): D 192 / 128 at 64 x 96 tiles
 # with S = Q K^T per query row and dK^T / dV^T from shared memory. (changes, dtype, K, Kc, bb, bh).
 _SWAP = "block_kv=96,split_dkv=0,split_sdp=0,dkv_swap=1"
-_DKV_SWAP_CASES = {
-    "causal": (_SWAP, "bfloat16", 1, 1, True, True),
-    "clear_fp16": (_SWAP, "float16", 6, 7, False, False),        # 6 intervals per query row
-    "any_k": (_SWAP, "bfloat16", 12, 13, False, True),           # looped intervals (bit mask)
-    "dq_red_ds2": (_SWAP + ",dq_red=1,ds_stages=2", "bfloat16", 1, 1, True, True),
-    "det": (_SWAP + ",deterministic=1", "bfloat16", 2, 4, False, True),
-    "dv_early": (_SWAP + ",dv_early=1", "bfloat16", 1, 1, True, True),
-    "dv_early_clear": (_SWAP + ",dv_early=1,dq_red=1,ds_stages=2", "float16", 6, 7, False, False),
+_DKV_SWAP_CASES = {   # name: (changes, dtype, K, Kc, bb, bh, soft cap)
+    "causal": (_SWAP, "bfloat16", 1, 1, True, True, None),
+    "clear_fp16": (_SWAP, "float16", 6, 7, False, False, None),        # 6 intervals per query row
+    "any_k": (_SWAP, "bfloat16", 12, 13, False, True, None),           # looped intervals (bit mask)
+    "dq_red_ds2": (_SWAP + ",dq_red=1,ds_stages=2", "bfloat16", 1, 1, True, True, None),
+    "det": (_SWAP + ",deterministic=1", "bfloat16", 2, 4, False, True, None),
+    "dv_early": (_SWAP + ",dv_early=1", "bfloat16", 1, 1, True, True, None),
+    "dv_early_clear": (_SWAP + ",dv_early=1,dq_red=1,ds_stages=2", "float16", 6, 7, False, False, None),
+    "cap": (_SWAP, "bfloat16", 1, 1, True, True, 30.0),
+    "cap_r_clear": (_SWAP + ",softcap_r=1,dv_early=1", "float16", 6, 7, False, False, 30.0),
 }
 
 
@@ -333,12 +335,12 @@ def test_dkv_swap_compiles_for_sm90(case, monkeypatch, capfd):
     """dkv_swap: no wgmma serialized (C7512). Static SASS (D 192 / 128, causal): 168
     registers, 0 B stack, 46 HGMMA per tile copy (FA4's D 192: 46), 454 / 605 instructions
     per unmasked / masked copy (64 x 64 split_sdp: 32 HGMMA, 347 / 596 per tile of 2/3 the
-    keys)."""
+    keys); with a soft cap 693 / 845 (softcap_r: 599 / 799)."""
     from jcompilemask.kernels.cute import api
-    changes, dtype, kk, kc, bb, bh = _DKV_SWAP_CASES[case]
+    changes, dtype, kk, kc, bb, bh, cap = _DKV_SWAP_CASES[case]
     monkeypatch.setenv(api.BWD_CONFIG_ENV, changes)
-    cfg = api._config_from_env(api.preferred_backward_config(192, dtype))
-    key = api.BackwardKey(dtype, 192, kk, kc, bb, bh, 192 ** -0.5, cfg, head_dim_v=128)
+    cfg = api._config_from_env(api.preferred_backward_config(192, dtype, cap is not None))
+    key = api.BackwardKey(dtype, 192, kk, kc, bb, bh, 192 ** -0.5, cfg, head_dim_v=128, softcap=cap)
     assert compile_checking_remarks(api.compile_backward, key, monkeypatch, capfd) is not None
     assert "_t64x96_" in key.target_name and key.target_name.count("_swp") == 1
 
@@ -359,7 +361,7 @@ def test_dkv_swap_residual_compiles_for_sm90():
 
 def test_dkv_swap_config_is_validated():
     """dkv_swap: 64 x 96 tiles, the TMA epilogue, one P + dS stage unless dQ leaves from
-    registers, none of the S^T-only knobs; D 192 / 128 without a cap only (BackwardKey)."""
+    registers, none of the S^T-only knobs; D 192 / 128 only (BackwardKey)."""
     import dataclasses
     from jcompilemask.kernels.cute import api
     from jcompilemask.kernels.cute.api import BackwardConfig, BackwardKey
@@ -382,8 +384,7 @@ def test_dkv_swap_config_is_validated():
     with pytest.raises(ValueError, match="ds_stages=2 needs dq_red=1"):
         BackwardConfig(**{**ok, "ds_stages": 2})
     BackwardKey("bfloat16", 192, 1, 1, True, True, 0.1, cfg, head_dim_v=128)
-    with pytest.raises(ValueError, match="dkv_swap runs head dims 192 / 128 without a soft cap"):
-        BackwardKey("bfloat16", 192, 1, 1, True, True, 0.1, cfg, head_dim_v=128, softcap=30.0)
+    BackwardKey("bfloat16", 192, 1, 1, True, True, 0.1, cfg, head_dim_v=128, softcap=30.0)
     with pytest.raises(ValueError, match="dkv_swap runs head dims 192 / 128"):
         BackwardKey("bfloat16", 128, 1, 1, True, True, 0.1, cfg)
 

@@ -1310,7 +1310,7 @@ class BackwardConfig:
       piece's MUFU work; dQ becomes the tile's last GEMM (its handoff then waits for every
       group). The same products in the same order: bit-identical. Excludes
       ``release_do_early``. Not yet run on the H200.
-    - ``dkv_swap`` (D 192 / Dv 128 without a soft cap; 64 x 96 tiles): the queries are the
+    - ``dkv_swap`` (D 192 / Dv 128; 64 x 96 tiles): the queries are the
       rows of S and dP (S = Q K^T, dP = dO V^T; each consumer warpgroup owns 48 of the 96
       keys, a thread 2 query rows x 12 key columns), and dK / dV are accumulated transposed
       (dV^T += dO^T P, dK^T += Q^T dS, M = Dv / D, both operands from shared memory: P and
@@ -1731,10 +1731,9 @@ class BackwardKey:
                              f"wgmmas and spill), got D {self.head_dim}/{self.dv}, softcap="
                              f"{self.softcap}; use block_q=64")
         c = self.config
-        if c.dkv_swap and ((self.head_dim, self.dv) != (192, 128) or self.softcap is not None):
-            raise ValueError(f"dkv_swap runs head dims 192 / 128 without a soft cap, got "
-                             f"{self.head_dim}/{self.dv}, softcap={self.softcap}; use "
-                             f"preferred_backward_config(D) (dkv_swap=0) here")
+        if c.dkv_swap and (self.head_dim, self.dv) != (192, 128):
+            raise ValueError(f"dkv_swap runs head dims 192 / 128, got {self.head_dim}/{self.dv}; "
+                             f"use preferred_backward_config(D) (dkv_swap=0) here")
         if self.softcap is not None and c.dv_split and (
                 c.split_sdp or c.dv_early or c.p_early or c.ds_first or c.block_q != BWD_TILES[0]):
             raise ValueError("dv_split issues dV from P^T's registers piece by piece as the soft "

@@ -174,7 +174,6 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         assert self.head_dim_v == head_dim or (
             (config.split_dkv or config.dkv_swap) and config.dkv_tma_store), \
             "Dv != D runs split_dkv or dkv_swap with the TMA epilogue"
-        assert not (self.dkv_swap and softcap is not None), "dkv_swap runs without a soft cap"
         self.num_intervals = num_intervals
         self.num_bwd_intervals = num_bwd_intervals
         self.scale = float(scale)
@@ -1265,6 +1264,11 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         """The statistic index (``read_stats``) of element (r, c) of the rows view."""
         return r if self.dkv_swap else c
 
+    def stat_span(self, stats, c0: int, c1: int) -> tuple:
+        """The statistics (``read_stats``) of columns c0 .. c1 - 1 of the rows view: those
+        columns', or with ``dkv_swap`` (a statistic per row) all of them."""
+        return (0, cute.size(stats)) if self.dkv_swap else (c0, c1)
+
     @cute.jit
     def load_statistics(self, t, f):
         """This stage's lse / delta (arrived with Q / dO) for the thread's columns, the reads
@@ -1639,7 +1643,7 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
             for c in cutlass.range_constexpr(c0, c1):
                 t = S[r, c]
-                p = self.p_exp2(t * cap_log2 - lse[c], c)     # -inf (masked) -> exactly 0
+                p = self.p_exp2(t * cap_log2 - lse[self.stat_at(r, c)], c)   # -inf (masked) -> exactly 0
                 rP_rows[r, c] = p.to(self.dtype)
                 S[r, c] = Float32(0.0) if p == Float32(0.0) else p * (Float32(1.0) - t * t)
 
@@ -1655,12 +1659,14 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         r (1 - r) NaN; elsewhere r is finite, or NaN from a NaN score, which propagates."""
         cap_log2 = Float32(self.softcap * _LOG2_E)
         minus_2cap_log2 = Float32(-2.0 * self.softcap * _LOG2_E)
-        for c in cutlass.range_constexpr(c0, c1):
-            lse[c] = cap_log2 - lse[c]          # the column's constant, in place (lse's last use)
+        # the query's constant, in place (lse's last use); dkv_swap: per row (whole tiles)
+        lo, hi = self.stat_span(lse, c0, c1)
+        for i in cutlass.range_constexpr(lo, hi):
+            lse[i] = cap_log2 - lse[i]
         for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
             for c in cutlass.range_constexpr(c0, c1):
                 rc = S[r, c]
-                p = self.p_exp2(rc * minus_2cap_log2 + lse[c], c)
+                p = self.p_exp2(rc * minus_2cap_log2 + lse[self.stat_at(r, c)], c)
                 rP_rows[r, c] = p.to(self.dtype)
                 quarter = rc - rc * rc
                 if const_expr(masked):
