@@ -1222,7 +1222,7 @@ PY
         JCM_PAR_ONLY='d192(cap)?\]' JCM_STAGE_S=${JCM_D192S_TEST_S:-200} bash "$0" hdimspar
     fi
     hdims_bench d192s ${JCM_D192S_S:-300} ${JCM_HDIMS_NS:-8192} d192 \
-      "swp@d192=$swp;swpe@d192=$swp,dv_early=1;swpr@d192=$swp,dq_red=1,ds_stages=2" \
+      "${JCM_D192S_VARIANTS:-swp@d192=$swp;swpe@d192=$swp,dv_early=1;swpr@d192=$swp,dq_red=1,ds_stages=2}" \
       --impls jcm-cute,fa4-native,fa4-native-t64x64
     ;;
   dqr)
