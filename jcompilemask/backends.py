@@ -304,7 +304,7 @@ def _cute_backend() -> Backend:
                                          call.dtype if call else "bfloat16")
         bwd = (DEFAULT_TILES.bwd_block_q, DEFAULT_TILES.bwd_block_kv)
         if call is not None:
-            # The backward configs of D 256 and 192 / 128 run 64 x 64 backward tiles.
+            # The backward configs of D 256 and 192 / 128 run 64 x 64 / 64 x 96 backward tiles.
             from .kernels.cute.api import preferred_backward_tiles
             if cute_backward_plan(call.head_dim, call.head_dim_v, call.softcap) is None:
                 bwd = preferred_backward_tiles(call.head_dim, call.dtype, call.head_dim_v,

@@ -264,7 +264,7 @@ _DQ_RED_CASES = {
     "d256_2stages": (256, "bfloat16", 1, 1, True, True, dict(num_stages=2)),
     "d192": (192, "bfloat16", 2, 4, False, True, {}),
     "d128_persistent": (128, "bfloat16", 1, 1, True, True, dict(schedule=True, persistent=True)),
-    "d192_3stages": (192, "float16", 6, 7, False, False, dict(ds_stages=2, num_stages=3)),
+    "d192_ds2": (192, "float16", 6, 7, False, False, dict(ds_stages=2)),   # dkv_swap: P + dS x 2
 }
 
 
@@ -306,7 +306,7 @@ def test_d192_switches_compile_for_sm90(changes, dtype, kk, kc, bb, bh, monkeypa
     body once per ring stage or dQ from registers: no C7512 (NOTES.md, session 27)."""
     from jcompilemask.kernels.cute import api
     monkeypatch.setenv(api.BWD_CONFIG_ENV, changes)
-    cfg = api._config_from_env(api.preferred_backward_config(192, dtype))
+    cfg = api._config_from_env(api._d192_split_config())       # the 64 x 64 config
     key = api.BackwardKey(dtype, 192, kk, kc, bb, bh, 192 ** -0.5, cfg, head_dim_v=128)
     assert compile_checking_remarks(api.compile_backward, key, monkeypatch, capfd) is not None
     assert "_ds2_" in key.target_name
@@ -340,6 +340,7 @@ def test_dkv_swap_compiles_for_sm90(case, monkeypatch, capfd):
     changes, dtype, kk, kc, bb, bh, cap = _DKV_SWAP_CASES[case]
     monkeypatch.setenv(api.BWD_CONFIG_ENV, changes)
     cfg = api._config_from_env(api.preferred_backward_config(192, dtype, cap is not None))
+    assert cfg.dkv_swap                        # D 192's default since session 32
     key = api.BackwardKey(dtype, 192, kk, kc, bb, bh, 192 ** -0.5, cfg, head_dim_v=128, softcap=cap)
     assert compile_checking_remarks(api.compile_backward, key, monkeypatch, capfd) is not None
     assert "_t64x96_" in key.target_name and key.target_name.count("_swp") == 1
@@ -730,9 +731,9 @@ def test_head_dim_192_128_without_split_sdp_compiles_for_sm90(monkeypatch, capfd
     became its default, session 19: 78.3 vs 68.5 ms at causal 32K) still compiles without
     C7512, for benchmarks that compare the two."""
     import dataclasses
-    from jcompilemask.kernels.cute.api import BackwardKey, compile_backward, preferred_backward_config
-    assert preferred_backward_config(192).split_sdp
-    cfg = dataclasses.replace(preferred_backward_config(192), split_sdp=False, ds_stages=2)
+    from jcompilemask.kernels.cute.api import BackwardKey, _d192_split_config, compile_backward
+    assert _d192_split_config().split_sdp
+    cfg = dataclasses.replace(_d192_split_config(), split_sdp=False, ds_stages=2)
     key = BackwardKey("bfloat16", 192, 1, 1, True, True, 192 ** -0.5, cfg, head_dim_v=128)
     assert "_ssdp" not in key.target_name
     assert compile_checking_remarks(compile_backward, key, monkeypatch, capfd) is not None
@@ -763,10 +764,12 @@ def test_backward_key_names_of_new_configs():
     assert preferred_backward_tiles(128) == (64, 128) and preferred_backward_tiles(64) == (128, 128)
     assert preferred_backward_tiles(64, softcap=True) == (64, 128)
     assert preferred_backward_tiles(256) == (64, 64)
-    assert preferred_backward_tiles(192, head_dim_v=128) == (64, 64)
+    assert preferred_backward_tiles(192, head_dim_v=128) == (64, 96)
+    assert preferred_backward_tiles(192, head_dim_v=128, softcap=True) == (64, 96)
     d192 = BackwardKey("bfloat16", 192, 1, 1, True, True, 0.07, preferred_backward_config(192),
                        head_dim_v=128)
-    assert "_d192x128_" in d192.target_name and "_t64x64_s2_" in d192.target_name
+    assert "_d192x128_" in d192.target_name and "_t64x96_s2_" in d192.target_name
+    assert d192.target_name.count("_swp") == 1
     with pytest.raises(ValueError, match="Dv != D"):
         BackwardKey("bfloat16", 128, 1, 1, True, True, 0.1, preferred_backward_config(128), head_dim_v=64)
     with pytest.raises(ValueError, match="split_dkv"):
@@ -789,6 +792,12 @@ def test_d64_descriptor_at_default_tiles_runs_the_64_query_config(monkeypatch):
     assert api.served_backward_tiles(64) == ((128, 128), (64, 128))
     assert api.served_backward_tiles(64, softcap=True) == ((64, 128),)
     assert api.served_backward_tiles(256) == ((64, 64),)
+    # D 192: dkv_swap's 64 x 96, and a descriptor built at 64 x 64 runs the split config
+    assert api.served_backward_tiles(192, head_dim_v=128) == ((64, 96), (64, 64))
+    assert backends.cute_backward_plan(192, 128, None, (64, 64)) is None
+    split = api.backward_config(192, "bfloat16", False, 64, 64)
+    assert split.split_dkv and split.split_sdp and not split.dkv_swap
+    assert api.backward_config(192, "bfloat16", True, 64, 96).dkv_swap
     assert backends.cute_backward_plan(64, 64, None, (64, 128)) is None
     old = api.backward_config(64, "bfloat16", False, 64, 128)
     assert old == dataclasses.replace(api._d64_query64_config(), block_q=64, block_kv=128)
@@ -802,13 +811,14 @@ def test_d64_descriptor_at_default_tiles_runs_the_64_query_config(monkeypatch):
 def test_registry_runs_every_validated_config(monkeypatch):
     """Soft cap, D 256 and 192 / 128 (with and without a cap) reach the CuTe backward by
     default (each validated on a Hopper GPU), and the descriptor's backward tiles follow
-    (64 x 64 for D 256 / 192)."""
+    (64 x 64 for D 256, 64 x 96 for D 192; 64 x 64 still served there)."""
     monkeypatch.delenv(backends.CUTE_BACKWARD_ENV, raising=False)
     plan = backends.cute_backward_plan
     for args in ((128, 128, None, (64, 128)), (64, 64, None, (128, 128)),
                  (128, 128, 5.0, (64, 128)), (64, 64, 5.0, (64, 128)),
                  (256, 256, None, (64, 64)), (256, 256, 5.0, (64, 64)),
-                 (192, 128, None, (64, 64)), (192, 128, 5.0, (64, 64))):
+                 (192, 128, None, (64, 64)), (192, 128, 5.0, (64, 64)),
+                 (192, 128, None, (64, 96)), (192, 128, 5.0, (64, 96))):
         assert plan(*args) is None, args
     assert plan(128, 128, None, (64, 128), 40) is None                  # any Kc
     assert "backward tiles 64x128" in plan(256, 256, None, (64, 128))
@@ -823,11 +833,11 @@ def test_registry_runs_every_validated_config(monkeypatch):
     assert "head dims 192/64" in cute.supports(call(192, 64))
     t = cute.tiles(call(256, 256))
     assert (t.block_q, t.block_kv, t.bwd_block_q, t.bwd_block_kv) == (128, 80, 64, 64)
-    assert cute.tiles(call(192, 128)).bwd_block_kv == 64
+    assert cute.tiles(call(192, 128)).bwd_block_kv == 96
     t = cute.tiles(call(64, 64))
     assert (t.bwd_block_q, t.bwd_block_kv) == (128, 128)
     assert (cute.tiles(call(64, 64, True)).bwd_block_q, cute.tiles(call(64, 64, True)).bwd_block_kv) == (64, 128)
-    assert cute.tiles(call(192, 128, True)).bwd_block_kv == 64
+    assert cute.tiles(call(192, 128, True)).bwd_block_kv == 96
     assert cute.tiles(call(128, 128, True)).bwd_block_kv == 128
     assert "each with or without a soft cap" in backends._cute_backward_note()
 

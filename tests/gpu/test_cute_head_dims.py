@@ -1,7 +1,8 @@
 """Issue 15 on the H200: the backward with a soft cap (D 64 / 128 / 256), the backward at
-D 256 (``split_dkv``, 64 x 64 tiles) and at D 192 / Dv 128 (split_dkv with 64B-swizzled
-Q / K), and the forward at 192 / 128. Every case passed on the H200 (sessions of
-2026-12-03), since when the registry runs these configs by default.
+D 256 (``split_dkv``, 64 x 64 tiles) and at D 192 / Dv 128 (``dkv_swap``, 64 x 96 tiles,
+since session 32; before, split_dkv with 64B-swizzled Q / K), and the forward at 192 / 128.
+Every case passed on the H200 (sessions of 2026-12-03; the D 192 cases under dkv_swap on an
+H100, session 32), since when the registry runs these configs by default.
 
 Every test checks that the CuTe backward really serves the call
 (``backends.cute_backward_plan``), and compares dq / dk / dv of
@@ -201,10 +202,11 @@ def test_softcap_r_grads(name, config, monkeypatch):
     _grads(SPECS[name], metadata(name, 2, 1000, rng), 2, 1000, 4, 2, config)
 
 
-# D 192 / 128 candidate (issue 15, session 27; compile-checked): two P^T / dS^T buffer pairs
-# (215 KB), so no DS_FREE barrier per tile, and the tile body once per ring stage. Same
-# values in the same order: bit for bit with the deterministic dQ order.
-D192_SWITCHES = {"ds2": "ds_stages=2", "ds2ss": "ds_stages=2,static_stage=1"}
+# D 192 / 128 candidate (dkv_swap, session 32; compile-checked): each warpgroup's P stored
+# before the dP wait and dV^T issued under dS (dv_early). The same products in the same
+# order: bit for bit with the deterministic dQ order. (H100, session 32: 15.99 vs 15.34 ms
+# at causal 8K, so not the default.)
+D192_SWITCHES = {"dve": "dv_early=1"}
 
 
 @pytest.mark.parametrize("switch", sorted(D192_SWITCHES))

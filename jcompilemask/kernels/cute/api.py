@@ -440,7 +440,7 @@ _HOST_ONLY = frozenset({
     "_fwd_work_runs", "_fwd_masked_switches", "forward_switches", "num_sms",
     "persistent_schedule", "kv_heads_per_l2_group", "forward_schedule", "cute_forward",
     "preferred_backward_config", "preferred_backward_tiles", "_config_from_env",
-    "_d64_query64_config", "_backward_configs", "served_backward_tiles",
+    "_d64_query64_config", "_d192_split_config", "_backward_configs", "served_backward_tiles",
     "dq_fragment_unpermute", "dq_turns", "_bwd_exact_columns", "_bwd_order_policy",
     "_popcount_visited", "_unit_counts", "_late_units", "backward_schedule_moves",
     "backward_schedule", "cute_backward", "backward_config",
@@ -1507,19 +1507,17 @@ def preferred_backward_config(head_dim: int, dtype: str = "bfloat16",
     """
     del dtype
     if head_dim == 192:
-        # D 192 / Dv 128 (the only Dv != D pair): split_dkv with 64B-swizzled Q / K (halves
-        # of 96 columns); registers dK 48 + dV 32 + S^T 32 + dP^T 32 + dQ half 48; shared
-        # memory K 24 KB + V 16 KB + 2 x (Q 24 KB + dO 16 KB) + dS 16 KB + dQ 48 KB + list
-        # 8 KB = ~193 KB, so two stages fit. By arithmetic, like D 256 (see above).
-        # split_sdp (S^T / dP^T split by queries, each computed once; P^T through the second
-        # dS buffer, hence ds_stages=1): causal bwd ms 78.31 -> 68.52 at 32K, 20.46 -> 17.94
-        # at 8K (run 2026-12-03T14:20:06Z, h200-head-dims.json; FA4 native 58.54 / 15.52);
-        # all 12 D 192 gradient cases of tests/gpu/test_cute_head_dims.py passed under it
-        # (session 19). 168 registers, 0 B stack; 347 / 596 instructions per unmasked /
-        # masked tile copy instead of 465 / 924.
-        return BackwardConfig(block_q=64, block_kv=64, num_stages=2, ds_stages=1, split_dkv=True,
-                              split_sdp=True, work_list=True, dkv_tma_store=True,
-                              column_registers=2, column_bits=8)
+        # D 192 / Dv 128 (the only Dv != D pair), since session 32: dkv_swap, FA4's D 192
+        # shape (kernels/cute/D192_64x96_PLAN.md): 64 x 96 tiles, S = Q K^T per query row,
+        # dK^T / dV^T from P / dS in shared memory; 168 registers, 0 B stack, 46 HGMMA and
+        # 454 / 605 instructions per unmasked / masked tile copy. Causal bwd ms on an H100
+        # (runs 2026-12-05T14:29:31Z / 14:40:59Z, benchmarks/results/h100/): 8K 18.90 ->
+        # 15.34 (FA4 native 15.19: 0.99x its speed), 32K 71.35 -> 58.61 (FA4 56.51: 0.96x);
+        # FA4 forced to 64 x 64 ran 18.53 / 70.95, so the tile width was the gap. All 24 D 192
+        # gradient cases of tests/gpu/test_cute_head_dims.py (with and without a cap) passed
+        # under it there. ``_d192_split_config`` serves descriptors built at 64 x 64.
+        return BackwardConfig(block_q=64, block_kv=96, num_stages=2, ds_stages=1, dkv_swap=True,
+                              work_list=True, dkv_tma_store=True)
     if head_dim == 256:
         # dq_red (dQ added from the consumers' registers: no 64 KB float32 dQ tile in shared
         # memory) frees room for a second Q / dO stage, as FlashAttention's hdim-256 backward
@@ -1584,15 +1582,35 @@ def _d64_query64_config() -> BackwardConfig:
                           column_bits=0, column_skip=True, stats_shfl=True)
 
 
+def _d192_split_config() -> BackwardConfig:
+    """D 192 / 128's 64 x 64 config (its default from session 19 to 31, validated on the
+    H200): what a D 192 descriptor built at 64 x 64 backward tiles runs."""
+    # D 192 / Dv 128 (the only Dv != D pair): split_dkv with 64B-swizzled Q / K (halves
+    # of 96 columns); registers dK 48 + dV 32 + S^T 32 + dP^T 32 + dQ half 48; shared
+    # memory K 24 KB + V 16 KB + 2 x (Q 24 KB + dO 16 KB) + dS 16 KB + dQ 48 KB + list
+    # 8 KB = ~193 KB, so two stages fit. By arithmetic, like D 256 (see above).
+    # split_sdp (S^T / dP^T split by queries, each computed once; P^T through the second
+    # dS buffer, hence ds_stages=1): causal bwd ms 78.31 -> 68.52 at 32K, 20.46 -> 17.94
+    # at 8K (run 2026-12-03T14:20:06Z, h200-head-dims.json; FA4 native 58.54 / 15.52);
+    # all 12 D 192 gradient cases of tests/gpu/test_cute_head_dims.py passed under it
+    # (session 19). 168 registers, 0 B stack; 347 / 596 instructions per unmasked /
+    # masked tile copy instead of 465 / 924.
+    return BackwardConfig(block_q=64, block_kv=64, num_stages=2, ds_stages=1, split_dkv=True,
+                          split_sdp=True, work_list=True, dkv_tma_store=True,
+                          column_registers=2, column_bits=8)
+
+
 def _backward_configs(head_dim: int, dtype: str = "bfloat16", softcap: bool = False,
                       deterministic: bool = False) -> tuple:
     """The configs the CuTe backward runs for these head dims, preferred first; a descriptor
     built at another one's tiles runs that one. At D 64 without a soft cap also the 64 x 128
     config (``_d64_query64_config``), so a descriptor instantiated at the generic default
-    tiles keeps the CuTe backward."""
+    tiles keeps the CuTe backward; at D 192 the 64 x 64 one (``_d192_split_config``)."""
     preferred = preferred_backward_config(head_dim, dtype, softcap, deterministic)
     if head_dim == 64 and not softcap and preferred.block_q != BWD_TILES[0]:
         return preferred, _d64_query64_config()
+    if head_dim == 192:
+        return preferred, _d192_split_config()
     return (preferred,)
 
 
