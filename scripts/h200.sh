@@ -1223,7 +1223,7 @@ PY
     fi
     hdims_bench d192s ${JCM_D192S_S:-300} ${JCM_HDIMS_NS:-8192} d192 \
       "${JCM_D192S_VARIANTS:-swp@d192=$swp;swpe@d192=$swp,dv_early=1;swpr@d192=$swp,dq_red=1,ds_stages=2}" \
-      --impls jcm-cute,fa4-native,fa4-native-t64x64
+      --impls ${JCM_D192S_IMPLS:-jcm-cute,fa4-native,fa4-native-t64x64}
     ;;
   dqr)
     # Issue 15 (compile-checked in session 27): BackwardConfig.dq_red — each consumer thread adds
