@@ -87,6 +87,11 @@ class Backend:
     # The backward checks the descriptor's backward tiles itself and hands over to xla when
     # they are not its own, so only the forward tiles must match (cute).
     own_bwd_tile_check: bool = False
+    # Every TileConfig the backend runs for a call, ``tiles(call)`` first (None: only that
+    # one). Where a layout needs tiles that divide something (ring_attention's chunks),
+    # the first that fits is taken: cute at D 192 runs 64 x 96 backward tiles by default
+    # and 64 x 64 ones too.
+    tile_options: Optional[Callable[[Call], tuple]] = None
 
 
 _REGISTRY: dict[str, Backend] = {}
@@ -121,6 +126,8 @@ def _check(b: Backend, call: Call | None) -> Optional[str]:
             got = call.tiles
             if b.own_bwd_tile_check:
                 want, got = (want.block_q, want.block_kv), (got.block_q, got.block_kv)
+            elif b.tile_options is not None and got in b.tile_options(call):
+                want = got          # one of the backend's other configs
             if want != got and b.name != "xla":
                 why = (f"the descriptor was built for tiles {call.tiles}, this backend needs "
                        f"{want}: instantiate with those tiles or pass the MaskSpec")
@@ -373,9 +380,20 @@ def _cute_backend() -> Backend:
                                  exact_columns=bool(getattr(desc.mask, "column_view_exact", False)),
                                  **extra)
 
+    def tile_options(call):
+        t = tiles(call)
+        if cute_backward_plan(call.head_dim, call.head_dim_v, call.softcap) is not None:
+            return (t,)
+        from .kernels.cute.api import served_backward_tiles
+        served = served_backward_tiles(call.head_dim, call.dtype, call.head_dim_v,
+                                       softcap=bool(call.softcap))
+        return (t,) + tuple(dataclasses.replace(t, bwd_block_q=q, bwd_block_kv=k)
+                            for q, k in served if (q, k) != (t.bwd_block_q, t.bwd_block_kv))
+
     return Backend(name="cute", priority=10, tiles=tiles, available=available,
                    supports=supports, forward=forward, backward=backward,
-                   backward_note=_cute_backward_note, own_bwd_tile_check=True)
+                   backward_note=_cute_backward_note, own_bwd_tile_check=True,
+                   tile_options=tile_options)
 
 
 def residual_reason_of(cm) -> Optional[str]:

@@ -60,11 +60,13 @@ def _seen(kind, q, k, desc, out=None, lse=None, do=None, deterministic=False):
 
 
 @contextlib.contextmanager
-def registered(name: str, *, priority: int = 5, max_intervals=None, round_to=jnp.bfloat16):
+def registered(name: str, *, priority: int = 5, max_intervals=None, round_to=jnp.bfloat16,
+               other_tiles=()):
     """Register the fake backend ``name``; yields the list of calls it records.
 
     ``max_intervals``: ``supports`` refuses calls with more interval slots per row.
-    ``priority`` 5 is above xla (0) and below cute (10)."""
+    ``priority`` 5 is above xla (0) and below cute (10). ``other_tiles``: TileConfigs it
+    also runs (``Backend.tile_options``, after TILES)."""
     seen: list[Seen] = []
 
     def supports(call):
@@ -85,7 +87,8 @@ def registered(name: str, *, priority: int = 5, max_intervals=None, round_to=jnp
     backends._ensure_builtin()
     backends.register(backends.Backend(
         name=name, priority=priority, tiles=lambda call: TILES, available=lambda: None,
-        supports=supports, forward=forward, backward=backward))
+        supports=supports, forward=forward, backward=backward,
+        tile_options=(lambda call: (TILES,) + tuple(other_tiles)) if other_tiles else None))
     try:
         yield seen
     finally:

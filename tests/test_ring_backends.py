@@ -10,6 +10,7 @@ runs in a subprocess, tests/scripts/ring_backends_check.py.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -25,7 +26,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 import jcompilemask as jcm
 from jcompilemask import backends
 from jcompilemask import parallel as par
-from jcompilemask.lower.descriptor import COMPUTE, MASKED
+from jcompilemask.lower.descriptor import COMPUTE, MASKED, TileConfig
 from jcompilemask.parallel.ring import _Cutter
 
 import ring_fake_backend as fake   # tests/ is on sys.path under pytest
@@ -215,6 +216,37 @@ def test_chunks_that_are_not_whole_tiles_of_the_backend(caplog):
                                               bwd_block_kv=8)
         with pytest.raises(backends.BackendUnavailable, match="instantiate with those tiles"):
             call(other, implementation="fake_tiles")
+
+
+def test_chunks_take_the_backends_other_tiles_that_fit():
+    """A backend that also runs other tiles (``Backend.tile_options``; cute at D 192: 64 x 96
+    and 64 x 64 backward tiles) runs the ring on the first of them a chunk is a whole number
+    of, instead of handing the ring to xla."""
+    layout = tuple(range(8))                 # 8 chunks of 8 rows: TILES (16-row) misfit
+    q = _inputs()[0]
+    mesh = Mesh(np.array(jax.devices()[:1]), ("cp",))
+    eights = TileConfig(8, 8, 8, 8)
+
+    def call(**kw):
+        f = jax.shard_map(lambda a: jcm.mask_attention(a, a, a, jcm.masks.causal(),
+                                                       context_axis="cp", context_layout=layout,
+                                                       **kw),
+                          mesh=mesh, in_specs=P(None, "cp"), out_specs=P(None, "cp"))
+        return jax.jit(f)(q)
+
+    with fake.registered("fake_more", other_tiles=(TileConfig(16, 16, 16, 16), eights)) as seen:
+        got = call(implementation="fake_more")
+    assert seen and all(s.tiles == eights for s in seen), seen
+    np.testing.assert_allclose(np.asarray(got, np.float32),
+                               np.asarray(call(implementation="xla"), np.float32), atol=2e-2)
+    # the CuTe backend's options at D 192 / 128: 64 x 96 first, then 64 x 64
+    cute = backends.get("cute")
+    c = backends.Call(dtype="bfloat16", head_dim=192, head_dim_v=128, num_heads=4,
+                      num_kv_heads=2, softcap=False, has_fallback=False)
+    assert [(t.bwd_block_q, t.bwd_block_kv) for t in cute.tile_options(c)] == [(64, 96), (64, 64)]
+    assert {t.block_q for t in cute.tile_options(c)} == {cute.tiles(c).block_q}
+    c128 = dataclasses.replace(c, head_dim=128, head_dim_v=128)
+    assert cute.tile_options(c128) == (cute.tiles(c128),)
 
 
 def test_multi_device_ring_through_the_registry():

@@ -542,6 +542,10 @@ def ring_attention(query, key, value, mask, *, axis_name: str,
 
     if desc is None:
         tiles = _xla_tiles(n, c) if backend.name == "xla" else backend.tiles(call)
+        if backend.name != "xla" and cs is not None and _misfit(cs, tiles) \
+                and backend.tile_options is not None:
+            # another config of the backend whose tiles a chunk is a whole number of
+            tiles = next((t for t in backend.tile_options(call) if not _misfit(cs, t)), tiles)
         if backend.name != "xla" and cs is not None and _misfit(cs, tiles):
             if impl is not None:
                 raise _chunk_error(cs, n, c, tiles, backend.name,
