@@ -922,6 +922,21 @@ def test_dq_turns_count_lower_visiting_key_tiles():
     np.testing.assert_array_equal(got, want)
 
 
+def test_preferred_tiles_take_only_the_tiles_of_a_variable_that_misfits(monkeypatch):
+    """$JCOMPILEMASK_CUTE_BWD_CONFIG=dq_blocked=1 does not fit D 256's non-deterministic
+    config (dq_red), but does the deterministic one cute_backward runs: the descriptor's
+    tiles still come out, and a tile the kernel does not run still raises."""
+    from jcompilemask.kernels.cute import api
+    monkeypatch.setenv(api.BWD_CONFIG_ENV, "dq_blocked=1")
+    assert api.preferred_backward_tiles(256) == (64, 64)
+    assert api.backward_config(256, "bfloat16", False, 64, 64, deterministic=True).dq_blocked
+    with pytest.raises(ValueError, match="dq_red .* excludes deterministic"):
+        api.backward_config(256, "bfloat16", False, 64, 64)
+    monkeypatch.setenv(api.BWD_CONFIG_ENV, "block_kv=64")
+    with pytest.raises(ValueError, match="runs 64x128 or 128x128 backward tiles"):
+        api.preferred_backward_tiles(128)
+
+
 def test_backward_config_env(monkeypatch):
     """Benchmarks override config fields from the environment at trace time."""
     from jcompilemask.kernels.cute import api
@@ -1529,7 +1544,7 @@ def test_persistent_gives_the_default_gradients(name, d, dv, dtype, extra, ctas,
     ("clear", 192, 128, jnp.bfloat16, ""), ("dilated_window", 128, 128, jnp.bfloat16, ""),
     ("document", 64, 64, jnp.bfloat16, ",block_q=128,ds_first=1"),
     ("causal", 128, 128, jnp.bfloat16, ",schedule=1,persistent=1"),
-    ("hstu", 192, 128, jnp.float16, ",ds_stages=2,num_stages=3"),
+    ("hstu", 192, 128, jnp.float16, ",ds_stages=2"),
 ], ids=lambda v: str(getattr(v, "__name__", v)))
 def test_dq_red_gives_the_default_gradients(name, d, dv, dtype, extra, cute_backward_on, monkeypatch):
     """``dq_red`` moves where dQ is added (from the consumers' registers, not through the
@@ -1537,9 +1552,9 @@ def test_dq_red_gives_the_default_gradients(name, d, dv, dtype, extra, cute_back
     in another order) meets the tolerance policy."""
     from jcompilemask.kernels.cute import api
     spec, md, n, inputs = _column_order_inputs(name, d, dv, dtype, 16, 9)
-    # (D 256's second stage needs dq_red's shared memory: its baseline is the one-stage default,
-    # which adds the same values in the same order.)
-    base = _grads_under(monkeypatch, "" if "num_stages" in extra else extra.lstrip(","), spec, md, inputs)
+    # (D 256's second stage and D 192's second P + dS buffer need dq_red's shared memory: their
+    # baseline is the default, which adds the same values in the same order.)
+    base = _grads_under(monkeypatch, "" if "_stages" in extra else extra.lstrip(","), spec, md, inputs)
     red = _grads_under(monkeypatch, "dq_red=1" + extra, spec, md, inputs)
     assert _ran_backward("_dqr")
     _same_dkdv_and_policy_dq(base, red, spec, md, n, inputs, dtype)

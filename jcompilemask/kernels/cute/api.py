@@ -1643,7 +1643,17 @@ def preferred_backward_tiles(head_dim: int, dtype: str = "bfloat16",
     # descriptor is then built at the tiles cute_backward will run. The env's fields apply
     # to the config of this softcap, as in cute_backward (stats_shfl=1 is valid beside the
     # capped config, not beside the uncapped one's lse_prefetch).
-    cfg = _config_from_env(preferred_backward_config(head_dim, dtype, bool(softcap)))
+    base = preferred_backward_config(head_dim, dtype, bool(softcap))
+    try:
+        cfg = _config_from_env(base)
+    except ValueError:
+        # The variable's other fields may not fit this (non-deterministic) config, e.g.
+        # dq_blocked beside D 256's dq_red, which the deterministic config cute_backward then
+        # runs does not have: only its tiles count here (cute_backward validates the config
+        # it runs, whole).
+        keep = {f.name: getattr(base, f.name) for f in dataclasses.fields(BackwardConfig)
+                if f.name not in ("block_q", "block_kv")}
+        cfg = _config_from_env(base, **keep)
     return cfg.block_q, cfg.block_kv
 
 
