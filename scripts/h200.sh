@@ -715,6 +715,34 @@ PY
     [[ -f /tmp/sass-jcm.csv && -f /tmp/sass-fa4.csv ]] && python3 tests/scripts/ncu_sass_summary.py \
       /tmp/sass-jcm.csv /tmp/sass-fa4.csv --top 30 > "$OUT/ncu-compare.txt" 2>&1 && head -75 "$OUT/ncu-compare.txt"
     ;;
+  capprof)
+    # Issue 15's soft cap (+20% at D 128 8K in sessions 29-32, whatever the instruction mix):
+    # ncu on one causal backward launch of ours uncapped and capped (JCM_PROF_SOFTCAP, 30),
+    # same call, before any schedule change is built (NOTES.md, session 32: the warpgroups'
+    # MUFU phases, tensor busy, stall reasons side by side). JCM_PROF_N (default 8192).
+    sec="--section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats --section LaunchStats --section InstructionStats --section SourceCounters"
+    pn=${JCM_PROF_N:-8192}
+    export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1
+    rm -f /tmp/prof-cap*.ncu-rep /tmp/sass-cap*.csv
+    for cap in 0 30; do
+      # Compiled (or loaded from the pack) outside ncu first, as prof8 does.
+      JCM_PROF_SOFTCAP=$cap timeout -k 5 $(left 90) python3 tests/scripts/gpu_backward_profile.py causal $pn \
+        > "$OUT/capprof-warm-$cap.log" 2>&1
+      echo "warm cap $cap rc $? ($SECONDS s)"; tail -1 "$OUT/capprof-warm-$cap.log"
+      JCM_PROF_SOFTCAP=$cap timeout -k 5 $(left 120) ncu --clock-control none --kernel-name regex:FlashBackward \
+        --launch-skip 1 --launch-count 1 $sec -o /tmp/prof-cap$cap -f \
+        python3 tests/scripts/gpu_backward_profile.py causal $pn > "$OUT/capprof-ncu-$cap.log" 2>&1
+      echo "ncu cap $cap rc $? ($SECONDS s)"; pkill -9 -f _backward_profile
+      if [[ -f /tmp/prof-cap$cap.ncu-rep ]]; then
+        timeout 40 ncu -i /tmp/prof-cap$cap.ncu-rep --page details > "$OUT/ncu-cap$cap.txt" 2>&1
+        timeout 60 ncu -i /tmp/prof-cap$cap.ncu-rep --page source --csv --print-source sass > /tmp/sass-cap$cap.csv 2>&1
+        gzip -c /tmp/sass-cap$cap.csv > "$OUT/ncu-cap$cap-sass.csv.gz"
+        grep -E "Duration|Busy|Pipe|Issued Ipc|Eligible|Stall|Spill|Executed Instructions " "$OUT/ncu-cap$cap.txt" | head -30
+      fi
+    done
+    [[ -f /tmp/sass-cap0.csv && -f /tmp/sass-cap30.csv ]] && python3 tests/scripts/ncu_sass_summary.py \
+      /tmp/sass-cap0.csv /tmp/sass-cap30.csv --top 30 > "$OUT/ncu-cap-compare.txt" 2>&1 && head -60 "$OUT/ncu-cap-compare.txt"
+    ;;
   parts)
     # Issue 12: what the backward's figure holds besides the kernel. The XLA pieces around
     # it timed alone (dQ un-permute + scale + cast, the same from a blocked slot order, the
