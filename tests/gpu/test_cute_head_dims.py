@@ -50,7 +50,7 @@ def cute_backward_on(monkeypatch):
 def _grads(spec, md, b, n, hq, hkv, config, dtype=jnp.bfloat16, seed=0):
     d, dv, cap = CONFIGS[config]
     from jcompilemask.kernels.cute.api import preferred_backward_tiles
-    assert backends.cute_backward_plan(d, dv, cap, preferred_backward_tiles(d, "bfloat16", dv)) is None
+    assert backends.cute_backward_plan(d, dv, cap, preferred_backward_tiles(d, "bfloat16", dv, cap is not None)) is None
     ks = jax.random.split(jax.random.key(seed), 4)
     gain = 1.0 if cap is None else 3.0        # with a cap: logits wide enough to saturate tanh
     qx = (gain * jax.random.normal(ks[0], (b, n, hq, d), jnp.float32)).astype(dtype)
