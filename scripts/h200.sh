@@ -979,7 +979,7 @@ PY
     # prompt), then the forward tests under it with operands_early.
     pd=JCOMPILEMASK_CUTE_FWD_P_DOUBLE; oe=JCOMPILEMASK_CUTE_FWD_OPERANDS_EARLY
     forward_switch_stage fpd "p_double_forward_is_bit_identical" 200 "$pd $oe" 8192,32768 \
-      causal,hstu,shared_prompt "${JCM_FPD_VARIANTS:-base=;oe=$oe=1;pd=$pd=1;oepd=$oe=1 $pd=1}"
+      causal,hstu,shared_prompt "${JCM_FPD_VARIANTS:-base=;off=$oe=0 $pd=0;oe=$oe=1 $pd=0;pd=$oe=0 $pd=1}"
     ;;
   fre)
     # Issue 14 (compile-checked in session 24): runs_early — work_runs' remaining gap to FA4
@@ -1192,7 +1192,8 @@ PY
     # same run (device time was scarce in sessions 30-31: ~1 start a session). Each part is
     # packed (scripts/kernel_cache.sh 'quick'); FA4 compiles its own on the device. In issue
     # order, each with its share of JCM_STAGE_S:
-    # 1. the forward at causal 8K: default, operands_early, + p_double, FA4 native;
+    # 1. the forward at causal 8K: default (operands_early + p_double at D 128 since session
+    #    33), both off, FA4 native;
     # 2. D 128 with and without the soft cap at 8K: the cap's cost under dv_split + dk_split
     #    (+ softcap_r) against the default cap;
     # 3. D 192 / 128 at 8K: ours beside FA4 at its 64 x 96 and forced to 64 x 64;
@@ -1204,7 +1205,7 @@ PY
     parts=",${JCM_QUICK:-fwd,cap,d192,masks},"
     if [[ $parts == *,fwd,* ]]; then
       timeout -k 5 $(left 110) python3 benchmarks/bench_forward.py --ns 8192 --masks causal --fa4 \
-        --jcm-variants "base=;oe=$oe=1;oepd=$oe=1 $pd=1;pd=$pd=1" \
+        --jcm-variants "base=;off=$oe=0 $pd=0" \
         --out "$OUT/h200-fwd-quick.json" > "$OUT/bench-quick-fwd.log" 2>&1
       echo "fwd rc $? ($SECONDS s)"; pkill -9 -f bench_forward; grep -E '^bench|^\{' "$OUT/bench-quick-fwd.log" | tail -12 | cut -c1-200
     fi

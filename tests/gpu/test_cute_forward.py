@@ -40,6 +40,9 @@ def registry_switches(monkeypatch, head_dim, head_dim_v, block_q, block_kv, num_
         switches["work_runs"] = False      # runs are a form of the list, never with rescale_tail
     if not switches["work_runs"] and "runs_early" not in changes:
         switches["runs_early"] = False
+    if "p_double" not in changes and (not switches["work_runs"] or switches["rescale_tail"]
+                                      or switches["rescale_early"]):
+        switches["p_double"] = False       # D 128's default, never beside these
     return switches
 
 
@@ -898,11 +901,16 @@ def test_early_switches_compile_for_sm90(field, tag, case, monkeypatch):
 
 
 def test_operands_early_env(monkeypatch):
+    """operands_early: the default at D 128 (timed there), off at D 64 unless asked for;
+    $JCOMPILEMASK_CUTE_FWD_OPERANDS_EARLY=0 turns it off."""
     from jcompilemask.kernels.cute import api
     monkeypatch.delenv(api.FWD_OPERANDS_EARLY_ENV, raising=False)
+    assert api.forward_switches(128, 128, 128, 128, 2)["operands_early"]
+    assert not api.forward_switches(64, 64, 128, 128, 2)["operands_early"]
+    monkeypatch.setenv(api.FWD_OPERANDS_EARLY_ENV, "0")
     assert not api.forward_switches(128, 128, 128, 128, 2)["operands_early"]
     monkeypatch.setenv(api.FWD_OPERANDS_EARLY_ENV, "1")
-    assert api.forward_switches(128, 128, 128, 128, 2)["operands_early"]
+    assert api.forward_switches(64, 64, 128, 128, 2)["operands_early"]
 
 
 @pytest.mark.parametrize("head_dim,case,softcap,extra", [
@@ -939,14 +947,19 @@ def test_p_double_compiles_for_sm90(case, monkeypatch):
 
 
 def test_p_double_env(monkeypatch):
-    """$JCOMPILEMASK_CUTE_FWD_P_DOUBLE=1 turns p_double on where the forward walks work runs
-    (D 64 / 128), never beside the rescale knobs or at D 256."""
+    """p_double: the default at D 128 (timed there); $JCOMPILEMASK_CUTE_FWD_P_DOUBLE=1 turns it
+    on at D 64 too and 0 off; only where the forward walks work runs, never beside the
+    rescale knobs or at D 256."""
     from jcompilemask.kernels.cute import api
     monkeypatch.delenv(api.FWD_P_DOUBLE_ENV, raising=False)
     monkeypatch.delenv(api.FWD_RESCALE_EARLY_ENV, raising=False)
+    assert api.forward_switches(128, 128, 128, 128, 2)["p_double"]
+    assert not api.forward_switches(64, 64, 128, 128, 2)["p_double"]
+    monkeypatch.setenv(api.FWD_P_DOUBLE_ENV, "0")
     assert not api.forward_switches(128, 128, 128, 128, 2)["p_double"]
     monkeypatch.setenv(api.FWD_P_DOUBLE_ENV, "1")
     assert api.forward_switches(128, 128, 128, 128, 2)["p_double"]
+    assert api.forward_switches(64, 64, 128, 128, 2)["p_double"]
     bq, bk = api.preferred_forward_tiles(256)
     assert not api.forward_switches(256, 256, bq, bk, api.preferred_forward_stages(256))["p_double"]
     monkeypatch.setenv(api.FWD_RESCALE_EARLY_ENV, "1")

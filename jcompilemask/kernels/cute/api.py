@@ -197,11 +197,13 @@ class ForwardKey:
     # A step's GEMM operand slices taken before its K wait and the scheduler barrier, so
     # fewer dependent uniform instructions sit between the other warpgroup's signal and the
     # S GEMM issue (FlashForwardSm90.operands_early; issue 14, ncu causal 8K session 26).
-    # Bit-identical; $JCOMPILEMASK_CUTE_FWD_OPERANDS_EARLY=1, a benchmark knob until timed.
+    # Bit-identical; the registry's default at D 128 (_fwd_issue_switches: timed there);
+    # $JCOMPILEMASK_CUTE_FWD_OPERANDS_EARLY=0 / 1 overrides.
     operands_early: bool = False
     # P in two register tensors by step parity, so P's conversion does not wait for the
-    # previous P V (FlashForwardSm90.p_double; issue 14, session 30). Bit-identical;
-    # $JCOMPILEMASK_CUTE_FWD_P_DOUBLE=1, a benchmark knob until timed. Work runs only.
+    # previous P V (FlashForwardSm90.p_double; issue 14, session 30). Bit-identical; the
+    # registry's default at D 128 beside operands_early ($JCOMPILEMASK_CUTE_FWD_P_DOUBLE=0 / 1
+    # overrides). Work runs only.
     p_double: bool = False
 
     @property
@@ -437,7 +439,7 @@ _HOST_ONLY = frozenset({
     "_module_files", "_kernel_sources", "disk_cache_key", "kernel_function", "_ensure_registered",
     "_fit_list_to_length", "_fwd_bits_above", "_env_flag", "_fwd_work_list", "_fwd_schedule",
     "_fwd_k_ahead", "_fwd_group_mask", "_fwd_residual_words", "_fwd_rescale_tail",
-    "_fwd_work_runs", "_fwd_masked_switches", "forward_switches", "num_sms",
+    "_fwd_work_runs", "_fwd_masked_switches", "forward_switches", "_fwd_issue_switches", "num_sms",
     "persistent_schedule", "kv_heads_per_l2_group", "forward_schedule", "cute_forward",
     "preferred_backward_config", "preferred_backward_tiles", "_config_from_env",
     "_d64_query64_config", "_d192_split_config", "_backward_configs", "served_backward_tiles",
@@ -825,8 +827,29 @@ def forward_switches(head_dim: int, head_dim_v: int, block_q: int, block_kv: int
                 residual_periodic=(_env_flag(FWD_RESIDUAL_PERIODIC_ENV, "1") and residual is not None
                                    and _fwd_residual_words(head_dim)),
                 rescale_early=rescale_early,
-                operands_early=_env_flag(FWD_OPERANDS_EARLY_ENV, "0"),
-                p_double=(_env_flag(FWD_P_DOUBLE_ENV, "0") and work_runs and not rescale_tail
+                **_fwd_issue_switches(head_dim, head_dim_v, work_runs, rescale_tail, rescale_early))
+
+
+def _fwd_issue_switches(head_dim: int, head_dim_v: int, work_runs: bool, rescale_tail: bool,
+                        rescale_early: bool) -> dict:
+    """``operands_early`` and ``p_double``: on by default at D 128 (both bit-identical with
+    the forward without them; $JCOMPILEMASK_CUTE_FWD_OPERANDS_EARLY / _P_DOUBLE = 0 / 1
+    override). Measured together at D 128 only (bf16, 8 heads, 131072 tokens per batch,
+    `h200.sh fpd`, run 2026-12-05T16:46:15Z on an H100, FA4 native in the same call): causal
+    8K 575.2 -> 586.1 TF/s (0.978 -> 0.997 of FA4), causal 32K 626.0 -> 637.4 (0.961 ->
+    0.978), hstu 593.1 / 634.1 -> 592.5 / 636.1, shared prompt 549.0 / 621.1 -> 552.7 / 624.2
+    (8K / 32K); session 32's H100 run at causal 8K ordered them the same (default 0.975,
+    operands_early 0.980, both 0.993). D 64 / 192 / 256 keep them off until timed. p_double
+    needs work runs and neither rescale knob.
+
+    >>> _fwd_issue_switches(128, 128, True, False, False)
+    {'operands_early': True, 'p_double': True}
+    >>> _fwd_issue_switches(64, 64, True, False, False)
+    {'operands_early': False, 'p_double': False}
+    """
+    measured = "1" if (head_dim, head_dim_v) == (128, 128) else "0"
+    return dict(operands_early=_env_flag(FWD_OPERANDS_EARLY_ENV, measured),
+                p_double=(_env_flag(FWD_P_DOUBLE_ENV, measured) and work_runs and not rescale_tail
                           and not rescale_early))
 
 
