@@ -715,6 +715,25 @@ PY
     [[ -f /tmp/sass-jcm.csv && -f /tmp/sass-fa4.csv ]] && python3 tests/scripts/ncu_sass_summary.py \
       /tmp/sass-jcm.csv /tmp/sass-fa4.csv --top 30 > "$OUT/ncu-compare.txt" 2>&1 && head -75 "$OUT/ncu-compare.txt"
     ;;
+  dkl)
+    # Issue 15's soft cap (session 33, compile-checked): BackwardConfig.dk_late, each tile's
+    # dK += dS^T Q issued in the next tile after its S^T / dP^T, so it runs under that tile's
+    # tanh / exp2 phase (capprof: the capped tile's 1024 extra MUFU cycles had only dP^T
+    # beneath them; cost 1.19-1.20 against the 1.15 line). Never run on a GPU: one identity
+    # case under a hang guard (a barrier or wait-count slip hangs rather than fails), the
+    # other four only if it passes, then bwd ms at JCM_HDIMS_NS (8K) capped and uncapped
+    # beside the default and FA4 native, then the capped head-dim gradient cases under it.
+    export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
+    t=tests/gpu/test_cute_backward.py
+    if bwd_smoke dkl ${JCM_DKL_SMOKE_S:-120} "$t::test_dk_late_gives_identical_gradients[causal-128-30.0-bfloat16]"; then
+      bwd_cases dkl ${JCM_DKL_IDENT_S:-150} "$t" -k "dk_late_gives and not causal-128-30"
+      hdims_bench dkl ${JCM_DKL_S:-200} ${JCM_HDIMS_NS:-8192} d128,d128cap \
+        "dkl@d128cap=dk_late=1;dkln@d128=dk_late=1" --impls jcm-cute,fa4-native
+      JCOMPILEMASK_CUTE_BWD_CONFIG=dk_late=1 JCM_PAR_FILES=tests/gpu/test_cute_head_dims.py \
+        JCM_PAR_ONLY='(builtin_grads|fp16_mqa|fully_masked_rows|no_column_view_uses_row_intervals|random_lowered_specs)\[.*cap(64|128)\]' \
+        JCM_STAGE_S=$(left ${JCM_DKL_TEST_S:-200}) bash "$0" hdimspar
+    fi
+    ;;
   capprof)
     # Issue 15's soft cap (+20% at D 128 8K in sessions 29-32, whatever the instruction mix):
     # ncu on one causal backward launch of ours uncapped and capped (JCM_PROF_SOFTCAP, 30),

@@ -218,6 +218,81 @@ def test_softcap_switches_compile_for_sm90(changes, dtype, d, kk, kc, bb, bh, ca
     assert "_sh_" in key.target_name
 
 
+# dk_late (issue 15, the soft cap's cost; session 33): each tile's dK issued in the next
+# tile after its S^T / dP^T, from its shared dS^T stage: (dtype, D, K, Kc, broadcast batch /
+# head, soft cap, residual).
+_DK_LATE_CASES = {
+    "cap30": ("bfloat16", 128, 1, 1, True, True, 30.0, False),
+    "nocap": ("bfloat16", 128, 1, 1, True, True, None, False),
+    "cap_k6_fp16": ("float16", 128, 6, 7, False, False, 5.0, False),
+    "cap_d64": ("bfloat16", 64, 2, 4, False, True, 50.0, False),
+    "cap_dilated": ("bfloat16", 128, 0, 0, False, True, 30.0, True),
+}
+
+
+@needs_cutlass
+@pytest.mark.parametrize("case", [c if c in ("cap30", "nocap") else pytest.param(c, marks=knob)
+                                  for c in sorted(_DK_LATE_CASES)])
+def test_dk_late_backward_compiles_for_sm90(case, monkeypatch, capfd):
+    """dk_late compiles beside a soft cap (D 128 / 64, K 6, a residual predicate) and
+    without one, and ptxas serializes none of its wgmmas (C7512: it did with the late dK's
+    dS^T kept in registers). SASS, D 128 cap 30 causal: 168 registers, 0 B of stack, 766 /
+    1248 instructions per unmasked / masked tile (the default capped config: 8 B, 783 /
+    1234); uncapped: 0 B, 417 / 910 (394 / 896)."""
+    from jcompilemask.kernels.cute import api
+    from jcompilemask.lower.residual_program import ResidualProgram
+    dtype, d, kk, kc, bb, bh, cap, residual = _DK_LATE_CASES[case]
+    pair = None
+    if residual:
+        cm = jcm.compile(MaskSpec([Region((0, q_len), (k <= q) & (k > q - 128) & ((q - k) % 2 == 0))]),
+                         warn=False)
+        pair, kk, kc = ResidualProgram.pair(cm), cm.num_intervals, cm.num_bwd_intervals
+    cfg = dataclasses.replace(api.preferred_backward_config(d, dtype, cap is not None), dk_late=True)
+    key = api.BackwardKey(dtype, d, kk, kc, bb, bh, d ** -0.5, cfg, softcap=cap, residual=pair)
+    assert compile_checking_remarks(api.compile_backward, key, monkeypatch, capfd) is not None
+    assert "_dkl" in key.target_name
+
+
+def test_dk_late_config_rules():
+    """dk_late needs the two-stage Q / dS rings and the default dV placement."""
+    from jcompilemask.kernels.cute import api
+    base = api.preferred_backward_config(128, "bfloat16", True)
+    assert dataclasses.replace(base, dk_late=True).tag.endswith("_dkl")
+    for bad, fix in [(dict(ds_stages=1), "ds_stages=2"), (dict(dv_split=2), "dv_split=0"),
+                     (dict(ds_first=True), "ds_first=0")]:
+        with pytest.raises(ValueError, match=fix):
+            dataclasses.replace(base, dk_late=True, **bad)
+    with pytest.raises(ValueError, match="dkv_swap=0"):
+        dataclasses.replace(api.preferred_backward_config(192), dk_late=True)
+
+
+@needs_gpu
+@pytest.mark.parametrize("name,d,cap,dtype", [
+    ("causal", 128, 30.0, jnp.bfloat16), ("clear", 128, 5.0, jnp.float16),
+    ("document", 128, None, jnp.bfloat16), ("hstu", 64, 5.0, jnp.bfloat16),
+    ("dilated_window", 128, 30.0, jnp.bfloat16)], ids=lambda v: str(getattr(v, "__name__", v)))
+def test_dk_late_gives_identical_gradients(name, d, cap, dtype, cute_backward_on, monkeypatch):
+    """dk_late adds each tile's dK += dS^T Q a tile later, the same products in the same
+    order (a chunk's first tile adds one over a zeroed dS^T stage): with the deterministic
+    dQ order dQ, dK and dV equal the default's (GQA, ragged N, masked tiles, a residual
+    predicate, with and without a cap)."""
+    spec, md, n, (qx, kx, vx, do) = _column_order_inputs(name, d, d, dtype, 33, 34)
+    if cap is not None:
+        qx = (3.0 * qx.astype(jnp.float32)).astype(dtype)      # logits wide enough to saturate tanh
+
+    def grads(config):
+        monkeypatch.setenv("JCOMPILEMASK_CUTE_BWD_CONFIG", config)
+
+        def loss(a, b_, c):
+            o = jcm.mask_attention(a, b_, c, spec, metadata=md, implementation="cute",
+                                   logits_soft_cap=cap, deterministic=True)
+            return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32))
+        return [np.asarray(x) for x in jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(qx, kx, vx)]
+
+    for a, b_ in zip(grads(""), grads("dk_late=1")):
+        np.testing.assert_array_equal(a, b_)
+
+
 # Persistent CTAs (BackwardConfig.persistent, issue 16: short key columns pay a CTA's fixed
 # cost per 2-4 tiles): (D, dtype, K, Kc, broadcast batch / head, config changes, residual).
 _PERSISTENT_CASES = {

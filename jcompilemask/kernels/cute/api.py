@@ -1349,6 +1349,19 @@ class BackwardConfig:
       dP wait, meets its own 128 threads (a named barrier per warpgroup) and issues dV^T
       there, so it runs under dS. FlashAttention-4's SM90 backward runs D 192 this way.
       Not yet run on the H200.
+    - ``dk_late`` (issue 15, the soft cap's cost): tile j's dK += dS^T Q is issued in tile
+      j + 1, right after its S^T and dP^T, so it runs on the tensor pipe under that tile's
+      tanh / exp2 phase (ncu, session 33: the capped tile's extra 1024 MUFU cycles were
+      hidden under nothing; dP^T was the only GEMM there). The dK reads dS^T from the
+      tile's shared stage (from registers, the 16 live registers made ptxas serialize every
+      wgmma, C7512), and the tile's Q stage is freed one tile later, once that dK is done
+      (before the next dS^T store). The first tile of each list chunk issues a dK over its
+      own dS^T stage zeroed beforehand and its own Q (no branch around the wgmma: its group
+      keeps every wait count static); the last one's dK is issued after the chunk. The
+      same products in the same order: dK bit for bit (but for the sign of an exact zero).
+      Needs num_stages=2, ds_stages=2 and the default dV placement. SASS (D 128, cap 30):
+      168 registers, 0 B stack (the default capped config: 8 B), 766 / 1248 instructions
+      per unmasked / masked tile copy (783 / 1234).
 
     ``preferred_backward_config`` picks the default per head dim; ``JCOMPILEMASK_CUTE_BWD_CONFIG``
     (e.g. ``ds_stages=1,stats_early=0``) overrides fields at trace time for benchmarks.
@@ -1394,6 +1407,7 @@ class BackwardConfig:
     dv_split: int = 0
     dk_split: bool = False
     dkv_swap: bool = False
+    dk_late: bool = False
 
     def __post_init__(self):
         wants = ((BWD_TILES_SWAP,) if self.dkv_swap else (BWD_TILES_SPLIT,) if self.split_dkv
@@ -1466,6 +1480,18 @@ class BackwardConfig:
         if self.dk_split and (not self.dv_split or self.release_do_early):
             raise ValueError("dk_split issues dK with dv_split's pieces: it needs dv_split=2 or 4 "
                              "and excludes release_do_early (dO's stage is freed with Q's)")
+        if self.dk_late:
+            clash = [n for n in ("dkv_swap", "split_dkv", "split_sdp", "dv_split", "dk_split",
+                                 "dv_early", "ds_first", "release_do_early", "persistent")
+                     if getattr(self, n)]
+            if clash or self.ds_stages != 2 or self.num_stages != 2:
+                raise ValueError(
+                    "dk_late (each tile's dK += dS^T Q issued in the next tile, after its S^T / "
+                    "dP^T) keeps the tile's dS^T and Q stages until then: it needs "
+                    "num_stages=2, ds_stages=2 and dV issued before dS^T (the default placement), and "
+                    "excludes dkv_swap / split_dkv / split_sdp, dv_split / dk_split / dv_early / "
+                    "ds_first, release_do_early and persistent"
+                    + (f"; set {', '.join(n + '=0' for n in clash)}" if clash else "; set num_stages=2,ds_stages=2"))
         if self.num_stages < 1 or self.ds_stages not in (1, 2):
             raise ValueError(f"num_stages={self.num_stages} must be >= 1 and ds_stages="
                              f"{self.ds_stages} 1 or 2")
@@ -1493,7 +1519,8 @@ class BackwardConfig:
                 f"{'_r2p' if self.mask_r2p else ''}{'_rp' if self.residual_periodic else ''}"
                 f"{'_dsw' if self.ds_words else ''}{'_pers' if self.persistent else ''}"
                 f"{'_dqr' if self.dq_red else ''}{f'_dvs{self.dv_split}' if self.dv_split else ''}"
-                f"{'_dks' if self.dk_split else ''}{'_swp' if self.dkv_swap else ''}")
+                f"{'_dks' if self.dk_split else ''}{'_swp' if self.dkv_swap else ''}"
+                f"{'_dkl' if self.dk_late else ''}")
 
 
 def preferred_backward_config(head_dim: int, dtype: str = "bfloat16",

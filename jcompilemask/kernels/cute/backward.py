@@ -97,7 +97,8 @@ class Bar(enum.IntEnum):
                         # consumers' and the dQ warp's waits sit at different instructions,
                         # which compute-sanitizer's synccheck reports as divergent.
     P_READY = 14    # 14, 15 (per consumer warpgroup; dkv_swap with dv_early): the warpgroup
-                    # stored its keys' P, which its dV^T reads
+                    # stored its keys' P, which its dV^T reads; with dk_late: it zeroed its
+                    # keys' rows of a dS^T stage, which its first dK of a chunk reads
 
 
 class FlashBackwardSm90(WarpSpecializedSm90):
@@ -221,6 +222,10 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         # dk_split (with dv_split): each piece's dS^T made once dP^T is done, and its k-blocks
         # of dK issued at once, before the DS_READY barrier (dQ is then the tile's last GEMM).
         self.dk_split = config.dk_split and self.dv_split > 0
+        # dk_late: tile j's dK issued in tile j + 1 after its S^T / dP^T (one more wgmma
+        # group in flight at the S^T and dP^T waits).
+        self.dk_late = config.dk_late
+        self.late_groups = 1 if config.dk_late else 0
         self.dv_at = ("split" if self.dv_split else "early" if config.dv_early
                       else "after_ready" if self.split_sdp or self.dkv_swap
                       else "after_stores" if config.ds_first else "before_ds")
@@ -1024,6 +1029,17 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         ).get_slice(sdp_tidx)
         frags.ds_copy = ds_copy
         frags.tdSsdS = ds_copy.partition_D(sdS if const_expr(self.dkv_swap) else sdS_t)
+        if const_expr(self.dk_late):
+            # dK += dS^T Q a tile late, dS^T (this warpgroup's 64 keys x the queries, queries
+            # contiguous: K-major) from its shared stage rather than registers (kept there,
+            # the tile's 16 registers made ptxas serialize every wgmma, C7512).
+            tiled_mma_dks = sm90_helpers.make_trivial_tiled_mma(
+                self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN,
+                Float32, self.dkv_atoms, self.dkv_tile, warpgroup.OperandSource.SMEM)
+            mma_dks = tiled_mma_dks.get_slice(wg_slice(wg))
+            frags.mma_dks = mma_dks
+            frags.tKVsdS_late = mma_dks.make_fragment_A(mma_dks.partition_A(sdS_t))
+            frags.tKVrQt_late = mma_dks.make_fragment_B(mma_dks.partition_B(sQt))
         if const_expr(self.dkv_swap):
             # P the same way into its own buffer; dV^T / dK^T read this warpgroup's keys of
             # P / dS (keys x queries, queries contiguous: K-major) as their right operand.
@@ -1129,6 +1145,12 @@ class FlashBackwardSm90(WarpSpecializedSm90):
               if const_expr(carried is not None):
                   seq = seq0 + seq
               n_iter = self.list_wait(n_q_tiles, work, seq)
+              # dk_late: the chunk's first stepped tile (its dK of zeros uses its own Q stage)
+              # and the stage of the tile before (its Q is freed once that tile's dK is done).
+              count0 = state.count
+              prev_si = state.index
+              if const_expr(self.dk_late):
+                  self.zero_ds_stage(frags, prev_si)
               # entry_ahead: every list entry is a visited tile, and each tile's step reads
               # the next entry before its last wgmma wait (the load completes under the
               # GEMMs); else each iteration reads its own (``visit``).
@@ -1143,11 +1165,16 @@ class FlashBackwardSm90(WarpSpecializedSm90):
                           cols.dq_slot = gmem.mdQaccum[batch, head, q_tile, None]
                       if const_expr(self.entry_ahead):
                           cols.next_entry = (work, seq, cutlass.min(it + 1, n_iter - 1))
+                      if const_expr(self.dk_late):
+                          cols.prev_si, cols.later = prev_si, state.count != count0
                       if needs_mask:
                           entry = self.step_at(True, state, q_tile, frags, cols)
                       else:
                           entry = self.step_at(False, state, q_tile, frags, cols)
+                      prev_si = state.index
                       state.advance()
+              if const_expr(self.dk_late):
+                  self.flush_dk(frags, state.count != count0, prev_si)
               self.list_done(seq)
         # Balance DQ_EMPTY: the dQ warp freed the buffer once per tile, this warpgroup
         # waited before every tile but the first. config.late_balance waits after the
@@ -1170,6 +1197,32 @@ class FlashBackwardSm90(WarpSpecializedSm90):
             acc_dK.fill(0.0)
             acc_dV.fill(0.0)
             return kv_state, state, seq0 + group * self.num_chunks(n_q_tiles)
+
+    @cute.jit
+    def flush_dk(self, f, any_tile, prev_si):
+        """``dk_late``: the chunk's last tile's dK (its dS^T still in its shared stage), then
+        its Q stage freed; nothing when the chunk stepped no tile (``any_tile`` false)."""
+        pipeline_q, mma_dks, acc_dK, tKVsdS, tKVrQt = f.pipeline_q, f.mma_dks, f.acc_dK, f.tKVsdS_late, f.tKVrQt_late
+        if any_tile:
+            issue_wgmma(mma_dks, acc_dK, tKVsdS[None, None, None, prev_si], tKVrQt[None, None, None, prev_si], False)
+            warpgroup.wait_group(0)
+            pipeline_q.consumer_release(self.stage_state(prev_si))
+
+    @cute.jit
+    def zero_ds_stage(self, f, stage):
+        """``dk_late``: zeros into this warpgroup's keys' rows of dS^T stage ``stage`` (the
+        chunk's first tile's, whose dK of the tile before reads it), fenced, then the
+        warpgroup's 128 threads meet. The stage's last readers (the dQ and dK of the tile
+        two steps back) finished before the last DS_READY both warpgroups passed."""
+        zeros = cute.make_rmem_tensor(f.mma_sdp.partition_shape_C((self.block_kv, self.block_q)), self.dtype)
+        zeros.fill(0.0)
+        cute.copy(f.ds_copy, f.ds_copy.retile(zeros), f.tdSsdS[None, None, None, stage])
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=int(Bar.P_READY) + f.wg, number_of_threads=self.threads_per_wg)
+
+    def stage_state(self, index):
+        """A consumer state naming ring stage ``index`` (``consumer_release`` reads only it)."""
+        return pipeline.PipelineState(self.num_stages, Int32(0), index, Int32(0))
 
     @cute.jit
     def balance_dq(self, count, wg):
@@ -1215,6 +1268,8 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         head's column intervals and mask head; ``stage``: the ring stage of this tile as a
         compile-time constant (``static_stage``), or None to index by ``state.index``."""
         t = _Namespace(si=state.index if const_expr(stage is None) else stage, ring=(state, stage))
+        if const_expr(self.dk_late):
+            t.prev_si, t.later = cols.prev_si, cols.later
         self.issue_scores(t, state, f)
         self.load_statistics(t, f)
         self.probabilities(masked, t, q_tile, f, cols)
@@ -1251,6 +1306,11 @@ class FlashBackwardSm90(WarpSpecializedSm90):
             issue_wgmma(f.mma_sdp, t.acc_S, f.tSrK[None, None, None, 0], f.tSrQ[None, None, None, si], True)
             f.pipeline_do.consumer_wait(state)
             issue_wgmma(f.mma_sdp, t.acc_dP, f.tSrV[None, None, None, 0], f.tSrdO[None, None, None, si], True)
+            if const_expr(self.dk_late):
+                # The last tile's dK += dS^T Q, under this tile's tanh / exp2 phase (a chunk's
+                # first tile: its own stage's dS^T zeroed, against its own Q: adds nothing).
+                issue_wgmma(f.mma_dks, f.acc_dK, f.tKVsdS_late[None, None, None, t.prev_si],
+                            f.tKVrQt_late[None, None, None, t.prev_si], False)
 
     @cute.jit
     def read_stats(self, dst, src, t, f):
@@ -1299,7 +1359,7 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         that follow it. ``exp2_emu`` of every 8 columns take exp2 on the FMA pipe
         (``exp2_fma``) instead of the MUFU."""
         si, n_cols, S, lse, delta = t.si, t.n_cols, t.S, t.lse, t.delta
-        warpgroup.wait_group(1)
+        warpgroup.wait_group(1 + self.late_groups)      # S^T done (dP^T, dk_late's dK in flight)
         if const_expr(self.config.stats_shfl):
             for c in cutlass.range_constexpr(n_cols):
                 lse[c] = self.stat_source(t.own_lse, c, t.lane)
@@ -1411,8 +1471,9 @@ class FlashBackwardSm90(WarpSpecializedSm90):
             self.issue_dv(t, f)
             warpgroup.wait_group(1)
         else:
-            # dv_split: dV's pieces were committed after dP^T and may stay in flight.
-            warpgroup.wait_group(self.dv_split)
+            # dv_split: dV's pieces were committed after dP^T and may stay in flight;
+            # dk_late: the last tile's dK too.
+            warpgroup.wait_group(self.dv_split + self.late_groups)
         dP = _rows_view(t.acc_dP)
         if const_expr(masked and self.ds_words):
             if t.exact:
@@ -1467,6 +1528,14 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         if const_expr(self.dv_at == "before_ds"):
             self.issue_dv(t, f)
 
+        if const_expr(self.dk_late):
+            # The last tile's dK (issued after this tile's S^T / dP^T) done, dV in flight:
+            # that tile's Q stage is free, and its dS^T stage (the next tile's) may be
+            # written once both warpgroups pass this tile's DS_READY.
+            warpgroup.wait_group(1)
+            pipeline_q, later, prev_si = f.pipeline_q, t.later, t.prev_si
+            if later:
+                pipeline_q.consumer_release(self.stage_state(prev_si))
         if const_expr(self.dk_split):
             rdS = t.rdS                         # made piece by piece (capped_piece)
         else:
@@ -1514,7 +1583,7 @@ class FlashBackwardSm90(WarpSpecializedSm90):
             if wg == 0:
                 self.dq_and_dk(f, rdS, ds_stage, state, pipeline_do, si, dq_slot)
             else:
-                if const_expr(not self.dk_split):
+                if const_expr(not self.dk_split and not self.dk_late):
                     issue_wgmma(mma_dkv, acc_dK, self.dk_operand(f, rdS, ds_stage), tKVrQt[None, None, None, si], False)
                 if const_expr(self.config.release_do_early):
                     warpgroup.wait_group(1)                 # dV done: dO's stage is free
@@ -1526,7 +1595,8 @@ class FlashBackwardSm90(WarpSpecializedSm90):
             # The next tile's work-list entry (``entry_ahead``), read while dK runs.
             nxt = self.list_entry(*cols.next_entry)
         warpgroup.wait_group(0)
-        pipeline_q.consumer_release(state)
+        if const_expr(not self.dk_late):        # dk_late: freed once the next tile's dK is done
+            pipeline_q.consumer_release(state)
         if const_expr(not self.config.release_do_early):
             pipeline_do.consumer_release(state)
         return nxt
@@ -1688,6 +1758,8 @@ class FlashBackwardSm90(WarpSpecializedSm90):
             pipeline_do.consumer_release(state)
         if const_expr(self.dk_split):
             warpgroup.wait_group(0)             # dK's pieces went before DS_READY: dQ is last
+        elif const_expr(self.dk_late):
+            warpgroup.wait_group(0)             # dV and dQ; this tile's dK goes in the next
         elif const_expr(self.dkv_swap):     # dK^T += Q^T dS
             issue_wgmma(f.mma_dkv, f.acc_dK, f.tKVrQt[None, None, None, si], f.tKVsdS[None, None, None, ds_stage], False)
             warpgroup.wait_group(1)
