@@ -47,19 +47,28 @@ def forward_lines(recs):
 
 
 def cap_lines(recs):
-    """Capped / uncapped backward ms at D 128 (our default uncapped as the base)."""
+    """Capped / uncapped backward ms at D 128 (our default uncapped as the base); an
+    uncapped variant (``h200.sh dkl``'s ``dkln``) against the uncapped default, and a capped
+    variant also against its own uncapped twin where the run has one (the twin's name: the
+    capped variant's name + ``n``), for a switch that would apply with and without a cap."""
     out = []
     for n in sorted({r["n"] for r in recs}):
         here = [r for r in recs if r["n"] == n and r.get("mask", "causal") == "causal"]
-        base = next((_ms(r, "bwd_ms") for r in here
-                     if r.get("config") == "d128" and r["impl"] == "jcm-cute"), None)
+        uncapped = {r["impl"]: _ms(r, "bwd_ms") for r in here if r.get("config") == "d128"}
+        base = uncapped.get("jcm-cute")
         fa4_cap = next((_ms(r, "bwd_ms") for r in here
                         if r.get("config") == "d128cap" and r["impl"] == "fa4-native"), None)
         for r in here:
             if r.get("config") == "d128cap" and r["impl"].startswith("jcm"):
+                twin = uncapped.get(r["impl"] + "n") if r["impl"] != "jcm-cute" else None
                 out.append(f"cap {n}: {r['impl']} {_ms(r, 'bwd_ms')} ms, cost "
                            f"{_ratio(_ms(r, 'bwd_ms'), base)} (line 1.15), "
-                           f"FA4 capped / ours {_ratio(fa4_cap, _ms(r, 'bwd_ms'))}")
+                           f"FA4 capped / ours {_ratio(fa4_cap, _ms(r, 'bwd_ms'))}"
+                           + (f", cost against {r['impl']}n {_ratio(_ms(r, 'bwd_ms'), twin)}"
+                              if twin else ""))
+        for impl, ms in sorted(uncapped.items()):
+            if impl.startswith("jcm") and impl != "jcm-cute":
+                out.append(f"cap {n}: uncapped {impl} {ms} ms, {_ratio(ms, base)} of the default")
     return out
 
 

@@ -401,7 +401,9 @@ def test_quick_summary_reads_each_part(tmp_path, capsys):
         dict(hd, impl="jcm-cute", config="d128", bwd_ms=10.0),
         dict(hd, impl="jcm-cute", config="d128cap", bwd_ms=12.0),
         dict(hd, impl="jcm-cute-dvs2rk", config="d128cap", bwd_ms=11.0),
-        dict(hd, impl="fa4-native", config="d128cap", bwd_ms=14.3)]})
+        dict(hd, impl="fa4-native", config="d128cap", bwd_ms=14.3),
+        dict(hd, impl="jcm-cute-dkl", config="d128cap", bwd_ms=11.5),
+        dict(hd, impl="jcm-cute-dkln", config="d128", bwd_ms=10.4)]})
     _write(tmp_path / "h200-head-dims-d192.json", {"records": [
         dict(hd, impl="jcm-cute", config="d192", bwd_ms=18.0),
         dict(hd, impl="fa4-native", config="d192", bwd_ms=15.0),
@@ -412,6 +414,9 @@ def test_quick_summary_reads_each_part(tmp_path, capsys):
     assert "fwd causal 8192: jcm-cute 4.0 ms, FA4 / ours 0.950" in text
     assert "cap 8192: jcm-cute 12.0 ms, cost 1.200 (line 1.15)" in text
     assert "cap 8192: jcm-cute-dvs2rk 11.0 ms, cost 1.100 (line 1.15), FA4 capped / ours 1.300" in text
+    assert "cap 8192: jcm-cute-dkl 11.5 ms, cost 1.150 (line 1.15), FA4 capped / ours 1.243, " \
+        "cost against jcm-cute-dkln 1.106" in text
+    assert "cap 8192: uncapped jcm-cute-dkln 10.4 ms, 1.040 of the default" in text
     assert "d192 8192: fa4-native 15.0 ms, fa4-native / ours 0.833" in text
     assert "d192 8192: fa4-native-t64x64 18.0 ms, fa4-native-t64x64 / ours 1.000" in text
     assert lines[-1] == "masks: no records (h200-quick-masks.json missing or empty)"
