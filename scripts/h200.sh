@@ -727,8 +727,9 @@ PY
     t=tests/gpu/test_cute_backward.py
     if bwd_smoke dkl ${JCM_DKL_SMOKE_S:-120} "$t::test_dk_late_gives_identical_gradients[causal-128-30.0-bfloat16]"; then
       bwd_cases dkl ${JCM_DKL_IDENT_S:-150} "$t" -k "dk_late_gives and not causal-128-30"
-      hdims_bench dkl ${JCM_DKL_S:-200} ${JCM_HDIMS_NS:-8192} d128,d128cap \
+      JCM_HDIMS_OUT=h200-head-dims-cap.json hdims_bench dkl ${JCM_DKL_S:-200} ${JCM_HDIMS_NS:-8192} d128,d128cap \
         "dkl@d128cap=dk_late=1;dkln@d128=dk_late=1" --impls jcm-cute,fa4-native
+      python3 benchmarks/quick_summary.py "$OUT" | grep '^cap'   # the cap's cost with and without dk_late
       JCOMPILEMASK_CUTE_BWD_CONFIG=dk_late=1 JCM_PAR_FILES=tests/gpu/test_cute_head_dims.py \
         JCM_PAR_ONLY='(builtin_grads|fp16_mqa|fully_masked_rows|no_column_view_uses_row_intervals|random_lowered_specs)\[.*cap(64|128)\]' \
         JCM_STAGE_S=$(left ${JCM_DKL_TEST_S:-200}) bash "$0" hdimspar
