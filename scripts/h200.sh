@@ -117,7 +117,9 @@ bundle=cute
 # key). On exit the stage says how many kernels it still had to compile.
 # The kernels' host launchers are compiled for the packing machine's CPU (LLVM's native
 # target: AVX-512 there): they are used only where this CPU has every instruction-set flag
-# that one had (.device-stage/kernels/HOST_FLAGS), else the call compiles as before.
+# they need (.device-stage/kernels/HOST_FLAGS: the packing CPU's base vector flags and the
+# optional extensions the launchers' instructions use, scripts/host_flags.py), else the
+# call compiles as before.
 kc_tar=.device-stage/kernels/kernels.tar.xz
 kc_lacks=
 if [[ -f $kc_tar ]]; then

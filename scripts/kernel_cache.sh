@@ -78,12 +78,17 @@ n=$(wc -l < "$list")
 tar -cf - -C "$cache" -T "$list" | xz -T2 -9 > .device-stage/kernels/kernels.tar.xz
 echo "$(git rev-parse --short HEAD)$([[ -n $(git status --porcelain -- 'jcompilemask/*.py') ]] && echo +dirty) $fp $n kernels" \
   > .device-stage/kernels/REVISION
-rm -f "$list"
 # The host launchers use this CPU's instruction sets (LLVM's native target; the DSL takes no
-# other host CPU with --enable-tvm-ffi): h200.sh unpacks only on a CPU that has them all.
-grep -m1 '^flags' /proc/cpuinfo | cut -d: -f2 | tr ' ' '\n' \
-  | grep -E '^(avx|bmi|fma$|f16c$|movbe$|popcnt$|adx$|sha_ni$|gfni$|vaes$|vpclmulqdq$)' \
-  | tr '\n' ' ' > .device-stage/kernels/HOST_FLAGS
+# other host CPU with --enable-tvm-ffi): HOST_FLAGS lists the flags a loading CPU needs, i.e.
+# this CPU's base vector flags plus each optional extension an instruction of the packed
+# launchers actually uses (scripts/host_flags.py), and h200.sh unpacks only where all are.
+flags=$(mktemp)
+grep -m1 '^flags' /proc/cpuinfo | cut -d: -f2 > "$flags"
+objs=$(mktemp)
+sed 's|$|/kernel.o|; s|^|'"$cache"'/|' "$list" > "$objs"
+"$JCM_DEVICE_PY" scripts/host_flags.py "$flags" - < "$objs" > .device-stage/kernels/HOST_FLAGS
+rm -f "$list" "$flags" "$objs"
+echo "kernel cache: a loading CPU needs $(cat .device-stage/kernels/HOST_FLAGS)"
 tree=$(git ls-files -z | xargs -0 du -cb | tail -1 | cut -f1)
 carry=$(du -cb .device-stage/cute .device-stage/kernels | tail -1 | cut -f1)
 echo "kernel cache: $n kernels, $(du -h .device-stage/kernels/kernels.tar.xz | cut -f1) packed;" \

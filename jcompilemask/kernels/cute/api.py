@@ -1361,7 +1361,9 @@ class BackwardConfig:
       same products in the same order: dK bit for bit (but for the sign of an exact zero).
       Needs num_stages=2, ds_stages=2 and the default dV placement. SASS (D 128, cap 30):
       168 registers, 0 B stack (the default capped config: 8 B), 766 / 1248 instructions
-      per unmasked / masked tile copy (783 / 1234).
+      per unmasked / masked tile copy (783 / 1234). Measured slower (H100, causal 8K bwd,
+      run 2026-12-05T19:51:04Z): 11.85 -> 12.00 ms capped, 10.00 -> 10.53 uncapped, with
+      every identity case passing; not a default (NOTES.md, session 34).
 
     ``preferred_backward_config`` picks the default per head dim; ``JCOMPILEMASK_CUTE_BWD_CONFIG``
     (e.g. ``ds_stages=1,stats_early=0``) overrides fields at trace time for benchmarks.
