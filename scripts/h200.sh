@@ -199,6 +199,18 @@ bwd_smoke() {
   return $rc
 }
 
+# The text pages of an ncu report /tmp/prof-TAG.ncu-rep ($1), if it was written: details to
+# $OUT/ncu-TAG.txt (and its lines matching $2, at most $3, printed), the per-instruction SASS
+# source counters to /tmp/sass-TAG.csv (for ncu_sass_summary.py) and $OUT/ncu-TAG-sass.csv.gz.
+ncu_pages() {
+  local tag=$1 pat=$2 n=$3
+  [[ -f /tmp/prof-$tag.ncu-rep ]] || return 0
+  timeout 40 ncu -i /tmp/prof-$tag.ncu-rep --page details > "$OUT/ncu-$tag.txt" 2>&1
+  timeout 60 ncu -i /tmp/prof-$tag.ncu-rep --page source --csv --print-source sass > /tmp/sass-$tag.csv 2>&1
+  gzip -c /tmp/sass-$tag.csv > "$OUT/ncu-$tag-sass.csv.gz"
+  grep -E "$pat" "$OUT/ncu-$tag.txt" | head -"$n"
+}
+
 # Backward GPU cases (pytest args after $2) under `timeout $2`, one line per case; log tagged $1.
 bwd_cases() {
   local tag=$1 s=$2; shift 2
@@ -689,12 +701,7 @@ PY
           --launch-skip 1 --launch-count 1 $sec -o /tmp/prof-$who -f python3 $script $args > "$OUT/ncu-run-$who-nocache.log" 2>&1
         echo "ncu $who (disk cache off) rc $? ($SECONDS s)"; pkill -9 -f _backward_profile; tail -2 "$OUT/ncu-run-$who-nocache.log"
       fi
-      if [[ -f /tmp/prof-$who.ncu-rep ]]; then
-        timeout 40 ncu -i /tmp/prof-$who.ncu-rep --page details > "$OUT/ncu-$who.txt" 2>&1
-        timeout 60 ncu -i /tmp/prof-$who.ncu-rep --page source --csv --print-source sass > /tmp/sass-$who.csv 2>&1
-        gzip -c /tmp/sass-$who.csv > "$OUT/ncu-$who-sass.csv.gz"
-        grep -E "Duration|Busy|Registers|Issued Ipc|Eligible|Stall|Spill|Local|Executed Instructions " "$OUT/ncu-$who.txt" | head -24
-      fi
+      ncu_pages $who "Duration|Busy|Registers|Issued Ipc|Eligible|Stall|Spill|Local|Executed Instructions " 24
     done
     # Every kernel of the steps (forward, backward, the small XLA / FA4 kernels around them)
     # with its duration: what the bwd_ms figure holds besides the main kernel.
@@ -755,12 +762,7 @@ PY
         --launch-skip 1 --launch-count 1 $sec -o /tmp/prof-cap$cap -f \
         python3 tests/scripts/gpu_backward_profile.py causal $pn > "$OUT/capprof-ncu-$cap.log" 2>&1
       echo "ncu cap $cap rc $? ($SECONDS s)"; pkill -9 -f _backward_profile
-      if [[ -f /tmp/prof-cap$cap.ncu-rep ]]; then
-        timeout 40 ncu -i /tmp/prof-cap$cap.ncu-rep --page details > "$OUT/ncu-cap$cap.txt" 2>&1
-        timeout 60 ncu -i /tmp/prof-cap$cap.ncu-rep --page source --csv --print-source sass > /tmp/sass-cap$cap.csv 2>&1
-        gzip -c /tmp/sass-cap$cap.csv > "$OUT/ncu-cap$cap-sass.csv.gz"
-        grep -E "Duration|Busy|Pipe|Issued Ipc|Eligible|Stall|Spill|Executed Instructions " "$OUT/ncu-cap$cap.txt" | head -30
-      fi
+      ncu_pages cap$cap "Duration|Busy|Pipe|Issued Ipc|Eligible|Stall|Spill|Executed Instructions " 30
     done
     [[ -f /tmp/sass-cap0.csv && -f /tmp/sass-cap30.csv ]] && python3 tests/scripts/ncu_sass_summary.py \
       /tmp/sass-cap0.csv /tmp/sass-cap30.csv --top 30 > "$OUT/ncu-cap-compare.txt" 2>&1 && head -60 "$OUT/ncu-cap-compare.txt"
