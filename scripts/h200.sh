@@ -744,6 +744,27 @@ PY
         JCM_STAGE_S=$(left ${JCM_DKL_TEST_S:-200}) bash "$0" hdimspar
     fi
     ;;
+  wgq)
+    # Issue 15's soft cap (session 34, compile-checked): BackwardConfig.wg_dq, each consumer
+    # warpgroup's dQ over its own 64 keys, the two parts summed in the shared dQ tile, so
+    # DS_READY no longer puts both warpgroups' tanh / exp2 phases together (capprof: the
+    # capped tile's 1024 extra MUFU cycles hidden under nothing; dk_late moved the bubble,
+    # session 34). Never run on a GPU: one gradient case under a hang guard (a barrier
+    # generation slip hangs rather than fails), the other four only if it passes, then bwd
+    # ms at JCM_HDIMS_NS (8K) capped and uncapped beside the default and FA4 native, the cap's
+    # cost with and without it, then the capped head-dim cases under it.
+    export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
+    t=tests/gpu/test_cute_backward.py
+    if bwd_smoke wgq ${JCM_WGQ_SMOKE_S:-120} "$t::test_wg_dq_gradients_match_the_default[causal-30.0-bfloat16]"; then
+      bwd_cases wgq ${JCM_WGQ_IDENT_S:-150} "$t" -k "wg_dq_gradients and not causal-30"
+      JCM_HDIMS_OUT=h200-head-dims-cap.json hdims_bench wgq ${JCM_WGQ_S:-200} ${JCM_HDIMS_NS:-8192} d128,d128cap \
+        "wgq@d128cap=wg_dq=1;wgqn@d128=wg_dq=1" --impls jcm-cute,fa4-native
+      python3 benchmarks/quick_summary.py "$OUT" | grep '^cap'   # the cap's cost with and without wg_dq
+      JCOMPILEMASK_CUTE_BWD_CONFIG=wg_dq=1 JCM_PAR_FILES=tests/gpu/test_cute_head_dims.py \
+        JCM_PAR_ONLY='(builtin_grads|fp16_mqa|fully_masked_rows|no_column_view_uses_row_intervals|random_lowered_specs)\[.*cap128\]' \
+        JCM_STAGE_S=$(left ${JCM_WGQ_TEST_S:-200}) bash "$0" hdimspar
+    fi
+    ;;
   capprof)
     # Issue 15's soft cap (+20% at D 128 8K in sessions 29-32, whatever the instruction mix):
     # ncu on one causal backward launch of ours uncapped and capped (JCM_PROF_SOFTCAP, 30),

@@ -293,6 +293,93 @@ def test_dk_late_gives_identical_gradients(name, d, cap, dtype, cute_backward_on
         np.testing.assert_array_equal(a, b_)
 
 
+# wg_dq (issue 15, the soft cap's cost; session 34): each consumer warpgroup's dQ over its
+# own 64 keys, the two parts summed in the shared dQ tile, no DS_READY: (dtype, K, Kc,
+# broadcast batch / head, soft cap, residual), all at D 128.
+_WG_DQ_CASES = {
+    "cap30": ("bfloat16", 1, 1, True, True, 30.0, False),
+    "nocap": ("bfloat16", 1, 1, True, True, None, False),
+    "cap_k6_fp16": ("float16", 6, 7, False, False, 5.0, False),
+    "nocap_dilated": ("bfloat16", 0, 0, False, True, None, True),
+}
+
+
+@needs_cutlass
+@pytest.mark.parametrize("case", [c if c in ("cap30", "nocap") else pytest.param(c, marks=knob)
+                                  for c in sorted(_WG_DQ_CASES)])
+def test_wg_dq_backward_compiles_for_sm90(case, monkeypatch, capfd):
+    """wg_dq compiles with and without a soft cap (K 6 fp16, a residual predicate) and
+    ptxas serializes none of its wgmmas (C7512). SASS, D 128 causal: cap 30 168 registers,
+    8 B of stack (the default capped config's), 943 static instructions per unmasked tile
+    copy (783: both warpgroups' dQ paths are in the copy, each runs one); no cap 0 B, 590
+    (394)."""
+    from jcompilemask.kernels.cute import api
+    from jcompilemask.lower.residual_program import ResidualProgram
+    dtype, kk, kc, bb, bh, cap, residual = _WG_DQ_CASES[case]
+    pair = None
+    if residual:
+        cm = jcm.compile(MaskSpec([Region((0, q_len), (k <= q) & (k > q - 128) & ((q - k) % 2 == 0))]),
+                         warn=False)
+        pair, kk, kc = ResidualProgram.pair(cm), cm.num_intervals, cm.num_bwd_intervals
+    cfg = dataclasses.replace(api.preferred_backward_config(128, dtype, cap is not None), wg_dq=True)
+    key = api.BackwardKey(dtype, 128, kk, kc, bb, bh, 128 ** -0.5, cfg, softcap=cap, residual=pair)
+    assert compile_checking_remarks(api.compile_backward, key, monkeypatch, capfd) is not None
+    assert "_wgq" in key.target_name
+
+
+def test_wg_dq_config_rules():
+    """wg_dq needs 64-query tiles, two dS^T stages and dK / dV along the keys; D 64 (one dQ
+    warpgroup) and D 192 / 256 are refused with the reason."""
+    from jcompilemask.kernels.cute import api
+    base = api.preferred_backward_config(128, "bfloat16", True)
+    assert dataclasses.replace(base, wg_dq=True).tag.endswith("_wgq")
+    for bad, fix in [(dict(ds_stages=1), "ds_stages=2"), (dict(dq_red=True), "dq_red=0"),
+                     (dict(dk_late=True), "dk_late=0"), (dict(dq_blocked=True), "dq_blocked=0")]:
+        with pytest.raises(ValueError, match=fix):
+            dataclasses.replace(base, wg_dq=True, **bad)
+    for d in (192, 256):
+        with pytest.raises(ValueError, match="wg_dq"):
+            dataclasses.replace(api.preferred_backward_config(d), wg_dq=True)
+    if HAS_CUTLASS:
+        import cutlass
+        from jcompilemask.kernels.cute.backward import FlashBackwardSm90
+        cfg = dataclasses.replace(api._d64_query64_config(), wg_dq=True)
+        with pytest.raises(ValueError, match="head_dim=64"):
+            FlashBackwardSm90(cutlass.BFloat16, 64, 1, 1, 64 ** -0.5, cfg)
+
+
+@needs_gpu
+@pytest.mark.parametrize("name,cap,dtype", [
+    ("causal", 30.0, jnp.bfloat16), ("clear", 5.0, jnp.float16), ("document", None, jnp.bfloat16),
+    ("hstu", None, jnp.bfloat16), ("dilated_window", 30.0, jnp.bfloat16)],
+    ids=lambda v: str(getattr(v, "__name__", v)))
+def test_wg_dq_gradients_match_the_default(name, cap, dtype, cute_backward_on, monkeypatch):
+    """wg_dq computes dK and dV as the default does (bit for bit) and dQ as two fp32
+    partial sums over the tile's keys instead of one: within a rounding of the default's
+    (GQA, ragged N, masked tiles, a residual predicate, with and without a cap), under the
+    deterministic dQ order so that nothing else differs."""
+    spec, md, n, (qx, kx, vx, do) = _column_order_inputs(name, 128, 128, dtype, 35, 36)
+    if cap is not None:
+        qx = (3.0 * qx.astype(jnp.float32)).astype(dtype)
+
+    def grads(config):
+        monkeypatch.setenv("JCOMPILEMASK_CUTE_BWD_CONFIG", config)
+
+        def loss(a, b_, c):
+            o = jcm.mask_attention(a, b_, c, spec, metadata=md, implementation="cute",
+                                   logits_soft_cap=cap, deterministic=True)
+            return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32))
+        return [np.asarray(x.astype(jnp.float32)) for x in
+                jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(qx, kx, vx)]
+
+    (dq0, dk0, dv0), (dq1, dk1, dv1) = grads(""), grads("wg_dq=1")
+    np.testing.assert_array_equal(dk0, dk1)
+    np.testing.assert_array_equal(dv0, dv1)
+    # One rounding of the output dtype (bf16: 2^-8 relative) of the largest entry.
+    eps = 2.0 ** -8 if dtype == jnp.bfloat16 else 2.0 ** -11
+    np.testing.assert_allclose(dq1, dq0, rtol=2 * eps, atol=2 * eps * float(np.abs(dq0).max()))
+
+
 # Persistent CTAs (BackwardConfig.persistent, issue 16: short key columns pay a CTA's fixed
 # cost per 2-4 tiles): (D, dtype, K, Kc, broadcast batch / head, config changes, residual).
 _PERSISTENT_CASES = {

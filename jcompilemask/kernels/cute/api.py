@@ -1364,6 +1364,15 @@ class BackwardConfig:
       per unmasked / masked tile copy (783 / 1234). Measured slower (H100, causal 8K bwd,
       run 2026-12-05T19:51:04Z): 11.85 -> 12.00 ms capped, 10.00 -> 10.53 uncapped, with
       every identity case passing; not a default (NOTES.md, session 34).
+    - ``wg_dq`` (issue 15, the soft cap's cost; D 128): each consumer warpgroup computes dQ
+      over its own 64 keys for all of D (two halves of 64 columns, one at a time, so the
+      accumulator stays 32 registers), reading only its own rows of dS^T: DS_READY, which
+      made both warpgroups run their tanh / exp2 phase together, goes away. The two parts
+      are summed in the shared dQ tile (warpgroup 0 stores, warpgroup 1 adds, then the dQ
+      warp's one bulk reduce-add per half as before), so the global traffic is unchanged and
+      warpgroup 1 trails warpgroup 0, whose MUFU phase can then run under its GEMMs. dK / dV
+      are bit for bit the default's; dQ's per-tile sum is split in two fp32 partial sums
+      (deterministic, not bit-identical).
 
     ``preferred_backward_config`` picks the default per head dim; ``JCOMPILEMASK_CUTE_BWD_CONFIG``
     (e.g. ``ds_stages=1,stats_early=0``) overrides fields at trace time for benchmarks.
@@ -1410,6 +1419,7 @@ class BackwardConfig:
     dk_split: bool = False
     dkv_swap: bool = False
     dk_late: bool = False
+    wg_dq: bool = False
 
     def __post_init__(self):
         wants = ((BWD_TILES_SWAP,) if self.dkv_swap else (BWD_TILES_SPLIT,) if self.split_dkv
@@ -1494,6 +1504,18 @@ class BackwardConfig:
                     "excludes dkv_swap / split_dkv / split_sdp, dv_split / dk_split / dv_early / "
                     "ds_first, release_do_early and persistent"
                     + (f"; set {', '.join(n + '=0' for n in clash)}" if clash else "; set num_stages=2,ds_stages=2"))
+        if self.wg_dq:
+            clash = [n for n in ("dkv_swap", "split_dkv", "split_sdp", "dv_split", "dk_split",
+                                 "dv_early", "dk_late", "release_do_early", "dq_red",
+                                 "dq_blocked", "persistent") if getattr(self, n)]
+            if clash or self.ds_stages != 2 or self.block_q != 64:
+                raise ValueError(
+                    "wg_dq (each warpgroup's dQ over its own keys, summed in shared memory) "
+                    "needs 64-query tiles, ds_stages=2 and dK / dV along the keys, and excludes "
+                    "dkv_swap / split_dkv / split_sdp, dv_split / dk_split / dv_early / dk_late, "
+                    "release_do_early, dq_red / dq_blocked and persistent"
+                    + (f"; set {', '.join(n + '=0' for n in clash)}" if clash
+                       else "; set ds_stages=2,block_q=64"))
         if self.num_stages < 1 or self.ds_stages not in (1, 2):
             raise ValueError(f"num_stages={self.num_stages} must be >= 1 and ds_stages="
                              f"{self.ds_stages} 1 or 2")
@@ -1522,7 +1544,7 @@ class BackwardConfig:
                 f"{'_dsw' if self.ds_words else ''}{'_pers' if self.persistent else ''}"
                 f"{'_dqr' if self.dq_red else ''}{f'_dvs{self.dv_split}' if self.dv_split else ''}"
                 f"{'_dks' if self.dk_split else ''}{'_swp' if self.dkv_swap else ''}"
-                f"{'_dkl' if self.dk_late else ''}")
+                f"{'_dkl' if self.dk_late else ''}{'_wgq' if self.wg_dq else ''}")
 
 
 def preferred_backward_config(head_dim: int, dtype: str = "bfloat16",

@@ -98,7 +98,12 @@ class Bar(enum.IntEnum):
                         # which compute-sanitizer's synccheck reports as divergent.
     P_READY = 14    # 14, 15 (per consumer warpgroup; dkv_swap with dv_early): the warpgroup
                     # stored its keys' P, which its dV^T reads; with dk_late: it zeroed its
-                    # keys' rows of a dS^T stage, which its first dK of a chunk reads
+                    # keys' rows of a dS^T stage, which its first dK of a chunk reads; with
+                    # wg_dq: it stored its keys' rows of dS^T, which its own dQ part reads
+    # wg_dq (no DS_READY, and ds_stages == 2: no DS_FREE) reuses ids 1 and 2: DQ_HALF + h,
+    # warpgroup 0 stored its partial dQ of D half h (it arrives), which warpgroup 1 then
+    # adds to (it waits).
+    DQ_HALF = 1
 
 
 class FlashBackwardSm90(WarpSpecializedSm90):
@@ -226,6 +231,15 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         # group in flight at the S^T and dP^T waits).
         self.dk_late = config.dk_late
         self.late_groups = 1 if config.dk_late else 0
+        # wg_dq: each consumer warpgroup computes dQ over its own 64 keys for all of D (two
+        # halves, one at a time), summed in the shared dQ tile (warpgroup 0 stores, 1 adds):
+        # no DS_READY, the warpgroups meet only at that sum.
+        self.wg_dq = config.wg_dq
+        if config.wg_dq and (self.dq_wgs != 2 or self.dq_split_q or self.split_dkv or self.dkv_swap):
+            raise ValueError(
+                f"wg_dq (dQ per warpgroup over its own keys, summed in shared memory) needs two "
+                f"dQ warpgroups splitting D with 64-query tiles and keys split across the "
+                f"warpgroups (D 128: head_dim={head_dim}, block_q={config.block_q}); set wg_dq=0")
         self.dv_at = ("split" if self.dv_split else "early" if config.dv_early
                       else "after_ready" if self.split_sdp or self.dkv_swap
                       else "after_stores" if config.ds_first else "before_ds")
@@ -994,6 +1008,13 @@ class FlashBackwardSm90(WarpSpecializedSm90):
             frags.tKVrdOt = mma_dv.make_fragment_B(mma_dv.partition_B(sdOt))
         frags.tQrdS = mma_dq.make_fragment_A(mma_dq.partition_A(sdS))
         frags.tQrKt = mma_dq.make_fragment_B(mma_dq.partition_B(sKt))
+        if const_expr(self.wg_dq):
+            # D half h of dQ as the default's warpgroup h computes it (the same per-thread
+            # fragment, so the same shared / global layout), issued by either warpgroup
+            # over its own keys' k-blocks.
+            frags.mma_dq_halves = [tiled_mma_dq.get_slice(wg_slice(h)) for h in range(self.dq_wgs)]
+            frags.tQrdS_halves = [m.make_fragment_A(m.partition_A(sdS)) for m in frags.mma_dq_halves]
+            frags.tQrKt_halves = [m.make_fragment_B(m.partition_B(sKt)) for m in frags.mma_dq_halves]
         frags.mma_sdp, frags.mma_dkv, frags.mma_dq, frags.mma_dv = mma_sdp, mma_dkv, mma_dq, mma_dv
         frags.mBwdIntervals = mBwdIntervals
         frags.residual_args = (mRegion, mParams)
@@ -1073,6 +1094,12 @@ class FlashBackwardSm90(WarpSpecializedSm90):
             frags.sdQ_thr = cute.make_tensor(
                 sdQ.iterator + dq_region + t_wg * 4,
                 cute.make_layout((4, self.dq_chunks), stride=(1, 4 * self.threads_per_wg)))
+        if const_expr(self.wg_dq):
+            # This thread's chunks of each D half's region (both warpgroups write both).
+            frags.sdQ_halves = [cute.make_tensor(
+                sdQ.iterator + h * self.dq_wg_floats + t_wg * 4,
+                cute.make_layout((4, self.dq_chunks), stride=(1, 4 * self.threads_per_wg)))
+                for h in range(self.dq_wgs)]
 
         # The CTA's keys' column intervals (Kc per key), loaded once per head.
         kc = self.num_bwd_intervals
@@ -1231,7 +1258,11 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         if const_expr(self.config.dq_red):
             return
         if count > 0:
-            if const_expr(self.dq_single_wg):
+            if const_expr(self.wg_dq):
+                if wg == 0:         # warpgroup 0 waits both regions before storing
+                    for h in cutlass.range_constexpr(self.dq_wgs):
+                        self.dq_buffer_wait(h)
+            elif const_expr(self.dq_single_wg):
                 if wg == 0:
                     self.dq_buffer_wait(wg)
             else:
@@ -1566,7 +1597,11 @@ class FlashBackwardSm90(WarpSpecializedSm90):
                 self.issue_dv(t, f)
             cute.arch.fence_view_async_shared()
         t.rdS, t.ds_stage = rdS, ds_stage
-        cute.arch.barrier(barrier_id=int(Bar.DS_READY), number_of_threads=both)
+        if const_expr(self.wg_dq):
+            # Its own keys' rows of dS^T, which only its own dQ part reads.
+            cute.arch.barrier(barrier_id=int(Bar.P_READY) + wg, number_of_threads=self.threads_per_wg)
+        else:
+            cute.arch.barrier(barrier_id=int(Bar.DS_READY), number_of_threads=both)
         if const_expr(self.dv_at == "after_ready"):
             self.issue_dv(t, f)
 
@@ -1588,6 +1623,8 @@ class FlashBackwardSm90(WarpSpecializedSm90):
                 if const_expr(self.config.release_do_early):
                     warpgroup.wait_group(1)                 # dV done: dO's stage is free
                     pipeline_do.consumer_release(state)
+        elif const_expr(self.wg_dq):
+            self.wg_dq_and_dk(f, rdS, ds_stage, state, si)
         else:
             self.dq_and_dk(f, rdS, ds_stage, state, pipeline_do, si, dq_slot)
         nxt = Int32(0)
@@ -1780,6 +1817,61 @@ class FlashBackwardSm90(WarpSpecializedSm90):
             cute.autovec_copy(cute.make_tensor(acc_dQ.iterator, cute.make_layout(dq_regs)), f.sdQ_thr)
             cute.arch.fence_view_async_shared()
             cute.arch.barrier_arrive(barrier_id=int(Bar.DQ_FULL) + self.dq_wg_index(f.wg),
+                                     number_of_threads=self.threads_per_wg + 32)
+
+    @cute.jit
+    def wg_dq_and_dk(self, f, rdS, ds_stage, state, si):
+        """``wg_dq``: per D half h, dQ[:, h] over this warpgroup's own 64 keys (its k-blocks
+        of dS K), the first half issued before dK; once a half is done, warpgroup 0 stores
+        it into region h of the shared dQ tile and warpgroup 1 adds its own to it, then
+        hands the region to the dQ warp (DQ_FULL + h, as the default's warpgroup h)."""
+        kb = self.block_kv // self.num_consumer_wgs // 16    # k-blocks of 16 keys per warpgroup
+        dq_tile = (self.block_q, self.head_dim // self.dq_wgs)
+        wg = f.wg
+        for h in cutlass.range_constexpr(self.dq_wgs):
+            mma, tA, tB = f.mma_dq_halves[h], f.tQrdS_halves[h], f.tQrKt_halves[h]
+            acc = cute.make_rmem_tensor(mma.partition_shape_C(dq_tile), Float32)
+            # The same group either way (one commit): the wait counts below stay static.
+            if wg == 0:
+                issue_wgmma(mma, acc, tA[None, None, None, ds_stage], tB[None, None, None, 0], True,
+                            first_kb=0, num_kb=kb)
+            else:
+                issue_wgmma(mma, acc, tA[None, None, None, ds_stage], tB[None, None, None, 0], True,
+                            first_kb=kb, num_kb=kb)
+            if const_expr(h == 0):
+                issue_wgmma(f.mma_dkv, f.acc_dK, self.dk_operand(f, rdS, ds_stage),
+                            f.tKVrQt[None, None, None, si], False)
+                warpgroup.wait_group(1)         # dV and this half; dK in flight
+            else:
+                warpgroup.wait_group(0)
+            self.sum_dq_half(f, acc, h, state)
+
+    @cute.jit
+    def sum_dq_half(self, f, acc, h: cutlass.Constexpr[int], state):
+        """``wg_dq``: D half h of the tile's dQ into region h of the shared dQ tile.
+        Warpgroup 0 (once the dQ warp has read the region's last tile) stores its part and
+        arrives at DQ_HALF + h; warpgroup 1 waits there, adds its part to the region's
+        values (the same chunks: the fragments are the same) and hands the region to the
+        dQ warp. Warpgroup 0 cannot arrive twice before warpgroup 1 waited once: its next
+        store waits for the dQ warp, which waits for warpgroup 1."""
+        regs = cute.make_tensor(acc.iterator, cute.make_layout((4, self.dq_chunks)))
+        dst = f.sdQ_halves[h]
+        both = self.num_consumer_wgs * self.threads_per_wg
+        if f.wg == 0:
+            if state.count > 0:
+                self.dq_buffer_wait(h)
+            cute.autovec_copy(regs, dst)
+            cute.arch.barrier_arrive(barrier_id=int(Bar.DQ_HALF) + h, number_of_threads=both)
+        else:
+            cute.arch.barrier(barrier_id=int(Bar.DQ_HALF) + h, number_of_threads=both)
+            for g in cutlass.range_constexpr(self.dq_chunks):
+                part = cute.make_rmem_tensor(4, Float32)
+                cute.autovec_copy(dst[None, g], part)
+                for i in cutlass.range_constexpr(4):
+                    regs[i, g] = regs[i, g] + part[i]
+            cute.autovec_copy(regs, dst)
+            cute.arch.fence_view_async_shared()
+            cute.arch.barrier_arrive(barrier_id=int(Bar.DQ_FULL) + h,
                                      number_of_threads=self.threads_per_wg + 32)
 
     @cute.jit
