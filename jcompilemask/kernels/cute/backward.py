@@ -36,7 +36,10 @@ one of two buffers, meets the other warpgroup once (DS_READY), issues dQ then dK
 dV and dQ, hands its dQ tile to the dQ warp (DQ_FULL; DQ_EMPTY guards the buffer), waits
 dK and frees the Q / dO stage. Two dS buffers make one barrier per tile enough: a
 warpgroup writing tile t + 1's dS has passed tile t's DS_READY, which the other reached
-only after its dQ product of tile t - 1 (the same buffer) completed.
+only after its dQ product of tile t - 1 (the same buffer) completed. With
+``BackwardConfig.wg_dq`` (opt-in) there is no DS_READY: each warpgroup computes dQ over its
+own 64 keys for all of D (two halves), warpgroup 0 stores each half into the shared dQ tile
+and warpgroup 1 adds its own to it before the dQ warp's reduce-add (``wg_dq_and_dk``).
 
 The static shape (tiles, stages, dS buffers, early statistics) and the options still to
 be measured on the H200 (deterministic dQ order, a shared work list instead of three
