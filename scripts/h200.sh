@@ -755,10 +755,12 @@ PY
     # cost with and without it, then the capped head-dim cases under it.
     export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
     t=tests/gpu/test_cute_backward.py
-    if bwd_smoke wgq ${JCM_WGQ_SMOKE_S:-120} "$t::test_wg_dq_gradients_match_the_default[causal-30.0-bfloat16]"; then
-      bwd_cases wgq ${JCM_WGQ_IDENT_S:-150} "$t" -k "wg_dq_gradients and not causal-30"
-      JCM_HDIMS_OUT=h200-head-dims-cap.json hdims_bench wgq ${JCM_WGQ_S:-200} ${JCM_HDIMS_NS:-8192} d128,d128cap \
-        "wgq@d128cap=wg_dq=1;wgqn@d128=wg_dq=1" --impls jcm-cute,fa4-native
+    if bwd_smoke wgq ${JCM_WGQ_SMOKE_S:-120} "$t::test_wg_dq_gradients_match_the_default[causal-30.0-bfloat16-wgq]"; then
+      bwd_cases wgq ${JCM_WGQ_IDENT_S:-150} "$t" -k "wg_dq_gradients and not causal-30.0-bfloat16-wgq"
+      # wgq / wgqo (wg_dq_offset: warpgroup 1 starts half a tile late) capped; -n uncapped.
+      JCM_HDIMS_OUT=h200-head-dims-cap.json hdims_bench wgq ${JCM_WGQ_S:-220} ${JCM_HDIMS_NS:-8192} d128,d128cap \
+        "wgq@d128cap=wg_dq=1;wgqo@d128cap=wg_dq=1,wg_dq_offset=1;wgqn@d128=wg_dq=1;wgqon@d128=wg_dq=1,wg_dq_offset=1" \
+        --impls jcm-cute,fa4-native
       python3 benchmarks/quick_summary.py "$OUT" | grep '^cap'   # the cap's cost with and without wg_dq
       JCOMPILEMASK_CUTE_BWD_CONFIG=wg_dq=1 JCM_PAR_FILES=tests/gpu/test_cute_head_dims.py \
         JCM_PAR_ONLY='(builtin_grads|fp16_mqa|fully_masked_rows|no_column_view_uses_row_intervals|random_lowered_specs)\[.*cap128\]' \

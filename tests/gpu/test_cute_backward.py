@@ -301,6 +301,7 @@ _WG_DQ_CASES = {
     "nocap": ("bfloat16", 1, 1, True, True, None, False),
     "cap_k6_fp16": ("float16", 6, 7, False, False, 5.0, False),
     "nocap_dilated": ("bfloat16", 0, 0, False, True, None, True),
+    "cap30_offset": ("bfloat16", 1, 1, True, True, 30.0, False),
 }
 
 
@@ -321,7 +322,8 @@ def test_wg_dq_backward_compiles_for_sm90(case, monkeypatch, capfd):
         cm = jcm.compile(MaskSpec([Region((0, q_len), (k <= q) & (k > q - 128) & ((q - k) % 2 == 0))]),
                          warn=False)
         pair, kk, kc = ResidualProgram.pair(cm), cm.num_intervals, cm.num_bwd_intervals
-    cfg = dataclasses.replace(api.preferred_backward_config(128, dtype, cap is not None), wg_dq=True)
+    cfg = dataclasses.replace(api.preferred_backward_config(128, dtype, cap is not None), wg_dq=True,
+                              wg_dq_offset=case.endswith("_offset"))
     key = api.BackwardKey(dtype, 128, kk, kc, bb, bh, 128 ** -0.5, cfg, softcap=cap, residual=pair)
     assert compile_checking_remarks(api.compile_backward, key, monkeypatch, capfd) is not None
     assert "_wgq" in key.target_name
@@ -340,6 +342,9 @@ def test_wg_dq_config_rules():
     for d in (192, 256):
         with pytest.raises(ValueError, match="wg_dq"):
             dataclasses.replace(api.preferred_backward_config(d), wg_dq=True)
+    with pytest.raises(ValueError, match="wg_dq=1"):
+        dataclasses.replace(base, wg_dq_offset=True)
+    assert dataclasses.replace(base, wg_dq=True, wg_dq_offset=True).tag.endswith("_wgqo")
     if HAS_CUTLASS:
         import cutlass
         from jcompilemask.kernels.cute.backward import FlashBackwardSm90
@@ -348,16 +353,22 @@ def test_wg_dq_config_rules():
             FlashBackwardSm90(cutlass.BFloat16, 64, 1, 1, 64 ** -0.5, cfg)
 
 
+_WG_DQ_IDS = {"wg_dq=1": "wgq", "wg_dq=1,wg_dq_offset=1": "offset"}
+
+
 @needs_gpu
-@pytest.mark.parametrize("name,cap,dtype", [
-    ("causal", 30.0, jnp.bfloat16), ("clear", 5.0, jnp.float16), ("document", None, jnp.bfloat16),
-    ("hstu", None, jnp.bfloat16), ("dilated_window", 30.0, jnp.bfloat16)],
-    ids=lambda v: str(getattr(v, "__name__", v)))
-def test_wg_dq_gradients_match_the_default(name, cap, dtype, cute_backward_on, monkeypatch):
+@pytest.mark.parametrize("name,cap,dtype,config", [
+    ("causal", 30.0, jnp.bfloat16, "wg_dq=1"), ("clear", 5.0, jnp.float16, "wg_dq=1"),
+    ("document", None, jnp.bfloat16, "wg_dq=1"), ("hstu", None, jnp.bfloat16, "wg_dq=1"),
+    ("dilated_window", 30.0, jnp.bfloat16, "wg_dq=1"),
+    ("causal", 30.0, jnp.bfloat16, "wg_dq=1,wg_dq_offset=1")],
+    ids=lambda v: _WG_DQ_IDS[v] if v in _WG_DQ_IDS else str(getattr(v, "__name__", v)))
+def test_wg_dq_gradients_match_the_default(name, cap, dtype, config, cute_backward_on, monkeypatch):
     """wg_dq computes dK and dV as the default does (bit for bit) and dQ as two fp32
     partial sums over the tile's keys instead of one: within a rounding of the default's
     (GQA, ragged N, masked tiles, a residual predicate, with and without a cap), under the
-    deterministic dQ order so that nothing else differs."""
+    deterministic dQ order so that nothing else differs; ``wg_dq_offset`` (warpgroup 1's
+    first tile after warpgroup 0's first dS^T) changes the timing only."""
     spec, md, n, (qx, kx, vx, do) = _column_order_inputs(name, 128, 128, dtype, 35, 36)
     if cap is not None:
         qx = (3.0 * qx.astype(jnp.float32)).astype(dtype)
@@ -372,7 +383,7 @@ def test_wg_dq_gradients_match_the_default(name, cap, dtype, cute_backward_on, m
         return [np.asarray(x.astype(jnp.float32)) for x in
                 jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(qx, kx, vx)]
 
-    (dq0, dk0, dv0), (dq1, dk1, dv1) = grads(""), grads("wg_dq=1")
+    (dq0, dk0, dv0), (dq1, dk1, dv1) = grads(""), grads(config)
     np.testing.assert_array_equal(dk0, dk1)
     np.testing.assert_array_equal(dv0, dv1)
     # One rounding of the output dtype (bf16: 2^-8 relative) of the largest entry.

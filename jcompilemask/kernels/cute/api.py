@@ -1372,7 +1372,10 @@ class BackwardConfig:
       warp's one bulk reduce-add per half as before), so the global traffic is unchanged and
       warpgroup 1 trails warpgroup 0, whose MUFU phase can then run under its GEMMs. dK / dV
       are bit for bit the default's; dQ's per-tile sum is split in two fp32 partial sums
-      (deterministic, not bit-identical).
+      (deterministic, not bit-identical). ``wg_dq_offset``: warpgroup 1 starts its first tile
+      once warpgroup 0 has made its first dS^T (one wait per CTA), so the two begin out of
+      phase instead of converging there by chance; the sum keeps warpgroup 1 behind
+      warpgroup 0 and the dQ warp keeps warpgroup 0 less than a tile ahead.
 
     ``preferred_backward_config`` picks the default per head dim; ``JCOMPILEMASK_CUTE_BWD_CONFIG``
     (e.g. ``ds_stages=1,stats_early=0``) overrides fields at trace time for benchmarks.
@@ -1420,6 +1423,7 @@ class BackwardConfig:
     dkv_swap: bool = False
     dk_late: bool = False
     wg_dq: bool = False
+    wg_dq_offset: bool = False
 
     def __post_init__(self):
         wants = ((BWD_TILES_SWAP,) if self.dkv_swap else (BWD_TILES_SPLIT,) if self.split_dkv
@@ -1516,6 +1520,10 @@ class BackwardConfig:
                     "release_do_early, dq_red / dq_blocked and persistent"
                     + (f"; set {', '.join(n + '=0' for n in clash)}" if clash
                        else "; set ds_stages=2,block_q=64"))
+        if self.wg_dq_offset and not self.wg_dq:
+            raise ValueError("wg_dq_offset (warpgroup 1 starts once warpgroup 0 made its first "
+                             "dS^T) needs wg_dq (with DS_READY both meet every tile anyway); "
+                             "set wg_dq=1")
         if self.num_stages < 1 or self.ds_stages not in (1, 2):
             raise ValueError(f"num_stages={self.num_stages} must be >= 1 and ds_stages="
                              f"{self.ds_stages} 1 or 2")
@@ -1544,7 +1552,8 @@ class BackwardConfig:
                 f"{'_dsw' if self.ds_words else ''}{'_pers' if self.persistent else ''}"
                 f"{'_dqr' if self.dq_red else ''}{f'_dvs{self.dv_split}' if self.dv_split else ''}"
                 f"{'_dks' if self.dk_split else ''}{'_swp' if self.dkv_swap else ''}"
-                f"{'_dkl' if self.dk_late else ''}{'_wgq' if self.wg_dq else ''}")
+                f"{'_dkl' if self.dk_late else ''}{'_wgq' if self.wg_dq else ''}"
+                f"{'o' if self.wg_dq_offset else ''}")
 
 
 def preferred_backward_config(head_dim: int, dtype: str = "bfloat16",

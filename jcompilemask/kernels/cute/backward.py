@@ -91,7 +91,8 @@ class Bar(enum.IntEnum):
     DQ_FULL = 3     # 3, 4: warpgroup w's dQ tile is in shared memory (consumers arrive)
     DQ_EMPTY = 5    # 5, 6: the dQ warp's bulk reduce-add has read it (the dQ warp arrives)
     EPILOGUE = 7    # dkv_tma_store: both consumer warpgroups are done with K / V, then
-                    # have written dK / dV into their buffers
+                    # have written dK / dV into their buffers; wg_dq_offset, once before the
+                    # first tile: warpgroup 0 made its first dS^T (warpgroup 1 then starts)
     LIST_READY = 8  # 8, 9 (per list buffer): the producer warp built the work list (for the
                     # consumer warpgroups)
     LIST_FREE = 10  # 10, 11: every reader (consumers, dQ warp) is done with it
@@ -1304,11 +1305,22 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         t = _Namespace(si=state.index if const_expr(stage is None) else stage, ring=(state, stage))
         if const_expr(self.dk_late):
             t.prev_si, t.later = cols.prev_si, cols.later
+        both = self.num_consumer_wgs * self.threads_per_wg
+        if const_expr(self.config.wg_dq_offset):
+            # Warpgroup 1 starts its first tile once warpgroup 0 has made its first dS^T
+            # (EPILOGUE's id: its generations at the end are whole again).
+            if f.wg == 1:
+                if state.count == 0:
+                    cute.arch.barrier(barrier_id=int(Bar.EPILOGUE), number_of_threads=both)
         self.issue_scores(t, state, f)
         self.load_statistics(t, f)
         self.probabilities(masked, t, q_tile, f, cols)
         if const_expr(not self.dk_split):       # dk_split: dS^T made piece by piece there
             self.softmax_grad(masked, t, f)
+        if const_expr(self.config.wg_dq_offset):
+            if f.wg == 0:
+                if state.count == 0:
+                    cute.arch.barrier_arrive(barrier_id=int(Bar.EPILOGUE), number_of_threads=both)
         self.dv_and_ds(t, state, f, stage)
         return self.dq_dk_and_release(t, state, f, cols)
 
