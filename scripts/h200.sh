@@ -211,6 +211,26 @@ ncu_pages() {
   grep -E "$pat" "$OUT/ncu-$tag.txt" | head -"$n"
 }
 
+# A backward switch for the soft cap's cost, never run on a GPU before: the first gradient
+# case of tests/gpu/test_cute_backward.py ($2, a node id) under a hang guard (a barrier
+# slip hangs rather than fails), then ($3, a -k expression) the others, the bwd ms at
+# JCM_HDIMS_NS (8K) of d128 / d128cap with bench_head_dims variants $4 beside the default and
+# FA4 native, quick_summary's cap lines (the cost with and without the switch), then the
+# capped head-dim cases (cap $6: a regex of head dims) under JCOMPILEMASK_CUTE_BWD_CONFIG=$5.
+# Limits: JCM_SW_SMOKE_S, JCM_SW_IDENT_S, JCM_SW_S, JCM_SW_TEST_S. Tagged $1.
+cap_switch_trial() {
+  local tag=$1 t=tests/gpu/test_cute_backward.py
+  export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
+  bwd_smoke $tag ${JCM_SW_SMOKE_S:-120} "$t::$2" || return 0
+  bwd_cases $tag ${JCM_SW_IDENT_S:-150} "$t" -k "$3"
+  JCM_HDIMS_OUT=h200-head-dims-cap.json hdims_bench $tag ${JCM_SW_S:-220} ${JCM_HDIMS_NS:-8192} d128,d128cap \
+    "$4" --impls jcm-cute,fa4-native
+  python3 benchmarks/quick_summary.py "$OUT" | grep '^cap'
+  JCOMPILEMASK_CUTE_BWD_CONFIG=$5 JCM_PAR_FILES=tests/gpu/test_cute_head_dims.py \
+    JCM_PAR_ONLY="(builtin_grads|fp16_mqa|fully_masked_rows|no_column_view_uses_row_intervals|random_lowered_specs)\\[.*cap$6\\]" \
+    JCM_STAGE_S=$(left ${JCM_SW_TEST_S:-200}) bash "$0" hdimspar
+}
+
 # Backward GPU cases (pytest args after $2) under `timeout $2`, one line per case; log tagged $1.
 bwd_cases() {
   local tag=$1 s=$2; shift 2
@@ -732,17 +752,9 @@ PY
     # case under a hang guard (a barrier or wait-count slip hangs rather than fails), the
     # other four only if it passes, then bwd ms at JCM_HDIMS_NS (8K) capped and uncapped
     # beside the default and FA4 native, then the capped head-dim gradient cases under it.
-    export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
-    t=tests/gpu/test_cute_backward.py
-    if bwd_smoke dkl ${JCM_DKL_SMOKE_S:-120} "$t::test_dk_late_gives_identical_gradients[causal-128-30.0-bfloat16]"; then
-      bwd_cases dkl ${JCM_DKL_IDENT_S:-150} "$t" -k "dk_late_gives and not causal-128-30"
-      JCM_HDIMS_OUT=h200-head-dims-cap.json hdims_bench dkl ${JCM_DKL_S:-200} ${JCM_HDIMS_NS:-8192} d128,d128cap \
-        "dkl@d128cap=dk_late=1;dkln@d128=dk_late=1" --impls jcm-cute,fa4-native
-      python3 benchmarks/quick_summary.py "$OUT" | grep '^cap'   # the cap's cost with and without dk_late
-      JCOMPILEMASK_CUTE_BWD_CONFIG=dk_late=1 JCM_PAR_FILES=tests/gpu/test_cute_head_dims.py \
-        JCM_PAR_ONLY='(builtin_grads|fp16_mqa|fully_masked_rows|no_column_view_uses_row_intervals|random_lowered_specs)\[.*cap(64|128)\]' \
-        JCM_STAGE_S=$(left ${JCM_DKL_TEST_S:-200}) bash "$0" hdimspar
-    fi
+    # (Measured in session 34: slower, capped and not.)
+    cap_switch_trial dkl "test_dk_late_gives_identical_gradients[causal-128-30.0-bfloat16]" \
+      "dk_late_gives and not causal-128-30" "dkl@d128cap=dk_late=1;dkln@d128=dk_late=1" dk_late=1 '(64|128)'
     ;;
   wgq)
     # Issue 15's soft cap (session 34, compile-checked): BackwardConfig.wg_dq, each consumer
@@ -753,19 +765,12 @@ PY
     # generation slip hangs rather than fails), the other four only if it passes, then bwd
     # ms at JCM_HDIMS_NS (8K) capped and uncapped beside the default and FA4 native, the cap's
     # cost with and without it, then the capped head-dim cases under it.
-    export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
-    t=tests/gpu/test_cute_backward.py
-    if bwd_smoke wgq ${JCM_WGQ_SMOKE_S:-120} "$t::test_wg_dq_gradients_match_the_default[causal-30.0-bfloat16-wgq]"; then
-      bwd_cases wgq ${JCM_WGQ_IDENT_S:-150} "$t" -k "wg_dq_gradients and not causal-30.0-bfloat16-wgq"
-      # wgq / wgqo (wg_dq_offset: warpgroup 1 starts half a tile late) capped; -n uncapped.
-      JCM_HDIMS_OUT=h200-head-dims-cap.json hdims_bench wgq ${JCM_WGQ_S:-220} ${JCM_HDIMS_NS:-8192} d128,d128cap \
-        "wgq@d128cap=wg_dq=1;wgqo@d128cap=wg_dq=1,wg_dq_offset=1;wgqn@d128=wg_dq=1;wgqon@d128=wg_dq=1,wg_dq_offset=1" \
-        --impls jcm-cute,fa4-native
-      python3 benchmarks/quick_summary.py "$OUT" | grep '^cap'   # the cap's cost with and without wg_dq
-      JCOMPILEMASK_CUTE_BWD_CONFIG=wg_dq=1 JCM_PAR_FILES=tests/gpu/test_cute_head_dims.py \
-        JCM_PAR_ONLY='(builtin_grads|fp16_mqa|fully_masked_rows|no_column_view_uses_row_intervals|random_lowered_specs)\[.*cap128\]' \
-        JCM_STAGE_S=$(left ${JCM_WGQ_TEST_S:-200}) bash "$0" hdimspar
-    fi
+    # wgq / wgqo (wg_dq_offset: warpgroup 1 starts once warpgroup 0 made its first dS^T)
+    # capped; their -n twins uncapped.
+    cap_switch_trial wgq "test_wg_dq_gradients_match_the_default[causal-30.0-bfloat16-wgq]" \
+      "wg_dq_gradients and not causal-30.0-bfloat16-wgq" \
+      "wgq@d128cap=wg_dq=1;wgqo@d128cap=wg_dq=1,wg_dq_offset=1;wgqn@d128=wg_dq=1;wgqon@d128=wg_dq=1,wg_dq_offset=1" \
+      wg_dq=1 128
     ;;
   capprof)
     # Issue 15's soft cap (+20% at D 128 8K in sessions 29-32, whatever the instruction mix):

@@ -276,9 +276,18 @@ def test_dk_late_gives_identical_gradients(name, d, cap, dtype, cute_backward_on
     order (a chunk's first tile adds one over a zeroed dS^T stage): with the deterministic
     dQ order dQ, dK and dV equal the default's (GQA, ragged N, masked tiles, a residual
     predicate, with and without a cap)."""
-    spec, md, n, (qx, kx, vx, do) = _column_order_inputs(name, d, d, dtype, 33, 34)
+    grads = _config_grads(name, d, cap, dtype, 33, 34, monkeypatch)
+    for a, b_ in zip(grads(""), grads("dk_late=1")):
+        np.testing.assert_array_equal(a, b_)
+
+
+def _config_grads(name, d, cap, dtype, rng_seed, key_seed, monkeypatch):
+    """grads(config): dQ, dK, dV (float32 arrays) of ``_column_order_inputs``' case through
+    the CuTe backward under JCOMPILEMASK_CUTE_BWD_CONFIG=config, deterministic dQ order (Q
+    scaled by 3 under a cap: logits wide enough to saturate tanh)."""
+    spec, md, n, (qx, kx, vx, do) = _column_order_inputs(name, d, d, dtype, rng_seed, key_seed)
     if cap is not None:
-        qx = (3.0 * qx.astype(jnp.float32)).astype(dtype)      # logits wide enough to saturate tanh
+        qx = (3.0 * qx.astype(jnp.float32)).astype(dtype)
 
     def grads(config):
         monkeypatch.setenv("JCOMPILEMASK_CUTE_BWD_CONFIG", config)
@@ -287,10 +296,9 @@ def test_dk_late_gives_identical_gradients(name, d, cap, dtype, cute_backward_on
             o = jcm.mask_attention(a, b_, c, spec, metadata=md, implementation="cute",
                                    logits_soft_cap=cap, deterministic=True)
             return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32))
-        return [np.asarray(x) for x in jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(qx, kx, vx)]
-
-    for a, b_ in zip(grads(""), grads("dk_late=1")):
-        np.testing.assert_array_equal(a, b_)
+        return [np.asarray(x.astype(jnp.float32)) for x in
+                jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(qx, kx, vx)]
+    return grads
 
 
 # wg_dq (issue 15, the soft cap's cost; session 34): each consumer warpgroup's dQ over its
@@ -369,20 +377,7 @@ def test_wg_dq_gradients_match_the_default(name, cap, dtype, config, cute_backwa
     (GQA, ragged N, masked tiles, a residual predicate, with and without a cap), under the
     deterministic dQ order so that nothing else differs; ``wg_dq_offset`` (warpgroup 1's
     first tile after warpgroup 0's first dS^T) changes the timing only."""
-    spec, md, n, (qx, kx, vx, do) = _column_order_inputs(name, 128, 128, dtype, 35, 36)
-    if cap is not None:
-        qx = (3.0 * qx.astype(jnp.float32)).astype(dtype)
-
-    def grads(config):
-        monkeypatch.setenv("JCOMPILEMASK_CUTE_BWD_CONFIG", config)
-
-        def loss(a, b_, c):
-            o = jcm.mask_attention(a, b_, c, spec, metadata=md, implementation="cute",
-                                   logits_soft_cap=cap, deterministic=True)
-            return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32))
-        return [np.asarray(x.astype(jnp.float32)) for x in
-                jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(qx, kx, vx)]
-
+    grads = _config_grads(name, 128, cap, dtype, 35, 36, monkeypatch)
     (dq0, dk0, dv0), (dq1, dk1, dv1) = grads(""), grads(config)
     np.testing.assert_array_equal(dk0, dk1)
     np.testing.assert_array_equal(dv0, dv1)

@@ -1497,29 +1497,24 @@ class BackwardConfig:
             raise ValueError("dk_split issues dK with dv_split's pieces: it needs dv_split=2 or 4 "
                              "and excludes release_do_early (dO's stage is freed with Q's)")
         if self.dk_late:
-            clash = [n for n in ("dkv_swap", "split_dkv", "split_sdp", "dv_split", "dk_split",
-                                 "dv_early", "ds_first", "release_do_early", "persistent")
-                     if getattr(self, n)]
-            if clash or self.ds_stages != 2 or self.num_stages != 2:
-                raise ValueError(
-                    "dk_late (each tile's dK += dS^T Q issued in the next tile, after its S^T / "
-                    "dP^T) keeps the tile's dS^T and Q stages until then: it needs "
-                    "num_stages=2, ds_stages=2 and dV issued before dS^T (the default placement), and "
-                    "excludes dkv_swap / split_dkv / split_sdp, dv_split / dk_split / dv_early / "
-                    "ds_first, release_do_early and persistent"
-                    + (f"; set {', '.join(n + '=0' for n in clash)}" if clash else "; set num_stages=2,ds_stages=2"))
+            self._exclusive(
+                "dk_late (each tile's dK += dS^T Q issued in the next tile, after its S^T / "
+                "dP^T) keeps the tile's dS^T and Q stages until then: it needs "
+                "num_stages=2, ds_stages=2 and dV issued before dS^T (the default placement), and "
+                "excludes dkv_swap / split_dkv / split_sdp, dv_split / dk_split / dv_early / "
+                "ds_first, release_do_early and persistent",
+                ("dkv_swap", "split_dkv", "split_sdp", "dv_split", "dk_split", "dv_early",
+                 "ds_first", "release_do_early", "persistent"),
+                self.ds_stages == 2 and self.num_stages == 2, "num_stages=2,ds_stages=2")
         if self.wg_dq:
-            clash = [n for n in ("dkv_swap", "split_dkv", "split_sdp", "dv_split", "dk_split",
-                                 "dv_early", "dk_late", "release_do_early", "dq_red",
-                                 "dq_blocked", "persistent") if getattr(self, n)]
-            if clash or self.ds_stages != 2 or self.block_q != 64:
-                raise ValueError(
-                    "wg_dq (each warpgroup's dQ over its own keys, summed in shared memory) "
-                    "needs 64-query tiles, ds_stages=2 and dK / dV along the keys, and excludes "
-                    "dkv_swap / split_dkv / split_sdp, dv_split / dk_split / dv_early / dk_late, "
-                    "release_do_early, dq_red / dq_blocked and persistent"
-                    + (f"; set {', '.join(n + '=0' for n in clash)}" if clash
-                       else "; set ds_stages=2,block_q=64"))
+            self._exclusive(
+                "wg_dq (each warpgroup's dQ over its own keys, summed in shared memory) "
+                "needs 64-query tiles, ds_stages=2 and dK / dV along the keys, and excludes "
+                "dkv_swap / split_dkv / split_sdp, dv_split / dk_split / dv_early / dk_late, "
+                "release_do_early, dq_red / dq_blocked and persistent",
+                ("dkv_swap", "split_dkv", "split_sdp", "dv_split", "dk_split", "dv_early",
+                 "dk_late", "release_do_early", "dq_red", "dq_blocked", "persistent"),
+                self.ds_stages == 2 and self.block_q == 64, "ds_stages=2,block_q=64")
         if self.wg_dq_offset and not self.wg_dq:
             raise ValueError("wg_dq_offset (warpgroup 1 starts once warpgroup 0 made its first "
                              "dS^T) needs wg_dq (with DS_READY both meet every tile anyway); "
@@ -1527,6 +1522,14 @@ class BackwardConfig:
         if self.num_stages < 1 or self.ds_stages not in (1, 2):
             raise ValueError(f"num_stages={self.num_stages} must be >= 1 and ds_stages="
                              f"{self.ds_stages} 1 or 2")
+
+    def _exclusive(self, what: str, excludes: tuple, shape_ok: bool, shape_fix: str):
+        """Raise ValueError(``what`` + the fix) when a switch in ``excludes`` is on or the
+        tile / stage shape it needs is not there (``shape_ok``; ``shape_fix`` says how)."""
+        clash = [n for n in excludes if getattr(self, n)]
+        if clash or not shape_ok:
+            raise ValueError(what + (f"; set {', '.join(n + '=0' for n in clash)}" if clash
+                                     else f"; set {shape_fix}"))
 
     @property
     def tag(self) -> str:
