@@ -179,6 +179,15 @@ def q128_config(dtype="bfloat16", softcap=False, **changes):
                                ds_first=True, **changes)
 
 
+def _dilated_residual():
+    """(ResidualProgram pair, K, Kc) of the dilated window (window 128, dilation 2): the
+    residual-predicate case of the compile checks."""
+    from jcompilemask.lower.residual_program import ResidualProgram
+    cm = jcm.compile(MaskSpec([Region((0, q_len), (k <= q) & (k > q - 128) & ((q - k) % 2 == 0))]),
+                     warn=False)
+    return ResidualProgram.pair(cm), cm.num_intervals, cm.num_bwd_intervals
+
+
 @needs_cutlass
 @pytest.mark.parametrize("case", [c if c in ("causal", "clear_fp16") else pytest.param(c, marks=knob)
                                   for c in sorted(_Q128_CASES)])
@@ -188,13 +197,10 @@ def test_q128_backward_compiles_for_sm90(case, monkeypatch, capfd):
     of its wgmmas (C7512: it did with dV in flight while dS^T was converted, i.e. without
     ds_first)."""
     from jcompilemask.kernels.cute.api import BackwardKey, compile_backward
-    from jcompilemask.lower.residual_program import ResidualProgram
     dtype, kk, kc, bb, bh, changes, residual = _Q128_CASES[case]
     pair = None
     if residual:
-        cm = jcm.compile(MaskSpec([Region((0, q_len), (k <= q) & (k > q - 128) & ((q - k) % 2 == 0))]),
-                         warn=False)
-        pair, kk, kc = ResidualProgram.pair(cm), cm.num_intervals, cm.num_bwd_intervals
+        pair, kk, kc = _dilated_residual()
     key = BackwardKey(dtype, 64, kk, kc, bb, bh, 64 ** -0.5, q128_config(dtype, **changes), residual=pair)
     assert compile_checking_remarks(compile_backward, key, monkeypatch, capfd) is not None
     assert "_t128x128_" in key.target_name
@@ -240,13 +246,10 @@ def test_dk_late_backward_compiles_for_sm90(case, monkeypatch, capfd):
     1248 instructions per unmasked / masked tile (the default capped config: 8 B, 783 /
     1234); uncapped: 0 B, 417 / 910 (394 / 896)."""
     from jcompilemask.kernels.cute import api
-    from jcompilemask.lower.residual_program import ResidualProgram
     dtype, d, kk, kc, bb, bh, cap, residual = _DK_LATE_CASES[case]
     pair = None
     if residual:
-        cm = jcm.compile(MaskSpec([Region((0, q_len), (k <= q) & (k > q - 128) & ((q - k) % 2 == 0))]),
-                         warn=False)
-        pair, kk, kc = ResidualProgram.pair(cm), cm.num_intervals, cm.num_bwd_intervals
+        pair, kk, kc = _dilated_residual()
     cfg = dataclasses.replace(api.preferred_backward_config(d, dtype, cap is not None), dk_late=True)
     key = api.BackwardKey(dtype, d, kk, kc, bb, bh, d ** -0.5, cfg, softcap=cap, residual=pair)
     assert compile_checking_remarks(api.compile_backward, key, monkeypatch, capfd) is not None
@@ -323,13 +326,10 @@ def test_wg_dq_backward_compiles_for_sm90(case, monkeypatch, capfd):
     copy (783: both warpgroups' dQ paths are in the copy, each runs one); no cap 0 B, 590
     (394)."""
     from jcompilemask.kernels.cute import api
-    from jcompilemask.lower.residual_program import ResidualProgram
     dtype, kk, kc, bb, bh, cap, residual = _WG_DQ_CASES[case]
     pair = None
     if residual:
-        cm = jcm.compile(MaskSpec([Region((0, q_len), (k <= q) & (k > q - 128) & ((q - k) % 2 == 0))]),
-                         warn=False)
-        pair, kk, kc = ResidualProgram.pair(cm), cm.num_intervals, cm.num_bwd_intervals
+        pair, kk, kc = _dilated_residual()
     cfg = dataclasses.replace(api.preferred_backward_config(128, dtype, cap is not None), wg_dq=True,
                               wg_dq_offset=case.endswith("_offset"))
     key = api.BackwardKey(dtype, 128, kk, kc, bb, bh, 128 ** -0.5, cfg, softcap=cap, residual=pair)
@@ -408,13 +408,10 @@ def test_persistent_backward_compiles_for_sm90(case, monkeypatch, capfd):
     for the next unit once the dK / dV store has read them. No C7512 at any head dim."""
     import dataclasses
     from jcompilemask.kernels.cute.api import BackwardKey, compile_backward, preferred_backward_config
-    from jcompilemask.lower.residual_program import ResidualProgram
     d, dtype, kk, kc, bb, bh, changes, residual = _PERSISTENT_CASES[case]
     pair = None
     if residual:
-        cm = jcm.compile(MaskSpec([Region((0, q_len), (k <= q) & (k > q - 128) & ((q - k) % 2 == 0))]),
-                         warn=False)
-        pair, kk, kc = ResidualProgram.pair(cm), cm.num_intervals, cm.num_bwd_intervals
+        pair, kk, kc = _dilated_residual()
     cfg = dataclasses.replace(preferred_backward_config(d, dtype), schedule=True, persistent=True, **changes)
     key = BackwardKey(dtype, d, kk, kc, bb, bh, d ** -0.5, cfg, residual=pair,
                       head_dim_v=128 if d == 192 else None)
