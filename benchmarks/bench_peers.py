@@ -40,7 +40,9 @@ def jcm_pairs(mask, n, md):
     return pairs
 
 
-def bench_flex(mask, n, md, backend, torch, dev, pairs, windows):
+def bench_flex(mask, n, md, backend, torch, dev, pairs, windows, eager_block_mask=False):
+    """FlexAttention's forward ms. ``eager_block_mask``: ``create_block_mask`` runs
+    uncompiled (the same block mask; CLEAR at 8K, whose compiled build outlasts a call)."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
     L, b = W.seq_len(mask, n), W.batch_for(n)
     # CLEAR's block mask reads its width from a tensor (torch_mask_mods): with the constant
@@ -48,7 +50,11 @@ def bench_flex(mask, n, md, backend, torch, dev, pairs, windows):
     # call (sessions 25 and 26 lost Flex CLEAR 8K to it); the attention keeps the constant.
     mm, mb = W.torch_mask_mods(mask, n, md, torch, dev)
     bm = create_block_mask(mb, b if mask != "causal" else None, None, L, L, device=dev,
-                           _compile=True)
+                           _compile=not eager_block_mask)
+    # flex_attention runs the block mask's own mask_mod: without this it traced CLEAR's
+    # tensor-width form into FA4's CuTe DSL and failed ("Expected TensorSSA, but got int",
+    # session 35), as bench_total already knew.
+    bm.mask_mod = mm
     g = torch.Generator(device=dev).manual_seed(0)
     q, k, v = (torch.randn(b, W.HEADS, L, W.HEAD_DIM, device=dev, dtype=torch.bfloat16,
                            generator=g) for _ in range(3))
@@ -88,6 +94,11 @@ def main():
     ap.add_argument("--masks", default=",".join(W.MASKS))
     ap.add_argument("--impls", default="fa4-native,jax-cudnn,flex-fa4,flex-triton")
     ap.add_argument("--out", default="benchmarks/results/h200-forward-peers.json")
+    ap.add_argument("--flex-eager-block-mask", default="",
+                    help="comma-separated masks (MASK, or MASK@N for one length) whose "
+                         "FlexAttention block mask is built uncompiled (record field "
+                         "block_mask: eager), e.g. clear@8192: its compiled build outlasted "
+                         "every device call at 8K (sessions 25, 26, 29, 35)")
     args = ap.parse_args()
     import torch
     dev = "cuda"
@@ -115,13 +126,15 @@ def main():
                     continue
                 clocks.start()
                 win = []
+                eager = impl.startswith("flex") and W.eager_block_mask(args.flex_eager_block_mask, mask, n)
                 try:
                     if impl == "fa4-native":
                         ms = bench_fa4_native(n, torch, dev, pairs, win)
                     elif impl == "jax-cudnn":
                         ms = bench_cudnn(n, win)
                     else:
-                        ms = bench_flex(mask, n, md, impl.split("-")[1], torch, dev, pairs, win)
+                        ms = bench_flex(mask, n, md, impl.split("-")[1], torch, dev, pairs, win,
+                                        eager_block_mask=eager)
                 except Exception as e:  # a peer that fails is recorded, not fatal
                     print(f"{impl} {mask} {n}: FAILED {type(e).__name__}: {e}", flush=True)
                     records.append({"mask": mask, "n": n, "impl": impl, "error": str(e)[:300],
@@ -130,6 +143,8 @@ def main():
                 rec = {"mask": mask, "n": n, "impl": impl, "fwd_ms": round(ms, 4),
                        "fwd_tflops": round(W.tflops(pairs, ms), 1), "pairs": pairs,
                        **clocks.fields(win)}
+                if eager:
+                    rec["block_mask"] = "eager"
                 records.append(rec)
                 print(json.dumps(rec), flush=True)
                 os.makedirs(os.path.dirname(args.out), exist_ok=True)

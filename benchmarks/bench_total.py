@@ -444,7 +444,6 @@ def main(argv=None):
     clocks.start()                       # sampling runs before the first timed loop
     records, t0 = [], time.time()
     skip = {x.strip() for x in args.skip.split(",") if x.strip()}
-    eager_bm = {x.strip() for x in args.flex_eager_block_mask.split(",") if x.strip()}
     for x in skip:
         if x.count(":") != 1:
             raise SystemExit(f"--skip takes IMPL:MASK pairs (e.g. flex-fa4:causal), got {x!r}")
@@ -527,7 +526,7 @@ def main(argv=None):
                     if pairs is None:
                         raise RuntimeError("run with impl jcm first (it counts the pairs)")
                     md = W.metadata_for(mask, n)
-                    eager = mask in eager_bm or f"{mask}@{n}" in eager_bm
+                    eager = W.eager_block_mask(args.flex_eager_block_mask, mask, n)
                     if impl == "fa4-native":
                         pre, f, s = bench_fa4_native(n, win, args.min_repeat_s)
                     elif impl == "jax-cudnn":

@@ -130,6 +130,18 @@ def torch_compile_fresh(torch, fn):
     return torch.compile(fn)
 
 
+def eager_block_mask(choice: str, mask: str, n: int) -> bool:
+    """Whether ``--flex-eager-block-mask``'s ``choice`` (comma-separated ``MASK`` or
+    ``MASK@N``) names this workload: its FlexAttention block mask is then built by an
+    uncompiled ``create_block_mask`` (CLEAR at 8K: the compiled build outlasts a device call).
+
+    >>> eager_block_mask("clear@8192", "clear", 8192), eager_block_mask("clear@8192", "clear", 2048)
+    (True, False)
+    """
+    names = {x.strip() for x in choice.split(",") if x.strip()}
+    return mask in names or f"{mask}@{n}" in names
+
+
 def torch_mask_mods(mask, n, md, torch, dev):
     """(the attention's mask_mod, ``create_block_mask``'s): one function, except CLEAR's
     block-mask one, which reads its width from a tensor (``torch_mask_mod``)."""

@@ -1099,7 +1099,10 @@ PY
     for m in ${flex_masks//,/ }; do
       b=$(left $(( end - SECONDS < ${JCM_FLEX_MASK_S:-150} ? end - SECONDS : ${JCM_FLEX_MASK_S:-150} )))
       (( b > 20 )) || { echo "flex $m: no time left"; continue; }
+      # JCM_FLEX_EAGER (default clear@8192): CLEAR's 8K block mask built uncompiled (its compiled
+      # build outlasted 150-200 s in sessions 25, 26, 29 and 35, the tensor-width form included).
       timeout -k 5 $b python3 benchmarks/bench_peers.py --ns $ns --masks $m --impls flex-fa4 \
+        --flex-eager-block-mask "${JCM_FLEX_EAGER-clear@8192}" \
         --budget-s $(( b - 10 )) --out "$OUT/h200-forward-peers.json" >> "$OUT/bench-peers.log" 2>&1
       echo "peers $m rc $? ($SECONDS s)"; pkill -9 -f bench_peers
     done

@@ -430,3 +430,14 @@ def test_quick_summary_reads_each_part(tmp_path, capsys):
     assert "masks dilated_window 8192: jcm-cute-pd bwd None ms (- of the default), step -" in text
     assert qs.main([str(tmp_path / "nowhere")]) == 2
     assert qs.main([str(tmp_path)]) == 0 and "d192 8192" in capsys.readouterr().out
+
+
+def test_flex_eager_block_mask_choice_names_mask_or_mask_at_n():
+    """--flex-eager-block-mask (bench_total and bench_peers): MASK or MASK@N, comma-separated."""
+    _bench_module("bench_total")                  # puts benchmarks/ on sys.path
+    import workloads as W
+    assert W.eager_block_mask("clear@8192", "clear", 8192)
+    assert not W.eager_block_mask("clear@8192", "clear", 32768)
+    assert W.eager_block_mask(" hstu , clear@8192", "hstu", 2048)
+    assert not W.eager_block_mask("", "clear", 8192)
+
