@@ -378,7 +378,7 @@ def _cute_backend() -> Backend:
                                  block_kv=desc.tiles.bwd_block_kv, deterministic=deterministic,
                                  softcap=softcap,
                                  exact_columns=bool(getattr(desc.mask, "column_view_exact", False)),
-                                 **extra)
+                                 static_bwd_tiles=static_bwd_tiles(desc), **extra)
 
     def tile_options(call):
         t = tiles(call)
@@ -394,6 +394,38 @@ def _cute_backend() -> Backend:
                    supports=supports, forward=forward, backward=backward,
                    backward_note=_cute_backward_note, own_bwd_tile_check=True,
                    tile_options=tile_options)
+
+
+def static_bwd_tiles(desc):
+    """``desc.bwd_tiles``' values where they are known while tracing, as numpy, else None:
+    a concrete descriptor's own, or, for a traced one whose mask reads no metadata (its
+    descriptor depends on the lengths and tiles alone), the same mask instantiated again at
+    trace time (the jnp preprocess, compiled once per mask and lengths). The CuTe backward
+    orders its key columns from them (``kernels.cute.api.backward_static_order``).
+
+    >>> import jax, jcompilemask as jcm
+    >>> cm = jcm.compile(jcm.masks.causal())
+    >>> seen = []
+    >>> _ = jax.jit(lambda: seen.append(static_bwd_tiles(cm.instantiate(None, 512, 512))) or 0)()
+    >>> import numpy as np
+    >>> type(seen[0]).__name__, np.array_equal(seen[0], cm.instantiate(None, 512, 512).bwd_tiles)
+    ('ndarray', True)
+    >>> static_bwd_tiles(cm.instantiate(None, 512, 512)).shape      # concrete: its own
+    (1, 1, 4, 1)
+    """
+    import jax
+    import numpy as np
+    if not isinstance(desc.bwd_tiles, jax.core.Tracer):
+        return np.asarray(desc.bwd_tiles)
+    spec = getattr(desc.mask, "spec", None)
+    if spec is None or spec.batched:
+        return None
+    t = desc.tiles
+    with jax.ensure_compile_time_eval():
+        again = desc.mask.instantiate(None, desc.q_len, desc.kv_len, block_q=t.block_q,
+                                      block_kv=t.block_kv, bwd_block_q=t.bwd_block_q,
+                                      bwd_block_kv=t.bwd_block_kv, preprocess="jnp")
+    return np.asarray(again.bwd_tiles)
 
 
 def residual_reason_of(cm) -> Optional[str]:

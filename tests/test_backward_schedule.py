@@ -219,3 +219,118 @@ def test_auto_traces_a_cond_between_the_two_kernels(policy, calls, monkeypatch):
     assert jaxpr.count("ffi_call") == calls and ("cond[" in jaxpr) == (policy == "auto")
     assert [k.config.schedule for k in names] == ([True, False] if policy == "auto" else [True])
 
+
+
+# -- the trace-time host order (masks without metadata) ------------------------------------
+
+def _global_window_spec():
+    from jcompilemask.spec import MaskSpec, Region, k, q, q_len
+    return MaskSpec([Region((0, q_len), (k <= q) & ((k < 16) | (k > q - 256)))])
+
+
+def _dilated_window_spec():
+    from jcompilemask.spec import MaskSpec, Region, k, q, q_len
+    return MaskSpec([Region((0, q_len), (k <= q) & (k > q - 128) & ((q - k) % 2 == 0))])
+
+
+def test_replay_makespan_is_the_greedy_in_order_launch():
+    w = np.array([5, 1, 1, 1, 1, 1])
+    assert api.replay_makespan(w, range(6), 2) == 5              # the long unit starts first
+    assert api.replay_makespan(w, [1, 2, 3, 4, 5, 0], 2) == 7    # ... or after the others
+    assert api.replay_makespan(w, range(6), 1) == w.sum()
+    assert api.replay_makespan(w, range(6), 132) == 5
+    rng = np.random.default_rng(3)
+    w = rng.integers(1, 50, size=300)
+    assert api.replay_makespan(w, range(300), 7) == _replay(w, 7)
+
+
+@pytest.mark.parametrize("name,spec,n,b", [
+    ("causal", masks.causal(), 8192, 16), ("causal", masks.causal(), 2048, 64),
+    ("sliding window", masks.sliding_window(256), 8192, 16),
+    ("dilated window", _dilated_window_spec(), 8192, 16),
+    ("dilated window", _dilated_window_spec(), 32768, 4),
+])
+def test_static_order_keeps_the_grid_where_no_column_is_long(name, spec, n, b):
+    """The benchmark shapes (8 heads, 131072 tokens a batch) of the masks where a host
+    order measured slower than the grid (NOTES.md, session 21): the replay's gain stays
+    under 5%, so the grid's kernel runs (no unit read)."""
+    desc = jcm.compile(spec, warn=False).instantiate(None, n, n, preprocess="jnp")
+    tiles = np.asarray(desc.bwd_tiles)
+    group = api.kv_heads_per_l2_group(n, 128, 128, 2)
+    assert api.backward_static_order(tiles, b, 8, 8, group, num_ctas=132) is None
+
+
+@pytest.mark.parametrize("n,b", [(8192, 16), (32768, 4)])
+def test_static_order_starts_the_global_keys_first(n, b):
+    """16 global keys + a 256 window: every head's key tile 0 (seen by every query) runs
+    first, then the rest; the order is a permutation, and its replay ends >= 5% sooner."""
+    desc = jcm.compile(_global_window_spec()).instantiate(None, n, n, preprocess="jnp")
+    tiles = np.asarray(desc.bwd_tiles)
+    tk = tiles.shape[2]
+    group = api.kv_heads_per_l2_group(n, 128, 128, 2)
+    order = api.backward_static_order(tiles, b, 8, 8, group, num_ctas=132)
+    assert order is not None and order.dtype == np.int32
+    assert sorted(order.tolist()) == list(range(b * 8 * tk))
+    assert set((order[:b * 8] % tk).tolist()) == {0}
+    w = _unit_counts(tiles, b, 8, 8) + api.BWD_BLOCK_COST_TILES
+    assert api.replay_makespan(w, order, 132) <= 0.95 * api.replay_makespan(w, range(w.size), 132)
+
+
+def test_static_bwd_tiles_inside_jit():
+    """Known while tracing: a concrete descriptor, and a traced one of a mask without
+    metadata (instantiated again at trace time); unknown: a traced one that reads metadata."""
+    from jcompilemask.backends import static_bwd_tiles
+    seen = {}
+    cm = jcm.compile(_global_window_spec())
+    doc = jcm.compile(masks.document())
+    md = {"segment_ids": np.repeat(np.arange(4, dtype=np.int32), 128)[None]}
+
+    @jax.jit
+    def f(x):
+        seen["static"] = static_bwd_tiles(cm.instantiate(None, 1024, 1024))
+        seen["batched"] = static_bwd_tiles(doc.instantiate(md, 512, 512))
+        return x
+    f(0)
+    np.testing.assert_array_equal(seen["static"], cm.instantiate(None, 1024, 1024).bwd_tiles)
+    assert isinstance(seen["static"], np.ndarray) and seen["batched"] is None
+
+
+def _traced_backward_keys(monkeypatch, spec, n, d=128, static=True, softcap=None):
+    """The kernel keys cute_backward registers for this mask (traced only, as
+    test_auto_traces_a_cond_between_the_two_kernels) and its jaxpr."""
+    names = []
+    monkeypatch.setattr(api, "_ensure_registered", lambda key: names.append(key) or key.target_name)
+    monkeypatch.setattr(api, "num_sms", lambda default=132: 132)
+    desc = jcm.compile(spec).instantiate(None, n, n, preprocess="jnp")
+    b, h = 131072 // n, 8
+    x = jnp.zeros((b, n, h, d), jnp.bfloat16)
+    lse = jnp.zeros((b, h, n), jnp.float32)
+    st_tiles = np.asarray(desc.bwd_tiles) if static else None
+    jaxpr = str(jax.make_jaxpr(lambda q, k, v, o, l_, do: api.cute_backward(
+        q, k, v, o, l_, do, desc.bwd_intervals, desc.bwd_tiles, desc.fwd_intervals,
+        desc.bwd_exact, softcap=softcap, static_bwd_tiles=st_tiles))(x, x, x, x, lse, x))
+    return names, jaxpr
+
+
+def test_static_order_runs_the_scheduled_kernel_with_a_constant_order(monkeypatch):
+    """Global keys + window at 8K: one kernel, the scheduled one, its order a constant of
+    the program (no cond, no sort); causal: the grid's kernel; the variable at 0, another
+    head dim, or no static tiles: the grid's kernel."""
+    monkeypatch.delenv(api.BWD_ORDER_ENV, raising=False)
+    monkeypatch.delenv(api.BWD_CONFIG_ENV, raising=False)
+    monkeypatch.delenv("JCOMPILEMASK_CUTE_BWD_STATIC_ORDER", raising=False)
+    names, jaxpr = _traced_backward_keys(monkeypatch, _global_window_spec(), 8192)
+    assert [k.config.schedule for k in names] == [False, True]      # the grid's key, then
+    assert jaxpr.count("ffi_call") == 1 and "cond[" not in jaxpr and "sort" not in jaxpr
+    names, _ = _traced_backward_keys(monkeypatch, masks.causal(), 8192)
+    assert [k.config.schedule for k in names] == [False]
+    names, _ = _traced_backward_keys(monkeypatch, _global_window_spec(), 8192, static=False)
+    assert [k.config.schedule for k in names] == [False]
+    names, _ = _traced_backward_keys(monkeypatch, _global_window_spec(), 8192, d=64)
+    assert [k.config.schedule for k in names] == [False]
+    monkeypatch.setenv("JCOMPILEMASK_CUTE_BWD_STATIC_ORDER", "0")
+    names, _ = _traced_backward_keys(monkeypatch, _global_window_spec(), 8192)
+    assert [k.config.schedule for k in names] == [False]
+    monkeypatch.setenv("JCOMPILEMASK_CUTE_BWD_STATIC_ORDER", "1")
+    names, _ = _traced_backward_keys(monkeypatch, _global_window_spec(), 8192, d=64)
+    assert [k.config.schedule for k in names] == [False, True]

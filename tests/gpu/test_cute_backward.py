@@ -1784,3 +1784,31 @@ def test_explain_says_which_backward_runs(monkeypatch):
         assert "backward: xla (the backend that runs the forward)" in backends.explain(segs)
     finally:
         backends.register(real)
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=lambda v: v.__name__)
+def test_static_order_gives_the_default_gradients(dtype, cute_backward_on, monkeypatch):
+    """The trace-time host order of a mask without metadata (16 global keys + a 256-wide
+    window, where key tile 0 is every query's; ``api.backward_static_order``) changes when
+    each key column runs, not what it computes: dK / dV equal the grid's bit for bit, dQ
+    meets the tolerance policy. ``num_sms`` is patched to 3 so that the order moves units
+    at this small size (on 132 SMs the replay gains nothing here)."""
+    from jcompilemask.kernels.cute import api
+    monkeypatch.setattr(api, "num_sms", lambda default=132: 3)
+    spec = MaskSpec([Region((0, q_len), (k <= q) & ((k < 16) | (k > q - 256)))])
+    n = 1500
+    ks = jax.random.split(jax.random.key(5), 4)
+    hs = (4, 2, 2, 4)
+    qx, kx, vx, do = (jax.random.normal(kk, (2, n, h, 128), jnp.float32).astype(dtype)
+                      for kk, h in zip(ks, hs))
+    inputs = (qx, kx, vx, do)
+    keys, register = [], api._ensure_registered
+    monkeypatch.setattr(api, "_ensure_registered", lambda key: keys.append(key) or register(key))
+    base = _grads_under(monkeypatch, "", spec, None, inputs, JCOMPILEMASK_CUTE_BWD_STATIC_ORDER="0")
+    assert [getattr(key.config, "schedule", False) for key in keys if hasattr(key, "config")] == [False]
+    keys.clear()
+    ordered = _grads_under(monkeypatch, "", spec, None, inputs, JCOMPILEMASK_CUTE_BWD_STATIC_ORDER="1")
+    assert [getattr(key.config, "schedule", False) for key in keys if hasattr(key, "config")] == \
+        [False, True], "the scheduled kernel was not chosen"
+    _same_dkdv_and_policy_dq(base, ordered, spec, None, n, inputs, dtype)

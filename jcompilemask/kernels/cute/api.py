@@ -445,7 +445,8 @@ _HOST_ONLY = frozenset({
     "_d64_query64_config", "_d192_split_config", "_backward_configs", "served_backward_tiles",
     "dq_fragment_unpermute", "dq_turns", "_bwd_exact_columns", "_bwd_order_policy",
     "_popcount_visited", "_unit_counts", "_late_units", "backward_schedule_moves",
-    "backward_schedule", "cute_backward", "backward_config",
+    "backward_schedule", "cute_backward", "backward_config", "replay_makespan",
+    "backward_static_order", "_bwd_static_order_on",
 })
 # Where the kernels' code lives: the kernel modules, and the residual programs they emit
 # into partial tiles; their imports inside the package are followed (_kernel_sources).
@@ -2187,10 +2188,79 @@ def backward_schedule(bwd_tiles, batch: int, num_heads: int, num_kv_heads: int,
     return xp.lexsort((unit, -counts, first)).astype(xp.int32)
 
 
+def replay_makespan(weights, order, num_ctas: int) -> int:
+    """When the last unit of a greedy in-order launch ends: units ``order[0], order[1], ...``
+    each start on the CTA slot that frees first and hold it ``weights[u]`` (any unit: a
+    visited tile or a block's fixed cost). The hardware's dispatch, replayed: at 32K it
+    reproduced the grid-order kernels within ~3% (NOTES.md, session 21).
+
+    >>> replay_makespan([4, 1, 1, 1, 1], [1, 2, 3, 4, 0], 2), replay_makespan([4, 1, 1, 1, 1], range(5), 2)
+    (6, 4)
+    """
+    import heapq
+    free = [0] * max(1, int(num_ctas))
+    end = 0
+    for u in order:
+        t = heapq.heappop(free) + int(weights[u])
+        end = max(end, t)
+        heapq.heappush(free, t)
+    return end
+
+
+def backward_static_order(bwd_tiles, batch: int, num_heads: int, num_kv_heads: int,
+                          heads_per_group: int, *, num_ctas: int | None = None,
+                          min_gain: float = 0.05):
+    """The host order (``backward_schedule``'s ``hoist``) for a backward whose tile states
+    are known while tracing (a mask without metadata: one descriptor for every batch), or
+    None where the grid's order serves: numpy int32 [batch * num_kv_heads * Tk].
+
+    Both orders are replayed (``replay_makespan``; a unit weighs its visited query tiles +
+    ``BWD_BLOCK_COST_TILES``) on ``num_ctas`` CTAs (the SM count by default); the order is
+    returned when it ends at least ``min_gain`` before the grid. Why 5%: every mask where
+    a host order was measured slower replays within 2% of the grid (causal / shared prompt
+    8K: hoist replays -0.9 / -1.5%, measured +0.2 / +2.7%; the dilated window: replay 0%,
+    measured +3.9%, the unit read each block waits on), and every mask it helped replays
+    past 5% (16 global keys + window 256: hoist replays -15% / -41% at 8K / 32K, measured
+    -3.7% / -29%; CLEAR 32K: replay -18%, measured -17.5%; runs 2026-12-04T03:09:19Z,
+    03:18:22Z, 03:32:08Z, NOTES.md session 21).
+
+    >>> import numpy as np
+    >>> causal = np.array([[[[0x5555], [0x5554], [0x5550], [0x5540]]]], np.uint32)
+    >>> backward_static_order(causal, 8, 1, 1, 1, num_ctas=4) is None
+    True
+    >>> late = np.zeros((1, 1, 4, 1), np.uint32); late[..., 0, 0] = 0x5555; late[..., 1:, 0] = 0x1
+    >>> order = backward_static_order(late, 8, 1, 1, 8, num_ctas=8)
+    >>> sorted(order.tolist()) == list(range(32)), order[:8].tolist()
+    (True, [0, 4, 8, 12, 16, 20, 24, 28])
+    """
+    tiles = np.asarray(bwd_tiles)
+    counts = _unit_counts(tiles, batch, num_heads, num_kv_heads, np)
+    ctas = max(1, int(num_ctas if num_ctas is not None else num_sms()))
+    weights = counts + BWD_BLOCK_COST_TILES
+    grid = replay_makespan(weights, range(weights.shape[0]), ctas)
+    order = backward_schedule(tiles, batch, num_heads, num_kv_heads, heads_per_group,
+                              num_ctas=ctas, policy="hoist", xp=np)
+    if replay_makespan(weights, order, ctas) > grid * (1.0 - min_gain):
+        return None
+    return order.astype(np.int32)
+
+
+def _bwd_static_order_on(head_dim: int, head_dim_v: int, softcap) -> bool:
+    """Whether ``cute_backward`` may run a trace-time host order (``backward_static_order``)
+    for tile states known while tracing: ``$JCOMPILEMASK_CUTE_BWD_STATIC_ORDER`` =1 / =0,
+    else on at D 128 without a soft cap, the configuration the orders were timed on.
+
+    >>> _bwd_static_order_on(128, 128, None), _bwd_static_order_on(256, 256, None)
+    (True, False)
+    """
+    default = "1" if (head_dim, head_dim_v, softcap) == (128, 128, None) else "0"
+    return _env_flag("JCOMPILEMASK_CUTE_BWD_STATIC_ORDER", default)
+
+
 def cute_backward(q, k, v, out, lse, do, bwd_intervals, bwd_tiles, fwd_intervals, bwd_exact, *,
                   scale=None, dlse=None, block_q=BWD_TILES[0], block_kv=BWD_TILES[1],
                   deterministic=False, softcap=None, residual=None, row_region=None,
-                  residual_params=None, exact_columns=False):
+                  residual_params=None, exact_columns=False, static_bwd_tiles=None):
     """Masked attention backward on SM90 from an Execution Descriptor's column view.
 
     Args:
@@ -2209,6 +2279,14 @@ def cute_backward(q, k, v, out, lse, do, bwd_intervals, bwd_tiles, fwd_intervals
         (``CompiledMask.column_view_exact``): the kernel is compiled without the row path
         and ignores ``bwd_exact`` (``BackwardKey.exact_columns``) at D 128 without a soft
         cap, or wherever ``$JCOMPILEMASK_CUTE_BWD_EXACT_COLUMNS=1`` (``=0``: never).
+      static_bwd_tiles: ``bwd_tiles``' values where they are known while tracing (numpy;
+        a mask without metadata, whose descriptor is the same for every batch): the key
+        columns then run in ``backward_static_order``'s host order where its replay ends
+        5% before the grid's (long columns, such as 16 global keys', start first), a
+        constant of the program: no ``lax.cond`` and no sort at run time. Elsewhere, and
+        where ``_bwd_static_order_on`` is off, the grid. The order changes when each
+        column runs, not what it computes: dK / dV are bit-identical, dQ's float sums
+        may be added in another order (as under ``BackwardConfig.schedule``).
     Returns (dq, dk, dv) in the input dtype.
 
     (D, Dv) = (192, 128): v, out, do and dv are [.., 128] (``BWD_HEAD_DIM_PAIRS``).
@@ -2297,7 +2375,18 @@ def cute_backward(q, k, v, out, lse, do, bwd_intervals, bwd_tiles, fwd_intervals
         return run(name, inputs, (order,))
 
     policy = _bwd_order_policy() if config.schedule else None
-    if policy is None:
+    static_order = None
+    if (policy is None and static_bwd_tiles is not None and not config.deterministic
+            and _bwd_static_order_on(D, Dv, softcap)
+            and tuple(np.shape(static_bwd_tiles)) == tuple(bwd_tiles.shape)):
+        static_order = backward_static_order(
+            static_bwd_tiles, B, Hq, Hkv, kv_heads_per_l2_group(
+                Nq, D * (Hq // Hkv), Dv * (Hq // Hkv), jnp.dtype(q.dtype).itemsize))
+    if static_order is not None:
+        sched_name = _ensure_registered(dataclasses.replace(
+            key, config=dataclasses.replace(config, schedule=True)))
+        dq_acc, _, dk, dv = run(sched_name, inputs, (jnp.asarray(static_order),))
+    elif policy is None:
         dq_acc, _, dk, dv = run(name, inputs)
     elif policy == "auto" and not config.persistent:
         # The scheduled kernel where tail's order moves a unit, the grid's kernel (the same
