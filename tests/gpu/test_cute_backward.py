@@ -1792,10 +1792,10 @@ def test_static_order_gives_the_default_gradients(dtype, cute_backward_on, monke
     """The trace-time host order of a mask without metadata (16 global keys + a 256-wide
     window, where key tile 0 is every query's; ``api.backward_static_order``) changes when
     each key column runs, not what it computes: dK / dV equal the grid's bit for bit, dQ
-    meets the tolerance policy. ``num_sms`` is patched to 3 so that the order moves units
-    at this small size (on 132 SMs the replay gains nothing here)."""
+    meets the tolerance policy. ``num_sms`` is patched to 16, where the order's replay ends
+    a third sooner at this size (on 132 SMs it gains nothing here: the grid runs)."""
     from jcompilemask.kernels.cute import api
-    monkeypatch.setattr(api, "num_sms", lambda default=132: 3)
+    monkeypatch.setattr(api, "num_sms", lambda default=132: 16)
     spec = MaskSpec([Region((0, q_len), (k <= q) & ((k < 16) | (k > q - 256)))])
     n = 1500
     ks = jax.random.split(jax.random.key(5), 4)
