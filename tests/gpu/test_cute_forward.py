@@ -1011,6 +1011,32 @@ def test_residual_word_paths_compile_for_sm90(case, fields, suffix):
     assert compile_forward(key) is not None and _tagged(key, suffix[1:])
 
 
+@needs_cutlass
+@pytest.mark.parametrize("case", ["dilated_window", pytest.param("mixed", marks=knob)])
+def test_residual_regs_compiles_for_sm90(case):
+    """residual_regs ($JCOMPILEMASK_CUTE_FWD_RESIDUAL_REGS=1, issue 16, session 35): the row
+    intervals and regions of a residual mask in registers (K <= 2) on the default residual
+    path (words, runs, periodic slots); no stack (the compile test's remarks)."""
+    from jcompilemask.kernels.cute.api import compile_forward
+    key = _dilated_window_key(case, work_runs=True, residual_periodic=True, residual_regs=True)
+    assert compile_forward(key) is not None and _tagged(key, "rr")
+
+
+def test_residual_regs_env_and_key(monkeypatch):
+    """Off unless set; only for residual masks on the words path; a key refuses it without
+    residual_words."""
+    from jcompilemask.kernels.cute import api
+    monkeypatch.delenv(api.FWD_RESIDUAL_REGS_ENV, raising=False)
+    monkeypatch.delenv(api.FWD_RESIDUAL_WORDS_ENV, raising=False)
+    assert not api.forward_switches(128, 128, 128, 128, 2, residual=object())["residual_regs"]
+    monkeypatch.setenv(api.FWD_RESIDUAL_REGS_ENV, "1")
+    assert api.forward_switches(128, 128, 128, 128, 2, residual=object())["residual_regs"]
+    assert not api.forward_switches(128, 128, 128, 128, 2)["residual_regs"]
+    assert not api.forward_switches(64, 64, 128, 128, 2, residual=object())["residual_regs"]
+    with pytest.raises(ValueError, match="residual_words=True"):
+        api.ForwardKey(**_KEY_FIELDS, residual_regs=True)
+
+
 def test_residual_periodic_env_and_key(monkeypatch):
     from jcompilemask.kernels.cute import api
     monkeypatch.delenv(api.FWD_RESIDUAL_PERIODIC_ENV, raising=False)

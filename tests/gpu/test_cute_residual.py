@@ -138,6 +138,20 @@ def test_residual_words_forward_is_bit_identical(name, monkeypatch):
 
 @needs_gpu
 @pytest.mark.parametrize("name", sorted(CASES))
+def test_residual_regs_forward_is_bit_identical(name, monkeypatch):
+    """residual_regs ($JCOMPILEMASK_CUTE_FWD_RESIDUAL_REGS=1) reads a residual mask's row
+    intervals and regions once per tile row into registers instead of per masked tile: the
+    same table entries, so o equals the default's bit for bit (K <= 2 masks; the others
+    compile the default path and are compared with themselves)."""
+    if IMPL != "cute":
+        pytest.skip("a switch of the CuTe forward")
+    from jcompilemask.kernels.cute import api
+    outs = _switch_outputs(monkeypatch, name, 9, api.FWD_RESIDUAL_REGS_ENV)
+    assert np.array_equal(outs[0].view(np.uint16), outs[1].view(np.uint16))
+
+
+@needs_gpu
+@pytest.mark.parametrize("name", sorted(CASES))
 def test_residual_periodic_forward_is_bit_identical(name, monkeypatch):
     """residual_periodic ($JCOMPILEMASK_CUTE_FWD_RESIDUAL_PERIODIC=1) evaluates a slot's
     predicate once per row and column class where column_periodic proves it 8-periodic in

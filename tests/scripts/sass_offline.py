@@ -3,8 +3,9 @@
     python tests/scripts/sass_offline.py ours [CONFIG] [--d 128] [--k 1 --kc 1]   # e.g. CONFIG static_stage=1
         [--dv 128] [--cap 30]     # D != Dv (192 / 128); a soft cap (the config of a capped model)
     python tests/scripts/sass_offline.py fa4 [--d 128]              # FA4's SM90 backward, causal (its tiles at D)
-    python tests/scripts/sass_offline.py ours-fwd [--d 128] [--k 1] [FIELD=VALUE,...] | fa4-fwd
-        # the forwards (ours: K intervals, ForwardKey changes such as group_mask=1; FA4: causal)
+    python tests/scripts/sass_offline.py ours-fwd [--d 128] [--k 1] [--dilated] [FIELD=VALUE,...] | fa4-fwd
+        # the forwards (ours: K intervals, ForwardKey changes such as group_mask=1; --dilated:
+        # the dilated window's residual program (window 128, dilation 2); FA4: causal)
 
 Compiles for sm_90a (``CUTE_DSL_ARCH``), keeps the cubin, disassembles it with ``cuobjdump``
 (the ``nvidia-cuda-cuobjdump`` / ``nvidia-cuda-nvdisasm`` wheels; ``$CUOBJDUMP_DIR`` is their
@@ -191,7 +192,7 @@ def fa4_forward():
     _hgmma_blocks(lines)
 
 
-def ours_forward(d: int, k: int = 1, fields: str = ""):
+def ours_forward(d: int, k: int = 1, fields: str = "", dilated: bool = False):
     """Our forward as the registry compiles it (tiles, stages, api.forward_switches) for K
     intervals (K > 1: per-batch, per-head masks), with ForwardKey FIELD=VALUE,...
     changes (e.g. group_mask=0)."""
@@ -205,16 +206,25 @@ def ours_forward(d: int, k: int = 1, fields: str = ""):
     for item in filter(None, fields.split(",")):
         name, value = item.split("=")
         changes[name] = int(value) if name == "bits_above" else value not in ("0", "false", "False")
-    switches = {**api.forward_switches(d, d, bq, bk, stages), **changes}
+    residual = None
+    if dilated:
+        import jcompilemask as jcm
+        from jcompilemask.lower.residual_program import ResidualProgram
+        from jcompilemask.spec import MaskSpec, Region, k as k_, q, q_len
+        cm = jcm.compile(MaskSpec([Region((0, q_len), (k_ <= q) & (k_ > q - 128) & ((q - k_) % 2 == 0))]),
+                         warn=False)
+        residual, k = ResidualProgram.forward(cm), cm.num_intervals
+    switches = {**api.forward_switches(d, d, bq, bk, stages, residual=residual), **changes}
     if "work_runs" not in changes and (switches["rescale_tail"] or not switches["work_list"]):
         switches["work_runs"] = False      # runs are a form of the list, never with rescale_tail
     if not switches["work_runs"] and "runs_early" not in changes:
         switches["runs_early"] = False
     key = api.ForwardKey("bfloat16", d, d, k, bq, bk, k == 1, k == 1, d ** -0.5, num_stages=stages,
-                         **switches)
+                         residual=residual, **switches)
     api.compile_forward(key)
     usage, lines = _sass(dump)
-    print(f"ours forward D {d} K {k} {fields or '(default)'}: {usage}, {len(lines)} SASS lines")
+    print(f"ours forward D {d} K {k}{' dilated window' if dilated else ''} {fields or '(default)'}: "
+          f"{usage}, {len(lines)} SASS lines")
     _hgmma_blocks(lines)
 
 
@@ -301,9 +311,10 @@ if __name__ == "__main__":
         fa4_forward()
     elif args[0] == "ours-fwd":
         rest = [a for i, a in enumerate(args[1:], 1)
-                if a not in ("--d", "--k") and args[i - 1] not in ("--d", "--k")]
+                if a not in ("--d", "--k", "--dilated") and args[i - 1] not in ("--d", "--k")]
         ours_forward(int(args[args.index("--d") + 1]) if "--d" in args else 128,
-                     int(args[args.index("--k") + 1]) if "--k" in args else 1, rest[0] if rest else "")
+                     int(args[args.index("--k") + 1]) if "--k" in args else 1, rest[0] if rest else "",
+                     dilated="--dilated" in args)
     else:
         opts = {o: float(args[args.index(o) + 1])
                 for o in ("--d", "--k", "--kc", "--dv", "--cap") if o in args}

@@ -205,6 +205,11 @@ class ForwardKey:
     # registry's default at D 128 beside operands_early ($JCOMPILEMASK_CUTE_FWD_P_DOUBLE=0 / 1
     # overrides). Work runs only.
     p_double: bool = False
+    # A residual mask's row intervals and regions loaded into registers once per tile row
+    # instead of per masked tile (FlashForwardSm90.residual_regs; issue 16, session 35;
+    # with residual_words, K <= 2). Bit-identical; $JCOMPILEMASK_CUTE_FWD_RESIDUAL_REGS=1
+    # until timed.
+    residual_regs: bool = False
 
     @property
     def list_smem(self) -> int:
@@ -269,6 +274,9 @@ class ForwardKey:
                              "set residual_words=True")
         if self.residual_words and self.residual is None:
             raise ValueError("ForwardKey(residual_words=True) serves masks with a residual program")
+        if self.residual_regs and not self.residual_words:
+            raise ValueError("ForwardKey(residual_regs=True) keeps residual_words' row tables in "
+                             "registers: set residual_words=True")
         if self.group_mask and self.residual is not None:
             raise ValueError("ForwardKey(group_mask=True) serves masks without a residual program "
                              "(partial tiles of a residual mask evaluate it per element)")
@@ -299,6 +307,7 @@ class ForwardKey:
             + ("_rse" if self.rescale_early else "")
             + ("_oe" if self.operands_early else "")
             + ("_pd" if self.p_double else "")
+            + ("_rr" if self.residual_regs else "")
         )
 
 
@@ -394,6 +403,7 @@ def compile_forward(key: ForwardKey):
             mask_r2p=key.mask_r2p, residual_periodic=key.residual_periodic,
             residual_words=key.residual_words, rescale_early=key.rescale_early,
             operands_early=key.operands_early, p_double=key.p_double,
+            residual_regs=key.residual_regs,
         )
         inputs = [bhsd(nq, hq, key.head_dim), bhsd(nk, hkv, key.head_dim), bhsd(nk, hkv, key.head_dim_v),
                   intervals, tiles]
@@ -683,6 +693,7 @@ FWD_RESIDUAL_PERIODIC_ENV = "JCOMPILEMASK_CUTE_FWD_RESIDUAL_PERIODIC"
 FWD_RESCALE_EARLY_ENV = "JCOMPILEMASK_CUTE_FWD_RESCALE_EARLY"
 FWD_OPERANDS_EARLY_ENV = "JCOMPILEMASK_CUTE_FWD_OPERANDS_EARLY"
 FWD_P_DOUBLE_ENV = "JCOMPILEMASK_CUTE_FWD_P_DOUBLE"
+FWD_RESIDUAL_REGS_ENV = "JCOMPILEMASK_CUTE_FWD_RESIDUAL_REGS"
 # L2 bytes the K / V of one group of heads may take (forward_schedule): the H100 / H200's
 # 50 MB L2, as FlashAttention's longest-first scheduler assumes.
 L2_BYTES = 50 * 1024 * 1024
@@ -804,13 +815,14 @@ def forward_switches(head_dim: int, head_dim_v: int, block_q: int, block_kv: int
     ``persistent``, ``k_ahead``, ``group_mask`` (never with a residual program),
     ``residual_words`` (only with one), ``rescale_tail``, ``work_runs``, ``runs_early``,
     ``slot_skip``, ``mask_r2p``, ``residual_periodic`` (only with a residual program),
-    ``rescale_early`` (never with ``rescale_tail``), ``operands_early`` and ``p_double`` (with
+    ``rescale_early`` (never with ``rescale_tail``), ``residual_regs`` (off unless set; only
+    with residual_words), ``operands_early`` and ``p_double`` (with
     work runs, without the rescale knobs). With no ``JCOMPILEMASK_CUTE_FWD_*`` variable set these are the
     defaults the registry runs, so a compile test that builds its key with them compiles
     what users get.
 
     >>> sorted(forward_switches(128, 128, 128, 128, 2))
-    ['bits_above', 'group_mask', 'k_ahead', 'mask_r2p', 'operands_early', 'p_double', 'persistent', 'rescale_early', 'rescale_tail', 'residual_periodic', 'residual_words', 'runs_early', 'schedule', 'slot_skip', 'work_list', 'work_runs']
+    ['bits_above', 'group_mask', 'k_ahead', 'mask_r2p', 'operands_early', 'p_double', 'persistent', 'rescale_early', 'rescale_tail', 'residual_periodic', 'residual_regs', 'residual_words', 'runs_early', 'schedule', 'slot_skip', 'work_list', 'work_runs']
     """
     schedule, persistent = _fwd_schedule()
     work_list = _fwd_work_list(head_dim, head_dim_v, block_q, block_kv, num_stages)
@@ -828,6 +840,8 @@ def forward_switches(head_dim: int, head_dim_v: int, block_q: int, block_kv: int
                 residual_periodic=(_env_flag(FWD_RESIDUAL_PERIODIC_ENV, "1") and residual is not None
                                    and _fwd_residual_words(head_dim)),
                 rescale_early=rescale_early,
+                residual_regs=(_env_flag(FWD_RESIDUAL_REGS_ENV, "0") and residual is not None
+                               and _fwd_residual_words(head_dim)),
                 **_fwd_issue_switches(head_dim, head_dim_v, work_runs, rescale_tail, rescale_early))
 
 

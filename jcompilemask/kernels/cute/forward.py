@@ -60,6 +60,9 @@ from .common import (INTERVALS_UNROLLED, RUN_CHUNK, WarpSpecializedSm90, _as_a_o
 # residual_words: at most this many interval slots with a residual predicate (each keeps a
 # word pair per row in registers); masks with more keep residual_bits.
 RESIDUAL_WORD_SLOTS = 4
+# residual_regs: at most this many interval slots kept in registers per row (2 rows a
+# thread: 4 registers a slot, 2 for the regions).
+RESIDUAL_REG_SLOTS = 2
 
 # Named barrier ids. 0 is __syncthreads; the two consumer warpgroups each own one
 # scheduling barrier that the other one arrives on (tensor-core ping-pong).
@@ -116,6 +119,7 @@ class FlashForwardSm90(WarpSpecializedSm90):
         rescale_early: bool = False,
         operands_early: bool = False,
         p_double: bool = False,
+        residual_regs: bool = False,
     ):
         assert dtype in (cutlass.BFloat16, cutlass.Float16), dtype
         assert block_q == 64 * self.num_consumer_wgs, "each consumer warpgroup owns 64 rows"
@@ -236,6 +240,12 @@ class FlashForwardSm90(WarpSpecializedSm90):
         self.residual_periodic = (residual_periodic and self.residual_words
                                   and any(self.residual.periodic_slots()))
         self.periodic_slots = self.residual.periodic_slots() if self.residual_periodic else ()
+        # residual_regs (issue 16, session 35; with residual_words, K <= RESIDUAL_REG_SLOTS): a
+        # residual mask's row intervals and row regions are loaded into registers once per
+        # tile row, as the interval path does (load_intervals), instead of from the tables
+        # in every masked tile. The dilated window's every visited tile is masked, and its
+        # first one waited on those loads (L2) before its softmax.
+        self.residual_regs = residual_regs and self.residual_words and num_intervals <= RESIDUAL_REG_SLOTS
         # rescale_tail (issue 14, a benchmark knob): O's rescale by the step's row factor runs
         # in the tile loop's common tail, after the branch on the tile's kind, instead of at
         # the end of each step. The compiler sinks the steps' identical conversion of P to
@@ -813,6 +823,8 @@ class FlashForwardSm90(WarpSpecializedSm90):
             row_intervals = row_intervals + (mRegion, mParams)
         if const_expr(self.intervals_in_registers):
             row_intervals = self.load_intervals(tScS, *row_intervals)
+        if const_expr(self.residual_regs):
+            row_intervals = row_intervals + (self.load_residual_rows(tScS, *row_intervals),)
 
         if const_expr(q_state is None):
             q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
@@ -1130,6 +1142,25 @@ class FlashForwardSm90(WarpSpecializedSm90):
         return starts, lengths
 
     @cute.jit
+    def load_residual_rows(self, tScS, mIntervals, q_tile, seqlen_q, mask_batch, mask_head, mRegion,
+                           mParams):
+        """(starts, lengths, regions) of this thread's rows, for ``residual_regs``: the same
+        table entries apply_mask_residual_words reads (row 0's for rows past Nq, which its
+        words then clear)."""
+        num_rows = cute.size(tScS, mode=[0])
+        starts = cute.make_rmem_tensor((num_rows, self.num_intervals), Int32)
+        lengths = cute.make_rmem_tensor((num_rows, self.num_intervals), Int32)
+        regions = cute.make_rmem_tensor(num_rows, Int32)
+        for r in cutlass.range_constexpr(num_rows):
+            row = q_tile * self.block_q + tScS[r, 0][0]
+            safe_row = row if row < seqlen_q else 0
+            regions[r] = mRegion[mask_batch, safe_row]
+            for m in cutlass.range_constexpr(self.num_intervals):
+                starts[r, m] = mIntervals[mask_batch, mask_head, safe_row, m, 0]
+                lengths[r, m] = mIntervals[mask_batch, mask_head, safe_row, m, 1]
+        return starts, lengths, regions
+
+    @cute.jit
     def apply_mask(self, acc_S_rows, tScS, k_tile, row_intervals, seqlen_k):
         """Set S to -inf where the key is past Nk or in none of the row's intervals.
 
@@ -1303,7 +1334,7 @@ class FlashForwardSm90(WarpSpecializedSm90):
         pair of its own (add_interval_runs); below Nk and rows past Nq folded into the
         words; then per element: keep = plain bit | OR over predicate slots (bit & the
         slot's predicate at (row, column)). The same visibility as residual_bits."""
-        mIntervals, q_tile, seqlen_q, mask_batch, mask_head, mRegion, mParams = row_intervals
+        mIntervals, q_tile, seqlen_q, mask_batch, mask_head, mRegion, mParams = row_intervals[:7]
         ops = CuteOps(mParams, mask_batch, seqlen_q, seqlen_k)
         ncols = cute.size(acc_S_rows, mode=[1])
         groups = ncols // 2
@@ -1314,13 +1345,20 @@ class FlashForwardSm90(WarpSpecializedSm90):
             in_range = row < seqlen_q
             safe_row = row if in_range else 0
             base = col0 + tScS[r, 0][1]
-            region = mRegion[mask_batch, safe_row]
+            if const_expr(self.residual_regs):
+                region = row_intervals[7][2][r]
+            else:
+                region = mRegion[mask_batch, safe_row]
             for w in cutlass.range_constexpr(2 * (1 + len(pred_slots))):
                 words[w] = Uint32(0)
             for m in cutlass.range_constexpr(self.num_intervals):
                 pair = 0 if const_expr(m not in pred_slots) else 2 * (1 + pred_slots.index(m))
-                start = mIntervals[mask_batch, mask_head, safe_row, m, 0]
-                length = mIntervals[mask_batch, mask_head, safe_row, m, 1]
+                if const_expr(self.residual_regs):
+                    start = row_intervals[7][0][r, m]
+                    length = row_intervals[7][1][r, m]
+                else:
+                    start = mIntervals[mask_batch, mask_head, safe_row, m, 0]
+                    length = mIntervals[mask_batch, mask_head, safe_row, m, 1]
                 if (length > 0) & (start < col_end) & (start + length > col0):
                     run0, run1 = _pair_runs(start - base, start - base + length, groups)
                     words[pair] = words[pair] | run0
@@ -1371,7 +1409,7 @@ class FlashForwardSm90(WarpSpecializedSm90):
         """Row r's visibility bits of a residual mask: slot m's interval and, where the
         row's region has one there, its residual predicate (unrolled over the K slots; the
         predicate is emitted from its expression tree, lower/residual_program.py)."""
-        mIntervals, _, seqlen_q, mask_batch, mask_head, mRegion, mParams = row_intervals
+        mIntervals, _, seqlen_q, mask_batch, mask_head, mRegion, mParams = row_intervals[:7]
         ops = CuteOps(mParams, mask_batch, seqlen_q, seqlen_k)
         region = mRegion[mask_batch, safe_row]
         for m in cutlass.range_constexpr(self.num_intervals):
