@@ -716,10 +716,19 @@ PY
       # (an exported object file) right after they were compiled outside ncu; once more
       # with the disk cache off (the kernels compiled in the profiled process, as before
       # the disk cache existed).
+      # Session 35: the dilated window's forward segfaulted both ways (loaded and compiled in
+      # the profiled process), so the retry now also changes how ncu replays: the whole
+      # application once per pass instead of saving and restoring device memory around the
+      # kernel (--replay-mode application; the kernels load from the disk cache each time).
       if [[ $who == jcm && $rc == 139 ]]; then
         JCOMPILEMASK_CUTE_DISK_CACHE=0 timeout -k 5 $(left 170) ncu --clock-control none --kernel-name $re \
           --launch-skip 1 --launch-count 1 $sec -o /tmp/prof-$who -f python3 $script $args > "$OUT/ncu-run-$who-nocache.log" 2>&1
-        echo "ncu $who (disk cache off) rc $? ($SECONDS s)"; pkill -9 -f _backward_profile; tail -2 "$OUT/ncu-run-$who-nocache.log"
+        rc=$?; echo "ncu $who (disk cache off) rc $rc ($SECONDS s)"; pkill -9 -f _backward_profile; tail -2 "$OUT/ncu-run-$who-nocache.log"
+      fi
+      if [[ $who == jcm && $rc == 139 ]]; then
+        timeout -k 5 $(left 200) ncu --clock-control none --replay-mode application --kernel-name $re \
+          --launch-skip 1 --launch-count 1 $sec -o /tmp/prof-$who -f python3 $script $args > "$OUT/ncu-run-$who-app.log" 2>&1
+        echo "ncu $who (application replay) rc $? ($SECONDS s)"; pkill -9 -f _backward_profile; tail -2 "$OUT/ncu-run-$who-app.log"
       fi
       ncu_pages $who "Duration|Busy|Registers|Issued Ipc|Eligible|Stall|Spill|Local|Executed Instructions " 24
     done
