@@ -2344,7 +2344,16 @@ def cute_backward(q, k, v, out, lse, do, bwd_intervals, bwd_tiles, fwd_intervals
             raise ValueError(f"cute_backward with residual programs needs row_region / "
                              f"residual_params shaped {want}")
         extra = (row_region.astype(jnp.int32), residual_params.astype(jnp.int32))
-    name = _ensure_registered(key)
+    # A trace-time host order (static_bwd_tiles): only its scheduled kernel is built.
+    static_order = None
+    if (not config.schedule and static_bwd_tiles is not None and not config.deterministic
+            and _bwd_static_order_on(D, Dv, softcap)
+            and tuple(np.shape(static_bwd_tiles)) == tuple(bwd_tiles.shape)):
+        static_order = backward_static_order(
+            static_bwd_tiles, B, Hq, Hkv, kv_heads_per_l2_group(
+                Nq, D * (Hq // Hkv), Dv * (Hq // Hkv), jnp.dtype(q.dtype).itemsize))
+    name = _ensure_registered(key if static_order is None else dataclasses.replace(
+        key, config=dataclasses.replace(config, schedule=True)))
     f32 = jnp.float32
     lse = lse.astype(f32)
     lse2 = jnp.where(jnp.isneginf(lse), jnp.inf, lse * np.float32(1.0 / math.log(2.0)))
@@ -2389,17 +2398,8 @@ def cute_backward(q, k, v, out, lse, do, bwd_intervals, bwd_tiles, fwd_intervals
         return run(name, inputs, (order,))
 
     policy = _bwd_order_policy() if config.schedule else None
-    static_order = None
-    if (policy is None and static_bwd_tiles is not None and not config.deterministic
-            and _bwd_static_order_on(D, Dv, softcap)
-            and tuple(np.shape(static_bwd_tiles)) == tuple(bwd_tiles.shape)):
-        static_order = backward_static_order(
-            static_bwd_tiles, B, Hq, Hkv, kv_heads_per_l2_group(
-                Nq, D * (Hq // Hkv), Dv * (Hq // Hkv), jnp.dtype(q.dtype).itemsize))
     if static_order is not None:
-        sched_name = _ensure_registered(dataclasses.replace(
-            key, config=dataclasses.replace(config, schedule=True)))
-        dq_acc, _, dk, dv = run(sched_name, inputs, (jnp.asarray(static_order),))
+        dq_acc, _, dk, dv = run(name, inputs, (jnp.asarray(static_order),))
     elif policy is None:
         dq_acc, _, dk, dv = run(name, inputs)
     elif policy == "auto" and not config.persistent:
