@@ -361,7 +361,7 @@ def _cute_backend() -> Backend:
             log_once(("cute-backward", why), "jcompilemask: gradients come from the xla "
                      "backward, not the CuTe backward kernel: %s", why)
             return xla.backward(q, k, v, desc, scale, softcap, out, lse, do, dlse)
-        from .kernels.cute.api import cute_backward
+        from .kernels.cute.api import _bwd_static_order_on, cute_backward
         extra = {}
         if prog is not None:
             from .lower.residual_program import ResidualProgram
@@ -378,7 +378,10 @@ def _cute_backend() -> Backend:
                                  block_kv=desc.tiles.bwd_block_kv, deterministic=deterministic,
                                  softcap=softcap,
                                  exact_columns=bool(getattr(desc.mask, "column_view_exact", False)),
-                                 static_bwd_tiles=static_bwd_tiles(desc), **extra)
+                                 static_bwd_tiles=(static_bwd_tiles(desc) if not deterministic
+                                                   and _bwd_static_order_on(q.shape[-1], v.shape[-1],
+                                                                            softcap) else None),
+                                 **extra)
 
     def tile_options(call):
         t = tiles(call)
