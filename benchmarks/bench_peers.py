@@ -45,15 +45,13 @@ def bench_flex(mask, n, md, backend, torch, dev, pairs, windows, eager_block_mas
     uncompiled (the same block mask; CLEAR at 8K, whose compiled build outlasts a call)."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
     L, b = W.seq_len(mask, n), W.batch_for(n)
-    # CLEAR's block mask reads its width from a tensor (torch_mask_mods): with the constant
-    # 128 of N = 8192, ptxas on create_block_mask's Triton kernel outlasted every device
-    # call (sessions 25 and 26 lost Flex CLEAR 8K to it); the attention keeps the constant.
+    # CLEAR's block mask reads its width from a tensor (torch_mask_mods: the constant's
+    # Triton build outlasted device calls); the attention keeps the constant: flex_attention
+    # runs the block mask's mask_mod, and FA4's CuTe DSL rejects the tensor form ("Expected
+    # TensorSSA", session 35), so it gets the attention's own, as in bench_total.
     mm, mb = W.torch_mask_mods(mask, n, md, torch, dev)
     bm = create_block_mask(mb, b if mask != "causal" else None, None, L, L, device=dev,
                            _compile=not eager_block_mask)
-    # flex_attention runs the block mask's own mask_mod: without this it traced CLEAR's
-    # tensor-width form into FA4's CuTe DSL and failed ("Expected TensorSSA, but got int",
-    # session 35), as bench_total already knew.
     bm.mask_mod = mm
     g = torch.Generator(device=dev).manual_seed(0)
     q, k, v = (torch.randn(b, W.HEADS, L, W.HEAD_DIM, device=dev, dtype=torch.bfloat16,

@@ -1615,14 +1615,17 @@ def test_residual_periodic_gives_identical_gradients(name, cute_backward_on, mon
         np.testing.assert_array_equal(a, b_)
 
 
-def _column_order_inputs(name, d, dv, dtype, rng_seed, key_seed):
+def _column_order_inputs(name, d, dv, dtype, rng_seed, key_seed, n=None):
     """(spec, metadata, n, (q, k, v, do)) of the tests that move key columns between blocks
-    or change how dQ is added: a built-in mask or the dilated window (window 128, dilation
-    2), ragged lengths, GQA (2 query heads per KV head)."""
+    or change how dQ is added: a built-in mask, the dilated window (window 128, dilation
+    2) or 16 global keys + a 256-wide window, ragged lengths, GQA (2 query heads per KV
+    head); ``n`` (default 900, CLEAR 1100) the length."""
     rng = np.random.default_rng(rng_seed)
-    n = 900 if name != "clear" else 1100
+    n = n or (900 if name != "clear" else 1100)
     if name == "dilated_window":
         md, spec = None, MaskSpec([Region((0, q_len), (k <= q) & (k > q - 128) & ((q - k) % 2 == 0))])
+    elif name == "global_window":
+        md, spec = None, MaskSpec([Region((0, q_len), (k <= q) & ((k < 16) | (k > q - 256)))])
     else:
         md, spec = metadata(name, 2, n, rng), SPECS[name]
     ks = jax.random.split(jax.random.key(key_seed), 4)
@@ -1796,13 +1799,7 @@ def test_static_order_gives_the_default_gradients(dtype, cute_backward_on, monke
     a third sooner at this size (on 132 SMs it gains nothing here: the grid runs)."""
     from jcompilemask.kernels.cute import api
     monkeypatch.setattr(api, "num_sms", lambda default=132: 16)
-    spec = MaskSpec([Region((0, q_len), (k <= q) & ((k < 16) | (k > q - 256)))])
-    n = 1500
-    ks = jax.random.split(jax.random.key(5), 4)
-    hs = (4, 2, 2, 4)
-    qx, kx, vx, do = (jax.random.normal(kk, (2, n, h, 128), jnp.float32).astype(dtype)
-                      for kk, h in zip(ks, hs))
-    inputs = (qx, kx, vx, do)
+    spec, _, n, inputs = _column_order_inputs("global_window", 128, 128, dtype, 16, 5, n=1500)
     keys, register = [], api._ensure_registered
     monkeypatch.setattr(api, "_ensure_registered", lambda key: keys.append(key) or register(key))
     base = _grads_under(monkeypatch, "", spec, None, inputs, JCOMPILEMASK_CUTE_BWD_STATIC_ORDER="0")

@@ -2259,7 +2259,7 @@ def backward_static_order(bwd_tiles, batch: int, num_heads: int, num_kv_heads: i
     return order.astype(np.int32)
 
 
-def _bwd_static_order_on(head_dim: int, head_dim_v: int, softcap) -> bool:
+def _bwd_static_order_on() -> bool:
     """Whether ``cute_backward`` may run a trace-time host order (``backward_static_order``)
     for tile states known while tracing: ``$JCOMPILEMASK_CUTE_BWD_STATIC_ORDER=1`` turns it
     on; unset or ``0``: off. Off by default until the scheduled kernel under D 128's current
@@ -2268,10 +2268,9 @@ def _bwd_static_order_on(head_dim: int, head_dim_v: int, softcap) -> bool:
     device) and the order is timed beside the grid; then the default becomes on at D 128
     without a soft cap, the configuration the host orders were timed on (session 21).
 
-    >>> _bwd_static_order_on(128, 128, None), _bwd_static_order_on(256, 256, None)
-    (False, False)
+    >>> _bwd_static_order_on()
+    False
     """
-    del head_dim, head_dim_v, softcap     # the default's scope once it is on (above)
     return _env_flag("JCOMPILEMASK_CUTE_BWD_STATIC_ORDER", "0")
 
 
@@ -2348,14 +2347,15 @@ def cute_backward(q, k, v, out, lse, do, bwd_intervals, bwd_tiles, fwd_intervals
             raise ValueError(f"cute_backward with residual programs needs row_region / "
                              f"residual_params shaped {want}")
         extra = (row_region.astype(jnp.int32), residual_params.astype(jnp.int32))
+    # Key columns per L2 group of the host orders (the trace-time one and the schedule's).
+    l2_group = kv_heads_per_l2_group(Nq, D * (Hq // Hkv), Dv * (Hq // Hkv),
+                                     jnp.dtype(q.dtype).itemsize)
     # A trace-time host order (static_bwd_tiles): only its scheduled kernel is built.
     static_order = None
     if (not config.schedule and static_bwd_tiles is not None and not config.deterministic
-            and _bwd_static_order_on(D, Dv, softcap)
+            and _bwd_static_order_on()
             and tuple(np.shape(static_bwd_tiles)) == tuple(bwd_tiles.shape)):
-        static_order = backward_static_order(
-            static_bwd_tiles, B, Hq, Hkv, kv_heads_per_l2_group(
-                Nq, D * (Hq // Hkv), Dv * (Hq // Hkv), jnp.dtype(q.dtype).itemsize))
+        static_order = backward_static_order(static_bwd_tiles, B, Hq, Hkv, l2_group)
     name = _ensure_registered(key if static_order is None else dataclasses.replace(
         key, config=dataclasses.replace(config, schedule=True)))
     f32 = jnp.float32
@@ -2393,8 +2393,7 @@ def cute_backward(q, k, v, out, lse, do, bwd_intervals, bwd_tiles, fwd_intervals
               bwd_tiles.astype(jnp.uint32), fwd_intervals.astype(jnp.int32), exact, turns, *extra)
     def scheduled(inputs):
         order = backward_schedule(
-            bwd_tiles, B, Hq, Hkv, kv_heads_per_l2_group(Nq, D * (Hq // Hkv), Dv * (Hq // Hkv),
-                                                         jnp.dtype(q.dtype).itemsize),
+            bwd_tiles, B, Hq, Hkv, l2_group,
             policy="tail" if config.persistent and policy == "auto" else policy)
         if config.persistent:
             # Persistent CTAs: the order dealt round by round to one CTA per SM.

@@ -1144,20 +1144,15 @@ class FlashForwardSm90(WarpSpecializedSm90):
     @cute.jit
     def load_residual_rows(self, tScS, mIntervals, q_tile, seqlen_q, mask_batch, mask_head, mRegion,
                            mParams):
-        """(starts, lengths, regions) of this thread's rows, for ``residual_regs``: the same
-        table entries apply_mask_residual_words reads (row 0's for rows past Nq, which its
-        words then clear)."""
+        """(starts, lengths, regions) of this thread's rows, for ``residual_regs``: the table
+        entries apply_mask_residual_words reads, as load_intervals gives them (rows past Nq
+        with zero lengths: their words are cleared either way)."""
+        starts, lengths = self.load_intervals(tScS, mIntervals, q_tile, seqlen_q, mask_batch, mask_head)
         num_rows = cute.size(tScS, mode=[0])
-        starts = cute.make_rmem_tensor((num_rows, self.num_intervals), Int32)
-        lengths = cute.make_rmem_tensor((num_rows, self.num_intervals), Int32)
         regions = cute.make_rmem_tensor(num_rows, Int32)
         for r in cutlass.range_constexpr(num_rows):
             row = q_tile * self.block_q + tScS[r, 0][0]
-            safe_row = row if row < seqlen_q else 0
-            regions[r] = mRegion[mask_batch, safe_row]
-            for m in cutlass.range_constexpr(self.num_intervals):
-                starts[r, m] = mIntervals[mask_batch, mask_head, safe_row, m, 0]
-                lengths[r, m] = mIntervals[mask_batch, mask_head, safe_row, m, 1]
+            regions[r] = mRegion[mask_batch, row if row < seqlen_q else 0]
         return starts, lengths, regions
 
     @cute.jit
