@@ -379,7 +379,9 @@ def _cute_backend() -> Backend:
                                  softcap=softcap,
                                  exact_columns=bool(getattr(desc.mask, "column_view_exact", False)),
                                  static_bwd_tiles=(static_bwd_tiles(desc) if not deterministic
-                                                   and _bwd_static_order_on() else None),
+                                                   and _bwd_static_order_on(
+                                                       q.shape[-1], v.shape[-1], softcap)
+                                                   else None),
                                  **extra)
 
     def tile_options(call):

@@ -313,14 +313,17 @@ def _traced_backward_keys(monkeypatch, spec, n, d=128, static=True, softcap=None
 
 
 def test_static_order_runs_the_scheduled_kernel_with_a_constant_order(monkeypatch):
-    """With ``$JCOMPILEMASK_CUTE_BWD_STATIC_ORDER=1``, global keys + window at 8K: one
-    kernel, the scheduled one (the grid's is not built), its order a constant of the
-    program (no cond, no sort); causal, or no static tiles: the grid's kernel. Unset or 0
-    (the default until its GPU test and timing): the grid's kernel."""
+    """By default at D 128 without a cap (session 36), and everywhere with
+    ``$JCOMPILEMASK_CUTE_BWD_STATIC_ORDER=1``, global keys + window at 8K: one kernel, the
+    scheduled one (the grid's is not built), its order a constant of the program (no cond,
+    no sort); causal, or no static tiles: the grid's kernel. D 64 unset, or 0: the grid's
+    kernel."""
     monkeypatch.delenv(api.BWD_ORDER_ENV, raising=False)
     monkeypatch.delenv(api.BWD_CONFIG_ENV, raising=False)
     monkeypatch.delenv("JCOMPILEMASK_CUTE_BWD_STATIC_ORDER", raising=False)
     names, _ = _traced_backward_keys(monkeypatch, _global_window_spec(), 8192)
+    assert [k.config.schedule for k in names] == [True]
+    names, _ = _traced_backward_keys(monkeypatch, _global_window_spec(), 8192, d=64)
     assert [k.config.schedule for k in names] == [False]
     monkeypatch.setenv("JCOMPILEMASK_CUTE_BWD_STATIC_ORDER", "1")
     names, jaxpr = _traced_backward_keys(monkeypatch, _global_window_spec(), 8192)

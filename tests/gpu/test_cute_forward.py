@@ -1023,16 +1023,16 @@ def test_residual_regs_compiles_for_sm90(case):
 
 
 def test_residual_regs_env_and_key(monkeypatch):
-    """Off unless set; only for residual masks on the words path; a key refuses it without
-    residual_words."""
+    """On by default (session 36) for residual masks on the words path, 0 opts out; never
+    without a residual program; a key refuses it without residual_words."""
     from jcompilemask.kernels.cute import api
     monkeypatch.delenv(api.FWD_RESIDUAL_REGS_ENV, raising=False)
     monkeypatch.delenv(api.FWD_RESIDUAL_WORDS_ENV, raising=False)
-    assert not api.forward_switches(128, 128, 128, 128, 2, residual=object())["residual_regs"]
-    monkeypatch.setenv(api.FWD_RESIDUAL_REGS_ENV, "1")
     assert api.forward_switches(128, 128, 128, 128, 2, residual=object())["residual_regs"]
     assert not api.forward_switches(128, 128, 128, 128, 2)["residual_regs"]
     assert not api.forward_switches(64, 64, 128, 128, 2, residual=object())["residual_regs"]
+    monkeypatch.setenv(api.FWD_RESIDUAL_REGS_ENV, "0")
+    assert not api.forward_switches(128, 128, 128, 128, 2, residual=object())["residual_regs"]
     with pytest.raises(ValueError, match="residual_words=True"):
         api.ForwardKey(**_KEY_FIELDS, residual_regs=True)
 

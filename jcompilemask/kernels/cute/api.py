@@ -207,8 +207,10 @@ class ForwardKey:
     p_double: bool = False
     # A residual mask's row intervals and regions loaded into registers once per tile row
     # instead of per masked tile (FlashForwardSm90.residual_regs; issue 16, session 35;
-    # with residual_words, K <= 2). Bit-identical; $JCOMPILEMASK_CUTE_FWD_RESIDUAL_REGS=1
-    # until timed.
+    # with residual_words, K <= 2). Bit-identical (7 residual cases, H100, session 36); what
+    # forward_switches gives wherever residual_words is on ($JCOMPILEMASK_CUTE_FWD_RESIDUAL_REGS=0
+    # opts out): the dilated window's forward 0.533 -> 0.480 ms at 8K, 0.616 -> 0.488 at
+    # 32K (H100, run 2026-12-05T23:42:56Z; Flex+FA4 0.493 / 0.512).
     residual_regs: bool = False
 
     @property
@@ -815,8 +817,8 @@ def forward_switches(head_dim: int, head_dim_v: int, block_q: int, block_kv: int
     ``persistent``, ``k_ahead``, ``group_mask`` (never with a residual program),
     ``residual_words`` (only with one), ``rescale_tail``, ``work_runs``, ``runs_early``,
     ``slot_skip``, ``mask_r2p``, ``residual_periodic`` (only with a residual program),
-    ``rescale_early`` (never with ``rescale_tail``), ``residual_regs`` (off unless set; only
-    with residual_words), ``operands_early`` and ``p_double`` (with
+    ``rescale_early`` (never with ``rescale_tail``), ``residual_regs`` (with residual_words;
+    ``$JCOMPILEMASK_CUTE_FWD_RESIDUAL_REGS=0`` opts out), ``operands_early`` and ``p_double`` (with
     work runs, without the rescale knobs). With no ``JCOMPILEMASK_CUTE_FWD_*`` variable set these are the
     defaults the registry runs, so a compile test that builds its key with them compiles
     what users get.
@@ -840,7 +842,7 @@ def forward_switches(head_dim: int, head_dim_v: int, block_q: int, block_kv: int
                 residual_periodic=(_env_flag(FWD_RESIDUAL_PERIODIC_ENV, "1") and residual is not None
                                    and _fwd_residual_words(head_dim)),
                 rescale_early=rescale_early,
-                residual_regs=(_env_flag(FWD_RESIDUAL_REGS_ENV, "0") and residual is not None
+                residual_regs=(_env_flag(FWD_RESIDUAL_REGS_ENV, "1") and residual is not None
                                and _fwd_residual_words(head_dim)),
                 **_fwd_issue_switches(head_dim, head_dim_v, work_runs, rescale_tail, rescale_early))
 
@@ -2259,19 +2261,24 @@ def backward_static_order(bwd_tiles, batch: int, num_heads: int, num_kv_heads: i
     return order.astype(np.int32)
 
 
-def _bwd_static_order_on() -> bool:
+def _bwd_static_order_on(head_dim: int, head_dim_v: int, softcap) -> bool:
     """Whether ``cute_backward`` may run a trace-time host order (``backward_static_order``)
-    for tile states known while tracing: ``$JCOMPILEMASK_CUTE_BWD_STATIC_ORDER=1`` turns it
-    on; unset or ``0``: off. Off by default until the scheduled kernel under D 128's current
-    masked-tile defaults has passed its GPU gradient test
-    (``test_static_order_gives_the_default_gradients``; built in session 35 without a
-    device) and the order is timed beside the grid; then the default becomes on at D 128
-    without a soft cap, the configuration the host orders were timed on (session 21).
+    for tile states known while tracing: on by default at D 128 without a soft cap, the
+    configuration it was validated and timed on; ``$JCOMPILEMASK_CUTE_BWD_STATIC_ORDER=1`` /
+    ``0`` turns it on / off everywhere.
 
-    >>> _bwd_static_order_on()
+    Session 36 (H100, run 2026-12-05T23:42:56Z, ``h200.sh masks16``; the GPU test
+    ``test_static_order_gives_the_default_gradients`` passed in the same call): 16 global
+    keys + a 256 window, bwd ms 2.604 -> 2.431 at 8K and 3.320 -> 2.453 at 32K; the
+    dilated window keeps the grid (its replay gains nothing): 1.702 / 1.727 both ways.
+
+    >>> _bwd_static_order_on(128, 128, None), _bwd_static_order_on(128, 128, 30.0)
+    (True, False)
+    >>> _bwd_static_order_on(64, 64, None)
     False
     """
-    return _env_flag("JCOMPILEMASK_CUTE_BWD_STATIC_ORDER", "0")
+    measured = "1" if (head_dim, head_dim_v) == (128, 128) and softcap is None else "0"
+    return _env_flag("JCOMPILEMASK_CUTE_BWD_STATIC_ORDER", measured)
 
 
 def cute_backward(q, k, v, out, lse, do, bwd_intervals, bwd_tiles, fwd_intervals, bwd_exact, *,
@@ -2301,7 +2308,8 @@ def cute_backward(q, k, v, out, lse, do, bwd_intervals, bwd_tiles, fwd_intervals
         columns then run in ``backward_static_order``'s host order where its replay ends
         5% before the grid's (long columns, such as 16 global keys', start first), a
         constant of the program: no ``lax.cond`` and no sort at run time. Elsewhere, and
-        where ``_bwd_static_order_on`` is off, the grid. The order changes when each
+        where ``_bwd_static_order_on`` is off (other than D 128 without a cap, unless
+        set), the grid. The order changes when each
         column runs, not what it computes: dK / dV are bit-identical, dQ's float sums
         may be added in another order (as under ``BackwardConfig.schedule``).
     Returns (dq, dk, dv) in the input dtype.
@@ -2353,7 +2361,7 @@ def cute_backward(q, k, v, out, lse, do, bwd_intervals, bwd_tiles, fwd_intervals
     # A trace-time host order (static_bwd_tiles): only its scheduled kernel is built.
     static_order = None
     if (not config.schedule and static_bwd_tiles is not None and not config.deterministic
-            and _bwd_static_order_on()
+            and _bwd_static_order_on(D, Dv, softcap)
             and tuple(np.shape(static_bwd_tiles)) == tuple(bwd_tiles.shape)):
         static_order = backward_static_order(static_bwd_tiles, B, Hq, Hkv, l2_group)
     name = _ensure_registered(key if static_order is None else dataclasses.replace(
