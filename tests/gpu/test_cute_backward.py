@@ -1809,3 +1809,21 @@ def test_static_order_gives_the_default_gradients(dtype, cute_backward_on, monke
     assert [getattr(key.config, "schedule", False) for key in keys if hasattr(key, "config")] == \
         [True], "the scheduled kernel was not chosen (alone)"
     _same_dkdv_and_policy_dq(base, ordered, spec, None, n, inputs, dtype)
+
+
+@needs_gpu
+@pytest.mark.parametrize("name,dtype", [("dilated_window", jnp.bfloat16), ("dilated_window", jnp.float16),
+                                        ("global_window", jnp.bfloat16), ("causal", jnp.bfloat16)],
+                         ids=lambda v: getattr(v, "__name__", v))
+def test_held_words_gives_the_default_gradients(name, dtype, cute_backward_on, monkeypatch):
+    """``BackwardConfig.held_words`` (issue 16, session 36): a masked tile's column words
+    built from the key rows' column intervals held in registers for the pass, not re-read
+    from the table, are the same words: dQ, dK and dV equal the default's bit for bit (a
+    residual mask with a periodic slot, 16 global keys + a window (Kc 2), causal), and both
+    meet the tolerance policy."""
+    spec, md, n, inputs = _column_order_inputs(name, 128, 128, dtype, 21, 7)
+    base = _grads_under(monkeypatch, "", spec, md, inputs)
+    held = _grads_under(monkeypatch, "held_words=1", spec, md, inputs)
+    for a, b in zip(base, held):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    _same_dkdv_and_policy_dq(base, held, spec, md, n, inputs, dtype)

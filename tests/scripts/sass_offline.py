@@ -1,6 +1,6 @@
 """Static SASS of the CuTe backward's tile loop, ours and FlashAttention-4's, without a GPU.
 
-    python tests/scripts/sass_offline.py ours [CONFIG] [--d 128] [--k 1 --kc 1]   # e.g. CONFIG static_stage=1
+    python tests/scripts/sass_offline.py ours [CONFIG] [--d 128] [--k 1 --kc 1] [--dilated]   # e.g. CONFIG static_stage=1
         [--dv 128] [--cap 30]     # D != Dv (192 / 128); a soft cap (the config of a capped model)
     python tests/scripts/sass_offline.py fa4 [--d 128]              # FA4's SM90 backward, causal (its tiles at D)
     python tests/scripts/sass_offline.py ours-fwd [--d 128] [--k 1] [--dilated] [FIELD=VALUE,...] | fa4-fwd
@@ -94,23 +94,31 @@ def _report(name, usage, lines, spans):
         uni = sum(v for k, v in base.items() if k.startswith("U") and k != "UBLKRED")
         local = base.get("LDL", 0) + base.get("STL", 0)
         print(f"  tile loop copy at SASS line {a}: {len(ops)} instructions, {uni} uniform, "
-              f"{local} local (LDL / STL); " + ", ".join(f"{k} {v}" for k, v in base.most_common(14)))
+              f"{local} local (LDL / STL), {base.get('LDG', 0)} LDG; " + ", ".join(f"{k} {v}" for k, v in base.most_common(14)))
 
 
-def ours(config: str, d: int, k: int = 1, kc: int = 1, dv=None, cap=None):
+def ours(config: str, d: int, k: int = 1, kc: int = 1, dv=None, cap=None, dilated=False):
     """Our backward at D ``d``; K ``k`` row / Kc ``kc`` column intervals (K 1 / Kc 1: the
     causal key, mask broadcast over batch and heads; otherwise a per-batch mask, as the
-    built-ins with metadata: shared prompt K 2 / Kc 13, HSTU 2 / 4, CLEAR 6 / 7)."""
+    built-ins with metadata: shared prompt K 2 / Kc 13, HSTU 2 / 4, CLEAR 6 / 7);
+    ``dilated``: the dilated window's residual programs (window 128, dilation 2) instead."""
     sys.path.insert(0, ROOT)
     from jcompilemask.kernels.cute import api
     dump = tempfile.mkdtemp(prefix="jcm-sass-")
     os.environ["JCOMPILEMASK_CUTE_DUMP_DIR"] = dump
     os.environ[api.BWD_CONFIG_ENV] = config
     cfg = api._config_from_env(api.preferred_backward_config(d, softcap=cap is not None))
+    residual, exact = None, False
+    if dilated:
+        cm = _dilated_window()
+        from jcompilemask.lower.residual_program import ResidualProgram
+        residual, k, kc = ResidualProgram.pair(cm), cm.num_intervals, cm.num_bwd_intervals
+        # as the registry compiles it: without the row path where the column view is exact
+        exact = bool(cm.column_view_exact) and api._bwd_exact_columns(d, dv or d, cap)
     causal = (k, kc) == (1, 1)
     key = api.BackwardKey(dtype="bfloat16", head_dim=d, num_intervals=k, num_bwd_intervals=kc,
                           broadcast_batch=causal, broadcast_head=True, scale=d ** -0.5, config=cfg,
-                          softcap=cap, head_dim_v=dv)
+                          softcap=cap, head_dim_v=dv, residual=residual, exact_columns=exact)
     api.compile_backward(key)
     usage, lines = _sass(dump)
     # From the Q stage's full-barrier wait (+0x10) to the dO stage's release (+0x40).
@@ -192,6 +200,14 @@ def fa4_forward():
     _hgmma_blocks(lines)
 
 
+def _dilated_window():
+    """The benchmarks' dilated causal window (window 128, dilation 2), compiled."""
+    import jcompilemask as jcm
+    from jcompilemask.spec import MaskSpec, Region, k as k_, q, q_len
+    return jcm.compile(MaskSpec([Region((0, q_len), (k_ <= q) & (k_ > q - 128) & ((q - k_) % 2 == 0))]),
+                       warn=False)
+
+
 def ours_forward(d: int, k: int = 1, fields: str = "", dilated: bool = False):
     """Our forward as the registry compiles it (tiles, stages, api.forward_switches) for K
     intervals (K > 1: per-batch, per-head masks), with ForwardKey FIELD=VALUE,...
@@ -208,11 +224,8 @@ def ours_forward(d: int, k: int = 1, fields: str = "", dilated: bool = False):
         changes[name] = int(value) if name == "bits_above" else value not in ("0", "false", "False")
     residual = None
     if dilated:
-        import jcompilemask as jcm
         from jcompilemask.lower.residual_program import ResidualProgram
-        from jcompilemask.spec import MaskSpec, Region, k as k_, q, q_len
-        cm = jcm.compile(MaskSpec([Region((0, q_len), (k_ <= q) & (k_ > q - 128) & ((q - k_) % 2 == 0))]),
-                         warn=False)
+        cm = _dilated_window()
         residual, k = ResidualProgram.forward(cm), cm.num_intervals
     switches = {**api.forward_switches(d, d, bq, bk, stages, residual=residual), **changes}
     if "work_runs" not in changes and (switches["rescale_tail"] or not switches["work_list"]):
@@ -319,7 +332,7 @@ if __name__ == "__main__":
         opts = {o: float(args[args.index(o) + 1])
                 for o in ("--d", "--k", "--kc", "--dv", "--cap") if o in args}
         rest = [a for i, a in enumerate(args[1:], 1)
-                if a not in opts and args[i - 1] not in opts]
+                if a not in opts and a != "--dilated" and args[i - 1] not in opts]
         dv = int(opts["--dv"]) if "--dv" in opts else None
         ours(rest[0] if rest else "", int(opts.get("--d", 128)), int(opts.get("--k", 1)),
-             int(opts.get("--kc", 1)), dv, opts.get("--cap"))
+             int(opts.get("--kc", 1)), dv, opts.get("--cap"), dilated="--dilated" in args)

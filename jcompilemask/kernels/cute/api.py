@@ -1393,6 +1393,13 @@ class BackwardConfig:
       once warpgroup 0 has made its first dS^T (one wait per CTA), so the two begin out of
       phase instead of converging there by chance; the sum keeps warpgroup 1 behind
       warpgroup 0 and the dQ warp keeps warpgroup 0 less than a tile ahead.
+    - ``held_words`` (issue 16, session 36; with ``column_words`` where the thread holds its
+      key rows' column intervals for the pass, Kc <= ``column_registers``): a masked tile
+      builds its words from those registers instead of re-reading the column table in
+      every masked tile (the backward twin of the forward's ``residual_regs``, which took
+      the dilated window's forward from 0.616 to 0.488 ms at 32K). Same values by
+      construction (the same intervals); opt-in until its GPU test and timing
+      (``test_held_words_gives_the_default_gradients``, ``h200.sh masks16``).
 
     ``preferred_backward_config`` picks the default per head dim; ``JCOMPILEMASK_CUTE_BWD_CONFIG``
     (e.g. ``ds_stages=1,stats_early=0``) overrides fields at trace time for benchmarks.
@@ -1441,6 +1448,7 @@ class BackwardConfig:
     dk_late: bool = False
     wg_dq: bool = False
     wg_dq_offset: bool = False
+    held_words: bool = False
 
     def __post_init__(self):
         wants = ((BWD_TILES_SWAP,) if self.dkv_swap else (BWD_TILES_SPLIT,) if self.split_dkv
@@ -1573,7 +1581,7 @@ class BackwardConfig:
                 f"{'_dqr' if self.dq_red else ''}{f'_dvs{self.dv_split}' if self.dv_split else ''}"
                 f"{'_dks' if self.dk_split else ''}{'_swp' if self.dkv_swap else ''}"
                 f"{'_dkl' if self.dk_late else ''}{'_wgq' if self.wg_dq else ''}"
-                f"{'o' if self.wg_dq_offset else ''}")
+                f"{'o' if self.wg_dq_offset else ''}{'_hw' if self.held_words else ''}")
 
 
 def preferred_backward_config(head_dim: int, dtype: str = "bfloat16",

@@ -315,6 +315,11 @@ class FlashBackwardSm90(WarpSpecializedSm90):
             self.hold_columns = self.column_bits = self.columns_looped = False
         if self.query_rows:
             self.column_words = self.residual_periodic = self.ds_words = False
+        # held_words (issue 16, session 36; BackwardConfig.held_words): column_words builds a
+        # masked tile's words from the column intervals the thread holds for the pass
+        # (hold_columns: loaded once per key tile and head) instead of re-reading them from
+        # the table in every masked tile, as the forward's residual_regs does for its rows.
+        self.held_words = config.held_words and self.column_words and self.hold_columns
         self.rows_looped = num_intervals > INTERVALS_UNROLLED
         # work_list: the query tiles a key column visits, built once per (head, chunk of
         # list_chunk query tiles) by the producer warp into one of two shared buffers.
@@ -1929,7 +1934,9 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         if const_expr(self.column_words):
             if exact:
                 self.mask_by_column_words(P, tScS, mBwdIntervals, seqlen_q, seqlen_k, row0, col0,
-                                          mh, mask_batch, residual_args, fill, keep_words)
+                                          mh, mask_batch, residual_args, fill, keep_words,
+                                          (col_starts, col_lengths) if const_expr(self.held_words)
+                                          else None)
             elif const_expr(self.residual is not None):
                 self.residual_by_rows(P, tScS, mFwdIntervals, seqlen_q, seqlen_k, row0, col0,
                                       mh, mask_batch, residual_args, fill)
@@ -2147,7 +2154,8 @@ class FlashBackwardSm90(WarpSpecializedSm90):
 
     @cute.jit
     def mask_by_column_words(self, P, tScS, mBwdIntervals, seqlen_q, seqlen_k, row0, col0, mh,
-                             mask_batch, residual_args, fill: cutlass.Constexpr[float], keep_words=None):
+                             mask_batch, residual_args, fill: cutlass.Constexpr[float], keep_words=None,
+                             held=None):
         """``column_words``, column view: per key row, each of its Kc intervals that reaches
         into the tile's queries ORs its column-group runs into a pair of words (the slots
         without a residual predicate into one pair, each slot with one into its own), the
@@ -2155,7 +2163,8 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         for the predicate slots the bit AND the column program's predicate. The visibility
         of the per-element paths, with 2 word ORs per interval instead of a subtract-compare
         per interval and element. ``keep_words`` (``ds_words``): each row's final words (word 1 in
-        the high half) go there, for dS^T."""
+        the high half) go there, for dS^T. ``held`` (``held_words``): the (starts, lengths)
+        registers of the rows' column intervals (``load_columns``), read instead of the table."""
         ncols = cute.size(P, mode=[1])
         groups = ncols // 2
         pred_slots = self.column_pred_slots
@@ -2178,8 +2187,12 @@ class FlashBackwardSm90(WarpSpecializedSm90):
             else:
                 for m in cutlass.range_constexpr(self.num_bwd_intervals):
                     pair = 0 if const_expr(m not in pred_slots) else 2 * (1 + pred_slots.index(m))
-                    self.add_column_runs(words, pair, mBwdIntervals, mask_batch, mh, safe, m, col0,
-                                         base, groups)
+                    if const_expr(held is not None):
+                        self.add_run_values(words, pair, held[0][r, m], held[1][r, m], col0, base,
+                                            groups)
+                    else:
+                        self.add_column_runs(words, pair, mBwdIntervals, mask_batch, mh, safe, m,
+                                             col0, base, groups)
             below0, below1 = _pair_runs(Int32(0), seqlen_q - base, groups)
             below0 = below0 if key_ok else Uint32(0)
             below1 = below1 if key_ok else Uint32(0)
@@ -2215,8 +2228,13 @@ class FlashBackwardSm90(WarpSpecializedSm90):
     def add_column_runs(self, words, pair, mBwdIntervals, mask_batch, mh, key, m, col0, base, groups):
         """ORs key `key`'s column interval m into words[pair], words[pair + 1] when it
         reaches into the tile's queries [col0, col0 + block_q)."""
-        start = mBwdIntervals[mask_batch, mh, key, m, 0]
-        length = mBwdIntervals[mask_batch, mh, key, m, 1]
+        self.add_run_values(words, pair, mBwdIntervals[mask_batch, mh, key, m, 0],
+                            mBwdIntervals[mask_batch, mh, key, m, 1], col0, base, groups)
+
+    @cute.jit
+    def add_run_values(self, words, pair, start, length, col0, base, groups):
+        """ORs the column interval [start, start + length) into words[pair], words[pair + 1]
+        when it reaches into the tile's queries [col0, col0 + block_q)."""
         if (length > 0) & (start < col0 + self.block_q) & (start + length > col0):
             run0, run1 = _pair_runs(start - base, start - base + length, groups)
             words[pair] = words[pair] | run0
