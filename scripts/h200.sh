@@ -86,6 +86,7 @@
 #                smoke per config, a subset of tests/gpu/test_cute_head_dims.py, then
 #                benchmarks/bench_head_dims.py (causal 32K + 8K beside FA4 native / cuDNN / xla)
 #   hdimstests   all of tests/gpu/test_cute_head_dims.py (+ the forward's 192/128 cases), one process
+#   jcmvar       jcm alone on JCM_BENCH_MASKS at JCM_BENCH_NS, once per JCM_MASKS16_VARIANTS entry
 #   hdimspar     the same spread over JCM_PAR parallel pytest processes (JCM_PAR_SKIP: a regex of ids to leave out)
 #   multigpu     issue 19 on a multi-GPU kind: sharded training step + context parallelism (benchmarks/multi_gpu.py)
 #   kernels      GPU tests of the CuTe forward kernel alone (48 variant cases)
@@ -831,6 +832,19 @@ PY
       ${JCM_MASKS16_VARIANTS:+--jcm-variants "$JCM_MASKS16_VARIANTS"} \
       --budget-s $(( b - 20 )) --out "$OUT/h200-masks16.json" > "$OUT/bench-masks16.log" 2>&1
     echo "bench rc $? ($SECONDS s)"; pkill -9 -f bench_total; grep -E '^\{' "$OUT/bench-masks16.log" | cut -c1-230
+    ;;
+  jcmvar)
+    # jcm alone (no peer: their compiles cost a short call most of its time), timed once per
+    # JCM_MASKS16_VARIANTS entry on JCM_BENCH_MASKS (default: the dilated window) at
+    # JCM_BENCH_NS (default 8192, comma-separated for several), e.g. a backward config
+    # beside the default: JCM_MASKS16_VARIANTS='base=;ds=JCOMPILEMASK_CUTE_BWD_CONFIG=ds_words=1'.
+    export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
+    b=${JCM_BENCH_S:-300}
+    timeout -k 5 $b python3 benchmarks/bench_total.py --ns ${JCM_BENCH_NS:-8192} \
+      --masks ${JCM_BENCH_MASKS:-dilated_window} --impls jcm --min-repeat-s 0.25 \
+      ${JCM_MASKS16_VARIANTS:+--jcm-variants "$JCM_MASKS16_VARIANTS"} \
+      --budget-s $(( b - 15 )) --out "$OUT/h200-jcmvar.json" > "$OUT/bench-jcmvar.log" 2>&1
+    echo "bench rc $? ($SECONDS s)"; pkill -9 -f bench_total; grep -E '^\{' "$OUT/bench-jcmvar.log" | cut -c1-200
     ;;
   qb)
     # Issue 12 (session 20): dq_blocked — the dQ slot in 8-column blocks (64-bit stores), so
