@@ -338,3 +338,24 @@ def test_static_order_runs_the_scheduled_kernel_with_a_constant_order(monkeypatc
     monkeypatch.setenv("JCOMPILEMASK_CUTE_BWD_STATIC_ORDER", "0")
     names, _ = _traced_backward_keys(monkeypatch, _global_window_spec(), 8192)
     assert [k.config.schedule for k in names] == [False]
+
+
+def test_static_tiles_are_built_once_per_mask_and_lengths():
+    """Every trace of a model (each layer, each jit) reads the same cached tile states for
+    a mask and its lengths: one build, read-only, equal to the descriptor's own."""
+    import jax
+    from jcompilemask import backends
+    cm = jcm.compile(_global_window_spec())
+    seen = []
+
+    def step():
+        desc = cm.instantiate(None, 1024, 1024, block_q=128, block_kv=128, bwd_block_q=64,
+                              bwd_block_kv=128, preprocess="jnp")
+        seen.append(backends.static_bwd_tiles(desc))
+        return 0
+    jax.jit(step).lower()
+    jax.jit(lambda: step() + 1).lower()
+    assert seen[0] is seen[1] and not seen[0].flags.writeable
+    concrete = cm.instantiate(None, 1024, 1024, block_q=128, block_kv=128, bwd_block_q=64,
+                              bwd_block_kv=128, preprocess="jnp")
+    np.testing.assert_array_equal(seen[0], np.asarray(concrete.bwd_tiles))
