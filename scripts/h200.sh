@@ -816,35 +816,27 @@ PY
     echo "post rc $? ($SECONDS s)"; grep -E '^\{' "$OUT/parts-post.log" | cut -c1-220
     JCM_BUNDLE_READY=1 JCM_PROF_DETAIL=0 JCM_PROF_N=${JCM_PROF_N:-8192} JCM_STAGE_S=$(left 450) bash scripts/h200.sh prof8
     ;;
-  masks16)
+  masks16|jcmvar)
     # Issue 16's timings (benchmarks/workloads.py MASKS_16): the block-causal mask written
     # with k // 64 <= q // 64 beside its interval spelling (jcm alone: the 1.1x line), a
     # dilated causal window and 16 global tokens + a 256-wide window beside Flex+FA4, forward
     # + backward, at JCM_BENCH_NS (default 8192; 32K in its own call: Flex's compiles).
     # JCM_MASKS16_VARIANTS: bench_total's --jcm-variants (e.g. session 21's candidates,
     # "base=;xc=JCOMPILEMASK_CUTE_BWD_EXACT_COLUMNS=1"), jcm timed once per entry.
+    # jcmvar: jcm alone (no peer: their compiles cost a short call most of its time), by
+    # default on the dilated window, e.g. a backward config beside the default:
+    # JCM_BENCH_NS=8192,32768 JCM_MASKS16_VARIANTS='base=;ds=JCOMPILEMASK_CUTE_BWD_CONFIG=ds_words=1'.
     export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
     export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1
     b=${JCM_BENCH_S:-480}
+    masks=dilated_window,global_window,block_causal,block_causal_intervals impls=jcm,flex-fa4
+    [[ $stage == jcmvar ]] && masks=dilated_window impls=jcm
     timeout -k 5 $b python3 benchmarks/bench_total.py --ns ${JCM_BENCH_NS:-8192} \
-      --masks ${JCM_BENCH_MASKS:-dilated_window,global_window,block_causal,block_causal_intervals} --impls jcm,flex-fa4 \
+      --masks ${JCM_BENCH_MASKS:-$masks} --impls $impls \
       --skip flex-fa4:block_causal,flex-fa4:block_causal_intervals --min-repeat-s 0.25 \
       ${JCM_MASKS16_VARIANTS:+--jcm-variants "$JCM_MASKS16_VARIANTS"} \
-      --budget-s $(( b - 20 )) --out "$OUT/h200-masks16.json" > "$OUT/bench-masks16.log" 2>&1
-    echo "bench rc $? ($SECONDS s)"; pkill -9 -f bench_total; grep -E '^\{' "$OUT/bench-masks16.log" | cut -c1-230
-    ;;
-  jcmvar)
-    # jcm alone (no peer: their compiles cost a short call most of its time), timed once per
-    # JCM_MASKS16_VARIANTS entry on JCM_BENCH_MASKS (default: the dilated window) at
-    # JCM_BENCH_NS (default 8192, comma-separated for several), e.g. a backward config
-    # beside the default: JCM_MASKS16_VARIANTS='base=;ds=JCOMPILEMASK_CUTE_BWD_CONFIG=ds_words=1'.
-    export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
-    b=${JCM_BENCH_S:-300}
-    timeout -k 5 $b python3 benchmarks/bench_total.py --ns ${JCM_BENCH_NS:-8192} \
-      --masks ${JCM_BENCH_MASKS:-dilated_window} --impls jcm --min-repeat-s 0.25 \
-      ${JCM_MASKS16_VARIANTS:+--jcm-variants "$JCM_MASKS16_VARIANTS"} \
-      --budget-s $(( b - 15 )) --out "$OUT/h200-jcmvar.json" > "$OUT/bench-jcmvar.log" 2>&1
-    echo "bench rc $? ($SECONDS s)"; pkill -9 -f bench_total; grep -E '^\{' "$OUT/bench-jcmvar.log" | cut -c1-200
+      --budget-s $(( b - 20 )) --out "$OUT/h200-$stage.json" > "$OUT/bench-$stage.log" 2>&1
+    echo "bench rc $? ($SECONDS s)"; pkill -9 -f bench_total; grep -E '^\{' "$OUT/bench-$stage.log" | cut -c1-230
     ;;
   qb)
     # Issue 12 (session 20): dq_blocked — the dQ slot in 8-column blocks (64-bit stores), so
