@@ -44,6 +44,7 @@
 #   qb           issue 12: dq_blocked (the dQ slot in 8-column blocks): XLA pieces timed, bit-identity,
 #                timed beside the default and FA4 native at 8K + 32K
 #   shfl         stats_shfl, column_skip, the forward's bits path for K <= 8: tests, then timed at 32K
+#   ktimes       a step's GPU time kernel by kernel, ours beside Flex+FA4 (kernel_times.py; CUPTI, not ncu)
 #   masks16      issue 16's timings: block-causal spellings, dilated window, global tokens + window vs Flex+FA4
 #   fwl          issue 14: the forward's work list (the default; =0 the bitmap walk): tests, then timed
 #   fka          issue 14: K(t + 1) before V(t) in the forward's producer (JCOMPILEMASK_CUTE_FWD_K_AHEAD=1),
@@ -837,6 +838,23 @@ PY
       ${JCM_MASKS16_VARIANTS:+--jcm-variants "$JCM_MASKS16_VARIANTS"} \
       --budget-s $(( b - 20 )) --out "$OUT/h200-$stage.json" > "$OUT/bench-$stage.log" 2>&1
     echo "bench rc $? ($SECONDS s)"; pkill -9 -f bench_total; grep -E '^\{' "$OUT/bench-$stage.log" | cut -c1-230
+    ;;
+  ktimes)
+    # Where a step's GPU time goes, kernel by kernel, ours beside the peer's
+    # (benchmarks/kernel_times.py: CUPTI through jax.profiler / torch.profiler, so it also
+    # runs on the kernels ncu segfaults on). Issue 16: the dilated window's backward on the
+    # H200 (1.43 ms vs Flex+FA4's 1.20, run 2026-12-06T02:35:31Z, where the H100 had them
+    # even). JCM_KT_MASKS (default dilated_window,global_window), JCM_KT_N (8192),
+    # JCM_KT_IMPLS (jcm,flex-fa4; fa4-native for causal).
+    export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
+    export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1
+    for m in $(echo ${JCM_KT_MASKS:-dilated_window,global_window} | tr , ' '); do
+      timeout -k 5 $(left 200) python3 benchmarks/kernel_times.py --mask $m --n ${JCM_KT_N:-8192} \
+        --impls ${JCM_KT_IMPLS:-jcm,flex-fa4} --steps ${JCM_KT_STEPS:-10} \
+        --out "$OUT/kernel-times.json" > "$OUT/kt-$m.log" 2>&1
+      echo "kernel_times $m rc $? ($SECONDS s)"; pkill -9 -f kernel_times.py
+      grep -E '^(jcm|flex|fa4|  )' "$OUT/kt-$m.log" | cut -c1-150 | head -32
+    done
     ;;
   qb)
     # Issue 12 (session 20): dq_blocked — the dQ slot in 8-column blocks (64-bit stores), so

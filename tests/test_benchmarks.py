@@ -441,3 +441,57 @@ def test_flex_eager_block_mask_choice_names_mask_or_mask_at_n():
     assert W.eager_block_mask(" hstu , clear@8192", "hstu", 2048)
     assert not W.eager_block_mask("", "clear", 8192)
 
+
+
+def test_kernel_times_smoke_lists_the_step_kernels_on_cpu(tmp_path):
+    """kernel_times.py's jcompilemask path end to end on the CPU: the step traced with
+    jax.profiler, read back with ProfileData (the host plane's XLA ops where there is no
+    GPU plane), summed per step, merged into --out."""
+    import sys
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    kt = _load("kernel_times")
+    out = tmp_path / "kernels.json"
+    (rec,) = kt.main(["--smoke", "--steps", "2", "--out", str(out)])
+    assert "error" not in rec, rec
+    assert rec["impl"].startswith("jcm-") and rec["smoke"] is True and rec["n"] == 256
+    assert rec["kernels"] and rec["gpu_ms"] > 0 and rec["wall_ms"] > 0
+    us = [r["us"] for r in rec["kernels"]]
+    assert us == sorted(us, reverse=True)
+    saved = json.loads(out.read_text())["records"]
+    assert len(saved) == 1 and saved[0]["kernels"] == rec["kernels"]
+    kt.merge(str(out), [dict(rec, gpu_ms=1.0)])           # same key: replaced, not added
+    assert [r["gpu_ms"] for r in json.loads(out.read_text())["records"]] == [1.0]
+
+
+def test_kernel_times_summary_and_torch_events():
+    """Per-step rows from raw events (the docstring example, names cut), and the device
+    events picked out of a torch profiler's event list (stand-ins: no torch on CI)."""
+    import doctest
+    import sys
+    import types
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    kt = _load("kernel_times")
+    assert doctest.testmod(kt).failed == 0
+    rows = kt.summarize([("x" * 200, 5.0), ("y", 1.0)], steps=1, name_chars=8)
+    assert rows == [dict(name="xxxxxxxx", calls=1.0, us=5.0), dict(name="y", calls=1.0, us=1.0)]
+    with pytest.raises(ValueError, match="steps"):
+        kt.summarize([], steps=0)
+
+    def ev(name, dev, us):
+        return types.SimpleNamespace(name=name, device_type=f"DeviceType.{dev}",
+                                     time_range=types.SimpleNamespace(elapsed_us=lambda: us))
+    prof = types.SimpleNamespace(events=lambda: [ev("aten::mm", "CPU", 9.0),
+                                                 ev("bwd_kernel", "CUDA", 40.0),
+                                                 ev("Memset (Device)", "CUDA", 2.0)])
+    assert kt.torch_events(prof) == [("bwd_kernel", 40.0), ("Memset (Device)", 2.0)]
+
+
+def test_kernel_times_rejects_bad_arguments(capsys):
+    import sys
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    kt = _load("kernel_times")
+    for argv, text in ((["--impls", "jcm,cudnn"], "unknown"), (["--mask", "nope"], "unknown"),
+                       (["--steps", "0"], "steps")):
+        with pytest.raises(SystemExit):
+            kt.main(argv)
+        assert text in capsys.readouterr().err

@@ -1,0 +1,294 @@
+"""Where one training step's GPU time goes, kernel by kernel, for jcompilemask and its peers.
+
+    PYTHONPATH=. python3 benchmarks/kernel_times.py --mask dilated_window --n 8192 \\
+        [--impls jcm,flex-fa4] [--steps 10] [--out kernels.json]
+    python3 benchmarks/kernel_times.py --smoke      # CPU: tiny causal step, jcm only
+
+One step is the benchmarks' step (``bench_total.py``): forward + backward of the workload
+(bf16, 8 heads, head dim 128, 131072 tokens per batch), gradients of q, k, v for a fixed
+output cotangent. Each implementation runs it ``--steps`` times under a CUPTI trace after
+warm-up, and every GPU activity of the trace is listed with its calls and time per step:
+
+- jcompilemask (``jcm``): ``jax.profiler.trace``, read back with
+  ``jax.profiler.ProfileData`` (the ``/device:GPU:*`` planes' stream lines: the CuTe
+  kernels of the custom calls and XLA's own fusions, copies and memsets; on a machine
+  without a GPU, the host plane's XLA ops, so the tool runs anywhere);
+- FlexAttention with the FA4 backend (``flex-fa4``) and FA4 native (``fa4-native``, causal
+  only): ``torch.profiler`` with CUDA activities (the device-side events of
+  ``prof.events()``). The block mask is built once, outside the trace, as a training loop
+  over a fixed mask would.
+
+It answers what Nsight Compute could not (ncu segfaults on our kernels with residual
+predicates or metadata masks, so the backward of the dilated window never had a profile):
+how much of ``bwd_ms`` is the backward kernel and how much the pieces around it (the row
+statistic ``delta``, the zeroed dQ accumulator, dQ's conversion), beside the same pieces of
+the peer. Kernel time summed per step is not the step's wall time (gaps, launch latency
+and overlap are not in it); ``gpu_ms`` is that sum, ``wall_ms`` the traced steps' wall
+time per step from the host.
+
+Records (``--out``, merged by (run, mask, n, impl)): ``mask``, ``n``, ``impl`` (``jcm-<backend>``
+as ``bench_total.py`` names it, or the peer), ``run``, ``steps``, ``gpu_ms``, ``wall_ms``,
+``kernels`` (a list of ``{"name", "calls", "us"}`` per step, longest first; names cut to 160
+characters); ``smoke: true`` under ``--smoke``; an impl that fails gives ``error`` instead.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import json
+import os
+import sys
+import tempfile
+import time
+import warnings
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+import clocks  # noqa: E402  (run id shared with the other scripts of a device call)
+import workloads as W  # noqa: E402
+
+SMOKE = dict(n=256, batch=2, heads=2, head_dim=32)
+NAME_CHARS = 160
+
+
+def summarize(events, steps: int, name_chars: int = NAME_CHARS) -> list[dict]:
+    """Per-step kernel rows from ``(name, duration_us)`` pairs over ``steps`` steps, longest
+    first: ``{"name", "calls", "us"}`` (calls and microseconds per step).
+
+    >>> summarize([("k_bwd", 30.0), ("fill", 2.0), ("k_bwd", 34.0), ("fill", 2.0)], steps=2)
+    [{'name': 'k_bwd', 'calls': 1.0, 'us': 32.0}, {'name': 'fill', 'calls': 1.0, 'us': 2.0}]
+    """
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    us, calls = collections.defaultdict(float), collections.Counter()
+    for name, d in events:
+        key = name[:name_chars]
+        us[key] += float(d)
+        calls[key] += 1
+    rows = [dict(name=k, calls=calls[k] / steps, us=round(us[k] / steps, 3)) for k in us]
+    return sorted(rows, key=lambda r: -r["us"])
+
+
+def jax_events(xplane_path: str, gpu_only: bool = False) -> list[tuple[str, float]]:
+    """``(name, duration_us)`` of every GPU activity in a ``jax.profiler`` trace file: the
+    events of the ``/device:GPU:*`` planes' stream lines (``Stream #...``; the derived
+    ``XLA Ops`` / ``XLA Modules`` lines would count each kernel twice). A trace without a
+    GPU plane (a CPU run) gives its host XLA ops instead: the events that carry an
+    ``hlo_op`` stat (there a loop's body runs inside the loop's own event, so the sum
+    counts it twice: the CPU listing checks the tool, it is no measurement).
+    ``gpu_only``: a trace without GPU activity raises instead (a GPU process whose
+    profiler could not load CUPTI must not report host ops as kernels)."""
+    import jax
+    pd = jax.profiler.ProfileData.from_file(xplane_path)
+    gpu, host = [], []
+    warnings.filterwarnings("ignore", message="builtin type event_stats", category=DeprecationWarning)
+    for plane in pd.planes:
+        if plane.name.startswith("/device:GPU"):
+            for line in plane.lines:
+                if line.name.startswith("Stream"):
+                    gpu += [(e.name, e.duration_ns / 1e3) for e in line.events]
+        elif plane.name.startswith("/host:CPU"):
+            for line in plane.lines:
+                for e in line.events:
+                    if any(s[0] == "hlo_op" for s in e.stats):
+                        host.append((e.name, e.duration_ns / 1e3))
+    if not gpu and gpu_only:
+        raise RuntimeError(f"no GPU activity in {xplane_path} (is CUPTI loadable? "
+                           "jax.profiler needs it for device traces)")
+    return gpu if gpu else host
+
+
+def trace_jax(step, steps: int):
+    """Run ``step()`` (returns a JAX value) ``steps`` times under ``jax.profiler.trace``
+    after one untraced warm-up call; ``(events, wall_ms per step)``."""
+    import jax
+    jax.block_until_ready(step())
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d):
+            t = time.perf_counter()
+            for _ in range(steps):
+                out = step()
+            jax.block_until_ready(out)
+            wall = (time.perf_counter() - t) * 1e3 / steps
+        paths = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
+        if not paths:
+            raise RuntimeError(f"jax.profiler.trace wrote no .xplane.pb under {d}")
+        return jax_events(paths[0], gpu_only=jax.default_backend() == "gpu"), wall
+
+
+def torch_events(prof) -> list[tuple[str, float]]:
+    """``(name, duration_us)`` of the device-side events (kernels, memcpy, memset) of a
+    finished ``torch.profiler.profile``."""
+    out = []
+    for e in prof.events():
+        if str(getattr(e, "device_type", "")).endswith("CUDA"):
+            out.append((e.name, e.time_range.elapsed_us()))
+    return out
+
+
+def trace_torch(step, steps: int):
+    """``step()`` ``steps`` times under ``torch.profiler`` (CPU + CUDA activities) after
+    one warm-up call; ``(events, wall_ms per step)``."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t = time.perf_counter()
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t) * 1e3 / steps
+    return torch_events(prof), wall
+
+
+def jcm_step(mask: str, n: int, smoke: bool = False):
+    """jcompilemask's step (the registry's backend, descriptor built once): ``(callable,
+    impl name)``, the name ``jcm-<backend>`` as ``bench_total.py`` records it."""
+    import jax
+    import jax.numpy as jnp
+
+    import jcompilemask as jcm
+    if smoke:
+        L, b, h, d = SMOKE["n"], SMOKE["batch"], SMOKE["heads"], SMOKE["head_dim"]
+    else:
+        L, b, h, d = W.seq_len(mask, n), W.batch_for(n), W.HEADS, W.HEAD_DIM
+    md = W.metadata_for(mask, L if smoke else n, b)
+    md = None if md is None else {k: jnp.asarray(v) for k, v in md.items()}
+    spec = W.spec_for(mask, L if smoke else n)
+    cm = jcm.compile(spec)
+    call = jcm.backends.Call(dtype="bfloat16", head_dim=d, head_dim_v=d, num_heads=h,
+                             num_kv_heads=h, softcap=False,
+                             has_fallback=bool(cm.fallback_regions),
+                             num_intervals=cm.num_intervals)
+    backend = jcm.backends.select(None, call).name
+    desc = jax.jit(lambda m: cm.instantiate(m, L, L, preprocess=cm.default_preprocess()))(md)
+    ks = jax.random.split(jax.random.key(n), 4)
+    q, k, v, do = (jax.random.normal(kk, (b, L, h, d), jnp.float32).astype(jnp.bfloat16)
+                   for kk in ks)
+
+    def loss(q, k, v, dd):
+        o = jcm.mask_attention(q, k, v, dd, implementation=backend)
+        return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32))
+
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    return (lambda: grad(q, k, v, desc)), f"jcm-{backend}"
+
+
+def torch_step(mask: str, n: int, impl: str):
+    """The peer's step (``flex-fa4`` or ``fa4-native``): a callable."""
+    import torch
+    dev = "cuda"
+    L, b = W.seq_len(mask, n), W.batch_for(n)
+    g = torch.Generator(device=dev).manual_seed(n)
+    if impl == "fa4-native":
+        if mask != "causal":
+            raise ValueError(f"fa4-native runs the causal mask only, not {mask!r}")
+        from flash_attn.cute import flash_attn_func
+        shape = (b, L, W.HEADS, W.HEAD_DIM)
+
+        def fwd(q, k, v):
+            o = flash_attn_func(q, k, v, causal=True)
+            return o[0] if isinstance(o, tuple) else o
+    elif impl == "flex-fa4":
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        md = W.metadata_for(mask, n)
+        mm, mb = W.torch_mask_mods(mask, n, md, torch, dev)
+        cbm = create_block_mask if W.eager_block_mask("clear@8192", mask, n) else torch.compile(create_block_mask)
+        bm = cbm(mb, None if md is None else b, None, L, L, device=dev)
+        bm.mask_mod = mm
+        shape = (b, W.HEADS, L, W.HEAD_DIM)
+        fn = torch.compile(flex_attention)
+
+        def fwd(q, k, v):
+            return fn(q, k, v, block_mask=bm, kernel_options={"BACKEND": "FLASH"})
+    else:
+        raise ValueError(f"unknown peer impl {impl!r} (flex-fa4, fa4-native)")
+    q, k, v, do = (torch.randn(*shape, device=dev, dtype=torch.bfloat16, generator=g)
+                   for _ in range(4))
+    for x in (q, k, v):
+        x.requires_grad_(True)
+    return lambda: torch.autograd.grad(fwd(q, k, v), (q, k, v), do)
+
+
+def measure(mask: str, n: int, impl: str, steps: int, smoke: bool = False) -> dict:
+    """One record (see the module docstring)."""
+    if impl == "jcm":
+        step, impl = jcm_step(mask, n, smoke)
+        events, wall = trace_jax(step, steps)
+    else:
+        events, wall = trace_torch(torch_step(mask, n, impl), steps)
+    rows = summarize(events, steps)
+    rec = dict(mask=mask, n=n, impl=impl, run=clocks.run_id(), steps=steps,
+               gpu_ms=round(sum(r["us"] for r in rows) / 1e3, 4), wall_ms=round(wall, 4),
+               kernels=rows)
+    if smoke:
+        rec["smoke"] = True
+    return rec
+
+
+def merge(path: str, records: list[dict]) -> None:
+    """Add ``records`` to the JSON file at ``path`` (``{"records": [...]}``), replacing any
+    of the same (run, mask, n, impl)."""
+    key = lambda r: (r.get("run"), r.get("mask"), r.get("n"), r.get("impl"))  # noqa: E731
+    old = []
+    if os.path.exists(path):
+        with open(path) as f:
+            old = json.load(f).get("records", [])
+    new = {key(r) for r in records}
+    with open(path, "w") as f:
+        json.dump({"records": [r for r in old if key(r) not in new] + records}, f, indent=1)
+        f.write("\n")
+
+
+def table(rec: dict, top: int = 12) -> str:
+    """A text table of one record's ``top`` longest kernels."""
+    lines = [f"{rec['impl']} {rec['mask']} n={rec['n']}: gpu {rec['gpu_ms']:.4f} ms / step "
+             f"(wall {rec['wall_ms']:.4f} ms, {rec['steps']} steps)"]
+    for r in rec["kernels"][:top]:
+        lines.append(f"  {r['us']:10.1f} us  x{r['calls']:<5g} {r['name'][:110]}")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--mask", default="dilated_window")
+    ap.add_argument("--n", type=int, default=8192)
+    ap.add_argument("--impls", default="jcm,flex-fa4",
+                    help="comma-separated: jcm, flex-fa4, fa4-native (causal only)")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--out", default=None, help="JSON file the records are merged into")
+    ap.add_argument("--smoke", action="store_true",
+                    help="tiny causal step, jcm only (any machine, CPU included)")
+    args = ap.parse_args(argv)
+    if args.steps < 1:
+        ap.error(f"--steps must be >= 1, got {args.steps}")
+    impls = ["jcm"] if args.smoke else [x.strip() for x in args.impls.split(",") if x.strip()]
+    bad = [i for i in impls if i not in ("jcm", "flex-fa4", "fa4-native")]
+    if bad:
+        ap.error(f"--impls: unknown {bad} (jcm, flex-fa4, fa4-native)")
+    mask = "causal" if args.smoke else args.mask
+    n = SMOKE["n"] if args.smoke else args.n
+    if mask not in W.MASKS + W.MASKS_16:
+        ap.error(f"--mask: unknown {mask!r} (one of {', '.join(W.MASKS + W.MASKS_16)})")
+    records = []
+    for impl in impls:
+        try:
+            rec = measure(mask, n, impl, args.steps, smoke=args.smoke)
+        except Exception as e:  # noqa: BLE001 - one failed impl must not lose the others
+            rec = dict(mask=mask, n=n, impl=impl, run=clocks.run_id(),
+                       error=f"{type(e).__name__}: " + " ".join(str(e).split())[:400])
+            print(json.dumps(rec), flush=True)
+        else:
+            print(table(rec), flush=True)
+        records.append(rec)
+        if args.out:
+            merge(args.out, [rec])
+    return records
+
+
+if __name__ == "__main__":
+    main()
