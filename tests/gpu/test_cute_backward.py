@@ -1827,3 +1827,46 @@ def test_held_words_gives_the_default_gradients(name, dtype, cute_backward_on, m
     for a, b in zip(base, held):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     _same_dkdv_and_policy_dq(base, held, spec, md, n, inputs, dtype)
+
+
+@needs_gpu
+@pytest.mark.parametrize("name,d,dtype", [
+    ("dilated_window", 128, jnp.bfloat16), ("dilated_window", 128, jnp.float16),
+    ("causal", 128, jnp.bfloat16), ("clear", 128, jnp.bfloat16),
+    ("shared_prompt", 64, jnp.float16), ("hstu", 256, jnp.bfloat16),
+], ids=lambda v: getattr(v, "__name__", v))
+def test_heads_inner_gives_the_default_gradients(name, d, dtype, cute_backward_on, monkeypatch):
+    """``BackwardConfig.heads_inner`` (issue 16, session 37): the grid [Hkv, Tk, B] runs the
+    same key columns in another order, so dK / dV equal the default grid's bit for bit and
+    dQ (added in another order) meets the tolerance policy. GQA (2 query heads per KV head)
+    and ragged lengths, as the other column-order tests; masks without a trace-time host
+    order, so the grid is the one that runs (residual, metadata, D 64 / 256 configs)."""
+    spec, md, n, inputs = _column_order_inputs(name, d, d, dtype, 23, 7)
+    base = _grads_under(monkeypatch, "", spec, md, inputs)
+    inner = _grads_under(monkeypatch, "heads_inner=1", spec, md, inputs)
+    _same_dkdv_and_policy_dq(base, inner, spec, md, n, inputs, dtype)
+
+
+@needs_cutlass
+@pytest.mark.parametrize("residual", [False, True], ids=["causal", "dilated"])
+def test_heads_inner_backward_compiles_for_sm90(residual, monkeypatch, capfd):
+    """heads_inner compiles at D 128 (the registry's config, causal K 1 and the dilated
+    window's residual predicate); only the grid's shape and the block's (head, key tile)
+    decode change."""
+    from jcompilemask.kernels.cute import api
+    pair, kk, kc = _dilated_residual() if residual else (None, 1, 1)
+    cfg = dataclasses.replace(api.preferred_backward_config(128), heads_inner=True)
+    key = api.BackwardKey("bfloat16", 128, kk, kc, True, True, 128 ** -0.5, cfg, residual=pair)
+    assert compile_checking_remarks(api.compile_backward, key, monkeypatch, capfd) is not None
+    assert key.target_name.endswith("_hi") or "_hi_" in key.target_name
+
+
+def test_heads_inner_config_rules():
+    """heads_inner is the grid's own order: it excludes the host orders' 1-D grids and the
+    deterministic dQ turns, naming the field to unset."""
+    from jcompilemask.kernels.cute import api
+    base = api.preferred_backward_config(128)
+    assert dataclasses.replace(base, heads_inner=True).tag.endswith("_hi")
+    for bad in ("schedule", "deterministic"):
+        with pytest.raises(ValueError, match=f"{bad}=0"):
+            dataclasses.replace(base, heads_inner=True, **{bad: True})

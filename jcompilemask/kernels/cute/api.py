@@ -1401,6 +1401,16 @@ class BackwardConfig:
       cases bit for bit on an H100, ``test_held_words_gives_the_default_gradients``) and
       the same time within noise (run 2026-12-06T00:05:49Z: dilated window bwd 1.711 ->
       1.708 ms at 8K, global + window 2.434 -> 2.448): opt-in.
+    - ``heads_inner`` (issue 16, session 37): the grid's fastest dimension is the KV head
+      (grid [Hkv, Tk, B]) instead of the key tile: the CTAs in flight read the same key and
+      query rows of every head, i.e. whole [N, H, D] rows of Q / K / V / dO (H x D x 2
+      bytes, 2 KB at 8 heads of 128) instead of one head's 256-byte piece of each. For
+      sparse masks whose backward moves more bytes than it computes (a dilated window:
+      1.43 ms vs Flex+FA4's 1.20 on the H200, where the H100 had them even, i.e. ours
+      gained less from the H200's bandwidth). Each column computes what it did: dK / dV
+      bit for bit, dQ's float sums added in another order. The grid's order only: it
+      excludes ``schedule`` / ``persistent`` (1-D grids in the host's order; a trace-time
+      host order, where chosen, replaces it) and ``deterministic`` (untested with it).
 
     ``preferred_backward_config`` picks the default per head dim; ``JCOMPILEMASK_CUTE_BWD_CONFIG``
     (e.g. ``ds_stages=1,stats_early=0``) overrides fields at trace time for benchmarks.
@@ -1450,6 +1460,7 @@ class BackwardConfig:
     wg_dq: bool = False
     wg_dq_offset: bool = False
     held_words: bool = False
+    heads_inner: bool = False
 
     def __post_init__(self):
         wants = ((BWD_TILES_SWAP,) if self.dkv_swap else (BWD_TILES_SPLIT,) if self.split_dkv
@@ -1545,6 +1556,11 @@ class BackwardConfig:
             raise ValueError("wg_dq_offset (warpgroup 1 starts once warpgroup 0 made its first "
                              "dS^T) needs wg_dq (with DS_READY both meet every tile anyway); "
                              "set wg_dq=1")
+        if self.heads_inner:
+            self._exclusive(
+                "heads_inner (the grid's fastest dimension is the KV head) orders the grid "
+                "itself: it excludes schedule / persistent (1-D grids in the host's order) "
+                "and deterministic", ("schedule", "persistent", "deterministic"), True, "")
         if self.num_stages < 1 or self.ds_stages not in (1, 2):
             raise ValueError(f"num_stages={self.num_stages} must be >= 1 and ds_stages="
                              f"{self.ds_stages} 1 or 2")
@@ -1582,7 +1598,8 @@ class BackwardConfig:
                 f"{'_dqr' if self.dq_red else ''}{f'_dvs{self.dv_split}' if self.dv_split else ''}"
                 f"{'_dks' if self.dk_split else ''}{'_swp' if self.dkv_swap else ''}"
                 f"{'_dkl' if self.dk_late else ''}{'_wgq' if self.wg_dq else ''}"
-                f"{'o' if self.wg_dq_offset else ''}{'_hw' if self.held_words else ''}")
+                f"{'o' if self.wg_dq_offset else ''}{'_hw' if self.held_words else ''}"
+                f"{'_hi' if self.heads_inner else ''}")
 
 
 def preferred_backward_config(head_dim: int, dtype: str = "bfloat16",
@@ -2349,6 +2366,10 @@ def cute_backward(q, k, v, out, lse, do, bwd_intervals, bwd_tiles, fwd_intervals
     dtype_name = jnp.dtype(q.dtype).name
     config = backward_config(D, dtype_name, softcap is not None, block_q, block_kv,
                              deterministic, Tq)
+    if config.heads_inner and Tk > 65535:
+        raise ValueError(f"heads_inner puts the {Tk} key tiles of Nk={Nk} in the grid's y "
+                         "dimension (at most 65535): unset heads_inner in "
+                         "$JCOMPILEMASK_CUTE_BWD_CONFIG for keys this long")
     key = BackwardKey(
         dtype=dtype_name, head_dim=D, num_intervals=K, num_bwd_intervals=Kc,
         broadcast_batch=(Bm == 1), broadcast_head=(Hm == 1), scale=float(scale), config=config,
@@ -2374,7 +2395,7 @@ def cute_backward(q, k, v, out, lse, do, bwd_intervals, bwd_tiles, fwd_intervals
             and tuple(np.shape(static_bwd_tiles)) == tuple(bwd_tiles.shape)):
         static_order = backward_static_order(static_bwd_tiles, B, Hq, Hkv, l2_group)
     name = _ensure_registered(key if static_order is None else dataclasses.replace(
-        key, config=dataclasses.replace(config, schedule=True)))
+        key, config=dataclasses.replace(config, schedule=True, heads_inner=False)))
     f32 = jnp.float32
     lse = lse.astype(f32)
     lse2 = jnp.where(jnp.isneginf(lse), jnp.inf, lse * np.float32(1.0 / math.log(2.0)))

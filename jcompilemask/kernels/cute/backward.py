@@ -533,6 +533,8 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         self.shared_storage = SharedStorage
         num_k_tiles = cute.ceil_div(mK.shape[1], bk)
         grid = [num_k_tiles, mK.shape[2], mK.shape[0]]
+        if const_expr(self.config.heads_inner):
+            grid = [mK.shape[2], num_k_tiles, mK.shape[0]]   # KV heads fastest
         if const_expr(self.config.persistent):
             grid = [mSchedule.shape[0], 1, 1]      # one CTA per row of the persistent table
         elif const_expr(self.config.schedule):
@@ -593,6 +595,8 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         k_tile, head_kv, batch = cute.arch.block_idx()
+        if const_expr(self.config.heads_inner):
+            head_kv, k_tile, batch = cute.arch.block_idx()
         unit = Int32(0)
         if const_expr(self.config.schedule and not self.config.persistent):
             # The block's work unit, read first: its latency overlaps the barrier setup.
