@@ -29,7 +29,7 @@ time per step from the host.
 Records (``--out``, merged by (run, mask, n, impl)): ``mask``, ``n``, ``impl`` (``jcm-<backend>``
 as ``bench_total.py`` names it, or the peer), ``run``, ``steps``, ``gpu_ms``, ``wall_ms``,
 ``kernels`` (a list of ``{"name", "calls", "us"}`` per step, longest first; names cut to 160
-characters); ``smoke: true`` under ``--smoke``; an impl that fails gives ``error`` instead.
+characters), ``lines`` (the trace lines the events came from); ``smoke: true`` under ``--smoke``; an impl that fails gives ``error`` instead.
 """
 from __future__ import annotations
 
@@ -71,7 +71,14 @@ def summarize(events, steps: int, name_chars: int = NAME_CHARS) -> list[dict]:
     return sorted(rows, key=lambda r: -r["us"])
 
 
-def jax_events(xplane_path: str, gpu_only: bool = False) -> list[tuple[str, float]]:
+# GPU-plane lines that repeat the stream lines' kernels under other names (derived views).
+DERIVED_LINES = ("XLA Ops", "XLA Modules", "XLA TraceMe", "Async XLA Ops", "Steps",
+                 "Launch Stats", "Source code", "Framework Ops", "Framework Name Scope",
+                 "TensorFlow Ops", "TensorFlow Name Scope")
+
+
+def jax_events(xplane_path: str, gpu_only: bool = False,
+               lines_used: list | None = None) -> list[tuple[str, float]]:
     """``(name, duration_us)`` of every GPU activity in a ``jax.profiler`` trace file: the
     events of the ``/device:GPU:*`` planes' stream lines (``Stream #...``; the derived
     ``XLA Ops`` / ``XLA Modules`` lines would count each kernel twice). A trace without a
@@ -79,30 +86,39 @@ def jax_events(xplane_path: str, gpu_only: bool = False) -> list[tuple[str, floa
     ``hlo_op`` stat (there a loop's body runs inside the loop's own event, so the sum
     counts it twice: the CPU listing checks the tool, it is no measurement).
     ``gpu_only``: a trace without GPU activity raises instead (a GPU process whose
-    profiler could not load CUPTI must not report host ops as kernels)."""
+    profiler could not load CUPTI must not report host ops as kernels). A GPU plane whose
+    lines are not named ``Stream ...`` gives every line but the derived ones
+    (``DERIVED_LINES``). ``lines_used`` (a list) receives the names of the lines read."""
     import jax
     pd = jax.profiler.ProfileData.from_file(xplane_path)
-    gpu, host = [], []
+    gpu, host, host_lines = [], [], []
     warnings.filterwarnings("ignore", message="builtin type event_stats", category=DeprecationWarning)
     for plane in pd.planes:
         if plane.name.startswith("/device:GPU"):
-            for line in plane.lines:
-                if line.name.startswith("Stream"):
-                    gpu += [(e.name, e.duration_ns / 1e3) for e in line.events]
+            lines = list(plane.lines)
+            streams = [ln for ln in lines if ln.name.startswith("Stream")]
+            for line in streams or [ln for ln in lines if ln.name not in DERIVED_LINES]:
+                gpu += [(e.name, e.duration_ns / 1e3) for e in line.events]
+                if lines_used is not None:
+                    lines_used.append(f"{plane.name} {line.name}")
         elif plane.name.startswith("/host:CPU"):
             for line in plane.lines:
-                for e in line.events:
-                    if any(s[0] == "hlo_op" for s in e.stats):
-                        host.append((e.name, e.duration_ns / 1e3))
+                ops = [(e.name, e.duration_ns / 1e3) for e in line.events
+                       if any(s[0] == "hlo_op" for s in e.stats)]
+                host += ops
+                if ops:
+                    host_lines.append(f"{plane.name} {line.name}")
     if not gpu and gpu_only:
         raise RuntimeError(f"no GPU activity in {xplane_path} (is CUPTI loadable? "
                            "jax.profiler needs it for device traces)")
+    if not gpu and lines_used is not None:
+        lines_used += host_lines
     return gpu if gpu else host
 
 
 def trace_jax(step, steps: int):
     """Run ``step()`` (returns a JAX value) ``steps`` times under ``jax.profiler.trace``
-    after one untraced warm-up call; ``(events, wall_ms per step)``."""
+    after one untraced warm-up call; ``(events, wall_ms per step, trace lines read)``."""
     import jax
     jax.block_until_ready(step())
     with tempfile.TemporaryDirectory() as d:
@@ -115,7 +131,9 @@ def trace_jax(step, steps: int):
         paths = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
         if not paths:
             raise RuntimeError(f"jax.profiler.trace wrote no .xplane.pb under {d}")
-        return jax_events(paths[0], gpu_only=jax.default_backend() == "gpu"), wall
+        used = []
+        events = jax_events(paths[0], gpu_only=jax.default_backend() == "gpu", lines_used=used)
+        return events, wall, sorted(set(used))
 
 
 def torch_events(prof) -> list[tuple[str, float]]:
@@ -130,7 +148,7 @@ def torch_events(prof) -> list[tuple[str, float]]:
 
 def trace_torch(step, steps: int):
     """``step()`` ``steps`` times under ``torch.profiler`` (CPU + CUDA activities) after
-    one warm-up call; ``(events, wall_ms per step)``."""
+    one warm-up call; ``(events, wall_ms per step, ["torch.profiler CUDA"])``."""
     import torch
     from torch.profiler import ProfilerActivity, profile
     step()
@@ -141,7 +159,7 @@ def trace_torch(step, steps: int):
             step()
         torch.cuda.synchronize()
         wall = (time.perf_counter() - t) * 1e3 / steps
-    return torch_events(prof), wall
+    return torch_events(prof), wall, ["torch.profiler CUDA"]
 
 
 def jcm_step(mask: str, n: int, smoke: bool = False):
@@ -217,13 +235,13 @@ def measure(mask: str, n: int, impl: str, steps: int, smoke: bool = False) -> di
     """One record (see the module docstring)."""
     if impl == "jcm":
         step, impl = jcm_step(mask, n, smoke)
-        events, wall = trace_jax(step, steps)
+        events, wall, lines = trace_jax(step, steps)
     else:
-        events, wall = trace_torch(torch_step(mask, n, impl), steps)
+        events, wall, lines = trace_torch(torch_step(mask, n, impl), steps)
     rows = summarize(events, steps)
     rec = dict(mask=mask, n=n, impl=impl, run=clocks.run_id(), steps=steps,
                gpu_ms=round(sum(r["us"] for r in rows) / 1e3, 4), wall_ms=round(wall, 4),
-               kernels=rows)
+               kernels=rows, lines=lines)
     if smoke:
         rec["smoke"] = True
     return rec
