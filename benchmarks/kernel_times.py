@@ -279,6 +279,10 @@ def main(argv=None):
                     help="comma-separated: jcm, flex-fa4, fa4-native (causal only)")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--out", default=None, help="JSON file the records are merged into")
+    ap.add_argument("--tag", default="",
+                    help="suffix of the jcm record's impl (jcm-cute-TAG): a run under a "
+                         "JCOMPILEMASK_* variant set in the environment, e.g. "
+                         "JCOMPILEMASK_CUTE_BWD_CONFIG=heads_inner=1 ... --impls jcm --tag hi")
     ap.add_argument("--smoke", action="store_true",
                     help="tiny causal step, jcm only (any machine, CPU included)")
     args = ap.parse_args(argv)
@@ -296,6 +300,10 @@ def main(argv=None):
     for impl in impls:
         try:
             rec = measure(mask, n, impl, args.steps, smoke=args.smoke)
+            if args.tag and impl == "jcm":
+                rec["impl"] += f"-{args.tag}"
+                rec["env"] = {k: v for k, v in sorted(os.environ.items())
+                              if k.startswith("JCOMPILEMASK_")}
         except Exception as e:  # noqa: BLE001 - one failed impl must not lose the others
             rec = dict(mask=mask, n=n, impl=impl, run=clocks.run_id(),
                        error=f"{type(e).__name__}: " + " ".join(str(e).split())[:400])

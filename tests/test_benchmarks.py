@@ -464,6 +464,17 @@ def test_kernel_times_smoke_lists_the_step_kernels_on_cpu(tmp_path):
     assert [r["gpu_ms"] for r in json.loads(out.read_text())["records"]] == [1.0]
 
 
+def test_kernel_times_tag_names_the_variant_and_its_env(tmp_path, monkeypatch):
+    """--tag: the jcm record under a JCOMPILEMASK_* variant says which (impl suffix, env)."""
+    import sys
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    kt = _load("kernel_times")
+    monkeypatch.setenv("JCOMPILEMASK_CUTE_BWD_CONFIG", "heads_inner=1")
+    (rec,) = kt.main(["--smoke", "--steps", "1", "--tag", "hi"])
+    assert rec["impl"].endswith("-hi")
+    assert rec["env"] == {"JCOMPILEMASK_CUTE_BWD_CONFIG": "heads_inner=1"}
+
+
 def test_kernel_times_summary_and_torch_events():
     """Per-step rows from raw events (the docstring example, names cut), and the device
     events picked out of a torch profiler's event list (stand-ins: no torch on CI)."""
