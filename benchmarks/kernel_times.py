@@ -28,7 +28,7 @@ time per step from the host.
 
 Records (``--out``, merged by (run, mask, n, impl)): ``mask``, ``n``, ``impl`` (``jcm-<backend>``
 as ``bench_total.py`` names it, or the peer), ``run``, ``steps``, ``gpu_ms``, ``wall_ms``,
-``kernels`` (a list of ``{"name", "calls", "us"}`` per step, longest first; names cut to 160
+``kernels`` (a list of ``{"name", "calls", "us"}`` per step, longest first; names cut to 400
 characters), ``lines`` (the trace lines the events came from); ``smoke: true`` under ``--smoke``; an impl that fails gives ``error`` instead.
 """
 from __future__ import annotations
@@ -50,7 +50,7 @@ import clocks  # noqa: E402  (run id shared with the other scripts of a device c
 import workloads as W  # noqa: E402
 
 SMOKE = dict(n=256, batch=2, heads=2, head_dim=32)
-NAME_CHARS = 160
+NAME_CHARS = 400
 
 
 def summarize(events, steps: int, name_chars: int = NAME_CHARS) -> list[dict]:
