@@ -163,10 +163,14 @@ def environment(assignments):
 
 
 # -- jcompilemask -----------------------------------------------------------------------
-def bench_jcm(mask, n, smoke=False, implementation=None, min_repeat_s=timing.MIN_REPEAT_S,
-              windows=None):
-    """jcompilemask's preprocess / forward / step times (ms) of one workload; the jitted
-    functions are made here, so the environment at call time is the one traced."""
+def jcm_workload(mask, n, smoke=False, implementation=None):
+    """jcompilemask's step of one workload, built and not timed (``bench_jcm`` times it,
+    ``kernel_times.py`` traces it): a dict with ``impl`` (the registry's backend), ``pairs``,
+    ``heads``, ``head_dim``, ``preprocess``, and the callables ``instantiate()`` (the
+    descriptor of the workload's metadata), ``fwd()`` and ``step()`` (forward; forward +
+    backward: gradients of q, k, v for a fixed output cotangent) on fixed inputs and the
+    descriptor. The jitted functions are made here, so the environment at call time is
+    the one traced."""
     import jax
     import jax.numpy as jnp
 
@@ -196,12 +200,22 @@ def bench_jcm(mask, n, smoke=False, implementation=None, min_repeat_s=timing.MIN
         return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32))
 
     step = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    return dict(impl=impl, pairs=pairs, heads=h, head_dim=d, preprocess=preprocess,
+                instantiate=lambda: instantiate(md), fwd=lambda: fwd(q, k, v, desc),
+                step=lambda: step(q, k, v, desc))
+
+
+def bench_jcm(mask, n, smoke=False, implementation=None, min_repeat_s=timing.MIN_REPEAT_S,
+              windows=None):
+    """jcompilemask's preprocess / forward / step times (ms) of one workload
+    (``jcm_workload``)."""
+    w = jcm_workload(mask, n, smoke, implementation)
     kw = dict(_timing_kw(smoke, min_repeat_s), windows=windows)
-    pre = timing.jax_time(lambda: instantiate(md), **kw)
-    f = timing.jax_time(lambda: fwd(q, k, v, desc), **kw)
-    s = timing.jax_time(lambda: step(q, k, v, desc), **kw)
-    return dict(impl=impl, pairs=pairs, pre=pre * 1e3, fwd=f * 1e3, step=s * 1e3,
-                heads=h, head_dim=d, preprocess=preprocess)
+    pre = timing.jax_time(w["instantiate"], **kw)
+    f = timing.jax_time(w["fwd"], **kw)
+    s = timing.jax_time(w["step"], **kw)
+    return dict(impl=w["impl"], pairs=w["pairs"], pre=pre * 1e3, fwd=f * 1e3, step=s * 1e3,
+                heads=w["heads"], head_dim=w["head_dim"], preprocess=w["preprocess"])
 
 
 def check_jcm(mask, smoke=False, implementation=None):
@@ -249,23 +263,28 @@ def _torch_inputs(torch, dev, shape, n):
             for _ in range(4)]
 
 
-def _torch_times(torch, fwd, q, k, v, do, windows, min_repeat_s):
+def torch_step(torch, fwd, q, k, v, do):
+    """The peers' step: gradients of q, k, v through ``fwd`` for the cotangent ``do``
+    (``torch.autograd.grad``: fresh gradients each step, nothing accumulates in .grad)."""
     for x in (q, k, v):
         x.requires_grad_(True)
+    return lambda: torch.autograd.grad(fwd(q, k, v), (q, k, v), do)
 
-    def step():   # autograd.grad: fresh gradients each step, nothing accumulates in .grad
-        return torch.autograd.grad(fwd(q, k, v), (q, k, v), do)
 
+def _torch_times(torch, fwd, q, k, v, do, windows, min_repeat_s):
+    step = torch_step(torch, fwd, q, k, v, do)
     with torch.no_grad():
         f = timing.torch_time(lambda: fwd(q, k, v), windows=windows, min_repeat_s=min_repeat_s)
     s = timing.torch_time(step, windows=windows, min_repeat_s=min_repeat_s)
     return f * 1e3, s * 1e3
 
 
-def bench_flex(mask, n, md, backend, windows, min_repeat_s, eager_block_mask=False):
-    """FlexAttention's (pre, fwd, step) ms. ``eager_block_mask``: ``create_block_mask``
-    runs uncompiled (it evaluates the mask_mod densely: more memory and a slower ``pre``,
-    the same block mask), for a mask whose compiled block-mask build does not finish."""
+def flex_parts(mask, n, md, backend, eager_block_mask=False):
+    """FlexAttention on one workload: ``(build, attention, shape)``. ``build()`` makes the
+    block mask (compiled ``create_block_mask``, or uncompiled under ``eager_block_mask``: it
+    evaluates the mask_mod densely, more memory and a slower build, the same block mask),
+    with the attention kernel's own mask_mod set; ``attention(bm)`` is the compiled
+    ``flex_attention`` over it as ``fwd(q, k, v)``; ``shape`` the [B, H, L, D] inputs'."""
     import torch
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
     dev = "cuda"
@@ -273,28 +292,41 @@ def bench_flex(mask, n, md, backend, windows, min_repeat_s, eager_block_mask=Fal
     mm, mb = W.torch_mask_mods(mask, n, md, torch, dev)
     bsz = None if md is None else b            # metadata-free masks: one block mask for all
     cbm = create_block_mask if eager_block_mask else W.torch_compile_fresh(torch, create_block_mask)
-    pre = 1e3 * timing.torch_time(lambda: cbm(mb, bsz, None, L, L, device=dev), warmup=3,
-                                  windows=windows, min_repeat_s=min_repeat_s)
-    bm = cbm(mb, bsz, None, L, L, device=dev)
-    bm.mask_mod = mm                           # the attention kernel's own (same mask)
-    q, k, v, do = _torch_inputs(torch, dev, (b, W.HEADS, L, W.HEAD_DIM), n)
+
+    def build():
+        bm = cbm(mb, bsz, None, L, L, device=dev)
+        bm.mask_mod = mm                       # the attention kernel's own (same mask)
+        return bm
     opts = {"BACKEND": "FLASH"} if backend == "fa4" else {"BACKEND": "TRITON"}
     fn = W.torch_compile_fresh(torch, flex_attention)
-    f, s = _torch_times(torch, lambda q, k, v: fn(q, k, v, block_mask=bm, kernel_options=opts),
-                        q, k, v, do, windows, min_repeat_s)
+
+    def attention(bm):
+        return lambda q, k, v: fn(q, k, v, block_mask=bm, kernel_options=opts)
+    return build, attention, (b, W.HEADS, L, W.HEAD_DIM)
+
+
+def bench_flex(mask, n, md, backend, windows, min_repeat_s, eager_block_mask=False):
+    """FlexAttention's (pre, fwd, step) ms (``flex_parts``; pre: the block mask's build)."""
+    import torch
+    build, attention, shape = flex_parts(mask, n, md, backend, eager_block_mask)
+    pre = 1e3 * timing.torch_time(build, warmup=3, windows=windows, min_repeat_s=min_repeat_s)
+    q, k, v, do = _torch_inputs(torch, "cuda", shape, n)
+    f, s = _torch_times(torch, attention(build()), q, k, v, do, windows, min_repeat_s)
     return pre, f, s
+
+
+def fa4_native_causal(q, k, v):
+    """FA4 native's causal attention ([B, N, H, D]), its output alone."""
+    from flash_attn.cute import flash_attn_func
+    o = flash_attn_func(q, k, v, causal=True)
+    return o[0] if isinstance(o, tuple) else o
 
 
 def bench_fa4_native(n, windows, min_repeat_s):
     import torch
-    from flash_attn.cute import flash_attn_func
     b = W.batch_for(n)
     q, k, v, do = _torch_inputs(torch, "cuda", (b, n, W.HEADS, W.HEAD_DIM), n)
-
-    def fwd(q, k, v):
-        o = flash_attn_func(q, k, v, causal=True)
-        return o[0] if isinstance(o, tuple) else o
-    f, s = _torch_times(torch, fwd, q, k, v, do, windows, min_repeat_s)
+    f, s = _torch_times(torch, fa4_native_causal, q, k, v, do, windows, min_repeat_s)
     return 0.0, f, s
 
 

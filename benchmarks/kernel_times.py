@@ -6,8 +6,9 @@
 
 One step is the benchmarks' step (``bench_total.py``): forward + backward of the workload
 (bf16, 8 heads, head dim 128, 131072 tokens per batch), gradients of q, k, v for a fixed
-output cotangent. Each implementation runs it ``--steps`` times under a CUPTI trace after
-warm-up, and every GPU activity of the trace is listed with its calls and time per step:
+output cotangent, built by ``bench_total.py``'s own functions (``jcm_workload``,
+``flex_parts``, ``fa4_native_causal``, ``torch_step``). Each implementation runs it
+``--steps`` times under a CUPTI trace after warm-up, and every GPU activity of the trace is listed with its calls and time per step:
 
 - jcompilemask (``jcm``): ``jax.profiler.trace``, read back with
   ``jax.profiler.ProfileData`` (the ``/device:GPU:*`` planes' stream lines: the CuTe
@@ -26,10 +27,15 @@ the peer. Kernel time summed per step is not the step's wall time (gaps, launch 
 and overlap are not in it); ``gpu_ms`` is that sum, ``wall_ms`` the traced steps' wall
 time per step from the host.
 
-Records (``--out``, merged by (run, mask, n, impl)): ``mask``, ``n``, ``impl`` (``jcm-<backend>``
-as ``bench_total.py`` names it, or the peer), ``run``, ``steps``, ``gpu_ms``, ``wall_ms``,
+``--jcm-variants`` (``bench_total.py``'s syntax and naming) runs jcm once per
+``tag=NAME=value`` entry under that environment; the peers run once.
+
+Records (``--out``, merged by (mask, n, impl)): ``mask``, ``n``, ``impl`` (``jcm-<backend>[-tag]``
+as ``bench_total.py`` names it, or the peer), ``env`` (a jcm record's ``JCOMPILEMASK_*``
+variables, when any is set), ``run``, ``steps``, ``gpu_ms``, ``wall_ms``,
 ``kernels`` (a list of ``{"name", "calls", "us"}`` per step, longest first; names cut to 400
-characters), ``lines`` (the trace lines the events came from); ``smoke: true`` under ``--smoke``; an impl that fails gives ``error`` instead.
+characters), ``lines`` (the trace lines the events came from); ``smoke: true`` under
+``--smoke``; an impl that fails gives ``error`` instead.
 """
 from __future__ import annotations
 
@@ -46,11 +52,13 @@ import warnings
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
+import bench_total as B  # noqa: E402  (the step of each impl, built as it is timed)
 import clocks  # noqa: E402  (run id shared with the other scripts of a device call)
 import workloads as W  # noqa: E402
+from bench_forward import _merge  # noqa: E402  (one merge)
 
-SMOKE = dict(n=256, batch=2, heads=2, head_dim=32)
 NAME_CHARS = 400
+EAGER_BLOCK_MASK = "clear@8192"   # fwdtable's default: CLEAR's compiled 8K build never ends
 
 
 def summarize(events, steps: int, name_chars: int = NAME_CHARS) -> list[dict]:
@@ -92,22 +100,24 @@ def jax_events(xplane_path: str, gpu_only: bool = False,
     import jax
     pd = jax.profiler.ProfileData.from_file(xplane_path)
     gpu, host, host_lines = [], [], []
-    warnings.filterwarnings("ignore", message="builtin type event_stats", category=DeprecationWarning)
-    for plane in pd.planes:
-        if plane.name.startswith("/device:GPU"):
-            lines = list(plane.lines)
-            streams = [ln for ln in lines if ln.name.startswith("Stream")]
-            for line in streams or [ln for ln in lines if ln.name not in DERIVED_LINES]:
-                gpu += [(e.name, e.duration_ns / 1e3) for e in line.events]
-                if lines_used is not None:
-                    lines_used.append(f"{plane.name} {line.name}")
-        elif plane.name.startswith("/host:CPU"):
-            for line in plane.lines:
-                ops = [(e.name, e.duration_ns / 1e3) for e in line.events
-                       if any(s[0] == "hlo_op" for s in e.stats)]
-                host += ops
-                if ops:
-                    host_lines.append(f"{plane.name} {line.name}")
+    with warnings.catch_warnings():   # reading event stats warns on some jaxlib builds
+        warnings.filterwarnings("ignore", message="builtin type event_stats",
+                                category=DeprecationWarning)
+        for plane in pd.planes:
+            if plane.name.startswith("/device:GPU"):
+                lines = list(plane.lines)
+                streams = [ln for ln in lines if ln.name.startswith("Stream")]
+                for line in streams or [ln for ln in lines if ln.name not in DERIVED_LINES]:
+                    gpu += [(e.name, e.duration_ns / 1e3) for e in line.events]
+                    if lines_used is not None:
+                        lines_used.append(f"{plane.name} {line.name}")
+            elif plane.name.startswith("/host:CPU"):
+                for line in plane.lines:
+                    ops = [(e.name, e.duration_ns / 1e3) for e in line.events
+                           if any(st[0] == "hlo_op" for st in e.stats)]
+                    host += ops
+                    if ops:
+                        host_lines.append(f"{plane.name} {line.name}")
     if not gpu and gpu_only:
         raise RuntimeError(f"no GPU activity in {xplane_path} (is CUPTI loadable? "
                            "jax.profiler needs it for device traces)")
@@ -162,82 +172,32 @@ def trace_torch(step, steps: int):
     return torch_events(prof), wall, ["torch.profiler CUDA"]
 
 
-def jcm_step(mask: str, n: int, smoke: bool = False):
-    """jcompilemask's step (the registry's backend, descriptor built once): ``(callable,
-    impl name)``, the name ``jcm-<backend>`` as ``bench_total.py`` records it."""
-    import jax
-    import jax.numpy as jnp
-
-    import jcompilemask as jcm
-    if smoke:
-        L, b, h, d = SMOKE["n"], SMOKE["batch"], SMOKE["heads"], SMOKE["head_dim"]
-    else:
-        L, b, h, d = W.seq_len(mask, n), W.batch_for(n), W.HEADS, W.HEAD_DIM
-    md = W.metadata_for(mask, L if smoke else n, b)
-    md = None if md is None else {k: jnp.asarray(v) for k, v in md.items()}
-    spec = W.spec_for(mask, L if smoke else n)
-    cm = jcm.compile(spec)
-    call = jcm.backends.Call(dtype="bfloat16", head_dim=d, head_dim_v=d, num_heads=h,
-                             num_kv_heads=h, softcap=False,
-                             has_fallback=bool(cm.fallback_regions),
-                             num_intervals=cm.num_intervals)
-    backend = jcm.backends.select(None, call).name
-    desc = jax.jit(lambda m: cm.instantiate(m, L, L, preprocess=cm.default_preprocess()))(md)
-    ks = jax.random.split(jax.random.key(n), 4)
-    q, k, v, do = (jax.random.normal(kk, (b, L, h, d), jnp.float32).astype(jnp.bfloat16)
-                   for kk in ks)
-
-    def loss(q, k, v, dd):
-        o = jcm.mask_attention(q, k, v, dd, implementation=backend)
-        return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32))
-
-    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
-    return (lambda: grad(q, k, v, desc)), f"jcm-{backend}"
-
-
-def torch_step(mask: str, n: int, impl: str):
-    """The peer's step (``flex-fa4`` or ``fa4-native``): a callable."""
+def peer_step(mask: str, n: int, impl: str):
+    """The peer's step (``flex-fa4`` or ``fa4-native``), built as ``bench_total.py`` builds
+    it, the block mask once: a callable."""
     import torch
-    dev = "cuda"
-    L, b = W.seq_len(mask, n), W.batch_for(n)
-    g = torch.Generator(device=dev).manual_seed(n)
     if impl == "fa4-native":
         if mask != "causal":
             raise ValueError(f"fa4-native runs the causal mask only, not {mask!r}")
-        from flash_attn.cute import flash_attn_func
-        shape = (b, L, W.HEADS, W.HEAD_DIM)
-
-        def fwd(q, k, v):
-            o = flash_attn_func(q, k, v, causal=True)
-            return o[0] if isinstance(o, tuple) else o
+        fwd, shape = B.fa4_native_causal, (W.batch_for(n), n, W.HEADS, W.HEAD_DIM)
     elif impl == "flex-fa4":
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-        md = W.metadata_for(mask, n)
-        mm, mb = W.torch_mask_mods(mask, n, md, torch, dev)
-        cbm = create_block_mask if W.eager_block_mask("clear@8192", mask, n) else torch.compile(create_block_mask)
-        bm = cbm(mb, None if md is None else b, None, L, L, device=dev)
-        bm.mask_mod = mm
-        shape = (b, W.HEADS, L, W.HEAD_DIM)
-        fn = torch.compile(flex_attention)
-
-        def fwd(q, k, v):
-            return fn(q, k, v, block_mask=bm, kernel_options={"BACKEND": "FLASH"})
+        build, attention, shape = B.flex_parts(mask, n, W.metadata_for(mask, n), "fa4",
+                                               W.eager_block_mask(EAGER_BLOCK_MASK, mask, n))
+        fwd = attention(build())
     else:
         raise ValueError(f"unknown peer impl {impl!r} (flex-fa4, fa4-native)")
-    q, k, v, do = (torch.randn(*shape, device=dev, dtype=torch.bfloat16, generator=g)
-                   for _ in range(4))
-    for x in (q, k, v):
-        x.requires_grad_(True)
-    return lambda: torch.autograd.grad(fwd(q, k, v), (q, k, v), do)
+    return B.torch_step(torch, fwd, *B._torch_inputs(torch, "cuda", shape, n))
 
 
 def measure(mask: str, n: int, impl: str, steps: int, smoke: bool = False) -> dict:
-    """One record (see the module docstring)."""
+    """One record (see the module docstring); ``impl`` ``jcm`` is ``bench_total``'s
+    ``jcm_workload`` step under the environment in effect."""
     if impl == "jcm":
-        step, impl = jcm_step(mask, n, smoke)
-        events, wall, lines = trace_jax(step, steps)
+        w = B.jcm_workload(mask, n, smoke)
+        impl = f"jcm-{w['impl']}"
+        events, wall, lines = trace_jax(w["step"], steps)
     else:
-        events, wall, lines = trace_torch(torch_step(mask, n, impl), steps)
+        events, wall, lines = trace_torch(peer_step(mask, n, impl), steps)
     rows = summarize(events, steps)
     rec = dict(mask=mask, n=n, impl=impl, run=clocks.run_id(), steps=steps,
                gpu_ms=round(sum(r["us"] for r in rows) / 1e3, 4), wall_ms=round(wall, 4),
@@ -249,15 +209,10 @@ def measure(mask: str, n: int, impl: str, steps: int, smoke: bool = False) -> di
 
 def merge(path: str, records: list[dict]) -> None:
     """Add ``records`` to the JSON file at ``path`` (``{"records": [...]}``), replacing any
-    of the same (run, mask, n, impl)."""
-    key = lambda r: (r.get("run"), r.get("mask"), r.get("n"), r.get("impl"))  # noqa: E731
-    old = []
-    if os.path.exists(path):
-        with open(path) as f:
-            old = json.load(f).get("records", [])
-    new = {key(r) for r in records}
+    of the same (mask, n, impl) (``bench_forward._merge``)."""
+    merged = _merge(path, records)
     with open(path, "w") as f:
-        json.dump({"records": [r for r in old if key(r) not in new] + records}, f, indent=1)
+        json.dump({"records": merged}, f, indent=1)
         f.write("\n")
 
 
@@ -279,37 +234,46 @@ def main(argv=None):
                     help="comma-separated: jcm, flex-fa4, fa4-native (causal only)")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--out", default=None, help="JSON file the records are merged into")
-    ap.add_argument("--tag", default="",
-                    help="suffix of the jcm record's impl (jcm-cute-TAG): a run under a "
-                         "JCOMPILEMASK_* variant set in the environment, e.g. "
-                         "JCOMPILEMASK_CUTE_BWD_CONFIG=heads_inner=1 ... --impls jcm --tag hi")
+    ap.add_argument("--jcm-variants", default=None,
+                    help="';'-separated tag=NAME=value entries, as bench_total.py's: jcm runs "
+                         "once per entry under that environment (impl jcm-<backend>-<tag>, "
+                         "with its env), e.g. 'base=;hi=JCOMPILEMASK_CUTE_BWD_CONFIG=heads_inner=1'")
     ap.add_argument("--smoke", action="store_true",
                     help="tiny causal step, jcm only (any machine, CPU included)")
     args = ap.parse_args(argv)
     if args.steps < 1:
         ap.error(f"--steps must be >= 1, got {args.steps}")
+    try:
+        variants = B.parse_variants(args.jcm_variants)
+    except ValueError as e:
+        ap.error(str(e))
     impls = ["jcm"] if args.smoke else [x.strip() for x in args.impls.split(",") if x.strip()]
     bad = [i for i in impls if i not in ("jcm", "flex-fa4", "fa4-native")]
     if bad:
         ap.error(f"--impls: unknown {bad} (jcm, flex-fa4, fa4-native)")
     mask = "causal" if args.smoke else args.mask
-    n = SMOKE["n"] if args.smoke else args.n
+    n = B.SMOKE["ns"][0] if args.smoke else args.n
     if mask not in W.MASKS + W.MASKS_16:
         ap.error(f"--mask: unknown {mask!r} (one of {', '.join(W.MASKS + W.MASKS_16)})")
+    runs = [(impl, tag, env) for impl in impls
+            for tag, env in (variants if impl == "jcm" else [("", {})])]
     records = []
-    for impl in impls:
-        try:
-            rec = measure(mask, n, impl, args.steps, smoke=args.smoke)
-            if args.tag and impl == "jcm":
-                rec["impl"] += f"-{args.tag}"
-                rec["env"] = {k: v for k, v in sorted(os.environ.items())
-                              if k.startswith("JCOMPILEMASK_")}
-        except Exception as e:  # noqa: BLE001 - one failed impl must not lose the others
-            rec = dict(mask=mask, n=n, impl=impl, run=clocks.run_id(),
-                       error=f"{type(e).__name__}: " + " ".join(str(e).split())[:400])
-            print(json.dumps(rec), flush=True)
-        else:
-            print(table(rec), flush=True)
+    for impl, tag, env in runs:
+        with B.environment(env):
+            try:
+                if len(variants) > 1 and impl == "jcm":
+                    import jax
+                    jax.clear_caches()     # every variant traces afresh
+                rec = measure(mask, n, impl, args.steps, smoke=args.smoke)
+                rec["impl"] = B.variant_name(rec["impl"], tag)
+                if impl == "jcm" and B.jcm_env():
+                    rec["env"] = B.jcm_env()
+            except Exception as e:  # noqa: BLE001 - one failed impl must not lose the others
+                rec = dict(mask=mask, n=n, impl=B.variant_name(impl, tag), run=clocks.run_id(),
+                           error=f"{type(e).__name__}: " + " ".join(str(e).split())[:400])
+                print(json.dumps(rec), flush=True)
+            else:
+                print(table(rec), flush=True)
         records.append(rec)
         if args.out:
             merge(args.out, [rec])

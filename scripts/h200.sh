@@ -845,27 +845,17 @@ PY
     # runs on the kernels ncu segfaults on). Issue 16: the dilated window's backward on the
     # H200 (1.43 ms vs Flex+FA4's 1.20, run 2026-12-06T02:35:31Z, where the H100 had them
     # even). JCM_KT_MASKS (default dilated_window,global_window), JCM_KT_N (8192),
-    # JCM_KT_IMPLS (jcm,flex-fa4; fa4-native for causal), JCM_KT_VARIANTS (jcm again under
-    # each, e.g. 'hi=JCOMPILEMASK_CUTE_BWD_CONFIG=heads_inner=1').
+    # JCM_KT_IMPLS (jcm,flex-fa4; fa4-native for causal), JCM_KT_VARIANTS (kernel_times'
+    # --jcm-variants, e.g. 'base=;hi=JCOMPILEMASK_CUTE_BWD_CONFIG=heads_inner=1').
     export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
     export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1
     for m in $(echo ${JCM_KT_MASKS:-dilated_window,global_window} | tr , ' '); do
-      timeout -k 5 $(left 200) python3 benchmarks/kernel_times.py --mask $m --n ${JCM_KT_N:-8192} \
+      timeout -k 5 $(left 300) python3 benchmarks/kernel_times.py --mask $m --n ${JCM_KT_N:-8192} \
         --impls ${JCM_KT_IMPLS:-jcm,flex-fa4} --steps ${JCM_KT_STEPS:-10} \
+        ${JCM_KT_VARIANTS:+--jcm-variants "$JCM_KT_VARIANTS"} \
         --out "$OUT/kernel-times.json" > "$OUT/kt-$m.log" 2>&1
       echo "kernel_times $m rc $? ($SECONDS s)"; pkill -9 -f kernel_times.py
-      grep -E '^(jcm|flex|fa4|  )' "$OUT/kt-$m.log" | cut -c1-150 | head -32
-      # JCM_KT_VARIANTS: 'tag=NAME=value ...;...' (jcm alone under each, impl jcm-cute-tag)
-      IFS=';' read -r -a kvs <<< "${JCM_KT_VARIANTS:-}"
-      for kv in "${kvs[@]}"; do
-        [[ -n $kv ]] || continue
-        tag=${kv%%=*}; read -r -a assigns <<< "${kv#*=}"
-        env "${assigns[@]}" timeout -k 5 $(left 120) python3 benchmarks/kernel_times.py --mask $m \
-          --n ${JCM_KT_N:-8192} --impls jcm --tag $tag --steps ${JCM_KT_STEPS:-10} \
-          --out "$OUT/kernel-times.json" > "$OUT/kt-$m-$tag.log" 2>&1
-        echo "kernel_times $m $tag rc $? ($SECONDS s)"; pkill -9 -f kernel_times.py
-        grep -E '^(jcm|  )' "$OUT/kt-$m-$tag.log" | cut -c1-150 | head -12
-      done
+      grep -E '^(jcm|flex|fa4|  )' "$OUT/kt-$m.log" | cut -c1-150 | head -48
     done
     ;;
   qb)

@@ -447,8 +447,6 @@ def test_kernel_times_smoke_lists_the_step_kernels_on_cpu(tmp_path):
     """kernel_times.py's jcompilemask path end to end on the CPU: the step traced with
     jax.profiler, read back with ProfileData (the host plane's XLA ops where there is no
     GPU plane), summed per step, merged into --out."""
-    import sys
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     kt = _load("kernel_times")
     out = tmp_path / "kernels.json"
     (rec,) = kt.main(["--smoke", "--steps", "2", "--out", str(out)])
@@ -464,24 +462,22 @@ def test_kernel_times_smoke_lists_the_step_kernels_on_cpu(tmp_path):
     assert [r["gpu_ms"] for r in json.loads(out.read_text())["records"]] == [1.0]
 
 
-def test_kernel_times_tag_names_the_variant_and_its_env(tmp_path, monkeypatch):
-    """--tag: the jcm record under a JCOMPILEMASK_* variant says which (impl suffix, env)."""
-    import sys
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+def test_kernel_times_variants_name_the_variant_and_its_env():
+    """--jcm-variants: the jcm record under a JCOMPILEMASK_* variant says which (impl
+    suffix, env), as bench_total.py's records do."""
     kt = _load("kernel_times")
-    monkeypatch.setenv("JCOMPILEMASK_CUTE_BWD_CONFIG", "heads_inner=1")
-    (rec,) = kt.main(["--smoke", "--steps", "1", "--tag", "hi"])
-    assert rec["impl"].endswith("-hi")
-    assert rec["env"] == {"JCOMPILEMASK_CUTE_BWD_CONFIG": "heads_inner=1"}
+    base, hi = kt.main(["--smoke", "--steps", "1", "--jcm-variants",
+                        "base=;hi=JCOMPILEMASK_CUTE_BWD_CONFIG=heads_inner=1"])
+    assert "-" not in base["impl"][len("jcm-"):] and "env" not in base
+    assert hi["impl"].endswith("-hi")
+    assert hi["env"] == {"JCOMPILEMASK_CUTE_BWD_CONFIG": "heads_inner=1"}
 
 
 def test_kernel_times_summary_and_torch_events():
     """Per-step rows from raw events (the docstring example, names cut), and the device
     events picked out of a torch profiler's event list (stand-ins: no torch on CI)."""
     import doctest
-    import sys
     import types
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     kt = _load("kernel_times")
     assert doctest.testmod(kt).failed == 0
     rows = kt.summarize([("x" * 200, 5.0), ("y", 1.0)], steps=1, name_chars=8)
@@ -499,8 +495,6 @@ def test_kernel_times_summary_and_torch_events():
 
 
 def test_kernel_times_rejects_bad_arguments(capsys):
-    import sys
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     kt = _load("kernel_times")
     for argv, text in ((["--impls", "jcm,cudnn"], "unknown"), (["--mask", "nope"], "unknown"),
                        (["--steps", "0"], "steps")):
