@@ -28,7 +28,10 @@ and overlap are not in it); ``gpu_ms`` is that sum, ``wall_ms`` the traced steps
 time per step from the host.
 
 ``--jcm-variants`` (``bench_total.py``'s syntax and naming) runs jcm once per
-``tag=NAME=value`` entry under that environment; the peers run once.
+``tag=NAME=value`` entry under that environment; the peers run once. With more than one
+impl or variant, each runs in a child process of its own (``--in-process`` keeps them in
+one): CUPTI serves one profiler per process, and ``jax.profiler`` traced after
+``torch.profiler`` in the same process saw no GPU activity (H100, 2026-12-06).
 
 Records (``--out``, merged by (mask, n, impl)): ``mask``, ``n``, ``impl`` (``jcm-<backend>[-tag]``
 as ``bench_total.py`` names it, or the peer), ``env`` (a jcm record's ``JCOMPILEMASK_*``
@@ -44,6 +47,8 @@ import collections
 import glob
 import json
 import os
+import shlex
+import subprocess
 import sys
 import tempfile
 import time
@@ -225,6 +230,55 @@ def table(rec: dict, top: int = 12) -> str:
     return "\n".join(lines)
 
 
+def variant_entry(tag: str, env: dict) -> str:
+    """The ``--jcm-variants`` entry of one parsed ``(tag, env)`` (``bench_total.parse_variants``'s
+    inverse).
+
+    >>> variant_entry("hi", {"JCOMPILEMASK_CUTE_BWD_CONFIG": "heads_inner=1"})
+    'hi=JCOMPILEMASK_CUTE_BWD_CONFIG=heads_inner=1'
+    >>> variant_entry("base", {})
+    'base='
+    """
+    return f"{tag}=" + " ".join(shlex.quote(f"{k}={v}") for k, v in env.items())
+
+
+def run_child(args, impl: str, tag: str, env: dict) -> dict:
+    """One impl / variant measured in a child process (``--in-process`` there), its table on
+    this process's stdout and its record merged into ``--out``; a child that fails or prints
+    no record gives an ``error`` record."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "rec.json")
+        cmd = [sys.executable, os.path.abspath(__file__), "--mask", args.mask, "--n", str(args.n),
+               "--impls", impl, "--steps", str(args.steps), "--out", out, "--in-process"]
+        if impl == "jcm" and (tag or env):
+            cmd += ["--jcm-variants", variant_entry(tag or "base", env)]
+        if args.smoke:
+            cmd.append("--smoke")
+        # One run id for every child (each would otherwise take its own start time).
+        child_env = dict(os.environ, JCM_RUN_ID=clocks.run_id())
+        rc = subprocess.call(cmd, env=child_env,
+                             stdout=sys.stdout.fileno() if _has_fileno() else None)
+        try:
+            with open(out) as f:
+                rec = json.load(f)["records"][0]
+        except (OSError, ValueError, IndexError, KeyError):
+            rec = dict(mask=args.mask, n=args.n, impl=B.variant_name(impl, tag),
+                       run=clocks.run_id(), error=f"child process exited {rc} without a record")
+            print(json.dumps(rec), flush=True)
+    if args.out:
+        merge(args.out, [rec])
+    return rec
+
+
+def _has_fileno() -> bool:
+    try:
+        sys.stdout.flush()
+        sys.stdout.fileno()
+        return True
+    except (AttributeError, OSError, ValueError):
+        return False
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -240,6 +294,10 @@ def main(argv=None):
                          "with its env), e.g. 'base=;hi=JCOMPILEMASK_CUTE_BWD_CONFIG=heads_inner=1'")
     ap.add_argument("--smoke", action="store_true",
                     help="tiny causal step, jcm only (any machine, CPU included)")
+    ap.add_argument("--in-process", action="store_true",
+                    help="run every impl / variant in this process (default: one child process "
+                         "each when there are several: CUPTI takes one profiler per process, so "
+                         "jax.profiler after torch.profiler finds no GPU activity)")
     args = ap.parse_args(argv)
     if args.steps < 1:
         ap.error(f"--steps must be >= 1, got {args.steps}")
@@ -257,6 +315,8 @@ def main(argv=None):
         ap.error(f"--mask: unknown {mask!r} (one of {', '.join(W.MASKS + W.MASKS_16)})")
     runs = [(impl, tag, env) for impl in impls
             for tag, env in (variants if impl == "jcm" else [("", {})])]
+    if len(runs) > 1 and not args.in_process:
+        return [run_child(args, impl, tag, env) for impl, tag, env in runs]
     records = []
     for impl, tag, env in runs:
         with B.environment(env):

@@ -462,15 +462,22 @@ def test_kernel_times_smoke_lists_the_step_kernels_on_cpu(tmp_path):
     assert [r["gpu_ms"] for r in json.loads(out.read_text())["records"]] == [1.0]
 
 
-def test_kernel_times_variants_name_the_variant_and_its_env():
+def test_kernel_times_variants_name_the_variant_and_its_env(tmp_path):
     """--jcm-variants: the jcm record under a JCOMPILEMASK_* variant says which (impl
-    suffix, env), as bench_total.py's records do."""
+    suffix, env), as bench_total.py's records do. Several runs go to one child process each
+    (one CUPTI profiler per process), under one run id, merged into --out."""
     kt = _load("kernel_times")
-    base, hi = kt.main(["--smoke", "--steps", "1", "--jcm-variants",
+    out = tmp_path / "kernels.json"
+    base, hi = kt.main(["--smoke", "--steps", "1", "--out", str(out), "--jcm-variants",
                         "base=;hi=JCOMPILEMASK_CUTE_BWD_CONFIG=heads_inner=1"])
+    assert "error" not in base and "error" not in hi, (base, hi)
     assert "-" not in base["impl"][len("jcm-"):] and "env" not in base
     assert hi["impl"].endswith("-hi")
     assert hi["env"] == {"JCOMPILEMASK_CUTE_BWD_CONFIG": "heads_inner=1"}
+    assert base["run"] == hi["run"]
+    saved = json.loads(out.read_text())["records"]
+    assert sorted(r["impl"] for r in saved) == sorted([base["impl"], hi["impl"]])
+    assert kt.variant_entry("hi", hi["env"]) == "hi=JCOMPILEMASK_CUTE_BWD_CONFIG=heads_inner=1"
 
 
 def test_kernel_times_summary_and_torch_events():

@@ -1574,7 +1574,10 @@ def test_ds_words_gives_identical_gradients(name, poison, cute_backward_on, monk
     base = _deterministic_grads(monkeypatch, "", spec, md, qx, kx, vx, do)
     new = _deterministic_grads(monkeypatch, "ds_words=1", spec, md, qx, kx, vx, do)
     for a, b_ in zip(base, new):
-        np.testing.assert_array_equal(a, b_)
+        # As float32 (exact for bf16 / fp16), where numpy's comparison takes NaN == NaN: on
+        # the device image's numpy, bfloat16 NaNs at the same places read as mismatches (H100,
+        # 2026-12-06: the nan_q / nan_v cases failed on those alone, every other element equal).
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b_, np.float32))
 
 
 def test_lists_give_way_past_their_tile_limit():
