@@ -847,6 +847,9 @@ PY
     # even). JCM_KT_MASKS (default dilated_window,global_window), JCM_KT_N (8192),
     # JCM_KT_IMPLS (jcm,flex-fa4; fa4-native for causal), JCM_KT_VARIANTS (kernel_times'
     # --jcm-variants, e.g. 'base=;hi=JCOMPILEMASK_CUTE_BWD_CONFIG=heads_inner=1').
+    # Each impl / variant is a child process (CUPTI: one profiler per process); on the H100
+    # (session 38) a jcm child took ~50 s from the pack and Flex's first took more than the
+    # 50 s left of a 100 s stage: give a mask with jcm x 2 + Flex ~200 s (JCM_STAGE_S).
     export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
     export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1
     for m in $(echo ${JCM_KT_MASKS:-dilated_window,global_window} | tr , ' '); do
