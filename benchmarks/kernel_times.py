@@ -254,29 +254,26 @@ def run_child(args, impl: str, tag: str, env: dict) -> dict:
             cmd += ["--jcm-variants", variant_entry(tag or "base", env)]
         if args.smoke:
             cmd.append("--smoke")
-        # One run id for every child (each would otherwise take its own start time).
-        child_env = dict(os.environ, JCM_RUN_ID=clocks.run_id())
-        rc = subprocess.call(cmd, env=child_env,
-                             stdout=sys.stdout.fileno() if _has_fileno() else None)
+        # One run id for every child (each would otherwise take its own start time); the
+        # child writes to this process's standard output, after what is printed so far.
+        sys.stdout.flush()
+        rc = subprocess.call(cmd, env=dict(os.environ, JCM_RUN_ID=clocks.run_id()))
         try:
             with open(out) as f:
                 rec = json.load(f)["records"][0]
         except (OSError, ValueError, IndexError, KeyError):
-            rec = dict(mask=args.mask, n=args.n, impl=B.variant_name(impl, tag),
-                       run=clocks.run_id(), error=f"child process exited {rc} without a record")
-            print(json.dumps(rec), flush=True)
+            rec = error_record(args.mask, args.n, impl, tag,
+                               f"child process exited {rc} without a record")
     if args.out:
         merge(args.out, [rec])
     return rec
 
 
-def _has_fileno() -> bool:
-    try:
-        sys.stdout.flush()
-        sys.stdout.fileno()
-        return True
-    except (AttributeError, OSError, ValueError):
-        return False
+def error_record(mask: str, n: int, impl: str, tag: str, error: str) -> dict:
+    """The record of an impl / variant that failed (printed as JSON)."""
+    rec = dict(mask=mask, n=n, impl=B.variant_name(impl, tag), run=clocks.run_id(), error=error)
+    print(json.dumps(rec), flush=True)
+    return rec
 
 
 def main(argv=None):
@@ -329,9 +326,8 @@ def main(argv=None):
                 if impl == "jcm" and B.jcm_env():
                     rec["env"] = B.jcm_env()
             except Exception as e:  # noqa: BLE001 - one failed impl must not lose the others
-                rec = dict(mask=mask, n=n, impl=B.variant_name(impl, tag), run=clocks.run_id(),
-                           error=f"{type(e).__name__}: " + " ".join(str(e).split())[:400])
-                print(json.dumps(rec), flush=True)
+                rec = error_record(mask, n, impl, tag,
+                                   f"{type(e).__name__}: " + " ".join(str(e).split())[:400])
             else:
                 print(table(rec), flush=True)
         records.append(rec)
