@@ -1873,3 +1873,48 @@ def test_heads_inner_config_rules():
     for bad in ("schedule", "deterministic"):
         with pytest.raises(ValueError, match=f"{bad}=0"):
             dataclasses.replace(base, heads_inner=True, **{bad: True})
+
+
+@needs_gpu
+@pytest.mark.parametrize("name,d,dv,dtype", [
+    ("dilated_window", 128, 128, jnp.bfloat16), ("dilated_window", 128, 128, jnp.float16),
+    ("global_window", 128, 128, jnp.bfloat16), ("causal", 128, 128, jnp.bfloat16),
+    ("shared_prompt", 64, 64, jnp.float16), ("hstu", 256, 256, jnp.bfloat16),
+    ("clear", 192, 128, jnp.bfloat16),
+], ids=lambda v: str(getattr(v, "__name__", v)))
+def test_q_early_gives_identical_gradients(name, d, dv, dtype, cute_backward_on, monkeypatch):
+    """``BackwardConfig.q_early`` (session 39): the first visited tile's Q / dO loads are
+    issued from the early tile words before the list is built, into the stage the walk
+    would have used, and the walk skips that entry's load. The same loads in the same
+    stages, so with the deterministic dQ order all three gradients equal the default's
+    (and ``list_early``'s) bit for bit: GQA, ragged lengths (columns past a row's end visit
+    no tile: the no-first-tile path), each head dim's config."""
+    spec, md, n, inputs = _column_order_inputs(name, d, dv, dtype, 31, 9)
+    base = _deterministic_grads(monkeypatch, "", spec, md, *inputs)
+    early = _deterministic_grads(monkeypatch, "list_early=1,q_early=1", spec, md, *inputs)
+    for a, b_ in zip(base, early):
+        np.testing.assert_array_equal(a.astype(np.float32), b_.astype(np.float32))
+
+
+@needs_cutlass
+@pytest.mark.parametrize("residual", [False, True], ids=["causal", "dilated"])
+def test_q_early_backward_compiles_for_sm90(residual, monkeypatch, capfd):
+    """q_early compiles at D 128 (the registry's config with list_early; causal K 1 and the
+    dilated window's residual predicate), its tag naming it."""
+    from jcompilemask.kernels.cute import api
+    pair, kk, kc = _dilated_residual() if residual else (None, 1, 1)
+    cfg = dataclasses.replace(api.preferred_backward_config(128), list_early=True, q_early=True)
+    key = api.BackwardKey("bfloat16", 128, kk, kc, True, True, 128 ** -0.5, cfg, residual=pair)
+    assert compile_checking_remarks(api.compile_backward, key, monkeypatch, capfd) is not None
+    assert "_lse" in key.target_name and "_qe" in key.target_name
+
+
+def test_q_early_config_rules():
+    """q_early takes its tile from list_early's words: without them it names both fields."""
+    from jcompilemask.kernels.cute import api
+    base = api.preferred_backward_config(128)
+    assert dataclasses.replace(base, list_early=True, q_early=True).tag.endswith("_lse_rp_qe")
+    with pytest.raises(ValueError, match="list_early=1"):
+        dataclasses.replace(base, q_early=True)
+    with pytest.raises(ValueError, match="work_list=1"):
+        dataclasses.replace(base, work_list=False, list_early=True, q_early=True)

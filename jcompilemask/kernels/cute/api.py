@@ -1289,6 +1289,17 @@ class BackwardConfig:
       first Q / dO load waits for the list, so that word's latency adds to every CTA's
       start. On the dilated window's 2-4-tile columns a CTA lasts ~23 us at 8K, so ~0.5 us
       is ~2%. The forward's ``runs_early`` is the same idea. Not yet run on the H200.
+    - ``q_early`` (with ``list_early``; session 39): the producer finds the first visited
+      tile of its first list from those early words (a ballot over the lanes' words and
+      the lowest set bit: a few instructions, no list) and issues that tile's Q / dO / lse /
+      delta loads right after K / V's, before it builds the list; the list's first entry
+      is that tile, whose load the walk then skips. FlashAttention's SM90 backward issues
+      its first K, V, Q, dO and lse together; ours issued the first Q / dO ~430 SASS lines
+      of list building (and the words' load) after K / V (NOTES.md, session 38's static
+      SASS), on every CTA of the dilated window's 2-4-tile columns. The same loads in the
+      same stages: the gradients are bit for bit the default's. Grid order only (a host
+      order's 1-D grid, ``schedule`` / ``persistent``, loads no early words and runs
+      without it).
     - ``mask_r2p`` (with ``column_words``, masks without residual predicates): a masked
       tile tests each column-group word's bits in order, one word after the other, so that
       ptxas turns the tests into R2P (8 predicates from one instruction), as FA4's masks
@@ -1461,6 +1472,7 @@ class BackwardConfig:
     wg_dq_offset: bool = False
     held_words: bool = False
     heads_inner: bool = False
+    q_early: bool = False
 
     def __post_init__(self):
         wants = ((BWD_TILES_SWAP,) if self.dkv_swap else (BWD_TILES_SPLIT,) if self.split_dkv
@@ -1561,6 +1573,10 @@ class BackwardConfig:
                 "heads_inner (the grid's fastest dimension is the KV head) orders the grid "
                 "itself: it excludes schedule / persistent (1-D grids in the host's order) "
                 "and deterministic", ("schedule", "persistent", "deterministic"), True, "")
+        if self.q_early and not (self.list_early and self.work_list):
+            raise ValueError("q_early (the first visited tile's Q / dO issued from the early "
+                             "tile words, before the list is built) needs those words: set "
+                             "work_list=1, list_early=1")
         if self.num_stages < 1 or self.ds_stages not in (1, 2):
             raise ValueError(f"num_stages={self.num_stages} must be >= 1 and ds_stages="
                              f"{self.ds_stages} 1 or 2")
@@ -1599,7 +1615,7 @@ class BackwardConfig:
                 f"{'_dks' if self.dk_split else ''}{'_swp' if self.dkv_swap else ''}"
                 f"{'_dkl' if self.dk_late else ''}{'_wgq' if self.wg_dq else ''}"
                 f"{'o' if self.wg_dq_offset else ''}{'_hw' if self.held_words else ''}"
-                f"{'_hi' if self.heads_inner else ''}")
+                f"{'_hi' if self.heads_inner else ''}{'_qe' if self.q_early else ''}")
 
 
 def preferred_backward_config(head_dim: int, dtype: str = "bfloat16",

@@ -74,7 +74,7 @@ from .api import (BackwardConfig, backward_grad_scale, dq_splits_queries, dq_war
                   stats_shfl_query, stats_shfl_source)
 from .residual_ops import CuteOps
 from .common import (COLUMNS_UNROLLED, INTERVALS_UNROLLED, WarpSpecializedSm90, _as_a_operand,
-                     build_tile_list, list_first_word, _pair_runs, _rows_view, _unsigned_lt,
+                     build_tile_list, first_listed_tile, list_first_word, _pair_runs, _rows_view, _unsigned_lt,
                      bulk_reduce_add_f32, exp2_fma, issue_wgmma, rcp_fma, ld_acquire_s32, ld_pair_s32, red_add_v4_f32,
                      nanosleep, red_release_add_s32, select_by_words, fold_periodic_slots, smem_tensor, tile_bits, tma_tiles)
 from .exp2_fma import emulated_column
@@ -744,18 +744,29 @@ class FlashBackwardSm90(WarpSpecializedSm90):
             kv_state, state, seq0 = carried
             kv_pending = Boolean(True)
         kv = (pipeline_kv, kv_state, tma_atom_k, tma_atom_v, tKgK, tKsK, tVgV, tVsV)
+        first_q = Int32(-1)
+        if const_expr(self.config.q_early and first_raw is not None and carried is None):
+            # q_early: the first list's first tile from the early words (no list yet); its
+            # Q / dO go out right behind K / V, and the walk below skips that entry's load.
+            first_q = first_listed_tile(first_raw, n_q_tiles, self.list_chunk)
+            if first_q >= 0:
+                tQsQ0, tQgQ0, tdOsdO0, tdOgdO0, tLsL0, tLgL0, tDsD0, tDgD0 = self.head_tiles(
+                    atoms, mQ, mdO, mLSE2, mDelta, sQ, sdO, sLSE, sDelta, head_kv * group, batch)
+                pipeline_q.producer_acquire(state)
+                bar_q0 = pipeline_q.producer_get_barrier(state)
+                cute.copy(tma_atom_q, tQgQ0[None, first_q], tQsQ0[None, state.index], tma_bar_ptr=bar_q0)
+                cute.copy(tma_atom_lse, tLgL0[None, first_q], tLsL0[None, state.index], tma_bar_ptr=bar_q0)
+                pipeline_do.producer_acquire(state)
+                bar_do0 = pipeline_do.producer_get_barrier(state)
+                cute.copy(tma_atom_do, tdOgdO0[None, first_q], tdOsdO0[None, state.index], tma_bar_ptr=bar_do0)
+                cute.copy(tma_atom_delta, tDgD0[None, first_q], tDsD0[None, state.index], tma_bar_ptr=bar_do0)
+                state.advance()
 
         for g in cutlass.range(group, unroll=1):
             head = head_kv * group + g
             gTiles = mBwdTiles[mask_batch, self.mask_head(head), k_tile, None]
-            gQ = cute.local_tile(mQ[None, None, head, batch], (bq, d), (None, 0))
-            gdO = cute.local_tile(mdO[None, None, head, batch], (bq, self.head_dim_v), (None, 0))
-            gL = cute.local_tile(mLSE2[None, head, batch], (bq,), (None,))
-            gD = cute.local_tile(mDelta[None, head, batch], (bq,), (None,))
-            tQsQ, tQgQ = tma_tiles(tma_atom_q, sQ, gQ)
-            tdOsdO, tdOgdO = tma_tiles(tma_atom_do, sdO, gdO)
-            tLsL, tLgL = tma_tiles(tma_atom_lse, sLSE, gL, tile_rank=1)
-            tDsD, tDgD = tma_tiles(tma_atom_delta, sDelta, gD, tile_rank=1)
+            tQsQ, tQgQ, tdOsdO, tdOgdO, tLsL, tLgL, tDsD, tDgD = self.head_tiles(
+                atoms, mQ, mdO, mLSE2, mDelta, sQ, sdO, sLSE, sDelta, head, batch)
             for ch in cutlass.range(self.num_chunks(n_q_tiles), unroll=1):
               seq = g * self.num_chunks(n_q_tiles) + ch
               if const_expr(carried is not None):
@@ -770,7 +781,11 @@ class FlashBackwardSm90(WarpSpecializedSm90):
                                          number_of_threads=self.list_ready_meet)
                 cute.arch.barrier_arrive(barrier_id=int(Bar.LIST_READY_DQ) + seq % 2, number_of_threads=64)
                 n_iter = work[1][seq % 2]
-              for it in cutlass.range(n_iter, unroll=1):
+              it0 = Int32(0)
+              if const_expr(self.config.q_early and first_raw is not None and carried is None):
+                  if (seq == 0) & (first_q >= 0):
+                      it0 = Int32(1)        # entry 0 is first_q, loaded already
+              for it in cutlass.range(it0, n_iter, unroll=1):
                 q_tile, bits = self.visit(it, gTiles, work, seq)
                 if bits & Uint32(1) != Uint32(0):
                     pipeline_q.producer_acquire(state)
@@ -791,6 +806,19 @@ class FlashBackwardSm90(WarpSpecializedSm90):
                 self.load_kv(kv)
             kv_state.advance()
             return kv_state, state, seq0 + group * self.num_chunks(n_q_tiles)
+
+    def head_tiles(self, atoms, mQ, mdO, mLSE2, mDelta, sQ, sdO, sLSE, sDelta, head, batch):
+        """The TMA views of one query head's Q, dO, lse and delta, per query tile: (shared,
+        global) pairs of Q, dO, lse, delta."""
+        tma_atom_q, _, _, tma_atom_do, tma_atom_lse, tma_atom_delta = atoms
+        bq = self.block_q
+        gQ = cute.local_tile(mQ[None, None, head, batch], (bq, self.head_dim), (None, 0))
+        gdO = cute.local_tile(mdO[None, None, head, batch], (bq, self.head_dim_v), (None, 0))
+        gL = cute.local_tile(mLSE2[None, head, batch], (bq,), (None,))
+        gD = cute.local_tile(mDelta[None, head, batch], (bq,), (None,))
+        return (*tma_tiles(tma_atom_q, sQ, gQ), *tma_tiles(tma_atom_do, sdO, gdO),
+                *tma_tiles(tma_atom_lse, sLSE, gL, tile_rank=1),
+                *tma_tiles(tma_atom_delta, sDelta, gD, tile_rank=1))
 
     @cute.jit
     def load_kv(self, kv):

@@ -288,6 +288,29 @@ def list_first_word(gTiles: cute.Tensor, n_tiles: Int32, chunk: cutlass.Constexp
 
 
 @cute.jit
+def first_listed_tile(raw: Uint32, n_tiles: Int32, chunk: cutlass.Constexpr[int]):
+    """The first entry's tile of the list ``build_tile_list`` builds from a row's first chunk
+    [0, min(chunk, n_tiles)), from the lanes' words of it (``list_first_word``, lane w
+    holding word w), without building the list: the lowest lane whose word has a compute
+    bit in the chunk (one ballot), then that word's lowest compute bit. -1 when the chunk
+    has no visited tile (warp-uniform)."""
+    lane = cute.arch.lane_idx()
+    end = cutlass.min(Int32(chunk), n_tiles)
+    compute = raw & Uint32(0x55555555)
+    if (lane + 1) * 16 > end:          # no tile at or past `end`, as the list's build
+        compute = Uint32(0)
+        if lane * 16 < end:
+            compute = raw & Uint32(0x55555555) & ((Uint32(1) << Uint32(2 * (end - lane * 16))) - Uint32(1))
+    lanes = Uint32(cute.arch.vote_ballot_sync(compute != Uint32(0)))
+    tile = Int32(-1)
+    if lanes != Uint32(0):
+        src = Int32(cute.arch.clz(cute.arch.brev(lanes)))
+        word = cute.arch.shuffle_sync(compute, src)
+        tile = src * 16 + (Int32(cute.arch.clz(cute.arch.brev(word))) >> Int32(1))
+    return tile
+
+
+@cute.jit
 def select_by_words(rows: cute.Tensor, r: int, word0: Uint32, word1: Uint32, groups: int, fill: float):
     """Row ``r`` of an SM90 accumulator (``_rows_view``) kept where its column-group bit is
     set, ``fill`` elsewhere: column 2 g + u tests bit g of word u. Each word's bits are
