@@ -725,8 +725,8 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         producer states and the lists built so far, returned advanced; K and V are then
         loaded after the unit's first visited Q / dO tile (the previous unit's dK / dV store
         still reads their buffers while that tile loads)."""
-        tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_do, tma_atom_lse, tma_atom_delta = atoms
-        d, bq, bk = self.head_dim, self.block_q, self.block_kv
+        _, tma_atom_k, tma_atom_v, _, _, _ = atoms
+        d, bk = self.head_dim, self.block_kv
         gK = cute.local_tile(mK[None, None, head_kv, batch], (bk, d), (k_tile, 0))
         gV = cute.local_tile(mV[None, None, head_kv, batch], (bk, self.head_dim_v), (k_tile, 0))
         tKsK, tKgK = tma_tiles(tma_atom_k, sK, gK)
@@ -750,23 +750,15 @@ class FlashBackwardSm90(WarpSpecializedSm90):
             # Q / dO go out right behind K / V, and the walk below skips that entry's load.
             first_q = first_listed_tile(first_raw, n_q_tiles, self.list_chunk)
             if first_q >= 0:
-                tQsQ0, tQgQ0, tdOsdO0, tdOgdO0, tLsL0, tLgL0, tDsD0, tDgD0 = self.head_tiles(
-                    atoms, mQ, mdO, mLSE2, mDelta, sQ, sdO, sLSE, sDelta, head_kv * group, batch)
-                pipeline_q.producer_acquire(state)
-                bar_q0 = pipeline_q.producer_get_barrier(state)
-                cute.copy(tma_atom_q, tQgQ0[None, first_q], tQsQ0[None, state.index], tma_bar_ptr=bar_q0)
-                cute.copy(tma_atom_lse, tLgL0[None, first_q], tLsL0[None, state.index], tma_bar_ptr=bar_q0)
-                pipeline_do.producer_acquire(state)
-                bar_do0 = pipeline_do.producer_get_barrier(state)
-                cute.copy(tma_atom_do, tdOgdO0[None, first_q], tdOsdO0[None, state.index], tma_bar_ptr=bar_do0)
-                cute.copy(tma_atom_delta, tDgD0[None, first_q], tDsD0[None, state.index], tma_bar_ptr=bar_do0)
+                views0 = self.head_tiles(atoms, mQ, mdO, mLSE2, mDelta, sQ, sdO, sLSE, sDelta,
+                                         head_kv * group, batch)
+                self.load_q_do(atoms, pipeline_q, pipeline_do, views0, first_q, state)
                 state.advance()
 
         for g in cutlass.range(group, unroll=1):
             head = head_kv * group + g
             gTiles = mBwdTiles[mask_batch, self.mask_head(head), k_tile, None]
-            tQsQ, tQgQ, tdOsdO, tdOgdO, tLsL, tLgL, tDsD, tDgD = self.head_tiles(
-                atoms, mQ, mdO, mLSE2, mDelta, sQ, sdO, sLSE, sDelta, head, batch)
+            views = self.head_tiles(atoms, mQ, mdO, mLSE2, mDelta, sQ, sdO, sLSE, sDelta, head, batch)
             for ch in cutlass.range(self.num_chunks(n_q_tiles), unroll=1):
               seq = g * self.num_chunks(n_q_tiles) + ch
               if const_expr(carried is not None):
@@ -788,14 +780,7 @@ class FlashBackwardSm90(WarpSpecializedSm90):
               for it in cutlass.range(it0, n_iter, unroll=1):
                 q_tile, bits = self.visit(it, gTiles, work, seq)
                 if bits & Uint32(1) != Uint32(0):
-                    pipeline_q.producer_acquire(state)
-                    bar_q = pipeline_q.producer_get_barrier(state)
-                    cute.copy(tma_atom_q, tQgQ[None, q_tile], tQsQ[None, state.index], tma_bar_ptr=bar_q)
-                    cute.copy(tma_atom_lse, tLgL[None, q_tile], tLsL[None, state.index], tma_bar_ptr=bar_q)
-                    pipeline_do.producer_acquire(state)
-                    bar_do = pipeline_do.producer_get_barrier(state)
-                    cute.copy(tma_atom_do, tdOgdO[None, q_tile], tdOsdO[None, state.index], tma_bar_ptr=bar_do)
-                    cute.copy(tma_atom_delta, tDgD[None, q_tile], tDsD[None, state.index], tma_bar_ptr=bar_do)
+                    self.load_q_do(atoms, pipeline_q, pipeline_do, views, q_tile, state)
                     state.advance()
                     if const_expr(carried is not None):
                         if kv_pending:
@@ -819,6 +804,20 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         return (*tma_tiles(tma_atom_q, sQ, gQ), *tma_tiles(tma_atom_do, sdO, gdO),
                 *tma_tiles(tma_atom_lse, sLSE, gL, tile_rank=1),
                 *tma_tiles(tma_atom_delta, sDelta, gD, tile_rank=1))
+
+    def load_q_do(self, atoms, pipeline_q, pipeline_do, views, q_tile, state):
+        """Query tile ``q_tile``'s Q + lse (one barrier) and dO + delta (the other) into ring
+        stage ``state`` (``views``: ``head_tiles``); the caller advances the state."""
+        tma_atom_q, _, _, tma_atom_do, tma_atom_lse, tma_atom_delta = atoms
+        tQsQ, tQgQ, tdOsdO, tdOgdO, tLsL, tLgL, tDsD, tDgD = views
+        pipeline_q.producer_acquire(state)
+        bar_q = pipeline_q.producer_get_barrier(state)
+        cute.copy(tma_atom_q, tQgQ[None, q_tile], tQsQ[None, state.index], tma_bar_ptr=bar_q)
+        cute.copy(tma_atom_lse, tLgL[None, q_tile], tLsL[None, state.index], tma_bar_ptr=bar_q)
+        pipeline_do.producer_acquire(state)
+        bar_do = pipeline_do.producer_get_barrier(state)
+        cute.copy(tma_atom_do, tdOgdO[None, q_tile], tdOsdO[None, state.index], tma_bar_ptr=bar_do)
+        cute.copy(tma_atom_delta, tDgD[None, q_tile], tDsD[None, state.index], tma_bar_ptr=bar_do)
 
     @cute.jit
     def load_kv(self, kv):
