@@ -1934,3 +1934,24 @@ def test_three_ring_stages_give_identical_gradients(name, cute_backward_on, monk
                                  md, *inputs)
     for a, b_ in zip(base, three):
         np.testing.assert_array_equal(a.astype(np.float32), b_.astype(np.float32))
+
+
+SHORT_COLUMN_SWITCHES = ("late_balance=1", "held_words=1,late_balance=1",
+                         "held_words=1,late_balance=1,list_early=1,q_early=1")
+
+
+@needs_gpu
+@pytest.mark.parametrize("switches", SHORT_COLUMN_SWITCHES)
+@pytest.mark.parametrize("name", ["dilated_window", "global_window"])
+def test_short_column_switches_give_identical_gradients(name, switches, cute_backward_on,
+                                                        monkeypatch):
+    """The switches aimed at the consumers' fixed waits in short key columns (session 39's
+    ncu of the dilated window: the per-tile column-table load before the masked tile's
+    words, the last dQ-buffer wait before the dK / dV epilogue, the first Q / dO after the
+    list), alone and together: each moves a wait, not a value, so with the deterministic dQ
+    order all three gradients equal the default's bit for bit (GQA, ragged lengths)."""
+    spec, md, n, inputs = _column_order_inputs(name, 128, 128, jnp.bfloat16, 35, 11)
+    base = _deterministic_grads(monkeypatch, "", spec, md, *inputs)
+    new = _deterministic_grads(monkeypatch, switches, spec, md, *inputs)
+    for a, b_ in zip(base, new):
+        np.testing.assert_array_equal(a.astype(np.float32), b_.astype(np.float32))
