@@ -508,3 +508,26 @@ def test_kernel_times_rejects_bad_arguments(capsys):
         with pytest.raises(SystemExit):
             kt.main(argv)
         assert text in capsys.readouterr().err
+
+
+def test_ncu_sass_summary_reads_a_committed_profile(capsys):
+    """tests/scripts/ncu_sass_summary.py on session 39's ncu page of the dilated window's
+    backward (an H100): the stall reasons' shares, and ``--reason barrier`` naming the
+    instruction each barrier wait follows (the dQ warp's DQ_FULL, the consumers' last
+    DQ_EMPTY before the epilogue)."""
+    spec = importlib.util.spec_from_file_location(
+        "ncu_sass_summary", os.path.join(ROOT, "tests", "scripts", "ncu_sass_summary.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    path = os.path.join(ROOT, "benchmarks", "results", "profiles",
+                        "ncu-bwd-s39-h100-dilated8k-jcm-sass.csv.gz")
+    rows = mod.load(path)
+    _, reasons = mod.summarise(rows)
+    total = sum(r[2] for r in rows)
+    assert total == 125053 and round(100 * reasons["barrier"] / total, 1) == 18.4
+    sites = mod.reason_sites(rows, "barrier", 2)
+    assert [s[0] for s in sites] == [560, 3002]
+    assert all(s[5].startswith("BAR.SYNC") or "BAR.SYNC" in s[5] for s in sites)
+    mod.main([path, "--top", "3", "--reason", "barrier"])
+    out = capsys.readouterr().out
+    assert "sites of stall reason 'barrier'" in out and "after @P0   BAR.SYNC" in out

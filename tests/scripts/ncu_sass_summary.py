@@ -4,7 +4,13 @@ samples; stall samples per reason; the opcode mix of the loop body that runs the
 (its sites per visited tile); the hottest instructions. Two files side by side (ours
 and FA4's backward, ``h200.sh prof8``) show where the sample counts differ.
 
-    python3 tests/scripts/ncu_sass_summary.py ours.csv [peer.csv] [--top 25]
+    python3 tests/scripts/ncu_sass_summary.py ours.csv [peer.csv] [--top 25] [--reason barrier]
+
+``--reason R`` adds, per file, the sites with the most samples of stall reason R, each
+with the instruction before it: ncu charges a wait to the instruction that cannot issue,
+so a barrier's samples sit on the instruction after its ``BAR.SYNC`` and a scoreboard
+wait's after the ``DEPBAR`` / on the first use of a load (session 39's reading of the
+dilated window's backward: which barrier the consumers wait at, and for whom).
 
 Columns are found by name fragments (ncu versions differ): the SASS text ("Source"), the
 executed-instruction count ("Instructions Executed"), all stall samples ("Warp Stall
@@ -90,12 +96,27 @@ def tile_body(rows):
     return count, collections.Counter(ops)
 
 
+def reason_sites(rows, reason, top):
+    """The ``top`` sites with the most samples of stall ``reason``: (index, samples, share
+    of all samples, executed, the SASS, the SASS of the instruction before it)."""
+    total = sum(r[2] for r in rows) or 1.0
+    hot = sorted(range(len(rows)), key=lambda i: -rows[i][3].get(reason, 0.0))[:top]
+    return [(i, rows[i][3].get(reason, 0.0), rows[i][3].get(reason, 0.0) / total, rows[i][1],
+             rows[i][0], rows[i - 1][0] if i else "")
+            for i in hot if rows[i][3].get(reason, 0.0) > 0]
+
+
+def _option(argv, name, default):
+    if name in argv:
+        i = argv.index(name)
+        return argv[i + 1], argv[:i] + argv[i + 2:]
+    return default, argv
+
+
 def main(argv):
-    top = 25
-    if "--top" in argv:
-        i = argv.index("--top")
-        top = int(argv[i + 1])
-        argv = argv[:i] + argv[i + 2:]
+    top, argv = _option(argv, "--top", 25)
+    top = int(top)
+    reason, argv = _option(argv, "--reason", None)
     files = argv[:2]
     data = [load(p) for p in files]
     sums = [summarise(rows) for rows in data]
@@ -128,6 +149,12 @@ def main(argv):
         for sass, ex, samples, reasons in sorted(rows, key=lambda r: -r[2])[:top]:
             why = " ".join(f"{k}={v:.0f}" for k, v in sorted(reasons.items(), key=lambda kv: -kv[1])[:2])
             print(f"  {samples:>9.0f} ex={ex:>12,.0f} {sass[:60]:<60} {why}")
+    if reason:
+        for p, rows in zip(files, data):
+            print(f"\nsites of stall reason {reason!r} in {p} (samples, % of all, executed, the "
+                  "instruction, the one before it):")
+            for i, n, share, ex, sass, before in reason_sites(rows, reason, top):
+                print(f"  #{i:<5} {n:>8.0f} {100 * share:>5.1f}% ex={ex:>11,.0f} {sass[:44]:<44} after {before[:44]}")
 
 
 if __name__ == "__main__":
