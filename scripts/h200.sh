@@ -860,7 +860,9 @@ PY
     JCM_STAGE_S=$(left ${JCM_SC_TESTS_S:-100}) JCM_PAR_ONLY='short_column|held_words_gives' \
       JCM_PAR_FILES=tests/gpu/test_cute_backward.py bash "$0" hdimspar
     n=$(wc -l < "$OUT/par-ids.txt"); ok=$(cat "$OUT"/pytest-par-*.log 2>/dev/null | grep -cE '::[^ ]+ (PASSED|SKIPPED)')
-    (( n > 0 && ok == n )) || { echo "shortcols: $ok of $n identity cases passed: no timings"; exit 0; }
+    # (compile-only runs, kernel_cache.sh, fail every case by design: they go on)
+    (( n > 0 && ok == n )) || [[ -n ${JCM_COMPILE_ONLY:-} ]] \
+      || { echo "shortcols: $ok of $n identity cases passed: no timings"; exit 0; }
     JCM_BENCH_S=$(left ${JCM_SC_BENCH_S:-210}) JCM_BENCH_NS=8192 JCM_BENCH_MASKS=dilated_window \
       JCM_MASKS16_VARIANTS="base=;hwlb=$c=held_words=1,late_balance=1;all=$c=held_words=1,late_balance=1,list_early=1,q_early=1;hi=$c=heads_inner=1" \
       bash "$0" masks16
