@@ -89,8 +89,9 @@
 #   hdimstests   all of tests/gpu/test_cute_head_dims.py (+ the forward's 192/128 cases), one process
 #   jcmvar       jcm alone on JCM_BENCH_MASKS at JCM_BENCH_NS, once per JCM_MASKS16_VARIANTS entry
 #   shortcols    issue 16 on the H200: the short-column switches' identity cases under a hang
-#                guard, then masks16 (dilated window 8K: default / hwlb / all / hi beside
-#                Flex+FA4), then ktimes (session 39's plan in one command; ~430 s)
+#                guard, then masks16 (dilated window 8K: default / hwlb / all / hi / persistent
+#                / persistent + dkv_staged beside Flex+FA4), then ktimes (session 39's plan in
+#                one command; ~520 s)
 #   hdimspar     the same spread over JCM_PAR parallel pytest processes (JCM_PAR_SKIP: a regex of ids to leave out)
 #   multigpu     issue 19 on a multi-GPU kind: sharded training step + context parallelism (benchmarks/multi_gpu.py)
 #   kernels      GPU tests of the CuTe forward kernel alone (48 variant cases)
@@ -852,19 +853,21 @@ PY
     # Session 39's H200 plan for issue 16 (NOTES.md, session 39): on an H100 both kernels wait
     # on their Q / dO loads and these switches moved no time; on the H200 the loads shorten
     # and our per-CTA waits (the column-table load, the last dQ-buffer wait, the first Q / dO
-    # after the list) are what is left. First their bit-identity cases (the held columns'
-    # early load is new: a barrier slip would hang), then the timings beside Flex+FA4 and
-    # default's kernel split. JCM_SC_TESTS_S / JCM_SC_BENCH_S / JCM_SC_KT_S split the stage.
+    # after the list) are what is left; dkv_staged (persistent CTAs whose next K / V load
+    # under the last unit's epilogue) aims at each CTA's first K / V wait (14.2% of the
+    # samples), on either card. First their identity cases (the held columns' early load
+    # and dkv_staged are new: a barrier slip would hang), then the timings beside Flex+FA4
+    # and the default's kernel split. JCM_SC_TESTS_S / JCM_SC_BENCH_S / JCM_SC_KT_S split the stage.
     export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
     c=JCOMPILEMASK_CUTE_BWD_CONFIG
-    JCM_STAGE_S=$(left ${JCM_SC_TESTS_S:-100}) JCM_PAR_ONLY='short_column|held_words_gives' \
+    JCM_STAGE_S=$(left ${JCM_SC_TESTS_S:-150}) JCM_PAR_ONLY='short_column|held_words_gives|dkv_staged_gives' \
       JCM_PAR_FILES=tests/gpu/test_cute_backward.py bash "$0" hdimspar
     n=$(wc -l < "$OUT/par-ids.txt"); ok=$(cat "$OUT"/pytest-par-*.log 2>/dev/null | grep -cE '::[^ ]+ (PASSED|SKIPPED)')
     # (compile-only runs, kernel_cache.sh, fail every case by design: they go on)
     (( n > 0 && ok == n )) || [[ -n ${JCM_COMPILE_ONLY:-} ]] \
       || { echo "shortcols: $ok of $n identity cases passed: no timings"; exit 0; }
-    JCM_BENCH_S=$(left ${JCM_SC_BENCH_S:-210}) JCM_BENCH_NS=8192 JCM_BENCH_MASKS=dilated_window \
-      JCM_MASKS16_VARIANTS="base=;hwlb=$c=held_words=1,late_balance=1;all=$c=held_words=1,late_balance=1,list_early=1,q_early=1;hi=$c=heads_inner=1" \
+    JCM_BENCH_S=$(left ${JCM_SC_BENCH_S:-250}) JCM_BENCH_NS=8192 JCM_BENCH_MASKS=dilated_window \
+      JCM_MASKS16_VARIANTS="base=;hwlb=$c=held_words=1,late_balance=1;all=$c=held_words=1,late_balance=1,list_early=1,q_early=1;hi=$c=heads_inner=1;pe=$c=schedule=1,persistent=1;pst=$c=schedule=1,persistent=1,dkv_staged=1" \
       bash "$0" masks16
     JCM_STAGE_S=$(left ${JCM_SC_KT_S:-120}) JCM_KT_MASKS=dilated_window bash "$0" ktimes
     ;;

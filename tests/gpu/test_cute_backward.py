@@ -1955,3 +1955,49 @@ def test_short_column_switches_give_identical_gradients(name, switches, cute_bac
     new = _deterministic_grads(monkeypatch, switches, spec, md, *inputs)
     for a, b_ in zip(base, new):
         np.testing.assert_array_equal(a.astype(np.float32), b_.astype(np.float32))
+
+
+@needs_gpu
+@pytest.mark.parametrize("ctas", [None, 5])
+@pytest.mark.parametrize("name", ["dilated_window", "global_window", "causal", "clear"])
+def test_dkv_staged_gives_the_persistent_gradients(name, ctas, cute_backward_on, monkeypatch):
+    """``dkv_staged`` (session 39): a persistent CTA stages each unit's dK in the dS^T buffers
+    and dV in the dQ tile, frees K / V before its epilogue and loads the next unit's K / V
+    first. The same columns in the same CTAs: dK / dV equal the persistent grid's bit for
+    bit, dQ meets the tolerance policy. On 5 CTAs each runs ~13 units: every unit-end
+    hand-off (the last dQ read, the store's read before the next dS^T / dQ) is crossed."""
+    from jcompilemask.kernels.cute import api
+    spec, md, n, inputs = _column_order_inputs(name, 128, 128, jnp.bfloat16, 37, 12)
+    if ctas is not None:
+        monkeypatch.setattr(api, "num_sms", lambda default=132: ctas)
+    pers = _grads_under(monkeypatch, "schedule=1,persistent=1", spec, md, inputs)
+    staged = _grads_under(monkeypatch, "schedule=1,persistent=1,dkv_staged=1", spec, md, inputs)
+    assert _ran_backward("_dst")
+    _same_dkdv_and_policy_dq(pers, staged, spec, md, n, inputs, jnp.bfloat16)
+
+
+@needs_cutlass
+@pytest.mark.parametrize("residual", [False, True], ids=["causal", "dilated"])
+def test_dkv_staged_backward_compiles_for_sm90(residual, monkeypatch, capfd):
+    """dkv_staged compiles at D 128 (causal K 1, the dilated window's residual predicate)."""
+    from jcompilemask.kernels.cute import api
+    pair, kk, kc = _dilated_residual() if residual else (None, 1, 1)
+    cfg = dataclasses.replace(api.preferred_backward_config(128), schedule=True, persistent=True,
+                              dkv_staged=True)
+    key = api.BackwardKey("bfloat16", 128, kk, kc, True, True, 128 ** -0.5, cfg, residual=pair)
+    assert compile_checking_remarks(api.compile_backward, key, monkeypatch, capfd) is not None
+    assert "_pers_dst_" in key.target_name
+
+
+def test_dkv_staged_config_rules():
+    """dkv_staged is a persistent CTA's staging: without persistent, with one dS^T buffer or
+    without the dQ tile it names the fields to set."""
+    from jcompilemask.kernels.cute import api
+    pers = dataclasses.replace(api.preferred_backward_config(128), schedule=True, persistent=True)
+    assert dataclasses.replace(pers, dkv_staged=True).tag.endswith("_pers_dst")
+    for bad in ({}, {"schedule": False, "persistent": False}):
+        base = pers if bad else api.preferred_backward_config(128)
+        with pytest.raises(ValueError, match="persistent=1"):
+            dataclasses.replace(base, dkv_staged=True, **bad)
+    with pytest.raises(ValueError, match="ds_stages=2"):
+        dataclasses.replace(pers, dkv_staged=True, ds_stages=1, static_stage=False)

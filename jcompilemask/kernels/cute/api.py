@@ -1289,6 +1289,16 @@ class BackwardConfig:
       first Q / dO load waits for the list, so that word's latency adds to every CTA's
       start. On the dilated window's 2-4-tile columns a CTA lasts ~23 us at 8K, so ~0.5 us
       is ~2%. The forward's ``runs_early`` is the same idea. Not yet run on the H200.
+    - ``dkv_staged`` (with ``persistent``, ``ds_stages=2``, the dQ tile; session 39): a
+      persistent CTA stages a unit's dK in the two dS^T buffers and its dV in the dQ tile
+      (32 KB each at D 128's 64 x 128 tiles) instead of in K's and V's buffers, so it frees
+      K / V before its epilogue and the producer loads the next unit's K / V at once. ncu of
+      the dilated window's 8K backward (session 39, an H100) put 14.2% of all stall samples
+      on each CTA's first K / V wait (one CTA per SM: nothing overlaps it); session 28's
+      persistent grid was slower because its next K / V waited for the dK / dV store. The
+      consumers wait for the dQ warp's read of the unit's last dQ tile at the unit's end
+      (not before its next unit's first), then store; the next unit's first dS^T / dQ
+      waits for the store's read. The same values: dK / dV bit for bit.
     - ``q_early`` (with ``list_early``; session 39): the producer finds the first visited
       tile of its first list from those early words (a ballot over the lanes' words and
       the lowest set bit: a few instructions, no list) and issues that tile's Q / dO / lse /
@@ -1473,6 +1483,7 @@ class BackwardConfig:
     held_words: bool = False
     heads_inner: bool = False
     q_early: bool = False
+    dkv_staged: bool = False
 
     def __post_init__(self):
         wants = ((BWD_TILES_SWAP,) if self.dkv_swap else (BWD_TILES_SPLIT,) if self.split_dkv
@@ -1573,6 +1584,11 @@ class BackwardConfig:
                 "heads_inner (the grid's fastest dimension is the KV head) orders the grid "
                 "itself: it excludes schedule / persistent (1-D grids in the host's order) "
                 "and deterministic", ("schedule", "persistent", "deterministic"), True, "")
+        if self.dkv_staged and not (self.persistent and self.ds_stages == 2 and not self.dq_red
+                                    and not self.wg_dq):
+            raise ValueError("dkv_staged (a persistent CTA stages dK / dV in the dS^T buffers and "
+                             "the dQ tile, so K / V's buffers take the next unit's at once) needs "
+                             "persistent=1, ds_stages=2 and the dQ tile (dq_red=0, wg_dq=0)")
         if self.q_early and not (self.list_early and self.work_list):
             raise ValueError("q_early (the first visited tile's Q / dO issued from the early "
                              "tile words, before the list is built) needs those words: set "
@@ -1615,7 +1631,8 @@ class BackwardConfig:
                 f"{'_dks' if self.dk_split else ''}{'_swp' if self.dkv_swap else ''}"
                 f"{'_dkl' if self.dk_late else ''}{'_wgq' if self.wg_dq else ''}"
                 f"{'o' if self.wg_dq_offset else ''}{'_hw' if self.held_words else ''}"
-                f"{'_hi' if self.heads_inner else ''}{'_qe' if self.q_early else ''}")
+                f"{'_hi' if self.heads_inner else ''}{'_qe' if self.q_early else ''}"
+                f"{'_dst' if self.dkv_staged else ''}")
 
 
 def preferred_backward_config(head_dim: int, dtype: str = "bfloat16",

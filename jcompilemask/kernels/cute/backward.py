@@ -513,6 +513,8 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         tma_atom_delta, mDelta = cpasync.make_tiled_tma_atom(g2s, stats_first(mDelta), cute.make_layout(bq), (bq,))
         self.bytes_stat = bq * 4
 
+        self.check_staging(sK_layout, sdS_layout)
+
         @cute.struct
         class SharedStorage:
             mbar_kv: cute.struct.MemRange[cutlass.Int64, 2]
@@ -526,7 +528,8 @@ class FlashBackwardSm90(WarpSpecializedSm90):
             sP: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout) if self.p_in_smem else 8], 1024]
             sLSE: cute.struct.Align[cute.struct.MemRange[Float32, bq * self.num_stages], 128]
             sDelta: cute.struct.Align[cute.struct.MemRange[Float32, bq * self.num_stages], 128]
-            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, 4 if self.config.dq_red else bq * d], 128]
+            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, 4 if self.config.dq_red else bq * d],
+                                   1024 if self.config.dkv_staged else 128]
             sList: cute.struct.Align[cute.struct.MemRange[Int32, 2 * self.list_chunk if self.config.work_list else 4], 16]
             sCount: cute.struct.MemRange[Int32, 2]
 
@@ -552,6 +555,19 @@ class FlashBackwardSm90(WarpSpecializedSm90):
             stream=stream,
             min_blocks_per_mp=1,
         )
+
+    def check_staging(self, sK_layout, sdS_layout):
+        """``dkv_staged``: dK goes to the dS^T buffers and dV to the dQ tile, so both must
+        hold a K / V tile (D 128's 64 x 128 tiles: 32 KB each); raise ValueError otherwise."""
+        if not self.config.dkv_staged:
+            return
+        bq, bk, d = self.block_q, self.block_kv, self.head_dim
+        if (cute.cosize(sdS_layout) < cute.cosize(sK_layout) or self.p_in_smem
+                or self.head_dim_v != d or self.dkv_swap
+                or bq * d * 4 < cute.cosize(sK_layout) * self.dtype.width // 8):
+            raise ValueError(f"dkv_staged: the dS^T buffers / dQ tile of {bq} x {bk} tiles at D "
+                             f"{d} / Dv {self.head_dim_v} cannot hold dK / dV (built for D 128's "
+                             "64 x 128 tiles); unset dkv_staged")
 
     # ---------------------------------------------------------------- device entry
     @cute.kernel
@@ -744,6 +760,11 @@ class FlashBackwardSm90(WarpSpecializedSm90):
             kv_state, state, seq0 = carried
             kv_pending = Boolean(True)
         kv = (pipeline_kv, kv_state, tma_atom_k, tma_atom_v, tKgK, tKsK, tVgV, tVsV)
+        if const_expr(carried is not None and self.config.dkv_staged):
+            # dkv_staged: the last unit's store does not read K / V's buffers, which its
+            # consumers free before their epilogue: this unit's K / V go first.
+            self.load_kv(kv)
+            kv_pending = Boolean(False)
         first_q = Int32(-1)
         if const_expr(self.config.q_early and first_raw is not None and carried is None):
             # q_early: the first list's first tile from the early words (no list yet); its
@@ -1146,6 +1167,11 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         col_starts = cute.make_rmem_tensor((num_rows, max(kc, 1)), Int32)
         col_lengths = cute.make_rmem_tensor((num_rows, max(kc, 1)), Int32)
         frags.work, frags.sK, frags.sV = work, sK, sV
+        if const_expr(self.config.dkv_staged):
+            # dkv_staged: dK's staging over the dS^T buffers, dV's over the dQ tile.
+            frags.stage_dk = smem_tensor(storage.sdS, sK_layout)
+            frags.stage_dv = cute.make_tensor(
+                cute.recast_ptr(storage.sdQ.data_ptr(), sK_layout.inner, self.dtype), sK_layout.outer)
         f = frags
         args = (f, gmem, cta, tiled_mmas, pipelines, tidx, col_starts, col_lengths)
         if const_expr(units is None):
@@ -1154,8 +1180,9 @@ class FlashBackwardSm90(WarpSpecializedSm90):
             _, state, _ = self.for_units(units, lambda k_tile, head_kv, batch, mask_batch, carried: self.consume_unit(
                 *args, k_tile, head_kv, batch, mask_batch, carried), self.unit_states(pipeline.PipelineUserType.Consumer))
             # The dQ warp's last DQ_EMPTY of the CTA (per unit the next unit's first dQ
-            # tile waited for the last one's).
-            self.balance_dq(state.count, f.wg)
+            # tile waited for the last one's; dkv_staged: each unit's end waited its own).
+            if const_expr(not self.config.dkv_staged):
+                self.balance_dq(state.count, f.wg)
 
     @cute.jit
     def consume_unit(self, f, gmem, cta, tiled_mmas, pipelines, tidx, col_starts, col_lengths,
@@ -1203,6 +1230,8 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         else:
             kv_state, state, seq0 = carried
             pipeline_kv.consumer_wait(kv_state)
+        if const_expr(self.config.dkv_staged):
+            frags.unit_count0 = state.count
         for g in cutlass.range(group, unroll=1):
             head = head_kv * group + g
             mh = self.mask_head(head)
@@ -1257,18 +1286,27 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         # dK / dV epilogue (which never touches the dQ tile) instead of before it.
         if const_expr(not self.config.late_balance and carried is None):
             self.balance_dq(state.count, wg)
+        staged = self.config.dkv_staged and carried is not None
+        if const_expr(staged):
+            # dkv_staged: this unit's last dQ tile read (the staging of dV overwrites it), and
+            # K / V freed now: the producer loads the next unit's during this epilogue.
+            self.balance_dq(state.count - frags.unit_count0, wg)
+            pipeline_kv.consumer_release(kv_state)
         if const_expr(self.config.dkv_tma_store):
-            self.epilogue_tma(acc_dK, acc_dV, mdK, mdV, sK, sV, tma_store_atoms, tiled_mmas_dkv, tidx,
-                              k_tile, head_kv, batch)
+            self.epilogue_tma(acc_dK, acc_dV, mdK, mdV, frags.stage_dk if const_expr(staged) else sK,
+                              frags.stage_dv if const_expr(staged) else sV, tma_store_atoms,
+                              tiled_mmas_dkv, tidx, k_tile, head_kv, batch)
         else:
             self.epilogue(acc_dK, acc_dV, mdK, mdV, tiled_mma_dkv, tidx, seqlen_k, k_tile, head_kv, batch)
         if const_expr(self.config.late_balance and carried is None):
             self.balance_dq(state.count, wg)
         if const_expr(carried is not None):
             # The store has read K's and V's buffers (warp 0 waited for it): the producer may
-            # load the next unit's K / V there. dK / dV start over.
+            # load the next unit's K / V there (dkv_staged: the store read the dS^T buffers
+            # and the dQ tile, which the next unit's first tile writes). dK / dV start over.
             cute.arch.barrier(barrier_id=int(Bar.EPILOGUE), number_of_threads=self.num_consumer_wgs * self.threads_per_wg)
-            pipeline_kv.consumer_release(kv_state)
+            if const_expr(not staged):
+                pipeline_kv.consumer_release(kv_state)
             kv_state.advance()
             acc_dK.fill(0.0)
             acc_dV.fill(0.0)
@@ -1871,8 +1909,12 @@ class FlashBackwardSm90(WarpSpecializedSm90):
                 red_add_v4_f32((base + g * 4 * self.threads_per_wg).llvm_ptr,
                                regs[0, g], regs[1, g], regs[2, g], regs[3, g])
         else:
-            if state.count > 0:
-                self.dq_buffer_wait(f.wg)
+            if const_expr(self.config.dkv_staged):
+                if state.count > f.unit_count0:     # each unit's end waited its last one
+                    self.dq_buffer_wait(f.wg)
+            else:
+                if state.count > 0:
+                    self.dq_buffer_wait(f.wg)
             dq_regs = ((2, 2), self.dq_chunks) if const_expr(self.config.dq_blocked) else (4, self.dq_chunks)
             cute.autovec_copy(cute.make_tensor(acc_dQ.iterator, cute.make_layout(dq_regs)), f.sdQ_thr)
             cute.arch.fence_view_async_shared()
