@@ -1167,6 +1167,9 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         col_starts = cute.make_rmem_tensor((num_rows, max(kc, 1)), Int32)
         col_lengths = cute.make_rmem_tensor((num_rows, max(kc, 1)), Int32)
         frags.work, frags.sK, frags.sV = work, sK, sV
+        # The ring count before which no dQ hand-off waits for the dQ warp: the CTA's first
+        # tile's (dkv_staged: each unit's first, consume_unit).
+        frags.unit_count0 = Int32(0)
         if const_expr(self.config.dkv_staged):
             # dkv_staged: dK's staging over the dS^T buffers, dV's over the dQ tile.
             frags.stage_dk = smem_tensor(storage.sdS, sK_layout)
@@ -1909,12 +1912,8 @@ class FlashBackwardSm90(WarpSpecializedSm90):
                 red_add_v4_f32((base + g * 4 * self.threads_per_wg).llvm_ptr,
                                regs[0, g], regs[1, g], regs[2, g], regs[3, g])
         else:
-            if const_expr(self.config.dkv_staged):
-                if state.count > f.unit_count0:     # each unit's end waited its last one
-                    self.dq_buffer_wait(f.wg)
-            else:
-                if state.count > 0:
-                    self.dq_buffer_wait(f.wg)
+            if state.count > f.unit_count0:     # (dkv_staged: each unit's end waited its last)
+                self.dq_buffer_wait(f.wg)
             dq_regs = ((2, 2), self.dq_chunks) if const_expr(self.config.dq_blocked) else (4, self.dq_chunks)
             cute.autovec_copy(cute.make_tensor(acc_dQ.iterator, cute.make_layout(dq_regs)), f.sdQ_thr)
             cute.arch.fence_view_async_shared()

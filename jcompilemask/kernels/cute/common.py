@@ -288,6 +288,18 @@ def list_first_word(gTiles: cute.Tensor, n_tiles: Int32, chunk: cutlass.Constexp
 
 
 @cute.jit
+def word_before(raw: Uint32, w: Int32, end: Int32) -> Uint32:
+    """Tile word ``w`` (tiles 16 w .. 16 w + 15, 2 state bits each) with no tile at or past
+    ``end``: the word itself, its low part in the word holding ``end``, 0 past it."""
+    word = raw
+    if (w + 1) * 16 > end:
+        word = Uint32(0)
+        if w * 16 < end:
+            word = raw & ((Uint32(1) << Uint32(2 * (end - w * 16))) - Uint32(1))
+    return word
+
+
+@cute.jit
 def first_listed_tile(raw: Uint32, n_tiles: Int32, chunk: cutlass.Constexpr[int]):
     """The first entry's tile of the list ``build_tile_list`` builds from a row's first chunk
     [0, min(chunk, n_tiles)), from the lanes' words of it (``list_first_word``, lane w
@@ -295,12 +307,7 @@ def first_listed_tile(raw: Uint32, n_tiles: Int32, chunk: cutlass.Constexpr[int]
     bit in the chunk (one ballot), then that word's lowest compute bit. -1 when the chunk
     has no visited tile (warp-uniform)."""
     lane = cute.arch.lane_idx()
-    end = cutlass.min(Int32(chunk), n_tiles)
-    compute = raw & Uint32(0x55555555)
-    if (lane + 1) * 16 > end:          # no tile at or past `end`, as the list's build
-        compute = Uint32(0)
-        if lane * 16 < end:
-            compute = raw & Uint32(0x55555555) & ((Uint32(1) << Uint32(2 * (end - lane * 16))) - Uint32(1))
+    compute = word_before(raw, lane, cutlass.min(Int32(chunk), n_tiles)) & Uint32(0x55555555)
     lanes = Uint32(cute.arch.vote_ballot_sync(compute != Uint32(0)))
     tile = Int32(-1)
     if lanes != Uint32(0):
@@ -369,13 +376,7 @@ def build_tile_runs(raw: Uint32, n_tiles: Int32, first_tile: Int32, sRuns: cute.
     its set bits (causal: two runs a row, so most lanes none)."""
     lane = cute.arch.lane_idx()
     w = first_tile // 16 + lane
-    end = cutlass.min(first_tile + RUN_CHUNK, n_tiles)
-    word = raw
-    if (w + 1) * 16 > end:          # the last word: no tile at or past `end`
-        word = Uint32(0)
-        if w * 16 < end:
-            word = raw & ((Uint32(1) << Uint32(2 * (end - w * 16))) - Uint32(1))
-    word = _run_kinds(word, w, ragged_tile)
+    word = _run_kinds(word_before(raw, w, cutlass.min(first_tile + RUN_CHUNK, n_tiles)), w, ragged_tile)
     before = cute.arch.shuffle_sync_up(word, 1)
     after = cute.arch.shuffle_sync_down(word, 1)
     if lane == 0:
