@@ -1298,7 +1298,11 @@ class BackwardConfig:
       persistent grid was slower because its next K / V waited for the dK / dV store. The
       consumers wait for the dQ warp's read of the unit's last dQ tile at the unit's end
       (not before its next unit's first), then store; the next unit's first dS^T / dQ
-      waits for the store's read. The same values: dK / dV bit for bit.
+      waits for the store's read. The same values: dK / dV bit for bit (8 GPU cases on an
+      H100, session 40). Slower there: the dilated window's 8K bwd 1.7124 ms (the default
+      grid), 1.9817 persistent, 1.9267 persistent + dkv_staged, all at 1980 MHz (run
+      2026-12-06T09:04:14Z, benchmarks/results/h100/h100-shortcols-s40.json): staging
+      takes 2.8% off the persistent grid, which stays 12.5% behind the default. Opt-in.
     - ``q_early`` (with ``list_early``; session 39): the producer finds the first visited
       tile of its first list from those early words (a ballot over the lanes' words and
       the lowest set bit: a few instructions, no list) and issues that tile's Q / dO / lse /
