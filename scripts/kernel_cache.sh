@@ -18,7 +18,9 @@
 # unquoted (JCM_LB_VARIANTS=a=X=1;b=Y=1 lb), never '...' (the stage then sees the quotes).
 # Each entry adds to the cache (~5-10 s of CPU a kernel here); the tar holds every kernel
 # of the current sources compiled so far (JCM_KERNEL_CACHE_RESET=1 starts empty; `--pack`
-# alone packs them again). A call
+# alone packs them again; JCM_KERNEL_PACK_ALSO="FP ..." also packs the cached kernels of those
+# source fingerprints, e.g. the main line's beside a branch's, for a call that runs both
+# trees: it copies the main line's kernel sources over the branch's between its stages). A call
 # carries at most 64 MiB with the cute bundle (~56 MiB) and the tree: the size is checked.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -71,12 +73,14 @@ list=$(mktemp)
 for key in "$cache"/cute-*/*/key.json; do
   [[ -f $key ]] || continue
   dir=$(dirname "$key")
-  grep -q "\"source_fingerprint\": \"$fp\"" "$key" && [[ -f $dir/kernel.o ]] \
-    && echo "${dir#"$cache"/}" >> "$list"
+  for want in $fp ${JCM_KERNEL_PACK_ALSO:-}; do
+    grep -q "\"source_fingerprint\": \"$want\"" "$key" && [[ -f $dir/kernel.o ]] \
+      && { echo "${dir#"$cache"/}" >> "$list"; break; }
+  done
 done
 n=$(wc -l < "$list")
 tar -cf - -C "$cache" -T "$list" | xz -T2 -9 > .device-stage/kernels/kernels.tar.xz
-echo "$(git rev-parse --short HEAD)$([[ -n $(git status --porcelain -- 'jcompilemask/*.py') ]] && echo +dirty) $fp $n kernels" \
+echo "$(git rev-parse --short HEAD)$([[ -n $(git status --porcelain -- 'jcompilemask/*.py') ]] && echo +dirty) $fp $n kernels${JCM_KERNEL_PACK_ALSO:+ (also of $JCM_KERNEL_PACK_ALSO)}" \
   > .device-stage/kernels/REVISION
 # The host launchers use this CPU's instruction sets (LLVM's native target; the DSL takes no
 # other host CPU with --enable-tvm-ffi): HOST_FLAGS lists the flags a loading CPU needs, i.e.
