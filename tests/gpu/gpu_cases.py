@@ -119,13 +119,48 @@ def random_many_intervals_case(rng, n=700, b=2):
     return spec, md
 
 
+def registry_names_cute(spec, dtype="bfloat16", d=128, hq=8, hkv=8, softcap=False,
+                        mark_available=False):
+    """Assert that ``jcompilemask.backends.explain`` for the call ``mask_attention`` makes of
+    ``spec`` (dtype, head dim ``d``, ``hq`` / ``hkv`` heads, ``softcap`` or not, no bias) chooses
+    cute, the CuTe backward, and cute for every region: issue 16's "explain() names cute"
+    (the tests that check values force ``implementation="cute"``; this is the registry's
+    own choice). ``mark_available``: with the cute backend marked available (no GPU here),
+    so the CPU twins check the same decision. Returns the explanation."""
+    import dataclasses
+    import jax.numpy as jnp
+    from jcompilemask import backends
+    cm = jcm.compile(spec, warn=False)
+    call = backends.Call(
+        dtype=jnp.dtype(dtype).name, head_dim=d, head_dim_v=d, num_heads=hq, num_kv_heads=hkv,
+        softcap=bool(softcap), has_fallback=bool(cm.fallback_regions), num_intervals=cm.num_intervals,
+        dense_bitmap=getattr(cm, "layout", None) == "bitmap",
+        residual_reason=backends.residual_reason_of(cm))
+    real = backends.get("cute")
+    if mark_available:
+        backends.register(dataclasses.replace(real, available=lambda: None))
+    try:
+        text = backends.explain(call, mask=cm)
+    finally:
+        if mark_available:
+            backends.register(real)
+    runs = [line.strip() for line in text.splitlines() if line.strip().startswith("runs on:")]
+    assert "chosen: cute" in text and "backward: the CuTe backward kernel" in text, text
+    assert runs and all(line.startswith("runs on: cute (") for line in runs), text
+    return text
+
+
 def check_attention(spec, md, b, n, hq, hkv, d, dtype, impl, seed=0, forward=True, lse=True):
     """mask_attention with ``impl`` against the dense oracle under the tolerance policy:
-    out (and lse) when ``forward``, then dq, dk, dv (asserts; random normal inputs)."""
+    out (and lse) when ``forward``, then dq, dk, dv (asserts; random normal inputs). With
+    ``impl="cute"`` the registry must also choose cute for that call on its own
+    (``registry_names_cute``)."""
     import jax
     import jax.numpy as jnp
     import jcompilemask as jcm
     from jcompilemask.testing import assert_within_policy, reference_attention, reference_gradients
+    if impl == "cute":
+        registry_names_cute(spec, dtype, d, hq, hkv)
     ks = jax.random.split(jax.random.key(seed), 4)
     mk = lambda kk, h: jax.random.normal(kk, (b, n, h, d), jnp.float32).astype(dtype)  # noqa: E731
     qx, kx, vx, do = mk(ks[0], hq), mk(ks[1], hkv), mk(ks[2], hkv), mk(ks[3], hq)

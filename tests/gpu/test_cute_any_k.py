@@ -25,7 +25,7 @@ import jcompilemask as jcm
 from jcompilemask import backends
 from jcompilemask.lower.compiled import region_backend
 from jcompilemask.spec import MaskSpec, Region, Scalar, k, q, q_len
-from gpu_cases import check_attention, random_many_intervals_case  # noqa: E402  (tests/gpu is on sys.path under pytest)
+from gpu_cases import check_attention, random_many_intervals_case, registry_names_cute  # noqa: E402  (tests/gpu is on sys.path under pytest)
 
 import os
 
@@ -96,3 +96,17 @@ def test_random_many_interval_specs(seed, any_k_on):
     spec, md = random_many_intervals_case(rng, 700, 2)
     assert jcm.compile(spec).num_intervals > 8
     check_attention(spec, md, 2, 700, 2, 1, 128, jnp.bfloat16, IMPL, seed=seed, forward=False)
+
+
+@pytest.mark.parametrize("name", sorted(CASES) + [f"random{i}" for i in range(6)])
+def test_registry_names_cute_for_any_k(name, monkeypatch):
+    """CPU twin of the GPU cases' registry check (gpu_cases.registry_names_cute): with cute
+    marked available, explain() chooses cute, the CuTe backward and cute for the region of
+    every any-K mask above and of the random K 9-32 specs the GPU tests draw."""
+    monkeypatch.delenv(backends.CUTE_BACKWARD_ENV, raising=False)
+    if name.startswith("random"):
+        spec, _ = random_many_intervals_case(np.random.default_rng(900 + int(name[6:])), 700, 2)
+    else:
+        spec, _ = CASES[name]
+    assert jcm.compile(spec, warn=False).num_intervals > 8
+    registry_names_cute(spec, hq=8, hkv=8, mark_available=True)

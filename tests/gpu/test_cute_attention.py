@@ -16,7 +16,7 @@ import jcompilemask as jcm
 from jcompilemask import backends
 from jcompilemask.spec import MaskSpec, Region, Scalar, k, q, q_len
 from jcompilemask.testing import assert_within_policy, reference_attention
-from gpu_cases import SPECS, metadata, random_spec_case  # tests/gpu is on sys.path under pytest
+from gpu_cases import SPECS, metadata, random_spec_case, registry_names_cute  # tests/gpu is on sys.path under pytest
 
 _why = backends.get("cute").available()
 pytestmark = pytest.mark.skipif(_why is not None, reason=f"cute backend unavailable: {_why}")
@@ -25,6 +25,9 @@ D = 128
 
 
 def _run(spec, md, b, n, hq, hkv, dtype=jnp.bfloat16, seed=0, grads=False, d=D, softcap=None):
+    # The registry itself picks cute (and the CuTe backward) for this call, not only the
+    # forced implementation="cute" below.
+    registry_names_cute(spec, dtype, d, hq, hkv, softcap=softcap is not None)
     ks = jax.random.split(jax.random.key(seed), 4)
     # With a soft cap, logits spread ~3x wider so that tanh saturates on some of them.
     q_gain = 1.0 if softcap is None else 3.0

@@ -25,7 +25,7 @@ import jcompilemask as jcm  # noqa: E402
 from jcompilemask import backends  # noqa: E402
 from jcompilemask.spec import MaskSpec, Region, Scalar, h, k, q, q_len  # noqa: E402
 from jcompilemask.testing import reference_gradients  # noqa: E402
-from gpu_cases import SPECS, compile_checking_remarks, gradient_problems, metadata, random_spec_case  # noqa: E402  (tests/gpu is on sys.path under pytest)
+from gpu_cases import SPECS, compile_checking_remarks, gradient_problems, metadata, random_spec_case, registry_names_cute  # noqa: E402  (tests/gpu is on sys.path under pytest)
 
 HAS_CUTLASS = importlib.util.find_spec("cutlass") is not None
 needs_cutlass = pytest.mark.skipif(not HAS_CUTLASS, reason="nvidia-cutlass-dsl is not installed")
@@ -1760,6 +1760,16 @@ def test_exp2_emu_grads(name, config, cap, dtype, cute_backward_on, monkeypatch)
     g_hi, g_lo = reference_gradients(qx, kx, vx, do, spec.as_dense(md, n, n), softcap=cap)
     problems = gradient_problems(g, g_hi, g_lo, dtype)
     assert not problems, "; ".join(problems)
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_registry_names_cute_for_builtin_masks(name, monkeypatch):
+    """CPU twin of the GPU cases' registry check (gpu_cases.registry_names_cute, which
+    test_cute_attention.py's cases run with the cute backend really there): with cute
+    marked available, explain() chooses cute, the CuTe backward and cute for every region
+    of each built-in mask (issue 16: "explain() names cute for all of them")."""
+    monkeypatch.delenv(backends.CUTE_BACKWARD_ENV, raising=False)
+    registry_names_cute(SPECS[name], hq=4, hkv=2, mark_available=True)
 
 
 def test_explain_says_which_backward_runs(monkeypatch):

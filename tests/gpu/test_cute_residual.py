@@ -26,7 +26,7 @@ import jcompilemask as jcm
 from jcompilemask import backends
 from jcompilemask.lower.compiled import region_backend
 from jcompilemask.spec import MaskSpec, Region, Scalar, Vector, h, k, q, q_len
-from gpu_cases import check_attention, random_residual_case  # noqa: E402  (tests/gpu is on sys.path under pytest)
+from gpu_cases import check_attention, random_residual_case, registry_names_cute  # noqa: E402  (tests/gpu is on sys.path under pytest)
 
 IMPL = os.environ.get("JCM_RESIDUAL_IMPL", "cute")    # "xla": the same checks on CPU
 _why = None if IMPL == "xla" else backends.get("cute").available()
@@ -76,6 +76,22 @@ def test_residual_forward_and_gradients(name, residual_on):
     assert all(region_backend(cm, g).startswith("cute on an SM90 GPU (hull") for g in cm.residual_regions)
     # ragged: not a multiple of 128
     check_attention(spec, md, 2, 1100, 4, 2, 128, jnp.bfloat16, IMPL)
+
+
+@pytest.mark.parametrize("name", sorted(CASES) + [f"random{i}" for i in range(6)])
+def test_registry_names_cute_for_residual_masks(name, monkeypatch):
+    """CPU twin of the GPU cases' registry check (gpu_cases.registry_names_cute, run by
+    check_attention with the cute backend really there): with cute marked available,
+    explain() chooses cute, the CuTe backward and cute for every region of each residual
+    mask above and of the random residual specs the GPU tests draw (the draws that lower
+    exactly included)."""
+    monkeypatch.delenv(backends.CUTE_BACKWARD_ENV, raising=False)
+    if name.startswith("random"):
+        spec, _ = random_residual_case(np.random.default_rng(700 + int(name[6:])), 700, 2)
+    else:
+        spec, _ = CASES[name]
+    heads = 4 if name == "per_head" else 8
+    registry_names_cute(spec, hq=heads, hkv=heads, mark_available=True)
 
 
 @needs_gpu
