@@ -1947,7 +1947,7 @@ def test_three_ring_stages_give_identical_gradients(name, cute_backward_on, monk
 
 
 SHORT_COLUMN_SWITCHES = ("late_balance=1", "held_words=1,late_balance=1",
-                         "held_words=1,late_balance=1,list_early=1,q_early=1")
+                         "held_words=1,late_balance=1,list_early=1,q_early=1", "dkv_tma_store=0")
 
 
 @needs_gpu
@@ -1959,7 +1959,9 @@ def test_short_column_switches_give_identical_gradients(name, switches, cute_bac
     ncu of the dilated window: the per-tile column-table load before the masked tile's
     words, the last dQ-buffer wait before the dK / dV epilogue, the first Q / dO after the
     list), alone and together: each moves a wait, not a value, so with the deterministic dQ
-    order all three gradients equal the default's bit for bit (GQA, ragged lengths)."""
+    order all three gradients equal the default's bit for bit (GQA, ragged lengths).
+    ``dkv_tma_store=0`` (session 40) stores dK / dV from registers instead of through shared
+    memory and TMA (the CTA's tail): the same values."""
     spec, md, n, inputs = _column_order_inputs(name, 128, 128, jnp.bfloat16, 35, 11)
     base = _deterministic_grads(monkeypatch, "", spec, md, *inputs)
     new = _deterministic_grads(monkeypatch, switches, spec, md, *inputs)
