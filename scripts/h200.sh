@@ -861,7 +861,7 @@ PY
     # nt (session 40): dK / dV stored from registers (dkv_tma_store=0, element stores) instead
     # of staged in shared memory and TMA-stored: each CTA's tail (ncu: the storing warp's
     # EXIT waits for the store's read of shared memory, 8.7% of the samples) against more
-    # store instructions; it says whether a vectorized register epilogue is worth building.
+    # store instructions; ntv the same with a column pair per 32-bit store (dkv_vec_store).
     export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
     c=JCOMPILEMASK_CUTE_BWD_CONFIG
     JCM_STAGE_S=$(left ${JCM_SC_TESTS_S:-150}) JCM_PAR_ONLY='short_column|held_words_gives|dkv_staged_gives' \
@@ -871,7 +871,7 @@ PY
     (( n > 0 && ok == n )) || [[ -n ${JCM_COMPILE_ONLY:-} ]] \
       || { echo "shortcols: $ok of $n identity cases passed: no timings"; exit 0; }
     JCM_BENCH_S=$(left ${JCM_SC_BENCH_S:-250}) JCM_BENCH_NS=8192 JCM_BENCH_MASKS=dilated_window \
-      JCM_MASKS16_VARIANTS="base=;hwlb=$c=held_words=1,late_balance=1;all=$c=held_words=1,late_balance=1,list_early=1,q_early=1;hi=$c=heads_inner=1;pe=$c=schedule=1,persistent=1;pst=$c=schedule=1,persistent=1,dkv_staged=1;nt=$c=dkv_tma_store=0" \
+      JCM_MASKS16_VARIANTS="base=;hwlb=$c=held_words=1,late_balance=1;all=$c=held_words=1,late_balance=1,list_early=1,q_early=1;hi=$c=heads_inner=1;pe=$c=schedule=1,persistent=1;pst=$c=schedule=1,persistent=1,dkv_staged=1;nt=$c=dkv_tma_store=0;ntv=$c=dkv_tma_store=0,dkv_vec_store=1" \
       bash "$0" masks16
     JCM_STAGE_S=$(left ${JCM_SC_KT_S:-120}) JCM_KT_MASKS=dilated_window bash "$0" ktimes
     ;;

@@ -1947,7 +1947,8 @@ def test_three_ring_stages_give_identical_gradients(name, cute_backward_on, monk
 
 
 SHORT_COLUMN_SWITCHES = ("late_balance=1", "held_words=1,late_balance=1",
-                         "held_words=1,late_balance=1,list_early=1,q_early=1", "dkv_tma_store=0")
+                         "held_words=1,late_balance=1,list_early=1,q_early=1", "dkv_tma_store=0",
+                         "dkv_tma_store=0,dkv_vec_store=1")
 
 
 @needs_gpu
@@ -1961,7 +1962,8 @@ def test_short_column_switches_give_identical_gradients(name, switches, cute_bac
     list), alone and together: each moves a wait, not a value, so with the deterministic dQ
     order all three gradients equal the default's bit for bit (GQA, ragged lengths).
     ``dkv_tma_store=0`` (session 40) stores dK / dV from registers instead of through shared
-    memory and TMA (the CTA's tail): the same values."""
+    memory and TMA (the CTA's tail), element by element or (``dkv_vec_store``) a column pair
+    per 32-bit store, the ragged last key tile element by element: the same values."""
     spec, md, n, inputs = _column_order_inputs(name, 128, 128, jnp.bfloat16, 35, 11)
     base = _deterministic_grads(monkeypatch, "", spec, md, *inputs)
     new = _deterministic_grads(monkeypatch, switches, spec, md, *inputs)
@@ -2013,3 +2015,28 @@ def test_dkv_staged_config_rules():
             dataclasses.replace(base, dkv_staged=True, **bad)
     with pytest.raises(ValueError, match="ds_stages=2"):
         dataclasses.replace(pers, dkv_staged=True, ds_stages=1, static_stage=False)
+
+
+@knob
+@needs_cutlass
+def test_dkv_vec_store_backward_compiles_for_sm90(monkeypatch, capfd):
+    """dkv_vec_store compiles at D 128 with the dilated window's residual predicate (SASS,
+    offline: 64 STG.E of column pairs, the ragged tile's 128 STG.E.U16; 168 registers, no
+    stack; the default's SASS byte-identical)."""
+    from jcompilemask.kernels.cute import api
+    pair, kk, kc = _dilated_residual()
+    cfg = dataclasses.replace(api.preferred_backward_config(128), dkv_tma_store=False,
+                              dkv_vec_store=True)
+    key = api.BackwardKey("bfloat16", 128, kk, kc, True, True, 128 ** -0.5, cfg, residual=pair)
+    assert compile_checking_remarks(api.compile_backward, key, monkeypatch, capfd) is not None
+    assert key.target_name.count("_vst") == 1
+
+
+def test_dkv_vec_store_config_rules():
+    """dkv_vec_store replaces the TMA store: with it (or the configs that need it) on, it
+    names the fields to unset."""
+    from jcompilemask.kernels.cute import api
+    base = dataclasses.replace(api.preferred_backward_config(128), dkv_tma_store=False)
+    assert dataclasses.replace(base, dkv_vec_store=True).tag.endswith("_vst")
+    with pytest.raises(ValueError, match="dkv_tma_store=0"):
+        dataclasses.replace(api.preferred_backward_config(128), dkv_vec_store=True)

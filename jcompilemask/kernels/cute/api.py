@@ -1303,6 +1303,14 @@ class BackwardConfig:
       grid), 1.9817 persistent, 1.9267 persistent + dkv_staged, all at 1980 MHz (run
       2026-12-06T09:04:14Z, benchmarks/results/h100/h100-shortcols-s40.json): staging
       takes 2.8% off the persistent grid, which stays 12.5% behind the default. Opt-in.
+    - ``dkv_vec_store`` (with ``dkv_tma_store=0``; session 40): dK / dV go from the
+      registers to global memory, each thread's adjacent column pair in one 32-bit store (64
+      per thread at D 128, where ``dkv_tma_store=0`` alone issues 128 2-byte stores), with no
+      shared-memory staging and no barrier; a key tile that runs past Nk goes element by
+      element. Aimed at each short-column CTA's tail: with the TMA store, the storing warp's
+      ``EXIT`` waits for the store to read shared memory (session 39's ncu of the dilated
+      window: 8.7% of the samples; FA4's kernel 9.9%), and the next CTA cannot start before.
+      Not yet timed (``h200.sh shortcols``: ``nt`` / ``ntv``).
     - ``q_early`` (with ``list_early``; session 39): the producer finds the first visited
       tile of its first list from those early words (a ballot over the lanes' words and
       the lowest set bit: a few instructions, no list) and issues that tile's Q / dO / lse /
@@ -1488,6 +1496,7 @@ class BackwardConfig:
     heads_inner: bool = False
     q_early: bool = False
     dkv_staged: bool = False
+    dkv_vec_store: bool = False
 
     def __post_init__(self):
         wants = ((BWD_TILES_SWAP,) if self.dkv_swap else (BWD_TILES_SPLIT,) if self.split_dkv
@@ -1597,6 +1606,10 @@ class BackwardConfig:
             raise ValueError("q_early (the first visited tile's Q / dO issued from the early "
                              "tile words, before the list is built) needs those words: set "
                              "work_list=1, list_early=1")
+        if self.dkv_vec_store and (self.dkv_tma_store or self.dkv_swap or self.persistent):
+            raise ValueError("dkv_vec_store (dK / dV stored from registers, a column pair per "
+                             "32-bit store) replaces the TMA store: set dkv_tma_store=0 (and "
+                             "dkv_swap=0, persistent=0, which need the TMA store)")
         if self.num_stages < 1 or self.ds_stages not in (1, 2):
             raise ValueError(f"num_stages={self.num_stages} must be >= 1 and ds_stages="
                              f"{self.ds_stages} 1 or 2")
@@ -1636,7 +1649,7 @@ class BackwardConfig:
                 f"{'_dkl' if self.dk_late else ''}{'_wgq' if self.wg_dq else ''}"
                 f"{'o' if self.wg_dq_offset else ''}{'_hw' if self.held_words else ''}"
                 f"{'_hi' if self.heads_inner else ''}{'_qe' if self.q_early else ''}"
-                f"{'_dst' if self.dkv_staged else ''}")
+                f"{'_dst' if self.dkv_staged else ''}{'_vst' if self.dkv_vec_store else ''}")
 
 
 def preferred_backward_config(head_dim: int, dtype: str = "bfloat16",

@@ -1299,6 +1299,9 @@ class FlashBackwardSm90(WarpSpecializedSm90):
             self.epilogue_tma(acc_dK, acc_dV, mdK, mdV, frags.stage_dk if const_expr(staged) else sK,
                               frags.stage_dv if const_expr(staged) else sV, tma_store_atoms,
                               tiled_mmas_dkv, tidx, k_tile, head_kv, batch)
+        elif const_expr(self.config.dkv_vec_store):
+            self.epilogue_vec(acc_dK, acc_dV, mdK, mdV, tiled_mmas_dkv, tidx, seqlen_k, k_tile,
+                              head_kv, batch)
         else:
             self.epilogue(acc_dK, acc_dV, mdK, mdV, tiled_mma_dkv, tidx, seqlen_k, k_tile, head_kv, batch)
         if const_expr(self.config.late_balance and carried is None):
@@ -2411,6 +2414,35 @@ class FlashBackwardSm90(WarpSpecializedSm90):
                     col = coords[r, c][1]
                     mdK[batch, row, head_kv, col] = (dK[r, c] * scale).to(self.dtype)
                     mdV[batch, row, head_kv, col] = dV[r, c].to(self.dtype)
+
+    @cute.jit
+    def epilogue_vec(self, acc_dK, acc_dV, mdK, mdV, tiled_mmas_dkv, tidx, seqlen_k, k_tile,
+                     head_kv, batch):
+        """``config.dkv_vec_store``: dK (times the softmax scale) and dV straight from the
+        registers to global, each thread's adjacent column pair in one 32-bit store (no
+        shared memory, no barrier: the warps exit as soon as their stores are issued, where
+        the TMA store's CTA waits for it to read shared memory); a key tile that runs past
+        Nk goes element by element (``epilogue``)."""
+        tiled_mma_dkv, tiled_mma_dv = tiled_mmas_dkv
+        bk = self.block_kv
+        if (k_tile + 1) * bk <= seqlen_k:
+            pair = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype,
+                                       num_bits_per_copy=2 * self.dtype.width)
+            store_k = cute.make_tiled_copy_C(pair, tiled_mma_dkv).get_slice(tidx)
+            store_v = store_k
+            if const_expr(self.head_dim_v != self.head_dim):
+                store_v = cute.make_tiled_copy_C(pair, tiled_mma_dv).get_slice(tidx)
+            gdK = cute.local_tile(mdK[batch, None, head_kv, None], (bk, self.head_dim), (k_tile, 0))
+            gdV = cute.local_tile(mdV[batch, None, head_kv, None], (bk, self.head_dim_v), (k_tile, 0))
+            rdK = cute.make_rmem_tensor_like(acc_dK, self.dtype)
+            rdK.store((acc_dK.load() * Float32(self.grad_scale)).to(self.dtype))
+            cute.copy(store_k, store_k.retile(rdK), store_k.partition_D(gdK))
+            rdV = cute.make_rmem_tensor_like(acc_dV, self.dtype)
+            rdV.store(acc_dV.load().to(self.dtype))
+            cute.copy(store_v, store_v.retile(rdV), store_v.partition_D(gdV))
+        else:
+            self.epilogue(acc_dK, acc_dV, mdK, mdV, tiled_mma_dkv, tidx, seqlen_k, k_tile, head_kv,
+                          batch)
 
     @cute.jit
     def epilogue_tma(self, acc_dK, acc_dV, mdK, mdV, sK, sV, atoms, tiled_mmas_dkv, tidx, k_tile,
