@@ -90,8 +90,8 @@
 #   jcmvar       jcm alone on JCM_BENCH_MASKS at JCM_BENCH_NS, once per JCM_MASKS16_VARIANTS entry
 #   shortcols    issue 16 on the H200: the short-column switches' identity cases under a hang
 #                guard, then masks16 (dilated window 8K: default / hwlb / all / hi / persistent
-#                / persistent + dkv_staged beside Flex+FA4), then ktimes (session 39's plan in
-#                one command; ~520 s)
+#                / persistent + dkv_staged / the register epilogues nt, ntv beside Flex+FA4),
+#                then ktimes (~590 s: JCM_STAGE_S=595)
 #   hdimspar     the same spread over JCM_PAR parallel pytest processes (JCM_PAR_SKIP: a regex of ids to leave out)
 #   multigpu     issue 19 on a multi-GPU kind: sharded training step + context parallelism (benchmarks/multi_gpu.py)
 #   kernels      GPU tests of the CuTe forward kernel alone (48 variant cases)
@@ -864,13 +864,13 @@ PY
     # store instructions; ntv the same with a column pair per 32-bit store (dkv_vec_store).
     export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
     c=JCOMPILEMASK_CUTE_BWD_CONFIG
-    JCM_STAGE_S=$(left ${JCM_SC_TESTS_S:-150}) JCM_PAR_ONLY='short_column|held_words_gives|dkv_staged_gives' \
+    JCM_STAGE_S=$(left ${JCM_SC_TESTS_S:-180}) JCM_PAR_ONLY='short_column|held_words_gives|dkv_staged_gives' \
       JCM_PAR_FILES=tests/gpu/test_cute_backward.py bash "$0" hdimspar
     n=$(wc -l < "$OUT/par-ids.txt"); ok=$(cat "$OUT"/pytest-par-*.log 2>/dev/null | grep -cE '::[^ ]+ (PASSED|SKIPPED)')
     # (compile-only runs, kernel_cache.sh, fail every case by design: they go on)
     (( n > 0 && ok == n )) || [[ -n ${JCM_COMPILE_ONLY:-} ]] \
       || { echo "shortcols: $ok of $n identity cases passed: no timings"; exit 0; }
-    JCM_BENCH_S=$(left ${JCM_SC_BENCH_S:-250}) JCM_BENCH_NS=8192 JCM_BENCH_MASKS=dilated_window \
+    JCM_BENCH_S=$(left ${JCM_SC_BENCH_S:-300}) JCM_BENCH_NS=8192 JCM_BENCH_MASKS=dilated_window \
       JCM_MASKS16_VARIANTS="base=;hwlb=$c=held_words=1,late_balance=1;all=$c=held_words=1,late_balance=1,list_early=1,q_early=1;hi=$c=heads_inner=1;pe=$c=schedule=1,persistent=1;pst=$c=schedule=1,persistent=1,dkv_staged=1;nt=$c=dkv_tma_store=0;ntv=$c=dkv_tma_store=0,dkv_vec_store=1" \
       bash "$0" masks16
     JCM_STAGE_S=$(left ${JCM_SC_KT_S:-120}) JCM_KT_MASKS=dilated_window bash "$0" ktimes
