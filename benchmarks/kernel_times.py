@@ -35,7 +35,9 @@ one): CUPTI serves one profiler per process, and ``jax.profiler`` traced after
 
 Records (``--out``, merged by (mask, n, impl)): ``mask``, ``n``, ``impl`` (``jcm-<backend>[-tag]``
 as ``bench_total.py`` names it, or the peer), ``env`` (a jcm record's ``JCOMPILEMASK_*``
-variables, when any is set), ``run``, ``steps``, ``gpu_ms``, ``wall_ms``,
+variables, when any is set), ``run``, ``steps``, ``gpu_ms``, ``wall_ms``, ``sm_clock_mhz`` /
+``power_w`` (benchmarks/clocks.py: the sample nearest the traced loop, which is shorter than
+the 100 ms sampling period; None without a sampler),
 ``kernels`` (a list of ``{"name", "calls", "us"}`` per step, longest first; names cut to 400
 characters), ``lines`` (the trace lines the events came from); ``smoke: true`` under
 ``--smoke``; an impl that fails gives ``error`` instead.
@@ -133,22 +135,24 @@ def jax_events(xplane_path: str, gpu_only: bool = False,
 
 def trace_jax(step, steps: int):
     """Run ``step()`` (returns a JAX value) ``steps`` times under ``jax.profiler.trace``
-    after one untraced warm-up call; ``(events, wall_ms per step, trace lines read)``."""
+    after one untraced warm-up call; ``(events, wall_ms per step, trace lines read, (start,
+    end) of the timed loop in ``time.time()`` seconds)``."""
     import jax
     jax.block_until_ready(step())
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d):
-            t = time.perf_counter()
+            t, t_abs = time.perf_counter(), time.time()
             for _ in range(steps):
                 out = step()
             jax.block_until_ready(out)
             wall = (time.perf_counter() - t) * 1e3 / steps
+            window = (t_abs, time.time())
         paths = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
         if not paths:
             raise RuntimeError(f"jax.profiler.trace wrote no .xplane.pb under {d}")
         used = []
         events = jax_events(paths[0], gpu_only=jax.default_backend() == "gpu", lines_used=used)
-        return events, wall, sorted(set(used))
+        return events, wall, sorted(set(used)), window
 
 
 def torch_events(prof) -> list[tuple[str, float]]:
@@ -163,18 +167,20 @@ def torch_events(prof) -> list[tuple[str, float]]:
 
 def trace_torch(step, steps: int):
     """``step()`` ``steps`` times under ``torch.profiler`` (CPU + CUDA activities) after
-    one warm-up call; ``(events, wall_ms per step, ["torch.profiler CUDA"])``."""
+    one warm-up call; ``(events, wall_ms per step, ["torch.profiler CUDA"], (start, end)
+    of the timed loop in ``time.time()`` seconds)``."""
     import torch
     from torch.profiler import ProfilerActivity, profile
     step()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        t = time.perf_counter()
+        t, t_abs = time.perf_counter(), time.time()
         for _ in range(steps):
             step()
         torch.cuda.synchronize()
         wall = (time.perf_counter() - t) * 1e3 / steps
-    return torch_events(prof), wall, ["torch.profiler CUDA"]
+        window = (t_abs, time.time())
+    return torch_events(prof), wall, ["torch.profiler CUDA"], window
 
 
 def peer_step(mask: str, n: int, impl: str):
@@ -197,16 +203,17 @@ def peer_step(mask: str, n: int, impl: str):
 def measure(mask: str, n: int, impl: str, steps: int, smoke: bool = False) -> dict:
     """One record (see the module docstring); ``impl`` ``jcm`` is ``bench_total``'s
     ``jcm_workload`` step under the environment in effect."""
+    clocks.start()          # SM clock / power over the traced loop (None without a sampler)
     if impl == "jcm":
         w = B.jcm_workload(mask, n, smoke)
         impl = f"jcm-{w['impl']}"
-        events, wall, lines = trace_jax(w["step"], steps)
+        events, wall, lines, window = trace_jax(w["step"], steps)
     else:
-        events, wall, lines = trace_torch(peer_step(mask, n, impl), steps)
+        events, wall, lines, window = trace_torch(peer_step(mask, n, impl), steps)
     rows = summarize(events, steps)
     rec = dict(mask=mask, n=n, impl=impl, run=clocks.run_id(), steps=steps,
                gpu_ms=round(sum(r["us"] for r in rows) / 1e3, 4), wall_ms=round(wall, 4),
-               kernels=rows, lines=lines)
+               **clocks.summary([window]), kernels=rows, lines=lines)
     if smoke:
         rec["smoke"] = True
     return rec

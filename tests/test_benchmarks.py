@@ -453,6 +453,7 @@ def test_kernel_times_smoke_lists_the_step_kernels_on_cpu(tmp_path):
     assert "error" not in rec, rec
     assert rec["impl"].startswith("jcm-") and rec["smoke"] is True and rec["n"] == 256
     assert rec["kernels"] and rec["gpu_ms"] > 0 and rec["wall_ms"] > 0
+    assert "sm_clock_mhz" in rec and "power_w" in rec      # None here: no GPU to sample
     assert rec["lines"] and all(x.startswith("/host:CPU") for x in rec["lines"])
     us = [r["us"] for r in rec["kernels"]]
     assert us == sorted(us, reverse=True)
