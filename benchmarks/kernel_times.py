@@ -221,10 +221,15 @@ def measure(mask: str, n: int, impl: str, steps: int, smoke: bool = False) -> di
 
 def merge(path: str, records: list[dict]) -> None:
     """Add ``records`` to the JSON file at ``path`` (``{"records": [...]}``), replacing any
-    of the same (mask, n, impl) (``bench_forward._merge``)."""
+    of the same (mask, n, impl) (``bench_forward._merge``); the file's other keys (a
+    ``note``) are kept."""
     merged = _merge(path, records)
+    head = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            head = {k: v for k, v in json.load(f).items() if k != "records"}
     with open(path, "w") as f:
-        json.dump({"records": merged}, f, indent=1)
+        json.dump({**head, "records": merged}, f, indent=1)
         f.write("\n")
 
 

@@ -459,8 +459,10 @@ def test_kernel_times_smoke_lists_the_step_kernels_on_cpu(tmp_path):
     assert us == sorted(us, reverse=True)
     saved = json.loads(out.read_text())["records"]
     assert len(saved) == 1 and saved[0]["kernels"] == rec["kernels"]
+    out.write_text(json.dumps({"note": "kept", "records": saved}))
     kt.merge(str(out), [dict(rec, gpu_ms=1.0)])           # same key: replaced, not added
     assert [r["gpu_ms"] for r in json.loads(out.read_text())["records"]] == [1.0]
+    assert json.loads(out.read_text())["note"] == "kept"
 
 
 def test_kernel_times_variants_name_the_variant_and_its_env(tmp_path):
