@@ -2415,6 +2415,16 @@ class FlashBackwardSm90(WarpSpecializedSm90):
                     mdK[batch, row, head_kv, col] = (dK[r, c] * scale).to(self.dtype)
                     mdV[batch, row, head_kv, col] = dV[r, c].to(self.dtype)
 
+    def output_regs(self, acc, scale=None):
+        """An fp32 accumulator (times ``scale``) in the input dtype, in its own register
+        layout: what the stored dK / dV epilogues (``epilogue_tma``, ``epilogue_vec``) copy out."""
+        out = cute.make_rmem_tensor_like(acc, self.dtype)
+        vals = acc.load()
+        if const_expr(scale is not None):
+            vals = vals * Float32(scale)
+        out.store(vals.to(self.dtype))
+        return out
+
     @cute.jit
     def epilogue_vec(self, acc_dK, acc_dV, mdK, mdV, tiled_mmas_dkv, tidx, seqlen_k, k_tile,
                      head_kv, batch):
@@ -2434,12 +2444,9 @@ class FlashBackwardSm90(WarpSpecializedSm90):
                 store_v = cute.make_tiled_copy_C(pair, tiled_mma_dv).get_slice(tidx)
             gdK = cute.local_tile(mdK[batch, None, head_kv, None], (bk, self.head_dim), (k_tile, 0))
             gdV = cute.local_tile(mdV[batch, None, head_kv, None], (bk, self.head_dim_v), (k_tile, 0))
-            rdK = cute.make_rmem_tensor_like(acc_dK, self.dtype)
-            rdK.store((acc_dK.load() * Float32(self.grad_scale)).to(self.dtype))
-            cute.copy(store_k, store_k.retile(rdK), store_k.partition_D(gdK))
-            rdV = cute.make_rmem_tensor_like(acc_dV, self.dtype)
-            rdV.store(acc_dV.load().to(self.dtype))
-            cute.copy(store_v, store_v.retile(rdV), store_v.partition_D(gdV))
+            cute.copy(store_k, store_k.retile(self.output_regs(acc_dK, self.grad_scale)),
+                      store_k.partition_D(gdK))
+            cute.copy(store_v, store_v.retile(self.output_regs(acc_dV)), store_v.partition_D(gdV))
         else:
             self.epilogue(acc_dK, acc_dV, mdK, mdV, tiled_mma_dkv, tidx, seqlen_k, k_tile, head_kv,
                           batch)
@@ -2466,12 +2473,10 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         if const_expr(self.dkv_swap):
             sK_out = cute.make_tensor(sK.iterator, cute.select(sK.layout, mode=[1, 0, 2]))[None, None, 0]
             sV_out = cute.make_tensor(sV.iterator, cute.select(sV.layout, mode=[1, 0, 2]))[None, None, 0]
-        rdK = cute.make_rmem_tensor_like(acc_dK, self.dtype)
-        rdK.store((acc_dK.load() * Float32(self.grad_scale)).to(self.dtype))
-        cute.copy(smem_store, smem_store.retile(rdK), smem_store.partition_D(sK_out))
-        rdV = cute.make_rmem_tensor_like(acc_dV, self.dtype)
-        rdV.store(acc_dV.load().to(self.dtype))
-        cute.copy(smem_store_v, smem_store_v.retile(rdV), smem_store_v.partition_D(sV_out))
+        cute.copy(smem_store, smem_store.retile(self.output_regs(acc_dK, self.grad_scale)),
+                  smem_store.partition_D(sK_out))
+        cute.copy(smem_store_v, smem_store_v.retile(self.output_regs(acc_dV)),
+                  smem_store_v.partition_D(sV_out))
         # Generic-proxy smem writes are fenced before the TMA (async proxy) reads them.
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=int(Bar.EPILOGUE), number_of_threads=both)
