@@ -64,6 +64,29 @@ class Call:
     residual_reason: Optional[str] = None
 
 
+def call_for(cm, *, dtype: str, head_dim: int, head_dim_v: int, num_heads: int,
+             num_kv_heads: int, softcap: bool = False, tiles: Optional[TileConfig] = None,
+             bias: bool = False, num_intervals: Optional[int] = None) -> Call:
+    """The registry's view of an attention call on the compiled mask ``cm``: the call's own
+    dtype, head dims, heads and options, and what the mask decides (residual regions and
+    whether they can become kernel code, the interval count, a dense bitmap layout).
+    ``mask_attention``, the ring steps and ``explain(mask=...)`` build their calls here;
+    ``num_intervals`` overrides the mask's (a ring step's slots).
+
+    >>> import jcompilemask as jcm
+    >>> c = call_for(jcm.compile(jcm.masks.causal()), dtype="bfloat16", head_dim=128,
+    ...              head_dim_v=128, num_heads=8, num_kv_heads=2)
+    >>> c.has_fallback, c.num_intervals, c.residual_reason
+    (False, 1, None)
+    """
+    return Call(dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v, num_heads=num_heads,
+                num_kv_heads=num_kv_heads, softcap=bool(softcap),
+                has_fallback=bool(cm.fallback_regions),
+                num_intervals=cm.num_intervals if num_intervals is None else num_intervals,
+                tiles=tiles, bias=bias, dense_bitmap=getattr(cm, "layout", None) == "bitmap",
+                residual_reason=residual_reason_of(cm))
+
+
 @dataclasses.dataclass(frozen=True)
 class Backend:
     """An attention implementation.
@@ -194,12 +217,8 @@ def explain(call: Call | None = None, mask=None) -> str:
     if mask is not None:
         cm = _compiled.compile(mask, warn=False)
         if call is None:
-            call = Call(dtype="bfloat16", head_dim=128, head_dim_v=128, num_heads=8,
-                        num_kv_heads=8, softcap=False,
-                        has_fallback=bool(cm.fallback_regions),
-                        num_intervals=cm.num_intervals,
-                        dense_bitmap=getattr(cm, "layout", None) == "bitmap",
-                        residual_reason=residual_reason_of(cm))
+            call = call_for(cm, dtype="bfloat16", head_dim=128, head_dim_v=128, num_heads=8,
+                            num_kv_heads=8)
     lines = ["backends, best first:"]
     chosen = None
     for b in backends():

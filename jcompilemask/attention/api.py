@@ -227,13 +227,10 @@ def mask_attention(query, key, value, mask=None, *, bias=None,
 
     desc = plan.desc
     cm = desc.mask if desc is not None else _compile(plan.mask)
-    call = _backends.Call(
-        dtype=jnp.dtype(query.dtype).name, head_dim=d, head_dim_v=dv, num_heads=hq,
+    call = _backends.call_for(
+        cm, dtype=jnp.dtype(query.dtype).name, head_dim=d, head_dim_v=dv, num_heads=hq,
         num_kv_heads=hkv, softcap=logits_soft_cap is not None,
-        has_fallback=bool(cm.fallback_regions), num_intervals=cm.num_intervals,
-        dense_bitmap=getattr(cm, "layout", None) == "bitmap",
-        tiles=None if desc is None else desc.tiles, bias=bias is not None,
-        residual_reason=_backends.residual_reason_of(cm))
+        tiles=None if desc is None else desc.tiles, bias=bias is not None)
     impl = _compat.implementation_name(implementation)
     try:
         backend = _backends.select(impl, call)

@@ -418,13 +418,10 @@ def _chunk_error(cs, n, c, tiles, backend, whose) -> ValueError:
 
 def _call(query, key, value, cm, softcap, num_intervals, tiles) -> _backends.Call:
     """The registry's view of one ring step's call (see ``mask_attention``'s)."""
-    return _backends.Call(
-        dtype=jnp.dtype(query.dtype).name, head_dim=query.shape[-1],
+    return _backends.call_for(
+        cm, dtype=jnp.dtype(query.dtype).name, head_dim=query.shape[-1],
         head_dim_v=value.shape[-1], num_heads=query.shape[2], num_kv_heads=key.shape[2],
-        softcap=softcap is not None, has_fallback=bool(cm.fallback_regions),
-        num_intervals=num_intervals, tiles=tiles,
-        dense_bitmap=getattr(cm, "layout", None) == "bitmap",
-        residual_reason=_backends.residual_reason_of(cm))
+        softcap=softcap is not None, num_intervals=num_intervals, tiles=tiles)
 
 
 def _step_backend(backend, call: _backends.Call, desc, cpd: int) -> str:

@@ -131,11 +131,8 @@ def registry_names_cute(spec, dtype="bfloat16", d=128, hq=8, hkv=8, softcap=Fals
     import jax.numpy as jnp
     from jcompilemask import backends
     cm = jcm.compile(spec, warn=False)
-    call = backends.Call(
-        dtype=jnp.dtype(dtype).name, head_dim=d, head_dim_v=d, num_heads=hq, num_kv_heads=hkv,
-        softcap=bool(softcap), has_fallback=bool(cm.fallback_regions), num_intervals=cm.num_intervals,
-        dense_bitmap=getattr(cm, "layout", None) == "bitmap",
-        residual_reason=backends.residual_reason_of(cm))
+    call = backends.call_for(cm, dtype=jnp.dtype(dtype).name, head_dim=d, head_dim_v=d,
+                             num_heads=hq, num_kv_heads=hkv, softcap=softcap)
     real = backends.get("cute")
     if mark_available:
         backends.register(dataclasses.replace(real, available=lambda: None))
