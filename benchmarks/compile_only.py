@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import os
 
-_KEYS: list = []      # the ForwardKey / BackwardKey of every kernel compiled or loaded
+_KEYS: list = []      # the ForwardKey / BackwardKey / BackwardPrepKey of every kernel compiled or loaded
 _ACTIVE = False
 
 
@@ -106,8 +106,10 @@ def _noop_handler():
 
 
 def summary() -> str:
-    fwd = sum(type(k).__name__ == "ForwardKey" for k in _KEYS)
-    return f"compile-only: {fwd} forward and {len(_KEYS) - fwd} backward kernels in the cache"
+    kinds = [type(k).__name__ for k in _KEYS]
+    fwd, prep = kinds.count("ForwardKey"), kinds.count("BackwardPrepKey")
+    return (f"compile-only: {fwd} forward and {len(_KEYS) - fwd - prep} backward kernels in the "
+            f"cache" + (f" (and {prep} backward preprocess)" if prep else ""))
 
 
 # -- as a pytest plugin: `pytest -p compile_only ...` with benchmarks/ on PYTHONPATH ----------

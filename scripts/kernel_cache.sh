@@ -67,13 +67,14 @@ for text, n in sorted(seen.items()):
 PY
 done
 # The kernels of the current sources only (a kernel of older sources would never load).
-fp=$("$JCM_DEVICE_PY" -c 'from jcompilemask.kernels.cute import api; print(api._package_fingerprint())')
+# (and the backward preprocess kernels of glue.py, under their own fingerprint)
+read -r fp fp_glue < <("$JCM_DEVICE_PY" -c 'from jcompilemask.kernels.cute import api; print(api._package_fingerprint(), api._glue_fingerprint())')
 mkdir -p .device-stage/kernels
 list=$(mktemp)
 for key in "$cache"/cute-*/*/key.json; do
   [[ -f $key ]] || continue
   dir=$(dirname "$key")
-  for want in $fp ${JCM_KERNEL_PACK_ALSO:-}; do
+  for want in $fp $fp_glue ${JCM_KERNEL_PACK_ALSO:-}; do
     grep -q "\"source_fingerprint\": \"$want\"" "$key" && [[ -f $dir/kernel.o ]] \
       && { echo "${dir#"$cache"/}" >> "$list"; break; }
   done

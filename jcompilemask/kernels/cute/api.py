@@ -459,6 +459,8 @@ _HOST_ONLY = frozenset({
     "_popcount_visited", "_unit_counts", "_late_units", "backward_schedule_moves",
     "backward_schedule", "cute_backward", "backward_config", "replay_makespan",
     "backward_static_order", "_bwd_static_order_on",
+    # the backward's preprocess kernel (kernels/cute/glue.py, its own fingerprint)
+    "BackwardPrepKey", "_glue_fingerprint", "_bwd_prep_on", "backward_prep",
 })
 # Where the kernels' code lives: the kernel modules, and the residual programs they emit
 # into partial tiles; their imports inside the package are followed (_kernel_sources).
@@ -472,7 +474,7 @@ def _strip_host_only(text: str) -> str:
     lines = text.splitlines(keepends=True)
     drop = set()
     for node in ast.parse(text).body:
-        host = isinstance(node, ast.FunctionDef) and node.name in _HOST_ONLY
+        host = isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name in _HOST_ONLY
         # ... and the two tables of this machinery (what they leave out is seen in the rest)
         host = host or isinstance(node, ast.Assign) and any(
             getattr(t, "id", None) in ("_HOST_ONLY", "_KERNEL_ROOTS") for t in node.targets)
@@ -513,7 +515,7 @@ def _module_files(parts) -> list:
     return [f"{stem}/__init__.py", f"{stem}.py"] if stem else ["__init__.py"]
 
 
-def _kernel_sources(read) -> dict:
+def _kernel_sources(read, roots=_KERNEL_ROOTS) -> dict:
     """{path inside the package: code} of every module a kernel's trace can run: the
     _KERNEL_ROOTS and, transitively, the package modules they import (anywhere in the file,
     relative or absolute), api.py without its _HOST_ONLY functions; each as _code_only.
@@ -521,7 +523,7 @@ def _kernel_sources(read) -> dict:
     revision's tree)."""
     import ast
     import posixpath
-    out, todo = {}, list(_KERNEL_ROOTS)
+    out, todo = {}, list(roots)
     while todo:
         path = todo.pop()
         if path in out:
@@ -591,10 +593,12 @@ def disk_cache_key(key):
         return None
     if os.environ.get("JCOMPILEMASK_CUTE_DUMP_DIR") or _ptxas_remarks():
         return None
-    kind = "cute-forward" if isinstance(key, ForwardKey) else "cute-backward"
+    kind = {ForwardKey: "cute-forward", BackwardKey: "cute-backward",
+            BackwardPrepKey: "cute-glue"}[type(key)]
+    sources = _glue_fingerprint() if isinstance(key, BackwardPrepKey) else _package_fingerprint()
     return ffi.KernelKey(
         kind=kind, mask_fingerprint="", shape_class=(key.target_name,), dtypes=(key.dtype,),
-        tile_config=(), source_fingerprint=_package_fingerprint(),
+        tile_config=(), source_fingerprint=sources,
         versions=ffi.versions("nvidia-cutlass-dsl", "nvidia-cutlass-dsl-libs-base",
                               "nvidia-cutlass-dsl-libs-cu12", "nvidia-cutlass-dsl-libs-cu13",
                               "apache-tvm-ffi")
@@ -631,8 +635,19 @@ def kernel_function(key):
     """The TVM-FFI function of a ForwardKey / BackwardKey: from this process's memory,
     else from the disk cache (:func:`disk_cache_key`), else compiled (and then saved for
     the next process; this one keeps the function it compiled)."""
-    build = (lambda: compile_forward(key)) if isinstance(key, ForwardKey) \
-        else (lambda: compile_backward(key))
+    if isinstance(key, BackwardPrepKey):
+        def build():
+            with _lock:
+                if key not in _compiled:
+                    _import_cutlass()
+                    from .glue import compile_backward_prep
+                    _compiled[key] = compile_backward_prep(
+                        key.dtype, key.head_dim, key.head_dim_v, key.block_q, key.with_dlse,
+                        _options())
+                return _compiled[key]
+    else:
+        build = (lambda: compile_forward(key)) if isinstance(key, ForwardKey) \
+            else (lambda: compile_backward(key))
     dkey = disk_cache_key(key)
     if dkey is None:
         return build()
@@ -2447,18 +2462,24 @@ def cute_backward(q, k, v, out, lse, do, bwd_intervals, bwd_tiles, fwd_intervals
     name = _ensure_registered(key if static_order is None else dataclasses.replace(
         key, config=dataclasses.replace(config, schedule=True, heads_inner=False)))
     f32 = jnp.float32
-    lse = lse.astype(f32)
-    lse2 = jnp.where(jnp.isneginf(lse), jnp.inf, lse * np.float32(1.0 / math.log(2.0)))
-    from ...attention.xla import softmax_delta
-    delta = softmax_delta(out, do, lse, dlse)
-    # Whole query tiles for the statistics' TMA boxes: +inf lse (P = 0) and 0 delta past Nq.
-    pad = ((0, 0), (0, 0), (0, Tq * block_q - Nq))
-    lse2 = jnp.pad(lse2, pad, constant_values=np.inf)
-    delta = jnp.pad(delta.astype(f32), pad)
+    acc_shape = (B, Hq, Tq, block_q * D)
+
+    def stats():
+        """lse2, delta (whole query tiles for the statistics' TMA boxes: +inf lse, so P = 0,
+        and 0 delta past Nq) and the zeroed dQ accumulator: one kernel, or three XLA passes."""
+        if _bwd_prep_on():
+            return backward_prep(out, do, lse, dlse, head_dim=D, block_q=block_q)
+        lse32 = lse.astype(f32)
+        lse2 = jnp.where(jnp.isneginf(lse32), jnp.inf, lse32 * np.float32(1.0 / math.log(2.0)))
+        from ...attention.xla import softmax_delta
+        delta = softmax_delta(out, do, lse32, dlse)
+        pad = ((0, 0), (0, 0), (0, Tq * block_q - Nq))
+        return (jnp.pad(lse2, pad, constant_values=np.inf), jnp.pad(delta.astype(f32), pad),
+                jnp.zeros(acc_shape, f32))
+
     if Kc == 0:      # no column view: a 1-slot empty table keeps the operand shapes valid
         bwd_intervals = jnp.zeros((Bm, Hm, Nk, 1, 2), jnp.int32)
     exact = jnp.broadcast_to(jnp.asarray(bwd_exact, jnp.int32).reshape(-1), (Bm,))
-    acc_shape = (B, Hq, Tq, block_q * D)
     if config.deterministic:
         turns, sem_shape = dq_turns(bwd_tiles, Tq), (B, Hq, Tq)
     else:   # unused by the kernel: minimal placeholders keep one signature
@@ -2470,15 +2491,17 @@ def cute_backward(q, k, v, out, lse, do, bwd_intervals, bwd_tiles, fwd_intervals
         jax.ShapeDtypeStruct(v.shape, v.dtype),
     )
     # The dQ accumulator and the semaphores must start at zero: inputs aliased to outputs.
+    # (Made in each branch that runs a kernel, so that a lax.cond's branch owns its buffer.)
     def run(kernel_name, inputs, order=()):
         call = jax.ffi.ffi_call(kernel_name, out_types, vmap_method="sequential",
                                 input_output_aliases={11: 0, 12: 1})
-        operands = (*inputs[:11], jnp.zeros(acc_shape, f32), jnp.zeros(sem_shape, jnp.int32),
-                    *inputs[11:], *order)
+        lse2, delta, acc = stats()
+        operands = (*inputs[:4], lse2, delta, *inputs[4:9], acc,
+                    jnp.zeros(sem_shape, jnp.int32), *inputs[9:], *order)
         return tuple(match_varying(call(*operands), *operands))
 
-    inputs = (q, k, v, do, lse2, delta, bwd_intervals.astype(jnp.int32),
-              bwd_tiles.astype(jnp.uint32), fwd_intervals.astype(jnp.int32), exact, turns, *extra)
+    inputs = (q, k, v, do, bwd_intervals.astype(jnp.int32), bwd_tiles.astype(jnp.uint32),
+              fwd_intervals.astype(jnp.int32), exact, turns, *extra)
     def scheduled(inputs):
         order = backward_schedule(
             bwd_tiles, B, Hq, Hkv, l2_group,
@@ -2539,3 +2562,96 @@ def backward_grad_scale(scale: float, softcap, config: BackwardConfig) -> float:
     0.5
     """
     return float(scale) * (4.0 if softcap is not None and config.softcap_r else 1.0)
+
+
+# ------------------------------------------------------------- the backward's preprocess
+@dataclasses.dataclass(frozen=True)
+class BackwardPrepKey:
+    """What one compiled ``glue.BackwardPrep`` depends on: the element type of O / dO, the
+    head dims (D sizes the dQ accumulator's slots, Dv the rows it reads), the backward's
+    query tile and whether the lse has a cotangent.
+
+    >>> BackwardPrepKey("bfloat16", 128, 128, 64, False).target_name
+    'jcompilemask_cute_bwd_prep_bfloat16_d128x128_q64'
+    """
+
+    dtype: str
+    head_dim: int
+    head_dim_v: int
+    block_q: int
+    with_dlse: bool
+
+    def __post_init__(self):
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"the backward preprocess supports {_DTYPES}, got {self.dtype!r}")
+        if self.head_dim_v % 8 or self.head_dim % 8 or self.block_q not in (64, 128):
+            raise ValueError(f"the backward preprocess needs head dims that are multiples of 8 "
+                             f"and block_q 64 or 128, got D {self.head_dim}, Dv {self.head_dim_v}, "
+                             f"block_q {self.block_q}")
+
+    @property
+    def target_name(self) -> str:
+        return (f"jcompilemask_cute_bwd_prep_{self.dtype}_d{self.head_dim}x{self.head_dim_v}"
+                f"_q{self.block_q}" + ("_dlse" if self.with_dlse else ""))
+
+
+@functools.lru_cache(maxsize=1)
+def _glue_fingerprint() -> str:
+    """The preprocess kernel's own disk-cache fingerprint: :func:`_package_fingerprint`'s
+    hash over ``kernels/cute/glue.py`` and what it imports from the package (nothing today),
+    so neither this kernel nor the attention kernels recompile for the other's edits."""
+    import hashlib
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[2]
+
+    def read(path):
+        f = root / path
+        return f.read_text() if f.is_file() else None
+
+    h = hashlib.sha256()
+    for path, text in sorted(_kernel_sources(read, ("kernels/cute/glue.py",)).items()):
+        h.update(path.encode() + b"\0" + text.encode() + b"\0")
+    return h.hexdigest()[:24]
+
+
+def _bwd_prep_on() -> bool:
+    """``$JCOMPILEMASK_CUTE_BWD_PREP``: ``1`` makes the CuTe backward's lse2, delta and zeroed
+    dQ accumulator with the preprocess kernel (``glue.BackwardPrep``, one pass); ``0`` (the
+    default until the kernel is timed on the H200) with three XLA passes."""
+    import os
+    v = os.environ.get("JCOMPILEMASK_CUTE_BWD_PREP", "0").strip()
+    if v not in ("0", "1"):
+        raise ValueError(f"$JCOMPILEMASK_CUTE_BWD_PREP must be 0 or 1, got {v!r}")
+    return v == "1"
+
+
+def backward_prep(out, do, lse, dlse=None, *, head_dim: int, block_q: int):
+    """The CuTe backward's statistics and dQ accumulator in one kernel (``glue.BackwardPrep``):
+    ``(lse2, delta, dq_acc)``, the first two [B, Hq, Tq * block_q] float32 and the third
+    [B, Hq, Tq, block_q * head_dim] float32 zeros, Tq = ceil(Nq / block_q).
+
+    The same values as the XLA passes ``cute_backward`` otherwise runs: lse2 = lse / ln 2
+    bit for bit (+inf where lse is -inf, and past Nq), delta = rowsum(dO * O) less ``dlse``
+    where lse is finite (``attention.xla.softmax_delta``; the sum's order differs, so delta
+    agrees to float32 rounding), 0 past Nq; non-finite O / dO propagate into delta. Needs
+    the GPU (the ``cute`` backend); out / do [B, Nq, Hq, Dv] in bfloat16 or float16, lse /
+    dlse [B, Hq, Nq].
+    """
+    B, Nq, Hq, Dv = out.shape
+    if do.shape != out.shape or do.dtype != out.dtype:
+        raise ValueError(f"backward_prep: do {do.shape} {do.dtype} must match out {out.shape} "
+                         f"{out.dtype}")
+    if lse.shape != (B, Hq, Nq) or (dlse is not None and dlse.shape != lse.shape):
+        raise ValueError(f"backward_prep: lse / dlse must be shaped {(B, Hq, Nq)}, got "
+                         f"{lse.shape} / {None if dlse is None else dlse.shape}")
+    key = BackwardPrepKey(jnp.dtype(out.dtype).name, head_dim, Dv, block_q, dlse is not None)
+    name = _ensure_registered(key)
+    tq = -(-Nq // block_q)
+    f32 = jnp.float32
+    out_types = (jax.ShapeDtypeStruct((B, Hq, tq * block_q), f32),
+                 jax.ShapeDtypeStruct((B, Hq, tq * block_q), f32),
+                 jax.ShapeDtypeStruct((B, Hq, tq, block_q * head_dim), f32))
+    lse = lse.astype(f32)
+    operands = (out, do, lse, lse if dlse is None else dlse.astype(f32))
+    call = jax.ffi.ffi_call(name, out_types, vmap_method="sequential")
+    return tuple(match_varying(call(*operands), *operands))

@@ -1,0 +1,180 @@
+"""The CuTe backward's preprocess kernel: what ``cute_backward`` hands ``FlashBackwardSm90``
+besides Q, K, V and dO, made in one pass over O and dO.
+
+Per (query tile, head, batch) one CTA writes
+
+- ``delta`` [B, Hq, Tq * block_q] float32: rowsum(dO * O) less the lse cotangent where the
+  row sees a key (``attention.xla.softmax_delta``), 0 past Nq;
+- ``lse2`` [B, Hq, Tq * block_q] float32: lse / ln 2 (the kernels' exp2 domain), +inf where
+  lse is -inf (a row that sees nothing: P = 0) and past Nq;
+- the tile's slot of the dQ accumulator [B, Hq, Tq, block_q * D] float32, zeroed (the
+  backward reduce-adds into it).
+
+Before this kernel these were three XLA passes (measured on the H200, dilated window 8K,
+``benchmarks/kernel_times.py``, run 2026-12-06T09:38:26Z: the delta reduction 128.2 us, the
+accumulator's zero fill 158.3 us, lse2's pad 3.5 us). Each thread reads its rows' O and dO in
+16-byte vectors (``threads_per_row`` lanes of a warp per row, summed by butterflies) and
+zeroes 16 bytes of the slot per store. The kernel sources here are kept out of
+``api._package_fingerprint`` (the attention kernels' disk-cache key): this module has its
+own (:func:`glue_fingerprint`), so an edit here recompiles only these small kernels.
+"""
+
+from __future__ import annotations
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, const_expr
+
+LOG2_E = 1.0 / math.log(2.0)
+
+
+def threads_per_row(head_dim_v: int, elem_bits: int = 16, num_threads: int = 256) -> int:
+    """Lanes that share one row of O / dO, each loading 16-byte vectors: Dv / 8 for 16-bit
+    types, at most 16 (a Dv 256 row: 16 lanes of two vectors each).
+
+    >>> [threads_per_row(d) for d in (64, 128, 256)]
+    [8, 16, 16]
+    """
+    vec = 128 // elem_bits
+    if head_dim_v % vec:
+        raise ValueError(f"the backward preprocess reads O / dO rows in {vec}-element vectors: "
+                         f"head_dim_v={head_dim_v} must be a multiple of {vec}")
+    return min(head_dim_v // vec, 16, num_threads)
+
+
+class BackwardPrep:
+    """delta, lse2 and the zeroed dQ accumulator of the CuTe backward (module docstring).
+
+    ``with_dlse``: the lse has a cotangent (its operand ``mdLSE``); without it the kernel never
+    reads ``mdLSE`` (the caller passes lse there). Grid (Tq, Hq, B) of ``num_threads`` threads.
+    """
+
+    def __init__(self, dtype, head_dim: int, head_dim_v: int, block_q: int, with_dlse: bool,
+                 num_threads: int = 256):
+        self.dtype = dtype
+        self.head_dim = head_dim
+        self.head_dim_v = head_dim_v
+        self.block_q = block_q
+        self.with_dlse = with_dlse
+        self.num_threads = num_threads
+        self.vec = 128 // dtype.width
+        self.tpr = threads_per_row(head_dim_v, dtype.width, num_threads)
+        self.rows_per_pass = num_threads // self.tpr
+        if block_q % self.rows_per_pass or block_q > num_threads:
+            raise ValueError(f"block_q={block_q} must be a multiple of {self.rows_per_pass} "
+                             f"and at most {num_threads}")
+        if (block_q * head_dim) % (4 * num_threads):
+            raise ValueError(f"the dQ slot ({block_q} x {head_dim} floats) must split into "
+                             f"16-byte stores over {num_threads} threads")
+
+    @cute.jit
+    def __call__(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor, mdLSE: cute.Tensor,
+                 mLSE2: cute.Tensor, mDelta: cute.Tensor, mAcc: cute.Tensor, stream):
+        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype,
+                                   num_bits_per_copy=128)
+        copy_o = cute.make_tiled_copy_tv(
+            atom, cute.make_layout((self.rows_per_pass, self.tpr), stride=(self.tpr, 1)),
+            cute.make_layout((1, self.vec)))
+        atom_acc = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32,
+                                       num_bits_per_copy=128)
+        copy_acc = cute.make_tiled_copy_tv(atom_acc, cute.make_layout(self.num_threads),
+                                           cute.make_layout(4))
+        self.kernel(mO, mdO, mLSE, mdLSE, mLSE2, mDelta, mAcc, copy_o, copy_acc).launch(
+            grid=(mAcc.shape[2], mO.shape[2], mO.shape[0]), block=(self.num_threads, 1, 1),
+            stream=stream)
+
+    @cute.kernel
+    def kernel(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor, mdLSE: cute.Tensor,
+               mLSE2: cute.Tensor, mDelta: cute.Tensor, mAcc: cute.Tensor,
+               copy_o: cute.TiledCopy, copy_acc: cute.TiledCopy):
+        tidx, _, _ = cute.arch.thread_idx()
+        q_tile, head, batch = cute.arch.block_idx()
+        bq = self.block_q
+        first = q_tile * bq
+        limit = mO.shape[1] - first            # rows of this tile inside Nq
+        # O and dO: every row's vectors issued before any use.
+        thr = copy_o.get_slice(tidx)
+        gO = cute.local_tile(mO[batch, None, head, None], (bq, self.head_dim_v), (q_tile, 0))
+        gdO = cute.local_tile(mdO[batch, None, head, None], (bq, self.head_dim_v), (q_tile, 0))
+        tOg = thr.partition_S(gO)
+        tdOg = thr.partition_S(gdO)
+        tc = thr.partition_S(cute.make_identity_tensor((bq, self.head_dim_v)))
+        rO = cute.make_fragment_like(tOg)
+        rdO = cute.make_fragment_like(tdOg)
+        num_m = cute.size(tOg, mode=[1])
+        num_k = cute.size(tOg, mode=[2])
+        for m in cutlass.range_constexpr(num_m):
+            if tc[0, m, 0][0] < limit:
+                cute.copy(copy_o, tOg[None, m, None], rO[None, m, None])
+                cute.copy(copy_o, tdOg[None, m, None], rdO[None, m, None])
+        # The slot's zeros, while the loads are in flight.
+        thr_acc = copy_acc.get_slice(tidx)
+        tAg = thr_acc.partition_D(mAcc[batch, head, q_tile, None])
+        zeros = cute.make_fragment_like(tAg)
+        zeros.fill(0.0)
+        cute.copy(copy_acc, zeros, tAg)
+        # lse2: one row per thread.
+        if tidx < bq:
+            lse2 = Float32.inf
+            if tidx < limit:
+                lse = mLSE[batch, head, first + tidx]
+                if lse != -Float32.inf:
+                    lse2 = lse * Float32(LOG2_E)
+            mLSE2[batch, head, first + tidx] = lse2
+        # delta: a thread's part of each of its rows, then the row's lanes summed.
+        fo = rO.load().to(Float32)
+        fdo = rdO.load().to(Float32)
+        prod = cute.make_fragment_like(rO, Float32)
+        prod.store(fo * fdo)
+        lane_col = tidx % self.tpr
+        for m in cutlass.range_constexpr(num_m):
+            s = Float32(0.0)
+            for k in cutlass.range_constexpr(num_k):
+                for v in cutlass.range_constexpr(self.vec):
+                    s = s + prod[v, m, k]
+            off = self.tpr // 2
+            while const_expr(off >= 1):
+                s = s + cute.arch.shuffle_sync_bfly(s, offset=off)
+                off //= 2
+            row = tc[0, m, 0][0]
+            if lane_col == 0:
+                delta = Float32(0.0)
+                if row < limit:
+                    delta = s
+                    if const_expr(self.with_dlse):
+                        if mLSE[batch, head, first + row] != -Float32.inf:
+                            delta = s - mdLSE[batch, head, first + row]
+                mDelta[batch, head, first + row] = delta
+
+
+def compile_backward_prep(dtype_name: str, head_dim: int, head_dim_v: int, block_q: int,
+                          with_dlse: bool, options: str):
+    """The TVM-FFI function of one :class:`BackwardPrep` (no GPU needed with
+    CUTE_DSL_ARCH=sm_90a). Operands: out, do [B, Nq, Hq, Dv], lse, dlse [B, Hq, Nq]
+    (lse again where ``with_dlse`` is off); results: lse2, delta [B, Hq, Tq * block_q] and
+    the dQ accumulator [B, Hq, Tq, block_q * head_dim]."""
+    dtype = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[dtype_name]
+    sym, sym64 = cute.sym_int, cute.sym_int64
+    b, nq, hq, nq_pad, tq = sym(), sym(), sym(), sym(), sym()
+    vec = 128 // dtype.width
+
+    def bshd():
+        return cute.runtime.make_fake_tensor(
+            dtype, (b, nq, hq, head_dim_v),
+            stride=(sym64(divisibility=vec), sym64(divisibility=vec), head_dim_v, 1),
+            assumed_align=16)
+
+    def rows(n):
+        return cute.runtime.make_fake_tensor(Float32, (b, hq, n), stride=(sym64(), sym64(), 1),
+                                             assumed_align=4)
+
+    tile = block_q * head_dim
+    acc = cute.runtime.make_fake_tensor(
+        Float32, (b, hq, tq, tile), stride=(sym64(divisibility=tile), sym64(divisibility=tile),
+                                            tile, 1), assumed_align=16)
+    kernel = BackwardPrep(dtype, head_dim, head_dim_v, block_q, with_dlse)
+    return cute.compile(kernel, bshd(), bshd(), rows(nq), rows(nq), rows(nq_pad), rows(nq_pad),
+                        acc, cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
+                        options=options)
