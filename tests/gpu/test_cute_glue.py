@@ -49,15 +49,17 @@ CONFIGS = [("bfloat16", 128, 128, 64), ("float16", 128, 128, 64), ("bfloat16", 6
 
 @needs_cutlass
 @pytest.mark.parametrize("dtype,d,dv,bq", CONFIGS)
-@pytest.mark.parametrize("with_dlse", [False, True])
-def test_backward_prep_compiles_for_sm90(dtype, d, dv, bq, with_dlse):
+@pytest.mark.parametrize("with_dlse,zero_only", [(False, False), (True, False), (False, True)])
+def test_backward_prep_compiles_for_sm90(dtype, d, dv, bq, with_dlse, zero_only):
     from jcompilemask.kernels.cute.glue import compile_backward_prep
-    assert compile_backward_prep(dtype, d, dv, bq, with_dlse, "--enable-tvm-ffi") is not None
+    assert compile_backward_prep(dtype, d, dv, bq, with_dlse, "--enable-tvm-ffi",
+                                 zero_only=zero_only) is not None
 
 
 def test_backward_prep_key_rules():
     key = api.BackwardPrepKey("float16", 192, 128, 64, True)
     assert key.target_name == "jcompilemask_cute_bwd_prep_float16_d192x128_q64_dlse"
+    assert api.BackwardPrepKey("float16", 64, 64, 128, False, True).target_name.endswith("_q128_z")
     with pytest.raises(ValueError, match="supports"):
         api.BackwardPrepKey("float32", 128, 128, 64, False)
     with pytest.raises(ValueError, match="block_q 64 or 128"):
@@ -66,14 +68,15 @@ def test_backward_prep_key_rules():
         api.BackwardPrepKey("bfloat16", 128, 100, 64, False)
 
 
-def test_backward_prep_switch_reads_zero_or_one(monkeypatch):
+def test_backward_prep_switch_reads_its_three_modes(monkeypatch):
     monkeypatch.delenv("JCOMPILEMASK_CUTE_BWD_PREP", raising=False)
-    assert api._bwd_prep_on() is False
-    monkeypatch.setenv("JCOMPILEMASK_CUTE_BWD_PREP", "1")
-    assert api._bwd_prep_on() is True
+    assert api._bwd_prep_mode() is None
+    for v, mode in (("0", None), ("1", "fused"), (" zero ", "zero")):
+        monkeypatch.setenv("JCOMPILEMASK_CUTE_BWD_PREP", v)
+        assert api._bwd_prep_mode() == mode
     monkeypatch.setenv("JCOMPILEMASK_CUTE_BWD_PREP", "yes")
-    with pytest.raises(ValueError, match="must be 0 or 1"):
-        api._bwd_prep_on()
+    with pytest.raises(ValueError, match="must be 0, 1 or zero"):
+        api._bwd_prep_mode()
 
 
 def _xla_stats(out, do, lse, dlse, bq):
@@ -169,3 +172,23 @@ def test_prep_gives_the_xla_passes_gradients(name, dtype, d, monkeypatch):
         assert np.isfinite(a).all() and np.isfinite(b_).all(), what
         scale = np.abs(b_).max()
         assert np.abs(a - b_).max() <= 2e-2 * scale, (what, np.abs(a - b_).max(), scale)
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype,d,dv,bq", CONFIGS[:3])
+def test_zero_only_prep_zeroes_the_accumulator(dtype, d, dv, bq):
+    b, nq, hq = 2, 1000, 3
+    out = jnp.ones((b, nq, hq, dv), dtype)
+    lse = jnp.zeros((b, hq, nq), jnp.float32)
+    acc = jax.jit(lambda o, l_: api.backward_prep(o, o, l_, head_dim=d, block_q=bq,
+                                                  zero_only=True)[2])(out, lse)
+    assert acc.shape == (b, hq, -(-nq // bq), bq * d) and not np.asarray(acc).any()
+
+
+@needs_gpu
+@pytest.mark.parametrize("name,dtype,d,hq,hkv", [
+    ("dilated_window", "bfloat16", 128, 4, 2), ("causal", "float16", 64, 4, 4)])
+def test_zero_only_prep_gradients_meet_the_policy(name, dtype, d, hq, hkv, monkeypatch):
+    monkeypatch.setenv("JCOMPILEMASK_CUTE_BWD_PREP", "zero")
+    spec, md = _spec(name)
+    check_attention(spec, md, 2, 1000, hq, hkv, d, dtype, "cute", forward=False)

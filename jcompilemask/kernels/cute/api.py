@@ -460,7 +460,7 @@ _HOST_ONLY = frozenset({
     "backward_schedule", "cute_backward", "backward_config", "replay_makespan",
     "backward_static_order", "_bwd_static_order_on",
     # the backward's preprocess kernel (kernels/cute/glue.py, its own fingerprint)
-    "BackwardPrepKey", "_glue_fingerprint", "_bwd_prep_on", "backward_prep",
+    "BackwardPrepKey", "_glue_fingerprint", "_bwd_prep_mode", "backward_prep",
 })
 # Where the kernels' code lives: the kernel modules, and the residual programs they emit
 # into partial tiles; their imports inside the package are followed (_kernel_sources).
@@ -643,7 +643,7 @@ def kernel_function(key):
                     from .glue import compile_backward_prep
                     _compiled[key] = compile_backward_prep(
                         key.dtype, key.head_dim, key.head_dim_v, key.block_q, key.with_dlse,
-                        _options())
+                        _options(), zero_only=key.zero_only)
                 return _compiled[key]
     else:
         build = (lambda: compile_forward(key)) if isinstance(key, ForwardKey) \
@@ -2467,15 +2467,18 @@ def cute_backward(q, k, v, out, lse, do, bwd_intervals, bwd_tiles, fwd_intervals
     def stats():
         """lse2, delta (whole query tiles for the statistics' TMA boxes: +inf lse, so P = 0,
         and 0 delta past Nq) and the zeroed dQ accumulator: one kernel, or three XLA passes."""
-        if _bwd_prep_on():
+        mode = _bwd_prep_mode()
+        if mode == "fused":
             return backward_prep(out, do, lse, dlse, head_dim=D, block_q=block_q)
         lse32 = lse.astype(f32)
         lse2 = jnp.where(jnp.isneginf(lse32), jnp.inf, lse32 * np.float32(1.0 / math.log(2.0)))
         from ...attention.xla import softmax_delta
         delta = softmax_delta(out, do, lse32, dlse)
         pad = ((0, 0), (0, 0), (0, Tq * block_q - Nq))
+        acc = (backward_prep(out, do, lse, head_dim=D, block_q=block_q, zero_only=True)[2]
+               if mode == "zero" else jnp.zeros(acc_shape, f32))
         return (jnp.pad(lse2, pad, constant_values=np.inf), jnp.pad(delta.astype(f32), pad),
-                jnp.zeros(acc_shape, f32))
+                acc)
 
     if Kc == 0:      # no column view: a 1-slot empty table keeps the operand shapes valid
         bwd_intervals = jnp.zeros((Bm, Hm, Nk, 1, 2), jnp.int32)
@@ -2569,7 +2572,8 @@ def backward_grad_scale(scale: float, softcap, config: BackwardConfig) -> float:
 class BackwardPrepKey:
     """What one compiled ``glue.BackwardPrep`` depends on: the element type of O / dO, the
     head dims (D sizes the dQ accumulator's slots, Dv the rows it reads), the backward's
-    query tile and whether the lse has a cotangent.
+    query tile, whether the lse has a cotangent, and whether it makes only the accumulator's
+    zeros (``zero_only``).
 
     >>> BackwardPrepKey("bfloat16", 128, 128, 64, False).target_name
     'jcompilemask_cute_bwd_prep_bfloat16_d128x128_q64'
@@ -2580,6 +2584,7 @@ class BackwardPrepKey:
     head_dim_v: int
     block_q: int
     with_dlse: bool
+    zero_only: bool = False
 
     def __post_init__(self):
         if self.dtype not in _DTYPES:
@@ -2592,7 +2597,8 @@ class BackwardPrepKey:
     @property
     def target_name(self) -> str:
         return (f"jcompilemask_cute_bwd_prep_{self.dtype}_d{self.head_dim}x{self.head_dim_v}"
-                f"_q{self.block_q}" + ("_dlse" if self.with_dlse else ""))
+                f"_q{self.block_q}" + ("_dlse" if self.with_dlse else "")
+                + ("_z" if self.zero_only else ""))
 
 
 @functools.lru_cache(maxsize=1)
@@ -2614,18 +2620,21 @@ def _glue_fingerprint() -> str:
     return h.hexdigest()[:24]
 
 
-def _bwd_prep_on() -> bool:
-    """``$JCOMPILEMASK_CUTE_BWD_PREP``: ``1`` makes the CuTe backward's lse2, delta and zeroed
-    dQ accumulator with the preprocess kernel (``glue.BackwardPrep``, one pass); ``0`` (the
-    default until the kernel is timed on the H200) with three XLA passes."""
+def _bwd_prep_mode() -> str | None:
+    """``$JCOMPILEMASK_CUTE_BWD_PREP``: how the CuTe backward makes lse2, delta and its zeroed
+    dQ accumulator. ``0`` (the default: on an H100 the kernel was 1.1% slower, session 41):
+    three XLA passes (None); ``1``: the preprocess kernel, one pass (``"fused"``); ``zero``:
+    the kernel for the zeros alone, lse2 and delta from XLA (``"zero"``)."""
     import os
     v = os.environ.get("JCOMPILEMASK_CUTE_BWD_PREP", "0").strip()
-    if v not in ("0", "1"):
-        raise ValueError(f"$JCOMPILEMASK_CUTE_BWD_PREP must be 0 or 1, got {v!r}")
-    return v == "1"
+    modes = {"0": None, "1": "fused", "zero": "zero"}
+    if v not in modes:
+        raise ValueError(f"$JCOMPILEMASK_CUTE_BWD_PREP must be 0, 1 or zero, got {v!r}")
+    return modes[v]
 
 
-def backward_prep(out, do, lse, dlse=None, *, head_dim: int, block_q: int):
+def backward_prep(out, do, lse, dlse=None, *, head_dim: int, block_q: int,
+                  zero_only: bool = False):
     """The CuTe backward's statistics and dQ accumulator in one kernel (``glue.BackwardPrep``):
     ``(lse2, delta, dq_acc)``, the first two [B, Hq, Tq * block_q] float32 and the third
     [B, Hq, Tq, block_q * head_dim] float32 zeros, Tq = ceil(Nq / block_q).
@@ -2635,7 +2644,8 @@ def backward_prep(out, do, lse, dlse=None, *, head_dim: int, block_q: int):
     where lse is finite (``attention.xla.softmax_delta``; the sum's order differs, so delta
     agrees to float32 rounding), 0 past Nq; non-finite O / dO propagate into delta. Needs
     the GPU (the ``cute`` backend); out / do [B, Nq, Hq, Dv] in bfloat16 or float16, lse /
-    dlse [B, Hq, Nq].
+    dlse [B, Hq, Nq]. ``zero_only``: the kernel writes the accumulator alone (the first two
+    results are then unset: use the XLA passes' lse2 and delta).
     """
     B, Nq, Hq, Dv = out.shape
     if do.shape != out.shape or do.dtype != out.dtype:
@@ -2644,7 +2654,8 @@ def backward_prep(out, do, lse, dlse=None, *, head_dim: int, block_q: int):
     if lse.shape != (B, Hq, Nq) or (dlse is not None and dlse.shape != lse.shape):
         raise ValueError(f"backward_prep: lse / dlse must be shaped {(B, Hq, Nq)}, got "
                          f"{lse.shape} / {None if dlse is None else dlse.shape}")
-    key = BackwardPrepKey(jnp.dtype(out.dtype).name, head_dim, Dv, block_q, dlse is not None)
+    key = BackwardPrepKey(jnp.dtype(out.dtype).name, head_dim, Dv, block_q,
+                          dlse is not None and not zero_only, zero_only)
     name = _ensure_registered(key)
     tq = -(-Nq // block_q)
     f32 = jnp.float32

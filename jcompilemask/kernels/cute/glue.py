@@ -48,11 +48,14 @@ class BackwardPrep:
     """delta, lse2 and the zeroed dQ accumulator of the CuTe backward (module docstring).
 
     ``with_dlse``: the lse has a cotangent (its operand ``mdLSE``); without it the kernel never
-    reads ``mdLSE`` (the caller passes lse there). Grid (Tq, Hq, B) of ``num_threads`` threads.
+    reads ``mdLSE`` (the caller passes lse there). ``zero_only``: the accumulator's zeros alone
+    (lse2 and delta then come from XLA; their operands are still passed and left unwritten).
+    Grid (Tq, Hq, B) of ``num_threads`` threads.
     """
 
     def __init__(self, dtype, head_dim: int, head_dim_v: int, block_q: int, with_dlse: bool,
-                 num_threads: int = 256):
+                 num_threads: int = 256, zero_only: bool = False):
+        self.zero_only = zero_only
         self.dtype = dtype
         self.head_dim = head_dim
         self.head_dim_v = head_dim_v
@@ -105,52 +108,54 @@ class BackwardPrep:
         rdO = cute.make_fragment_like(tdOg)
         num_m = cute.size(tOg, mode=[1])
         num_k = cute.size(tOg, mode=[2])
-        for m in cutlass.range_constexpr(num_m):
-            if tc[0, m, 0][0] < limit:
-                cute.copy(copy_o, tOg[None, m, None], rO[None, m, None])
-                cute.copy(copy_o, tdOg[None, m, None], rdO[None, m, None])
+        if const_expr(not self.zero_only):
+            for m in cutlass.range_constexpr(num_m):
+                if tc[0, m, 0][0] < limit:
+                    cute.copy(copy_o, tOg[None, m, None], rO[None, m, None])
+                    cute.copy(copy_o, tdOg[None, m, None], rdO[None, m, None])
         # The slot's zeros, while the loads are in flight.
         thr_acc = copy_acc.get_slice(tidx)
         tAg = thr_acc.partition_D(mAcc[batch, head, q_tile, None])
         zeros = cute.make_fragment_like(tAg)
         zeros.fill(0.0)
         cute.copy(copy_acc, zeros, tAg)
-        # lse2: one row per thread.
-        if tidx < bq:
-            lse2 = Float32.inf
-            if tidx < limit:
-                lse = mLSE[batch, head, first + tidx]
-                if lse != -Float32.inf:
-                    lse2 = lse * Float32(LOG2_E)
-            mLSE2[batch, head, first + tidx] = lse2
-        # delta: a thread's part of each of its rows, then the row's lanes summed.
-        fo = rO.load().to(Float32)
-        fdo = rdO.load().to(Float32)
-        prod = cute.make_fragment_like(rO, Float32)
-        prod.store(fo * fdo)
-        lane_col = tidx % self.tpr
-        for m in cutlass.range_constexpr(num_m):
-            s = Float32(0.0)
-            for k in cutlass.range_constexpr(num_k):
-                for v in cutlass.range_constexpr(self.vec):
-                    s = s + prod[v, m, k]
-            off = self.tpr // 2
-            while const_expr(off >= 1):
-                s = s + cute.arch.shuffle_sync_bfly(s, offset=off)
-                off //= 2
-            row = tc[0, m, 0][0]
-            if lane_col == 0:
-                delta = Float32(0.0)
-                if row < limit:
-                    delta = s
-                    if const_expr(self.with_dlse):
-                        if mLSE[batch, head, first + row] != -Float32.inf:
-                            delta = s - mdLSE[batch, head, first + row]
-                mDelta[batch, head, first + row] = delta
+        if const_expr(not self.zero_only):
+            # lse2: one row per thread.
+            if tidx < bq:
+                lse2 = Float32.inf
+                if tidx < limit:
+                    lse = mLSE[batch, head, first + tidx]
+                    if lse != -Float32.inf:
+                        lse2 = lse * Float32(LOG2_E)
+                mLSE2[batch, head, first + tidx] = lse2
+            # delta: a thread's part of each of its rows, then the row's lanes summed.
+            fo = rO.load().to(Float32)
+            fdo = rdO.load().to(Float32)
+            prod = cute.make_fragment_like(rO, Float32)
+            prod.store(fo * fdo)
+            lane_col = tidx % self.tpr
+            for m in cutlass.range_constexpr(num_m):
+                s = Float32(0.0)
+                for k in cutlass.range_constexpr(num_k):
+                    for v in cutlass.range_constexpr(self.vec):
+                        s = s + prod[v, m, k]
+                off = self.tpr // 2
+                while const_expr(off >= 1):
+                    s = s + cute.arch.shuffle_sync_bfly(s, offset=off)
+                    off //= 2
+                row = tc[0, m, 0][0]
+                if lane_col == 0:
+                    delta = Float32(0.0)
+                    if row < limit:
+                        delta = s
+                        if const_expr(self.with_dlse):
+                            if mLSE[batch, head, first + row] != -Float32.inf:
+                                delta = s - mdLSE[batch, head, first + row]
+                    mDelta[batch, head, first + row] = delta
 
 
 def compile_backward_prep(dtype_name: str, head_dim: int, head_dim_v: int, block_q: int,
-                          with_dlse: bool, options: str):
+                          with_dlse: bool, options: str, zero_only: bool = False):
     """The TVM-FFI function of one :class:`BackwardPrep` (no GPU needed with
     CUTE_DSL_ARCH=sm_90a). Operands: out, do [B, Nq, Hq, Dv], lse, dlse [B, Hq, Nq]
     (lse again where ``with_dlse`` is off); results: lse2, delta [B, Hq, Tq * block_q] and
@@ -174,7 +179,7 @@ def compile_backward_prep(dtype_name: str, head_dim: int, head_dim_v: int, block
     acc = cute.runtime.make_fake_tensor(
         Float32, (b, hq, tq, tile), stride=(sym64(divisibility=tile), sym64(divisibility=tile),
                                             tile, 1), assumed_align=16)
-    kernel = BackwardPrep(dtype, head_dim, head_dim_v, block_q, with_dlse)
+    kernel = BackwardPrep(dtype, head_dim, head_dim_v, block_q, with_dlse, zero_only=zero_only)
     return cute.compile(kernel, bshd(), bshd(), rows(nq), rows(nq), rows(nq_pad), rows(nq_pad),
                         acc, cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
                         options=options)
