@@ -148,3 +148,17 @@ def test_code_only_cuts_comments_and_docstrings_only():
         '    x = "# not a comment"',
         "    def f(self):",
         '        return "s"'])
+
+
+def test_the_preprocess_kernel_has_a_fingerprint_of_its_own():
+    """glue.py (the backward preprocess) is not in the attention kernels' sources, nor they
+    in its: an edit to either recompiles only its own kernels."""
+    glue = ("kernels/cute/glue.py",)
+    assert "kernels/cute/glue.py" not in api._kernel_sources(_read)
+    assert set(api._kernel_sources(_read, glue)) == {"kernels/cute/glue.py"}
+    assert api._glue_fingerprint() == api._sources_fingerprint(glue)
+    bwd = _edited("kernels/cute/backward.py", "import enum", "import enum, os")
+    assert api._kernel_sources(bwd, glue) == api._kernel_sources(_read, glue)
+    edited = _edited("kernels/cute/glue.py", "import math", "import math, os")
+    assert api._kernel_sources(edited, glue) != api._kernel_sources(_read, glue)
+    assert _fingerprint(edited) == _fingerprint(_read)

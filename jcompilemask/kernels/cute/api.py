@@ -447,7 +447,8 @@ _EXPORTED = "jcm_kernel"          # the function's name inside an exported objec
 # edit to them keeps the disk cache's kernels (tests/test_cute_fingerprint.py checks that
 # nothing the kernels run names one of them).
 _HOST_ONLY = frozenset({
-    "preferred_forward_stages", "_package_fingerprint", "_strip_host_only", "_code_only",
+    "preferred_forward_stages", "_package_fingerprint", "_sources_fingerprint",
+    "_strip_host_only", "_code_only",
     "_module_files", "_kernel_sources", "disk_cache_key", "kernel_function", "_ensure_registered",
     "_fit_list_to_length", "_fwd_bits_above", "_env_flag", "_fwd_work_list", "_fwd_schedule",
     "_fwd_k_ahead", "_fwd_group_mask", "_fwd_residual_words", "_fwd_rescale_tail",
@@ -559,6 +560,11 @@ def _package_fingerprint() -> str:
     """sha256 of the sources a kernel's trace runs (_kernel_sources: paths and text): a
     kernel compiled by other kernel code is never reused; edits elsewhere in the package
     (the registry's policy, docs, the XLA path) keep the cached kernels."""
+    return _sources_fingerprint(_KERNEL_ROOTS)
+
+
+def _sources_fingerprint(roots) -> str:
+    """sha256 (24 hex digits) of ``_kernel_sources`` from ``roots`` in this checkout."""
     import hashlib
     from pathlib import Path
     root = Path(__file__).resolve().parents[2]
@@ -568,7 +574,7 @@ def _package_fingerprint() -> str:
         return f.read_text() if f.is_file() else None
 
     h = hashlib.sha256()
-    for path, text in sorted(_kernel_sources(read).items()):
+    for path, text in sorted(_kernel_sources(read, roots).items()):
         h.update(path.encode() + b"\0" + text.encode() + b"\0")
     return h.hexdigest()[:24]
 
@@ -2606,18 +2612,7 @@ def _glue_fingerprint() -> str:
     """The preprocess kernel's own disk-cache fingerprint: :func:`_package_fingerprint`'s
     hash over ``kernels/cute/glue.py`` and what it imports from the package (nothing today),
     so neither this kernel nor the attention kernels recompile for the other's edits."""
-    import hashlib
-    from pathlib import Path
-    root = Path(__file__).resolve().parents[2]
-
-    def read(path):
-        f = root / path
-        return f.read_text() if f.is_file() else None
-
-    h = hashlib.sha256()
-    for path, text in sorted(_kernel_sources(read, ("kernels/cute/glue.py",)).items()):
-        h.update(path.encode() + b"\0" + text.encode() + b"\0")
-    return h.hexdigest()[:24]
+    return _sources_fingerprint(("kernels/cute/glue.py",))
 
 
 def _bwd_prep_mode() -> str | None:
