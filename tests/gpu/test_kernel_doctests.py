@@ -18,7 +18,7 @@ HAS_CUTLASS = importlib.util.find_spec("cutlass") is not None
 
 MODULES = ["jcompilemask.kernels.cute.api", "jcompilemask.kernels.cute.common",
            "jcompilemask.kernels.cute.residual_ops", "jcompilemask.kernels.cute.exp2_fma",
-           "jcompilemask.kernels.cute.testing"]
+           "jcompilemask.kernels.cute.testing", "jcompilemask.kernels.cute.glue"]
 
 
 @pytest.mark.skipif(not HAS_CUTLASS, reason="nvidia-cutlass-dsl is not installed")
