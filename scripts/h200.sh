@@ -94,7 +94,8 @@
 #                then ktimes (~590 s: JCM_STAGE_S=595)
 #   h200cands    issue 16 on the H200 (session 41's plan): the dilated window beside Flex+FA4 at 8K
 #                (default / prep / pz / hwlb / all / hi) then 32K (default / hi / prep), every
-#                candidate validated on an H100 and never timed on an H200 (~430 s: JCM_STAGE_S=440)
+#                candidate validated on an H100 and never timed on an H200, after pz's own 6 GPU
+#                cases (~490 s: JCM_STAGE_S=500)
 #   hdimspar     the same spread over JCM_PAR parallel pytest processes (JCM_PAR_SKIP: a regex of ids to leave out)
 #   multigpu     issue 19 on a multi-GPU kind: sharded training step + context parallelism (benchmarks/multi_gpu.py)
 #   kernels      GPU tests of the CuTe forward kernel alone (48 variant cases)
@@ -862,6 +863,9 @@ PY
     # what targets the 32K penalty. JCM_C16_8K_S / JCM_C16_32K_S split the stage.
     export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
     c=JCOMPILEMASK_CUTE_BWD_CONFIG p=JCOMPILEMASK_CUTE_BWD_PREP
+    # pz's own cases first (the zeros-only kernel and its gradients; ~45 s from the pack)
+    JCM_STAGE_S=$(left ${JCM_C16_TESTS_S:-60}) JCM_PAR_ONLY=zero_only \
+      JCM_PAR_FILES=tests/gpu/test_cute_glue.py OUT=$OUT/pz bash "$0" hdimspar
     JCM_BENCH_S=$(left ${JCM_C16_8K_S:-230}) JCM_BENCH_NS=8192 JCM_BENCH_MASKS=dilated_window \
       JCM_MASKS16_VARIANTS="base=;prep=$p=1;pz=$p=zero;hwlb=$c=held_words=1,late_balance=1;all=$c=held_words=1,late_balance=1,list_early=1,q_early=1;hi=$c=heads_inner=1" \
       OUT=$OUT/8k bash "$0" masks16
