@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import os
 
-_KEYS: list = []      # the ForwardKey / BackwardKey / BackwardPrepKey of every kernel compiled or loaded
+_KEYS: list = []      # the ForwardKey / BackwardKey / BackwardPrepKey / BackwardPostKey of every kernel compiled or loaded
 _ACTIVE = False
 
 
@@ -107,9 +107,9 @@ def _noop_handler():
 
 def summary() -> str:
     kinds = [type(k).__name__ for k in _KEYS]
-    fwd, prep = kinds.count("ForwardKey"), kinds.count("BackwardPrepKey")
-    return (f"compile-only: {fwd} forward and {len(_KEYS) - fwd - prep} backward kernels in the "
-            f"cache" + (f" (and {prep} backward preprocess)" if prep else ""))
+    fwd, glue = kinds.count("ForwardKey"), kinds.count("BackwardPrepKey") + kinds.count("BackwardPostKey")
+    return (f"compile-only: {fwd} forward and {len(_KEYS) - fwd - glue} backward kernels in the "
+            f"cache" + (f" (and {glue} backward pre- / postprocess)" if glue else ""))
 
 
 # -- as a pytest plugin: `pytest -p compile_only ...` with benchmarks/ on PYTHONPATH ----------

@@ -93,9 +93,9 @@
 #                / persistent + dkv_staged / the register epilogues nt, ntv beside Flex+FA4),
 #                then ktimes (~590 s: JCM_STAGE_S=595)
 #   h200cands    issue 16 on the H200 (session 41's plan): the dilated window beside Flex+FA4 at 8K
-#                (default / prep / pz / hwlb / all / hi) then 32K (default / hi / prep), every
-#                candidate validated on an H100 and never timed on an H200, after pz's own 6 GPU
-#                cases (~490 s: JCM_STAGE_S=500)
+#                (default / prep / pz / post / hwlb / all / hi) then 32K (default / hi / prep /
+#                post), none timed on an H200 yet, after pz's and post's own GPU cases
+#                (~560 s: JCM_STAGE_S=570)
 #   hdimspar     the same spread over JCM_PAR parallel pytest processes (JCM_PAR_SKIP: a regex of ids to leave out)
 #   multigpu     issue 19 on a multi-GPU kind: sharded training step + context parallelism (benchmarks/multi_gpu.py)
 #   kernels      GPU tests of the CuTe forward kernel alone (48 variant cases)
@@ -860,17 +860,20 @@ PY
     # the backward preprocess kernel (prep; pz: its zeros alone), held_words + late_balance
     # (hwlb), those + list_early + q_early (all), and heads_inner (hi: at 32K on an H100 it
     # took 1.3% off where one head's key columns fill the machine). 8K first, then 32K with
-    # what targets the 32K penalty. JCM_C16_8K_S / JCM_C16_32K_S split the stage.
+    # what targets the 32K penalty; post: dQ's conversion by the postprocess kernel (XLA's
+    # pass runs at 4.0 TB/s there, FA4's kernel at 4.3). JCM_C16_TESTS_S / JCM_C16_8K_S /
+    # JCM_C16_32K_S split the stage.
     export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
     c=JCOMPILEMASK_CUTE_BWD_CONFIG p=JCOMPILEMASK_CUTE_BWD_PREP
-    # pz's own cases first (the zeros-only kernel and its gradients; ~45 s from the pack)
-    JCM_STAGE_S=$(left ${JCM_C16_TESTS_S:-60}) JCM_PAR_ONLY=zero_only \
+    # pz's and post's own cases first (never run on a GPU yet: the zeros-only kernel, the dQ
+    # postprocess kernel bit for bit against XLA's pass, their gradients; ~80 s from the pack)
+    JCM_STAGE_S=$(left ${JCM_C16_TESTS_S:-100}) JCM_PAR_ONLY='zero_only|post_matches|post_gradients' \
       JCM_PAR_FILES=tests/gpu/test_cute_glue.py OUT=$OUT/pz bash "$0" hdimspar
-    JCM_BENCH_S=$(left ${JCM_C16_8K_S:-230}) JCM_BENCH_NS=8192 JCM_BENCH_MASKS=dilated_window \
-      JCM_MASKS16_VARIANTS="base=;prep=$p=1;pz=$p=zero;hwlb=$c=held_words=1,late_balance=1;all=$c=held_words=1,late_balance=1,list_early=1,q_early=1;hi=$c=heads_inner=1" \
+    JCM_BENCH_S=$(left ${JCM_C16_8K_S:-250}) JCM_BENCH_NS=8192 JCM_BENCH_MASKS=dilated_window \
+      JCM_MASKS16_VARIANTS="base=;prep=$p=1;pz=$p=zero;post=JCOMPILEMASK_CUTE_BWD_POST=1;hwlb=$c=held_words=1,late_balance=1;all=$c=held_words=1,late_balance=1,list_early=1,q_early=1;hi=$c=heads_inner=1" \
       OUT=$OUT/8k bash "$0" masks16
     JCM_BENCH_S=$(left ${JCM_C16_32K_S:-190}) JCM_BENCH_NS=32768 JCM_BENCH_MASKS=dilated_window \
-      JCM_MASKS16_VARIANTS="base=;hi=$c=heads_inner=1;prep=$p=1" OUT=$OUT/32k bash "$0" masks16
+      JCM_MASKS16_VARIANTS="base=;hi=$c=heads_inner=1;prep=$p=1;post=JCOMPILEMASK_CUTE_BWD_POST=1" OUT=$OUT/32k bash "$0" masks16
     ;;
   shortcols)
     # Session 39's H200 plan for issue 16 (NOTES.md, session 39): on an H100 both kernels wait

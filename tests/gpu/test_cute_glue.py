@@ -192,3 +192,67 @@ def test_zero_only_prep_gradients_meet_the_policy(name, dtype, d, hq, hkv, monke
     monkeypatch.setenv("JCOMPILEMASK_CUTE_BWD_PREP", "zero")
     spec, md = _spec(name)
     check_attention(spec, md, 2, 1000, hq, hkv, d, dtype, "cute", forward=False)
+
+
+# -- the postprocess kernel: dQ from its accumulator ----------------------------------------
+# (dtype, D, block_q): the dQ slot orders the backward configs produce (D 64 at 64 queries:
+# one warpgroup; at 128: the warpgroups split the queries; D 128 / 192 / 256: they split D).
+POST_CONFIGS = [("bfloat16", 128, 64), ("float16", 64, 128), ("bfloat16", 64, 64),
+                ("bfloat16", 256, 64), ("float16", 192, 64)]
+
+
+@needs_cutlass
+@pytest.mark.parametrize("dtype,d,bq", POST_CONFIGS)
+def test_backward_post_compiles_for_sm90(dtype, d, bq):
+    from jcompilemask.kernels.cute.glue import compile_backward_post
+    fn = compile_backward_post(dtype, d, bq, api.dq_warpgroups(d, block_q=bq),
+                               api.dq_splits_queries(bq), 0.0883883461356163, "--enable-tvm-ffi")
+    assert fn is not None
+
+
+def test_backward_post_key_and_switch_rules(monkeypatch):
+    key = api.BackwardPostKey("float16", 192, 64, 0.125)
+    assert key.target_name == "jcompilemask_cute_bwd_post_float16_d192_q64_3fc0000000000000"
+    with pytest.raises(ValueError, match="serves the backward's dQ tiles"):
+        api.BackwardPostKey("bfloat16", 128, 128, 0.125)
+    with pytest.raises(ValueError, match="supports"):
+        api.BackwardPostKey("float32", 128, 64, 0.125)
+    monkeypatch.delenv("JCOMPILEMASK_CUTE_BWD_POST", raising=False)
+    assert api._bwd_post_on() is False
+    monkeypatch.setenv("JCOMPILEMASK_CUTE_BWD_POST", "1")
+    assert api._bwd_post_on() is True
+    monkeypatch.setenv("JCOMPILEMASK_CUTE_BWD_POST", "on")
+    with pytest.raises(ValueError, match="must be 0 or 1"):
+        api._bwd_post_on()
+    with pytest.raises(ValueError, match="is not the float32 accumulator"):
+        api.backward_post(jnp.zeros((1, 2, 3, 64 * 128)), 1000, 128, 64, 0.1, jnp.bfloat16)
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype,d,bq", POST_CONFIGS)
+@pytest.mark.parametrize("nq", [1000, 1024])
+def test_backward_post_matches_the_xla_pass(dtype, d, bq, nq):
+    """The kernel's dQ is XLA's un-permute, scale and cast bit for bit, non-finite values
+    included; rows past Nq are not written (the result has none)."""
+    b, hq = 2, 3
+    tq = -(-nq // bq)
+    acc = 40 * jax.random.normal(jax.random.key(d + nq), (b, hq, tq, bq * d), jnp.float32)
+    acc = acc.at[1, 2, 3, 17].set(jnp.nan).at[0, 0, 0, 5].set(jnp.inf).at[0, 1, 2, 9].set(-0.0)
+    scale = 0.0883883461356163 * 4
+    got = jax.jit(lambda a: api.backward_post(a, nq, d, bq, scale, dtype))(acc)
+    want = (api.dq_fragment_unpermute(acc, nq, d, bq) * np.float32(scale)).astype(dtype)
+    assert got.shape == (b, nq, hq, d) and got.dtype == jnp.dtype(dtype)
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint16), np.asarray(want).view(np.uint16))
+
+
+@needs_gpu
+@pytest.mark.parametrize("name,dtype,d,hq,hkv", [
+    ("dilated_window", "bfloat16", 128, 4, 2), ("causal", "float16", 64, 4, 4),
+    ("hstu", "bfloat16", 256, 2, 1), ("clear", "bfloat16", 64, 2, 2)])
+def test_post_gradients_meet_the_policy(name, dtype, d, hq, hkv, monkeypatch):
+    """mask_attention's gradients with the postprocess kernel (and the preprocess kernel)
+    against the dense oracle."""
+    monkeypatch.setenv("JCOMPILEMASK_CUTE_BWD_POST", "1")
+    monkeypatch.setenv("JCOMPILEMASK_CUTE_BWD_PREP", "1")
+    spec, md = _spec(name)
+    check_attention(spec, md, 2, 1000, hq, hkv, d, dtype, "cute", forward=False)

@@ -462,6 +462,7 @@ _HOST_ONLY = frozenset({
     "backward_static_order", "_bwd_static_order_on",
     # the backward's preprocess kernel (kernels/cute/glue.py, its own fingerprint)
     "BackwardPrepKey", "_glue_fingerprint", "_bwd_prep_mode", "backward_prep",
+    "BackwardPostKey", "_bwd_post_on", "backward_post",
 })
 # Where the kernels' code lives: the kernel modules, and the residual programs they emit
 # into partial tiles; their imports inside the package are followed (_kernel_sources).
@@ -599,9 +600,10 @@ def disk_cache_key(key):
         return None
     if os.environ.get("JCOMPILEMASK_CUTE_DUMP_DIR") or _ptxas_remarks():
         return None
-    kind = {ForwardKey: "cute-forward", BackwardKey: "cute-backward",
-            BackwardPrepKey: "cute-glue"}[type(key)]
-    sources = _glue_fingerprint() if isinstance(key, BackwardPrepKey) else _package_fingerprint()
+    glue = isinstance(key, (BackwardPrepKey, BackwardPostKey))
+    kind = "cute-glue" if glue else "cute-forward" if isinstance(key, ForwardKey) \
+        else "cute-backward"
+    sources = _glue_fingerprint() if glue else _package_fingerprint()
     return ffi.KernelKey(
         kind=kind, mask_fingerprint="", shape_class=(key.target_name,), dtypes=(key.dtype,),
         tile_config=(), source_fingerprint=sources,
@@ -650,6 +652,17 @@ def kernel_function(key):
                     _compiled[key] = compile_backward_prep(
                         key.dtype, key.head_dim, key.head_dim_v, key.block_q, key.with_dlse,
                         _options(), zero_only=key.zero_only)
+                return _compiled[key]
+    elif isinstance(key, BackwardPostKey):
+        def build():
+            with _lock:
+                if key not in _compiled:
+                    _import_cutlass()
+                    from .glue import compile_backward_post
+                    _compiled[key] = compile_backward_post(
+                        key.dtype, key.head_dim, key.block_q,
+                        dq_warpgroups(key.head_dim, block_q=key.block_q),
+                        dq_splits_queries(key.block_q), key.scale, _options())
                 return _compiled[key]
     else:
         build = (lambda: compile_forward(key)) if isinstance(key, ForwardKey) \
@@ -2534,9 +2547,12 @@ def cute_backward(q, k, v, out, lse, do, bwd_intervals, bwd_tiles, fwd_intervals
         dq_acc, _, dk, dv = jax.lax.cond(moves, scheduled, lambda i: run(grid_name, i), inputs)
     else:
         dq_acc, _, dk, dv = scheduled(inputs)
+    grad_scale = backward_grad_scale(scale, softcap, config)
+    if _bwd_post_on() and not config.dq_blocked:
+        return backward_post(dq_acc, Nq, D, block_q, grad_scale, q.dtype), dk, dv
     # One fused XLA pass: un-permute, scale, cast.
     dq = dq_fragment_unpermute(dq_acc, Nq, D, block_q, blocked=config.dq_blocked)
-    return (dq * np.float32(backward_grad_scale(scale, softcap, config))).astype(q.dtype), dk, dv
+    return (dq * np.float32(grad_scale)).astype(q.dtype), dk, dv
 
 
 def backward_config(head_dim: int, dtype: str, softcap: bool, block_q: int, block_kv: int,
@@ -2661,3 +2677,62 @@ def backward_prep(out, do, lse, dlse=None, *, head_dim: int, block_q: int,
     operands = (out, do, lse, lse if dlse is None else dlse.astype(f32))
     call = jax.ffi.ffi_call(name, out_types, vmap_method="sequential")
     return tuple(match_varying(call(*operands), *operands))
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardPostKey:
+    """What one compiled ``glue.BackwardPost`` depends on: dQ's dtype, D, the backward's
+    query tile (with D, the slot's order: ``dq_warpgroups`` / ``dq_splits_queries``) and the
+    factor on dQ (``backward_grad_scale``), baked in like the backward's own scale.
+
+    >>> BackwardPostKey("bfloat16", 128, 64, 0.125).target_name
+    'jcompilemask_cute_bwd_post_bfloat16_d128_q64_3fc0000000000000'
+    """
+
+    dtype: str
+    head_dim: int
+    block_q: int
+    scale: float
+
+    def __post_init__(self):
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"the backward postprocess supports {_DTYPES}, got {self.dtype!r}")
+        if (self.head_dim, self.block_q) not in ((64, 64), (64, 128), (128, 64), (192, 64),
+                                                 (256, 64)):
+            raise ValueError(f"the backward postprocess serves the backward's dQ tiles (D 64 at "
+                             f"64 or 128 queries, D 128 / 192 / 256 at 64), got D "
+                             f"{self.head_dim}, block_q {self.block_q}")
+
+    @property
+    def target_name(self) -> str:
+        bits = np.float64(self.scale).view(np.uint64)
+        return (f"jcompilemask_cute_bwd_post_{self.dtype}_d{self.head_dim}_q{self.block_q}"
+                f"_{bits:016x}")
+
+
+def _bwd_post_on() -> bool:
+    """``$JCOMPILEMASK_CUTE_BWD_POST``: ``1`` converts the backward's dQ accumulator with the
+    postprocess kernel (``glue.BackwardPost``) instead of XLA's fused un-permute / scale /
+    cast pass; ``0`` (the default until it is timed on a GPU) keeps XLA's."""
+    import os
+    v = os.environ.get("JCOMPILEMASK_CUTE_BWD_POST", "0").strip()
+    if v not in ("0", "1"):
+        raise ValueError(f"$JCOMPILEMASK_CUTE_BWD_POST must be 0 or 1, got {v!r}")
+    return v == "1"
+
+
+def backward_post(dq_acc, nq: int, head_dim: int, block_q: int, scale: float, dtype):
+    """dQ [B, Nq, Hq, D] in ``dtype`` from the backward's float32 accumulator
+    [B, Hq, Tq, block_q * D] (its non-blocked slot order), times ``scale``: the same values,
+    bit for bit, as ``(dq_fragment_unpermute(dq_acc, nq, head_dim, block_q) *
+    float32(scale)).astype(dtype)``, in one kernel (``glue.BackwardPost``). Needs the GPU.
+    """
+    B, Hq, Tq, slot = dq_acc.shape
+    if slot != block_q * head_dim or Tq != -(-nq // block_q) or dq_acc.dtype != jnp.float32:
+        raise ValueError(f"backward_post: dq_acc {dq_acc.shape} {dq_acc.dtype} is not the float32 "
+                         f"accumulator of Nq={nq}, D={head_dim}, block_q={block_q}")
+    key = BackwardPostKey(jnp.dtype(dtype).name, head_dim, block_q, float(np.float32(scale)))
+    name = _ensure_registered(key)
+    call = jax.ffi.ffi_call(name, jax.ShapeDtypeStruct((B, nq, Hq, head_dim), dtype),
+                            vmap_method="sequential")
+    return match_varying(call(dq_acc), dq_acc)

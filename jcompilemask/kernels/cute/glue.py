@@ -25,23 +25,25 @@ import math
 
 import cutlass
 import cutlass.cute as cute
+import cutlass.memory as cutlass_memory
 from cutlass import Float32, const_expr
 
 LOG2_E = 1.0 / math.log(2.0)
 
 
 def threads_per_row(head_dim_v: int, elem_bits: int = 16, num_threads: int = 256) -> int:
-    """Lanes that share one row of O / dO, each loading 16-byte vectors: Dv / 8 for 16-bit
-    types, at most 16 (a Dv 256 row: 16 lanes of two vectors each).
+    """Lanes that share one row of O / dO (or dQ), each moving 16-byte vectors: the largest
+    power of two up to 16 that divides the row's vectors (a Dv 256 row: 16 lanes of two
+    vectors each; D 192: 8 lanes of three).
 
-    >>> [threads_per_row(d) for d in (64, 128, 256)]
-    [8, 16, 16]
+    >>> [threads_per_row(d) for d in (64, 128, 192, 256)]
+    [8, 16, 8, 16]
     """
     vec = 128 // elem_bits
     if head_dim_v % vec:
-        raise ValueError(f"the backward preprocess reads O / dO rows in {vec}-element vectors: "
-                         f"head_dim_v={head_dim_v} must be a multiple of {vec}")
-    return min(head_dim_v // vec, 16, num_threads)
+        raise ValueError(f"the backward's glue kernels move rows in {vec}-element vectors: "
+                         f"head dim {head_dim_v} must be a multiple of {vec}")
+    return min(math.gcd(head_dim_v // vec, 16), num_threads)
 
 
 class BackwardPrep:
@@ -182,4 +184,118 @@ def compile_backward_prep(dtype_name: str, head_dim: int, head_dim_v: int, block
     kernel = BackwardPrep(dtype, head_dim, head_dim_v, block_q, with_dlse, zero_only=zero_only)
     return cute.compile(kernel, bshd(), bshd(), rows(nq), rows(nq), rows(nq_pad), rows(nq_pad),
                         acc, cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
+                        options=options)
+
+
+class BackwardPost:
+    """dQ [B, Nq, Hq, D] in the input dtype from the backward's float32 accumulator
+    [B, Hq, Tq, block_q * D]: each query tile's slot un-permuted (``api.dq_fragment_unpermute``'s
+    order: per dQ warpgroup w, float4 chunk g, thread 32 warp + 4 lq + lr, then (h, p)),
+    times ``scale`` (``api.backward_grad_scale``) and rounded, as XLA's fused pass does it:
+    a float32 product, then one round to nearest even.
+
+    One CTA per (query tile, head, batch): the slot read in 16-byte vectors (contiguous), the
+    scaled values written into a (block_q, D) shared tile padded by 16 bytes a row (a warp's
+    eight rows then fall in distinct banks), and the tile's rows stored to dQ in 16-byte
+    vectors, rows past Nq left out. ``dq_wgs`` / ``splits_queries``: ``api.dq_warpgroups`` and
+    ``api.dq_splits_queries`` of the backward config (the slot's order); not the
+    ``dq_blocked`` order.
+    """
+
+    def __init__(self, dtype, head_dim: int, block_q: int, dq_wgs: int, splits_queries: bool,
+                 scale: float, num_threads: int = 256):
+        self.dtype = dtype
+        self.head_dim = head_dim
+        self.block_q = block_q
+        self.dq_wgs = dq_wgs
+        self.splits_queries = splits_queries
+        self.scale = scale
+        self.num_threads = num_threads
+        self.vec = 128 // dtype.width
+        self.tpr = threads_per_row(head_dim, dtype.width, num_threads)
+        self.rows_per_pass = num_threads // self.tpr
+        # float4 chunks of 8 columns per warpgroup (all of D when the warpgroups split queries)
+        self.groups = head_dim // 8 if splits_queries else head_dim // dq_wgs // 8
+        if block_q % self.rows_per_pass or (block_q * head_dim) % (4 * num_threads):
+            raise ValueError(f"BackwardPost: block_q={block_q}, D={head_dim} do not split over "
+                             f"{num_threads} threads")
+        if block_q != (64 * dq_wgs if splits_queries else 64) or \
+                (not splits_queries and head_dim % (8 * dq_wgs)):
+            raise ValueError(f"BackwardPost: no dQ slot order for block_q={block_q}, D={head_dim}, "
+                             f"{dq_wgs} warpgroups, splits_queries={splits_queries}")
+
+    @cute.jit
+    def __call__(self, mAcc: cute.Tensor, mdQ: cute.Tensor, stream):
+        atom_acc = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32,
+                                       num_bits_per_copy=128)
+        copy_acc = cute.make_tiled_copy_tv(atom_acc, cute.make_layout(self.num_threads),
+                                           cute.make_layout(4))
+        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype,
+                                   num_bits_per_copy=128)
+        copy_row = cute.make_tiled_copy_tv(
+            atom, cute.make_layout((self.rows_per_pass, self.tpr), stride=(self.tpr, 1)),
+            cute.make_layout((1, self.vec)))
+        self.kernel(mAcc, mdQ, copy_acc, copy_row).launch(
+            grid=(mAcc.shape[2], mAcc.shape[1], mAcc.shape[0]), block=(self.num_threads, 1, 1),
+            stream=stream)
+
+    @cute.kernel
+    def kernel(self, mAcc: cute.Tensor, mdQ: cute.Tensor, copy_acc: cute.TiledCopy,
+               copy_row: cute.TiledCopy):
+        tidx, _, _ = cute.arch.thread_idx()
+        q_tile, head, batch = cute.arch.block_idx()
+        bq, d = self.block_q, self.head_dim
+        limit = mdQ.shape[1] - q_tile * bq
+        allocator = cutlass_memory.SmemAllocator()
+        sQ = allocator.allocate_tensor(self.dtype, cute.make_layout((bq, d), stride=(d + 8, 1)), 16)
+        # The slot, contiguous: thread t holds float4 number i * threads + t at fragment (:, i).
+        thr_acc = copy_acc.get_slice(tidx)
+        tAg = thr_acc.partition_S(mAcc[batch, head, q_tile, None])
+        vals = cute.make_fragment_like(tAg)
+        cute.copy(copy_acc, tAg, vals)
+        scale = Float32(self.scale)
+        for i in cutlass.range_constexpr(cute.size(vals, mode=[1])):
+            f = i * self.num_threads + tidx          # the float4's index in the slot
+            lr = f % 4
+            lq = (f // 4) % 8
+            warp = (f // 32) % 4
+            g = (f // 128) % self.groups
+            w = f // (128 * self.groups)
+            row = 16 * warp + lq
+            col = 8 * g + 2 * lr
+            if const_expr(self.splits_queries):
+                row = row + 64 * w
+            else:
+                col = col + w * (d // self.dq_wgs)
+            for hh in cutlass.range_constexpr(2):
+                for pp in cutlass.range_constexpr(2):
+                    sQ[row + 8 * hh, col + pp] = (vals[2 * hh + pp, i] * scale).to(self.dtype)
+        cute.arch.sync_threads()
+        thr = copy_row.get_slice(tidx)
+        gdQ = cute.local_tile(mdQ[batch, None, head, None], (bq, d), (q_tile, 0))
+        tS = thr.partition_S(sQ)
+        tG = thr.partition_D(gdQ)
+        tc = thr.partition_S(cute.make_identity_tensor((bq, d)))
+        for m in cutlass.range_constexpr(cute.size(tG, mode=[1])):
+            if tc[0, m, 0][0] < limit:
+                cute.copy(copy_row, tS[None, m, None], tG[None, m, None])
+
+
+def compile_backward_post(dtype_name: str, head_dim: int, block_q: int, dq_wgs: int,
+                          splits_queries: bool, scale: float, options: str):
+    """The TVM-FFI function of one :class:`BackwardPost`. Operand: the accumulator
+    [B, Hq, Tq, block_q * D] float32; result: dQ [B, Nq, Hq, D]."""
+    dtype = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[dtype_name]
+    sym, sym64 = cute.sym_int, cute.sym_int64
+    b, nq, hq, tq = sym(), sym(), sym(), sym()
+    vec = 128 // dtype.width
+    tile = block_q * head_dim
+    acc = cute.runtime.make_fake_tensor(
+        Float32, (b, hq, tq, tile), stride=(sym64(divisibility=tile), sym64(divisibility=tile),
+                                            tile, 1), assumed_align=16)
+    dq = cute.runtime.make_fake_tensor(
+        dtype, (b, nq, hq, head_dim),
+        stride=(sym64(divisibility=vec), sym64(divisibility=vec), head_dim, 1), assumed_align=16)
+    kernel = BackwardPost(dtype, head_dim, block_q, dq_wgs, splits_queries, scale)
+    return cute.compile(kernel, acc, dq, cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
                         options=options)
