@@ -256,3 +256,22 @@ def test_post_gradients_meet_the_policy(name, dtype, d, hq, hkv, monkeypatch):
     monkeypatch.setenv("JCOMPILEMASK_CUTE_BWD_PREP", "1")
     spec, md = _spec(name)
     check_attention(spec, md, 2, 1000, hq, hkv, d, dtype, "cute", forward=False)
+
+
+@needs_cutlass
+@pytest.mark.parametrize("dtype,d,bq", POST_CONFIGS)
+def test_post_slot_order_is_the_unpermute_order(dtype, d, bq):
+    """The kernel's slot order (``glue.slot_position``, the same function it traces) places
+    every float of a slot where ``api.dq_fragment_unpermute`` does (CPU)."""
+    from jcompilemask.kernels.cute.glue import slot_position
+    wgs, splits = api.dq_warpgroups(d, block_q=bq), api.dq_splits_queries(bq)
+    groups = d // 8 if splits else d // wgs // 8
+    slot = np.arange(bq * d, dtype=np.float32)
+    f = np.arange(bq * d // 4)
+    row, col = slot_position(f, groups, wgs, splits, d)
+    tile = np.full((bq, d), -1.0, np.float32)
+    for h in range(2):
+        for p in range(2):
+            tile[row + 8 * h, col + p] = slot[4 * f + 2 * h + p]
+    want = np.asarray(api.dq_fragment_unpermute(slot.reshape(1, 1, 1, -1), bq, d, bq))[0, :, 0]
+    np.testing.assert_array_equal(tile, want)

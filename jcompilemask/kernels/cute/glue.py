@@ -187,6 +187,29 @@ def compile_backward_prep(dtype_name: str, head_dim: int, head_dim_v: int, block
                         options=options)
 
 
+def slot_position(f, groups: int, dq_wgs: int, splits_queries: bool, head_dim: int):
+    """(row, column) in the query tile of the first element of float4 number ``f`` of a dQ
+    slot; its four elements (h, p) sit at (row + 8 h, column + p). ``f`` may be a Python or
+    numpy integer (the CPU check of this order against ``api.dq_fragment_unpermute``) or the
+    kernel's Int32. ``groups``: 8-column float4 chunks per warpgroup.
+
+    >>> slot_position(0, 16, 2, False, 128), slot_position(5, 16, 2, False, 128)
+    ((0, 0), (1, 2))
+    >>> slot_position(128 * 16, 16, 2, False, 128), slot_position(128 * 8, 8, 2, True, 64)
+    ((0, 64), (64, 0))
+    """
+    lr = f % 4
+    lq = (f // 4) % 8
+    warp = (f // 32) % 4
+    g = (f // 128) % groups
+    w = f // (128 * groups)
+    row = 16 * warp + lq
+    col = 8 * g + 2 * lr
+    if splits_queries:
+        return row + 64 * w, col
+    return row, col + w * (head_dim // dq_wgs)
+
+
 class BackwardPost:
     """dQ [B, Nq, Hq, D] in the input dtype from the backward's float32 accumulator
     [B, Hq, Tq, block_q * D]: each query tile's slot un-permuted (``api.dq_fragment_unpermute``'s
@@ -255,18 +278,9 @@ class BackwardPost:
         cute.copy(copy_acc, tAg, vals)
         scale = Float32(self.scale)
         for i in cutlass.range_constexpr(cute.size(vals, mode=[1])):
-            f = i * self.num_threads + tidx          # the float4's index in the slot
-            lr = f % 4
-            lq = (f // 4) % 8
-            warp = (f // 32) % 4
-            g = (f // 128) % self.groups
-            w = f // (128 * self.groups)
-            row = 16 * warp + lq
-            col = 8 * g + 2 * lr
-            if const_expr(self.splits_queries):
-                row = row + 64 * w
-            else:
-                col = col + w * (d // self.dq_wgs)
+            # the float4's index in the slot, and where its first element lands
+            row, col = slot_position(i * self.num_threads + tidx, self.groups, self.dq_wgs,
+                                     self.splits_queries, d)
             for hh in cutlass.range_constexpr(2):
                 for pp in cutlass.range_constexpr(2):
                     sQ[row + 8 * hh, col + pp] = (vals[2 * hh + pp, i] * scale).to(self.dtype)
