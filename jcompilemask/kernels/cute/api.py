@@ -460,7 +460,7 @@ _HOST_ONLY = frozenset({
     "_popcount_visited", "_unit_counts", "_late_units", "backward_schedule_moves",
     "backward_schedule", "cute_backward", "backward_config", "replay_makespan",
     "backward_static_order", "_bwd_static_order_on",
-    # the backward's preprocess kernel (kernels/cute/glue.py, its own fingerprint)
+    # the backward's pre- and postprocess kernels (kernels/cute/glue.py, their own fingerprint)
     "BackwardPrepKey", "_glue_fingerprint", "_bwd_prep_mode", "backward_prep",
     "BackwardPostKey", "_bwd_post_on", "backward_post",
 })
@@ -640,29 +640,22 @@ def _load_exported(path: str):
 
 
 def kernel_function(key):
-    """The TVM-FFI function of a ForwardKey / BackwardKey: from this process's memory,
-    else from the disk cache (:func:`disk_cache_key`), else compiled (and then saved for
-    the next process; this one keeps the function it compiled)."""
-    if isinstance(key, BackwardPrepKey):
+    """The TVM-FFI function of a ForwardKey / BackwardKey / BackwardPrepKey / BackwardPostKey:
+    from this process's memory, else from the disk cache (:func:`disk_cache_key`), else
+    compiled (and then saved for the next process; this one keeps the function it compiled)."""
+    if isinstance(key, (BackwardPrepKey, BackwardPostKey)):
         def build():
             with _lock:
                 if key not in _compiled:
                     _import_cutlass()
-                    from .glue import compile_backward_prep
-                    _compiled[key] = compile_backward_prep(
+                    from . import glue
+                    _compiled[key] = glue.compile_backward_prep(
                         key.dtype, key.head_dim, key.head_dim_v, key.block_q, key.with_dlse,
-                        _options(), zero_only=key.zero_only)
-                return _compiled[key]
-    elif isinstance(key, BackwardPostKey):
-        def build():
-            with _lock:
-                if key not in _compiled:
-                    _import_cutlass()
-                    from .glue import compile_backward_post
-                    _compiled[key] = compile_backward_post(
-                        key.dtype, key.head_dim, key.block_q,
-                        dq_warpgroups(key.head_dim, block_q=key.block_q),
-                        dq_splits_queries(key.block_q), key.scale, _options())
+                        _options(), zero_only=key.zero_only) \
+                        if isinstance(key, BackwardPrepKey) else glue.compile_backward_post(
+                            key.dtype, key.head_dim, key.block_q,
+                            dq_warpgroups(key.head_dim, block_q=key.block_q),
+                            dq_splits_queries(key.block_q), key.scale, _options())
                 return _compiled[key]
     else:
         build = (lambda: compile_forward(key)) if isinstance(key, ForwardKey) \
