@@ -10,7 +10,6 @@ GPU and jax-tvm-ffi and skip elsewhere, saying why.
 from __future__ import annotations
 
 import importlib.util
-import math
 import os
 
 import numpy as np
@@ -79,17 +78,6 @@ def test_backward_prep_switch_reads_its_three_modes(monkeypatch):
         api._bwd_prep_mode()
 
 
-def _xla_stats(out, do, lse, dlse, bq):
-    """What cute_backward's XLA passes make (its ``stats`` with the switch off)."""
-    from jcompilemask.attention.xla import softmax_delta
-    nq = out.shape[1]
-    tq = -(-nq // bq)
-    lse2 = jnp.where(jnp.isneginf(lse), jnp.inf, lse * np.float32(1.0 / math.log(2.0)))
-    delta = softmax_delta(out, do, lse, dlse)
-    pad = ((0, 0), (0, 0), (0, tq * bq - nq))
-    return jnp.pad(lse2, pad, constant_values=np.inf), jnp.pad(delta, pad)
-
-
 @needs_gpu
 @pytest.mark.parametrize("dtype,d,dv,bq", CONFIGS)
 @pytest.mark.parametrize("nq", [1000, 1024])
@@ -108,7 +96,7 @@ def test_backward_prep_matches_the_xla_passes(dtype, d, dv, bq, nq, with_dlse):
     dlse = jax.random.normal(ks[3], (b, hq, nq), jnp.float32) if with_dlse else None
     lse2, delta, acc = jax.jit(lambda *a: api.backward_prep(*a, head_dim=d, block_q=bq))(
         out, do, lse, dlse)
-    want_lse2, want_delta = _xla_stats(out, do, lse, dlse, bq)
+    want_lse2, want_delta, _ = api.backward_stats(out, do, lse, dlse, head_dim=d, block_q=bq)
     tq = -(-nq // bq)
     assert acc.shape == (b, hq, tq, bq * d) and acc.dtype == jnp.float32
     assert not np.asarray(acc).any()
@@ -240,7 +228,7 @@ def test_backward_post_matches_the_xla_pass(dtype, d, bq, nq):
     acc = acc.at[1, 2, 3, 17].set(jnp.nan).at[0, 0, 0, 5].set(jnp.inf).at[0, 1, 2, 9].set(-0.0)
     scale = 0.0883883461356163 * 4
     got = jax.jit(lambda a: api.backward_post(a, nq, d, bq, scale, dtype))(acc)
-    want = (api.dq_fragment_unpermute(acc, nq, d, bq) * np.float32(scale)).astype(dtype)
+    want = api.backward_dq(acc, nq, d, bq, scale, dtype)           # XLA's pass
     assert got.shape == (b, nq, hq, d) and got.dtype == jnp.dtype(dtype)
     np.testing.assert_array_equal(np.asarray(got).view(np.uint16), np.asarray(want).view(np.uint16))
 

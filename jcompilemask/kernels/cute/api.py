@@ -462,7 +462,7 @@ _HOST_ONLY = frozenset({
     "backward_static_order", "_bwd_static_order_on",
     # the backward's pre- and postprocess kernels (kernels/cute/glue.py, their own fingerprint)
     "BackwardPrepKey", "_glue_fingerprint", "_bwd_prep_mode", "backward_prep",
-    "BackwardPostKey", "_bwd_post_on", "backward_post",
+    "BackwardPostKey", "_bwd_post_on", "backward_post", "backward_stats", "backward_dq",
 })
 # Where the kernels' code lives: the kernel modules, and the residual programs they emit
 # into partial tiles; their imports inside the package are followed (_kernel_sources).
@@ -2477,20 +2477,8 @@ def cute_backward(q, k, v, out, lse, do, bwd_intervals, bwd_tiles, fwd_intervals
     acc_shape = (B, Hq, Tq, block_q * D)
 
     def stats():
-        """lse2, delta (whole query tiles for the statistics' TMA boxes: +inf lse, so P = 0,
-        and 0 delta past Nq) and the zeroed dQ accumulator: one kernel, or three XLA passes."""
-        mode = _bwd_prep_mode()
-        if mode == "fused":
-            return backward_prep(out, do, lse, dlse, head_dim=D, block_q=block_q)
-        lse32 = lse.astype(f32)
-        lse2 = jnp.where(jnp.isneginf(lse32), jnp.inf, lse32 * np.float32(1.0 / math.log(2.0)))
-        from ...attention.xla import softmax_delta
-        delta = softmax_delta(out, do, lse32, dlse)
-        pad = ((0, 0), (0, 0), (0, Tq * block_q - Nq))
-        acc = (backward_prep(out, do, lse, head_dim=D, block_q=block_q, zero_only=True)[2]
-               if mode == "zero" else jnp.zeros(acc_shape, f32))
-        return (jnp.pad(lse2, pad, constant_values=np.inf), jnp.pad(delta.astype(f32), pad),
-                acc)
+        return backward_stats(out, do, lse, dlse, head_dim=D, block_q=block_q,
+                              mode=_bwd_prep_mode())
 
     if Kc == 0:      # no column view: a 1-slot empty table keeps the operand shapes valid
         bwd_intervals = jnp.zeros((Bm, Hm, Nk, 1, 2), jnp.int32)
@@ -2540,12 +2528,9 @@ def cute_backward(q, k, v, out, lse, do, bwd_intervals, bwd_tiles, fwd_intervals
         dq_acc, _, dk, dv = jax.lax.cond(moves, scheduled, lambda i: run(grid_name, i), inputs)
     else:
         dq_acc, _, dk, dv = scheduled(inputs)
-    grad_scale = backward_grad_scale(scale, softcap, config)
-    if _bwd_post_on() and not config.dq_blocked:
-        return backward_post(dq_acc, Nq, D, block_q, grad_scale, q.dtype), dk, dv
-    # One fused XLA pass: un-permute, scale, cast.
-    dq = dq_fragment_unpermute(dq_acc, Nq, D, block_q, blocked=config.dq_blocked)
-    return (dq * np.float32(grad_scale)).astype(q.dtype), dk, dv
+    dq = backward_dq(dq_acc, Nq, D, block_q, backward_grad_scale(scale, softcap, config),
+                     q.dtype, post=_bwd_post_on(), blocked=config.dq_blocked)
+    return dq, dk, dv
 
 
 def backward_config(head_dim: int, dtype: str, softcap: bool, block_q: int, block_kv: int,
@@ -2729,3 +2714,49 @@ def backward_post(dq_acc, nq: int, head_dim: int, block_q: int, scale: float, dt
     call = jax.ffi.ffi_call(name, jax.ShapeDtypeStruct((B, nq, Hq, head_dim), dtype),
                             vmap_method="sequential")
     return match_varying(call(dq_acc), dq_acc)
+
+
+def backward_stats(out, do, lse, dlse=None, *, head_dim: int, block_q: int, mode=None):
+    """What the CuTe backward kernel reads besides Q, K, V and dO: ``(lse2, delta, dq_acc)``
+    (``backward_prep``'s shapes: whole query tiles for the statistics' TMA boxes, +inf lse2
+    so P = 0 and 0 delta past Nq; the zeroed float32 dQ accumulator). ``mode``
+    (``_bwd_prep_mode``): None, three XLA passes; ``"fused"``, the preprocess kernel;
+    ``"zero"``, the kernel for the zeros and XLA for the rest.
+
+    >>> import jax.numpy as jnp
+    >>> o = jnp.ones((1, 3, 1, 8), jnp.bfloat16)
+    >>> lse2, delta, acc = backward_stats(o, o, jnp.zeros((1, 1, 3)), head_dim=8, block_q=64)
+    >>> lse2.shape, float(delta[0, 0, 0]), float(delta[0, 0, 5]), float(lse2[0, 0, 5]), acc.shape
+    ((1, 1, 64), 8.0, 0.0, inf, (1, 1, 1, 512))
+    """
+    if mode == "fused":
+        return backward_prep(out, do, lse, dlse, head_dim=head_dim, block_q=block_q)
+    f32 = jnp.float32
+    B, Nq, Hq, _ = out.shape
+    Tq = -(-Nq // block_q)
+    lse32 = lse.astype(f32)
+    lse2 = jnp.where(jnp.isneginf(lse32), jnp.inf, lse32 * np.float32(1.0 / math.log(2.0)))
+    from ...attention.xla import softmax_delta
+    delta = softmax_delta(out, do, lse32, dlse)
+    pad = ((0, 0), (0, 0), (0, Tq * block_q - Nq))
+    acc = (backward_prep(out, do, lse, head_dim=head_dim, block_q=block_q, zero_only=True)[2]
+           if mode == "zero" else jnp.zeros((B, Hq, Tq, block_q * head_dim), f32))
+    return jnp.pad(lse2, pad, constant_values=np.inf), jnp.pad(delta.astype(f32), pad), acc
+
+
+def backward_dq(dq_acc, nq: int, head_dim: int, block_q: int, scale: float, dtype, *,
+                post: bool = False, blocked: bool = False):
+    """dQ [B, Nq, Hq, D] in ``dtype`` from the CuTe backward's float32 accumulator, times
+    ``scale``: XLA's fused un-permute / scale / cast pass, or with ``post`` (not for the
+    ``blocked`` slot order) the postprocess kernel, which gives the same bits.
+
+    >>> import jax.numpy as jnp, numpy as np
+    >>> acc = jnp.arange(64 * 64, dtype=jnp.float32).reshape(1, 1, 1, -1)
+    >>> dq = backward_dq(acc, 64, 64, 64, 0.5, jnp.float32)
+    >>> dq.shape, float(dq.sum()) == 0.5 * float(acc.sum())
+    ((1, 64, 1, 64), True)
+    """
+    if post and not blocked:
+        return backward_post(dq_acc, nq, head_dim, block_q, scale, dtype)
+    dq = dq_fragment_unpermute(dq_acc, nq, head_dim, block_q, blocked=blocked)
+    return (dq * np.float32(scale)).astype(dtype)
