@@ -94,8 +94,8 @@
 #                then ktimes (~590 s: JCM_STAGE_S=595)
 #   h200cands    issue 16 on the H200 (session 41's plan): the dilated window beside Flex+FA4 at 8K
 #                (default / prep / pz / post / hwlb / all / hi) then 32K (default / hi / prep /
-#                post), none timed on an H200 yet, after pz's and post's own GPU cases
-#                (~560 s: JCM_STAGE_S=570)
+#                post), none timed on an H200 yet, after pz's and post's own GPU cases and
+#                the glue kernels alone (bench_glue.py) (~590 s: JCM_STAGE_S=595)
 #   hdimspar     the same spread over JCM_PAR parallel pytest processes (JCM_PAR_SKIP: a regex of ids to leave out)
 #   multigpu     issue 19 on a multi-GPU kind: sharded training step + context parallelism (benchmarks/multi_gpu.py)
 #   kernels      GPU tests of the CuTe forward kernel alone (48 variant cases)
@@ -869,6 +869,10 @@ PY
     # postprocess kernel bit for bit against XLA's pass, their gradients; ~80 s from the pack)
     JCM_STAGE_S=$(left ${JCM_C16_TESTS_S:-100}) JCM_PAR_ONLY='zero_only|post_matches|post_gradients' \
       JCM_PAR_FILES=tests/gpu/test_cute_glue.py OUT=$OUT/pz bash "$0" hdimspar
+    # the glue kernels alone beside the XLA passes (benchmarks/bench_glue.py, ~30 s)
+    [[ -n ${JCM_COMPILE_ONLY:-} ]] || { timeout -k 5 $(left 45) python3 benchmarks/bench_glue.py \
+      --ns 8192 --out "$OUT/h200-glue.json" > "$OUT/bench-glue.log" 2>&1; echo "glue rc $?"
+      grep -E '^\{' "$OUT/bench-glue.log" | cut -c1-200; }
     JCM_BENCH_S=$(left ${JCM_C16_8K_S:-250}) JCM_BENCH_NS=8192 JCM_BENCH_MASKS=dilated_window \
       JCM_MASKS16_VARIANTS="base=;prep=$p=1;pz=$p=zero;post=JCOMPILEMASK_CUTE_BWD_POST=1;hwlb=$c=held_words=1,late_balance=1;all=$c=held_words=1,late_balance=1,list_early=1,q_early=1;hi=$c=heads_inner=1" \
       OUT=$OUT/8k bash "$0" masks16

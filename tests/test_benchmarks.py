@@ -534,3 +534,21 @@ def test_ncu_sass_summary_reads_a_committed_profile(capsys):
     mod.main([path, "--top", "3", "--reason", "barrier"])
     out = capsys.readouterr().out
     assert "sites of stall reason 'barrier'" in out and "after @P0   BAR.SYNC" in out
+
+
+def test_bench_glue_times_the_xla_passes_on_cpu(tmp_path):
+    """benchmarks/bench_glue.py's XLA impls at tiny shapes (the kernels need the GPU: on a
+    CPU their records carry the error instead of figures, and the others still come)."""
+    mod = _bench_module("bench_glue")
+    out = tmp_path / "glue.json"
+    recs = mod.main(["--ns", "128", "--tokens", "256", "--min-repeat-s", "0.01", "--impls",
+                     "xla-prep,xla-post,cute-post", "--out", str(out)])
+    assert [r["impl"] for r in recs] == ["xla-prep", "xla-post", "cute-post"]
+    for r in recs[:2]:
+        assert "error" not in r, r
+        assert r["us"] > 0 and r["gbytes"] > 0 and r["tb_per_s"] > 0 and "run" in r
+    assert recs[0]["gbytes"] == round(256 * 8 * 128 * 8 / 1e9, 4)
+    assert "error" in recs[2]
+    assert len(json.loads(out.read_text())["records"]) == 3
+    with pytest.raises(SystemExit):
+        mod.main(["--impls", "xla-nope"])
