@@ -81,7 +81,7 @@ for key in "$cache"/cute-*/*/key.json; do
 done
 n=$(wc -l < "$list")
 tar -cf - -C "$cache" -T "$list" | xz -T2 -9 > .device-stage/kernels/kernels.tar.xz
-echo "$(git rev-parse --short HEAD)$([[ -n $(git status --porcelain -- 'jcompilemask/*.py') ]] && echo +dirty) $fp $n kernels${JCM_KERNEL_PACK_ALSO:+ (also of $JCM_KERNEL_PACK_ALSO)}" \
+echo "$(git rev-parse --short HEAD)$([[ -n $(git status --porcelain -- 'jcompilemask/*.py') ]] && echo +dirty) $fp $n kernels (glue $fp_glue)${JCM_KERNEL_PACK_ALSO:+ (also of $JCM_KERNEL_PACK_ALSO)}" \
   > .device-stage/kernels/REVISION
 # The host launchers use this CPU's instruction sets (LLVM's native target; the DSL takes no
 # other host CPU with --enable-tvm-ffi): HOST_FLAGS lists the flags a loading CPU needs, i.e.
