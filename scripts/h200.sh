@@ -144,6 +144,11 @@ if [[ -z ${JCM_COMPILE_ONLY:-} && -f $kc_tar && -z $kc_lacks ]]; then
   mkdir -p "$kc_dir" && tar -xJf "$kc_tar" -C "$kc_dir" && touch "$kc_dir/.unpacked"
   export CUTE_DSL_ARCH=${CUTE_DSL_ARCH:-sm_90a}
   echo "kernel cache: $(find "$kc_dir" -name kernel.o | wc -l) kernels shipped ($(cat .device-stage/kernels/REVISION 2>/dev/null))"
+  # A pack of other kernel sources than this tree's loads nothing: say so up front.
+  for fp in $(python3 -c 'from jcompilemask.kernels.cute import api; print(api._package_fingerprint(), api._glue_fingerprint())' 2>/dev/null); do
+    grep -q "$fp" .device-stage/kernels/REVISION 2>/dev/null \
+      || echo "kernel cache: the pack is not of this tree's kernel sources ($fp): its kernels compile in this call"
+  done
   trap 'echo "kernel cache: $(find "$kc_dir" -name kernel.o -newer "$kc_dir/.unpacked" | wc -l) kernels compiled in this call"' EXIT
 fi
 if [[ -n ${JCM_COMPILE_ONLY:-} ]]; then
