@@ -1,7 +1,10 @@
-"""The CuTe backward's preprocess kernel: what ``cute_backward`` hands ``FlashBackwardSm90``
-besides Q, K, V and dO, made in one pass over O and dO.
+"""The CuTe backward's glue kernels: what ``cute_backward`` hands ``FlashBackwardSm90``
+besides Q, K, V and dO (``BackwardPrep``, one pass over O and dO), and dQ made from the
+kernel's float32 accumulator (``BackwardPost``). Both are opt-in
+(``$JCOMPILEMASK_CUTE_BWD_PREP``, ``$JCOMPILEMASK_CUTE_BWD_POST``); the default is XLA's
+passes, which give the same values (``api.backward_stats``, ``api.backward_dq``).
 
-Per (query tile, head, batch) one CTA writes
+Per (query tile, head, batch) one ``BackwardPrep`` CTA writes
 
 - ``delta`` [B, Hq, Tq * block_q] float32: rowsum(dO * O) less the lse cotangent where the
   row sees a key (``attention.xla.softmax_delta``), 0 past Nq;
@@ -10,13 +13,16 @@ Per (query tile, head, batch) one CTA writes
 - the tile's slot of the dQ accumulator [B, Hq, Tq, block_q * D] float32, zeroed (the
   backward reduce-adds into it).
 
-Before this kernel these were three XLA passes (measured on the H200, dilated window 8K,
-``benchmarks/kernel_times.py``, run 2026-12-06T09:38:26Z: the delta reduction 128.2 us, the
-accumulator's zero fill 158.3 us, lse2's pad 3.5 us). Each thread reads its rows' O and dO in
-16-byte vectors (``threads_per_row`` lanes of a warp per row, summed by butterflies) and
-zeroes 16 bytes of the slot per store. The kernel sources here are kept out of
-``api._package_fingerprint`` (the attention kernels' disk-cache key): this module has its
-own (:func:`glue_fingerprint`), so an edit here recompiles only these small kernels.
+XLA's passes for these took, on the H200 (dilated window 8K, ``benchmarks/kernel_times.py``,
+run 2026-12-06T09:38:26Z), 128.2 us (delta's reduction), 158.3 us (the accumulator's zero
+fill, 3.4 TB/s) and 3.5 us (lse2's pad); dQ's conversion 199.1 us (4.0 TB/s) against
+FA4's postprocess kernel's 187.0. On an H100 the fused preprocess made that step's backward
+1.1% slower (session 41): there XLA's passes already run at the card's bandwidth.
+
+Each thread moves 16-byte vectors (``threads_per_row`` lanes of a warp per row; rows summed
+by butterflies). These sources are kept out of ``api._package_fingerprint`` (the attention
+kernels' disk-cache key) and have their own (``api._glue_fingerprint``), so an edit here
+recompiles only these small kernels.
 """
 
 from __future__ import annotations
