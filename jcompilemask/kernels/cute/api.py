@@ -749,7 +749,7 @@ def _env_flag(name: str, default: str) -> bool:
     import os
     text = os.environ.get(name, "").strip() or default
     if text not in ("0", "1"):
-        raise ValueError(f"{name}={text!r}: 0 or 1")
+        raise ValueError(f"${name} must be 0 or 1, got {text!r}")
     return text == "1"
 
 
@@ -2603,9 +2603,10 @@ class BackwardPrepKey:
 
 @functools.lru_cache(maxsize=1)
 def _glue_fingerprint() -> str:
-    """The preprocess kernel's own disk-cache fingerprint: :func:`_package_fingerprint`'s
-    hash over ``kernels/cute/glue.py`` and what it imports from the package (nothing today),
-    so neither this kernel nor the attention kernels recompile for the other's edits."""
+    """The glue kernels' (pre- and postprocess) own disk-cache fingerprint: the hash of
+    :func:`_package_fingerprint` over ``kernels/cute/glue.py`` and what it imports from the
+    package (nothing today), so neither they nor the attention kernels recompile for the
+    other's edits."""
     return _sources_fingerprint(("kernels/cute/glue.py",))
 
 
@@ -2615,7 +2616,7 @@ def _bwd_prep_mode() -> str | None:
     three XLA passes (None); ``1``: the preprocess kernel, one pass (``"fused"``); ``zero``:
     the kernel for the zeros alone, lse2 and delta from XLA (``"zero"``)."""
     import os
-    v = os.environ.get("JCOMPILEMASK_CUTE_BWD_PREP", "0").strip()
+    v = os.environ.get("JCOMPILEMASK_CUTE_BWD_PREP", "").strip() or "0"
     modes = {"0": None, "1": "fused", "zero": "zero"}
     if v not in modes:
         raise ValueError(f"$JCOMPILEMASK_CUTE_BWD_PREP must be 0, 1 or zero, got {v!r}")
@@ -2692,11 +2693,7 @@ def _bwd_post_on() -> bool:
     """``$JCOMPILEMASK_CUTE_BWD_POST``: ``1`` converts the backward's dQ accumulator with the
     postprocess kernel (``glue.BackwardPost``) instead of XLA's fused un-permute / scale /
     cast pass; ``0`` (the default until it is timed on a GPU) keeps XLA's."""
-    import os
-    v = os.environ.get("JCOMPILEMASK_CUTE_BWD_POST", "0").strip()
-    if v not in ("0", "1"):
-        raise ValueError(f"$JCOMPILEMASK_CUTE_BWD_POST must be 0 or 1, got {v!r}")
-    return v == "1"
+    return _env_flag("JCOMPILEMASK_CUTE_BWD_POST", "0")
 
 
 def backward_post(dq_acc, nq: int, head_dim: int, block_q: int, scale: float, dtype):
