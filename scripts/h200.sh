@@ -866,7 +866,7 @@ PY
     # (hwlb), those + list_early + q_early (all), and heads_inner (hi: at 32K on an H100 it
     # took 1.3% off where one head's key columns fill the machine). 8K first, then 32K with
     # what targets the 32K penalty; post: dQ's conversion by the postprocess kernel (XLA's
-    # pass runs at 4.0 TB/s there, FA4's kernel at 4.3). JCM_C16_TESTS_S / JCM_C16_8K_S /
+    # pass runs at 4.0 TB/s there, FA4's kernel at 4.3); pp: prep and post together. JCM_C16_TESTS_S / JCM_C16_8K_S /
     # JCM_C16_32K_S split the stage.
     export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
     c=JCOMPILEMASK_CUTE_BWD_CONFIG p=JCOMPILEMASK_CUTE_BWD_PREP
@@ -879,7 +879,7 @@ PY
       --ns 8192 --out "$OUT/h200-glue.json" > "$OUT/bench-glue.log" 2>&1; echo "glue rc $?"
       grep -E '^\{' "$OUT/bench-glue.log" | cut -c1-200; }
     JCM_BENCH_S=$(left ${JCM_C16_8K_S:-250}) JCM_BENCH_NS=8192 JCM_BENCH_MASKS=dilated_window \
-      JCM_MASKS16_VARIANTS="base=;prep=$p=1;pz=$p=zero;post=JCOMPILEMASK_CUTE_BWD_POST=1;hwlb=$c=held_words=1,late_balance=1;all=$c=held_words=1,late_balance=1,list_early=1,q_early=1;hi=$c=heads_inner=1" \
+      JCM_MASKS16_VARIANTS="base=;prep=$p=1;pz=$p=zero;post=JCOMPILEMASK_CUTE_BWD_POST=1;pp=$p=1 JCOMPILEMASK_CUTE_BWD_POST=1;hwlb=$c=held_words=1,late_balance=1;all=$c=held_words=1,late_balance=1,list_early=1,q_early=1;hi=$c=heads_inner=1" \
       OUT=$OUT/8k bash "$0" masks16
     JCM_BENCH_S=$(left ${JCM_C16_32K_S:-190}) JCM_BENCH_NS=32768 JCM_BENCH_MASKS=dilated_window \
       JCM_MASKS16_VARIANTS="base=;hi=$c=heads_inner=1;prep=$p=1;post=JCOMPILEMASK_CUTE_BWD_POST=1" OUT=$OUT/32k bash "$0" masks16
