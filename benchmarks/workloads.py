@@ -17,6 +17,11 @@ MASKS = ("causal", "hstu", "shared_prompt", "clear")
 # spelling (k // 64 <= q // 64) and its interval spelling, a dilated causal window (128
 # wide, dilation 2: a residual predicate), 16 global tokens + a 256-wide causal window.
 MASKS_16 = ("block_causal", "block_causal_intervals", "dilated_window", "global_window")
+# A probe, not a workload: the dilated window in residue-class coordinates. Rows and keys
+# of one class (q % DILATION == k % DILATION) see each other through a plain causal window
+# WINDOW // DILATION wide, so at N // DILATION (and DILATION times the batch, the same
+# work) it times what the dilated window at N would cost with its classes as heads.
+PROBES = ("dilated_classes",)
 BLOCK, WINDOW, DILATION, GLOBALS, GLOBAL_WINDOW = 64, 128, 2, 16, 256
 HEADS, HEAD_DIM, TOKENS = 8, 128, 131072
 CLEAR_PAD = 384
@@ -56,6 +61,8 @@ def spec_for(mask: str, n: int):
     if mask == "global_window":
         return MaskSpec([Region((0, q_len), (k <= q) & ((k < GLOBALS) | (k > q - GLOBAL_WINDOW)))],
                         name=mask)
+    if mask == "dilated_classes":
+        return MaskSpec([Region((0, q_len), (k <= q) & (k > q - WINDOW // DILATION))], name=mask)
     raise ValueError(mask)
 
 
@@ -63,7 +70,7 @@ def metadata_for(mask: str, n: int, batch: int | None = None, seed: int = 0):
     """numpy metadata of docs/workloads.md (None for causal)."""
     b = batch_for(n) if batch is None else batch
     rng = np.random.default_rng(seed + n)
-    if mask == "causal" or mask in MASKS_16:
+    if mask == "causal" or mask in MASKS_16 or mask in PROBES:
         return None
     if mask == "hstu":
         a = rng.integers(n // 4, n // 2 + 1, b)
@@ -167,6 +174,8 @@ def torch_mask_mod(mask, n, md, torch, dev, block_mask=False):
         return lambda b, h, q, k: (k <= q) & (k > q - WINDOW) & ((q - k) % DILATION == 0)
     if mask == "global_window":
         return lambda b, h, q, k: (k <= q) & ((k < GLOBALS) | (k > q - GLOBAL_WINDOW))
+    if mask == "dilated_classes":
+        return lambda b, h, q, k: (k <= q) & (k > q - WINDOW // DILATION)
     t = {k_: torch.as_tensor(v, device=dev) for k_, v in md.items()}
     if mask == "hstu":
         a, e, g = t["context_len"], t["history_end"], t["group_size"]
