@@ -151,7 +151,7 @@ def bench_masks(ns, masks, variants=(("", {}),), save=None) -> list[dict]:
             desc = jax.jit(lambda m: cm.instantiate(
                 m, L, L, block_q=t.block_q, block_kv=t.block_kv, bwd_block_q=t.bwd_block_q,
                 bwd_block_kv=t.bwd_block_kv))(md)
-            pairs = W.visible_pairs(desc.fwd_intervals) * (B if desc.batch == 1 else 1)
+            pairs = W.descriptor_pairs(desc) * (B if desc.batch == 1 else 1)
             kq, kk, kv = jax.random.split(jax.random.PRNGKey(n), 3)
             q = _rand(kq, (B, L, W.HEADS, W.HEAD_DIM), jnp.bfloat16)
             k = _rand(kk, (B, L, W.HEADS, W.HEAD_DIM), jnp.bfloat16)

@@ -34,7 +34,7 @@ def jcm_pairs(mask, n, md):
     L = W.seq_len(mask, n)
     cm = jcm.compile(W.spec_for(mask, n))
     desc = jax.jit(lambda m: cm.instantiate(m, L, L))(md)
-    pairs = W.visible_pairs(desc.fwd_intervals)
+    pairs = W.descriptor_pairs(desc)
     if desc.batch == 1:
         pairs *= W.batch_for(n)
     return pairs

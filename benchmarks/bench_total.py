@@ -189,7 +189,7 @@ def jcm_workload(mask, n, smoke=False, implementation=None):
     preprocess = cm.default_preprocess()
     instantiate = jax.jit(lambda m: cm.instantiate(m, L, L, preprocess=preprocess))
     desc = instantiate(md)
-    pairs = W.visible_pairs(desc.fwd_intervals) * (b if desc.batch == 1 else 1)
+    pairs = W.descriptor_pairs(desc) * (b if desc.batch == 1 else 1)
     ks = jax.random.split(jax.random.key(n), 4)
     q, k, v, do = (jax.random.normal(kk, (b, L, h, d), jnp.float32).astype(jnp.bfloat16)
                    for kk in ks)

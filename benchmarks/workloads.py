@@ -90,6 +90,14 @@ def metadata_for(mask: str, n: int, batch: int | None = None, seed: int = 0):
     raise ValueError(mask)
 
 
+def descriptor_pairs(desc) -> int:
+    """Visible pairs of one descriptor's batch (a residue-class descriptor: its classes'
+    pairs, each class running the inner descriptor's mask)."""
+    classes = getattr(desc, "classes", 1)
+    inner = getattr(desc, "inner", desc)
+    return visible_pairs(inner.fwd_intervals) * classes
+
+
 def visible_pairs(fwd_intervals) -> int:
     """Visible (query, key) pairs summed over the batch, from a descriptor's forward table
     [B, Hm, Nq, K, 2] (the union per row: intervals may overlap)."""

@@ -235,12 +235,12 @@ def explain(call: Call | None = None, mask=None) -> str:
         if chosen is not None:
             lines.append(explain_backward(call))
     if cm is not None:
-        lines += _explain_regions(cm, chosen)
+        lines += _explain_regions(cm, chosen, call)
     lines += _explain_preprocess()
     return "\n".join(lines)
 
 
-def _explain_regions(cm, chosen) -> list[str]:
+def _explain_regions(cm, chosen, call=None) -> list[str]:
     """Per region of ``cm``: intervals, residual, the backend that runs it and why."""
     from .lower.compiled import region_backend
     regions = getattr(cm, "regions", ())
@@ -264,6 +264,21 @@ def _explain_regions(cm, chosen) -> list[str]:
                    "cute (hull intervals, the residual predicate emitted into partial tiles)"
                    if lr.has_residual else "cute (interval tables only)")
         lines.append(f"    runs on: {why}")
+    rc = getattr(cm, "row_classes", None)
+    if rc is not None and call is not None:
+        inner = cm.class_mask
+        cc = dataclasses.replace(
+            call_for(inner, dtype=call.dtype, head_dim=call.head_dim,
+                     head_dim_v=call.head_dim_v, num_heads=call.num_heads * rc.factor,
+                     num_kv_heads=call.num_kv_heads * rc.factor, softcap=call.softcap,
+                     bias=call.bias), tiles=None)
+        runs = next((b.name for b in backends() if _check(b, cc) is None), None)
+        lines.append(f"  residue classes mod {rc.factor}: where q_len and kv_len are multiples "
+                     f"of {rc.factor} (and $JCOMPILEMASK_ROW_CLASSES is not 0), one class's "
+                     f"mask (K = {inner.num_intervals}, "
+                     f"{'residual regions ' + str(list(inner.residual_regions)) if inner.residual_regions else 'no residual'}"
+                     f") runs with the classes as heads, on: {runs}; the regions above "
+                     "serve other lengths")
     return lines
 
 

@@ -92,6 +92,7 @@
 #                guard, then masks16 (dilated window 8K: default / hwlb / all / hi / persistent
 #                / persistent + dkv_staged / the register epilogues nt, ntv beside Flex+FA4),
 #                then ktimes (~590 s: JCM_STAGE_S=595)
+#   classes      issue 16: the dilated window as residue classes beside the residual lowering and Flex+FA4
 #   h200cands    issue 16 on the H200 (session 41's plan): the dilated window beside Flex+FA4 at 8K
 #                (default / prep / pz / post / hwlb / all / hi) then 32K (default / hi / prep /
 #                post), none timed on an H200 yet, after pz's and post's own GPU cases and
@@ -857,6 +858,22 @@ PY
       ${JCM_MASKS16_VARIANTS:+--jcm-variants "$JCM_MASKS16_VARIANTS"} \
       --budget-s $(( b - 20 )) --out "$OUT/h200-$stage.json" > "$OUT/bench-$stage.log" 2>&1
     echo "bench rc $? ($SECONDS s)"; pkill -9 -f bench_total; grep -E '^\{' "$OUT/bench-$stage.log" | cut -c1-230
+    ;;
+  classes)
+    # Issue 16: the dilated window as residue classes (lower/classes.py: (q - k) % 2 == 0 in
+    # its rule, so each class of q % 2 runs a plain causal window 64 wide, the classes as
+    # heads; no residual predicate, fewer and denser tiles) beside the residual lowering
+    # (rc0: JCOMPILEMASK_ROW_CLASSES=0) and Flex+FA4, each jcm record checked against the
+    # dense reference first (bench_total --check: dq, dk, dv at N=2048). JCM_CL_IMPLS,
+    # JCM_CL_S (default 300), JCM_BENCH_NS (8192,32768), JCM_BENCH_MASKS (dilated_window).
+    export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
+    export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1
+    b=$(left ${JCM_CL_S:-300})
+    timeout -k 5 $b python3 benchmarks/bench_total.py --ns ${JCM_BENCH_NS:-8192,32768} \
+      --masks ${JCM_BENCH_MASKS:-dilated_window} --impls ${JCM_CL_IMPLS:-jcm,flex-fa4} --check \
+      --min-repeat-s 0.25 --jcm-variants "base=;rc0=JCOMPILEMASK_ROW_CLASSES=0" \
+      --budget-s $(( b - 20 )) --out "$OUT/h200-masks16.json" > "$OUT/bench-classes.log" 2>&1
+    echo "bench rc $? ($SECONDS s)"; pkill -9 -f bench_total; grep -E '^\{' "$OUT/bench-classes.log" | cut -c1-260
     ;;
   h200cands)
     # Issue 16's dilated window on the H200 (0.945x Flex+FA4 at 8K, 0.924x at 32K, session 40):

@@ -13,6 +13,7 @@ import numpy as np
 
 from .. import backends as _backends
 from ..lower.compiled import compile as _compile
+from ..lower.descriptor import ClassDescriptor
 from . import compat as _compat
 from . import partition as _partition
 
@@ -48,6 +49,30 @@ def _attention_bwd(scale, softcap, backend_name, bias_grad, deterministic, res, 
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def _class_attention(q, k, v, desc, bias, scale, softcap, backend_name, bias_grad,
+                     deterministic):
+    """Attention under a :class:`ClassDescriptor`: [B, N, H, D] viewed as [B, N / c, c H, D]
+    (row ``c i + r`` of head ``h`` is row ``i`` of head ``r H + h``; GQA's head map is
+    kept: query head ``r H + h`` reads key head ``r Hk + h // (H / Hk)``), one class's mask
+    on every class, and the results viewed back (free reshapes; the lse [B, c H, N / c]
+    is transposed to [B, H, N])."""
+    c = desc.classes
+    b, nq, hq, _ = q.shape
+    by_class = lambda x: x.reshape(x.shape[0], x.shape[1] // c, c * x.shape[2], x.shape[3])  # noqa: E731
+    if bias is not None:
+        # [B, H, Nq, Nk] -> the same-class blocks [B, H, Nq/c, Nk/c, c] -> [B, c H, ...]
+        nk = k.shape[1]
+        bias = jnp.broadcast_to(bias, (bias.shape[0], hq, nq, nk))
+        g = bias.reshape(bias.shape[0], hq, nq // c, c, nk // c, c)
+        g = jnp.diagonal(g, axis1=3, axis2=5)
+        bias = jnp.moveaxis(g, -1, 1).reshape(bias.shape[0], c * hq, nq // c, nk // c)
+    out, lse = _attention(by_class(q), by_class(k), by_class(v), desc.inner, bias, scale,
+                          softcap, backend_name, bias_grad, deterministic)
+    out = out.reshape(b, nq, hq, out.shape[-1])
+    lse = jnp.moveaxis(lse.reshape(b, c, hq, nq // c), 1, -1).reshape(b, hq, nq)
+    return out, lse
 
 
 def _shape_error(msg):
@@ -227,9 +252,19 @@ def mask_attention(query, key, value, mask=None, *, bias=None,
 
     desc = plan.desc
     cm = desc.mask if desc is not None else _compile(plan.mask)
+    # Residue classes (lower/classes.py): the kernels run one class's mask with the
+    # classes as heads, so the backend is chosen for that mask and c times the heads.
+    if isinstance(desc, ClassDescriptor):
+        classes = desc.classes
+    elif desc is None and isinstance(nq, int):
+        classes = cm.classes_for(nq, nk)
+    else:
+        classes = 1
+    run_cm = cm.class_mask if classes > 1 else cm
     call = _backends.call_for(
-        cm, dtype=jnp.dtype(query.dtype).name, head_dim=d, head_dim_v=dv, num_heads=hq,
-        num_kv_heads=hkv, softcap=logits_soft_cap is not None,
+        run_cm, dtype=jnp.dtype(query.dtype).name, head_dim=d, head_dim_v=dv,
+        num_heads=hq * classes, num_kv_heads=hkv * classes,
+        softcap=logits_soft_cap is not None,
         tiles=None if desc is None else desc.tiles, bias=bias is not None)
     impl = _compat.implementation_name(implementation)
     try:
@@ -243,7 +278,8 @@ def mask_attention(query, key, value, mask=None, *, bias=None,
     if desc is None:
         t = backend.tiles(call)
         desc = cm.instantiate(plan.metadata, nq, nk, block_q=t.block_q, block_kv=t.block_kv,
-                              bwd_block_q=t.bwd_block_q, bwd_block_kv=t.bwd_block_kv)
+                              bwd_block_q=t.bwd_block_q, bwd_block_kv=t.bwd_block_kv,
+                              row_classes=classes > 1)
 
     if (desc.q_len, desc.kv_len) != (nq, nk):
         raise ValueError(f"the descriptor was built for q_len={desc.q_len}, kv_len="
@@ -258,8 +294,13 @@ def mask_attention(query, key, value, mask=None, *, bias=None,
 
     if not isinstance(deterministic, (bool, np.bool_)):
         raise TypeError(f"deterministic must be True or False, got {deterministic!r}")
-    out, lse = _attention(query, key, value, desc, bias, float(scale), logits_soft_cap,
-                          backend.name, bias_grad, bool(deterministic))
+    if classes > 1:
+        out, lse = _class_attention(query, key, value, desc, bias, float(scale),
+                                    logits_soft_cap, backend.name, bias_grad,
+                                    bool(deterministic))
+    else:
+        out, lse = _attention(query, key, value, desc, bias, float(scale), logits_soft_cap,
+                              backend.name, bias_grad, bool(deterministic))
     if unbatched:
         out, lse = out[0], lse[0]
     if return_residuals:

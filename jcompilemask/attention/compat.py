@@ -31,7 +31,7 @@ import numpy as np
 
 from ..lower.compiled import CompiledMask
 from ..lower.dense import DenseMask, from_dense
-from ..lower.descriptor import ExecutionDescriptor
+from ..lower.descriptor import ClassDescriptor, ExecutionDescriptor
 from ..spec.expr import TRUE, And, k, kv_len, minimum, q, q_len
 from ..masks import full
 from ..spec.maskspec import MaskSpec, Region
@@ -42,7 +42,7 @@ __all__ = ["QUERY_LENGTHS", "KV_LENGTHS", "as_real", "as_window", "implementatio
 
 QUERY_LENGTHS = "query_seq_lengths"
 KV_LENGTHS = "key_value_seq_lengths"
-_MASK_TYPES = (ExecutionDescriptor, MaskSpec, CompiledMask)
+_MASK_TYPES = (ExecutionDescriptor, ClassDescriptor, MaskSpec, CompiledMask)
 
 
 def as_real(x, name: str, *, positive: bool = False, example: str = "") -> float:
@@ -208,7 +208,7 @@ def plan_mask(mask, metadata, *, is_causal, window, query_seq_lengths, key_value
     lengths = {n: x for n, x in ((QUERY_LENGTHS, qsl), (KV_LENGTHS, kvsl)) if x is not None}
     extras = bool(is_causal) or window is not None or bool(lengths)
 
-    if isinstance(mask, ExecutionDescriptor):
+    if isinstance(mask, (ExecutionDescriptor, ClassDescriptor)):
         if metadata is not None:
             raise ValueError("metadata is only used when mask is a MaskSpec or "
                              "CompiledMask; the descriptor already holds it")

@@ -6,12 +6,14 @@ import functools
 from typing import Mapping, Optional, Protocol
 
 import jax.numpy as jnp
+import numpy as np
 
 from ..spec.evaluate import Env, evaluate
 from ..spec.expr import And, BoolConst, Or
 from ..spec.maskspec import MaskSpec
 from .analyze import LoweredRegion, lower_region
-from .descriptor import ExecutionDescriptor, TileConfig
+from .classes import RowClasses, classes_enabled, find_row_classes
+from .descriptor import ClassDescriptor, ExecutionDescriptor, TileConfig
 from .slots import assign_slots, head_support
 
 __all__ = ["CompiledMask", "compile", "resolve_tiles", "DEFAULT_TILES", "Planner",
@@ -148,6 +150,7 @@ class CompiledMask:
 
     residual_regions: tuple = ()     # defaults for subclasses (DenseMask) without regions
     shares_slots = False
+    row_classes: Optional[RowClasses] = None
 
     def __init__(self, spec: MaskSpec, regions: tuple[LoweredRegion, ...]):
         self.spec = spec
@@ -184,6 +187,48 @@ class CompiledMask:
         self.num_bwd_intervals = n if self.has_column_view else 0
         if self.has_column_view and self.num_bwd_intervals == 0:
             self.has_column_view = False
+
+    # -- residue classes ------------------------------------------------------------------
+    @property
+    def class_mask(self) -> Optional["CompiledMask"]:
+        """The compiled mask of one residue class (:mod:`jcompilemask.lower.classes`), or
+        None when the spec does not factor into classes."""
+        if self.row_classes is None:
+            return None
+        return _compile_cached(self.row_classes.spec)
+
+    def classes_for(self, q_len: int, kv_len: int, row_classes: Optional[bool] = None) -> int:
+        """How many residue classes a descriptor at these lengths uses: the spec's factor
+        when it has one, both lengths are multiples of it and neither ``row_classes=False``
+        nor ``$JCOMPILEMASK_ROW_CLASSES=0`` turns them off; else 1. ``row_classes=True``
+        raises where they cannot be used, saying why.
+
+        >>> import jcompilemask as jcm
+        >>> from jcompilemask.spec import MaskSpec, Region, q, k, q_len
+        >>> cm = jcm.compile(MaskSpec([Region((0, q_len), (k <= q) & ((q - k) % 2 == 0))]))
+        >>> cm.classes_for(8, 8), cm.classes_for(7, 7), cm.classes_for(8, 8, False)
+        (2, 1, 1)
+        """
+        if row_classes is not None and not isinstance(row_classes, (bool, np.bool_)):
+            raise TypeError(f"row_classes must be True, False or None, got {row_classes!r}")
+        if row_classes is False:
+            return 1
+        rc = self.row_classes
+        why = None
+        if rc is None:
+            why = ("its rules do not pair each query only with keys of its residue class "
+                   "(a conjunct (q - k) % c == 0 in every region, every other comparison "
+                   "a function of q - k, no metadata or h)")
+        elif q_len % rc.factor or kv_len % rc.factor:
+            why = (f"q_len={q_len} and kv_len={kv_len} must both be multiples of "
+                   f"{rc.factor}")
+        elif row_classes is None and not classes_enabled():
+            return 1
+        if why is None:
+            return rc.factor
+        if row_classes:
+            raise ValueError(f"row_classes=True: this mask cannot run as residue classes: {why}")
+        return 1
 
     def residual(self, region: int, slot: int):
         """The residual predicate (a :class:`~jcompilemask.spec.expr.Pred` tree over
@@ -303,6 +348,17 @@ class CompiledMask:
             lines.append("  column view: none (the rows that see a key are not known to form "
                          "ranges); the backward pass checks row intervals")
         lines.append("  intervals are clamped to [0, kv_len); empty ones are (0, 0)")
+        if self.row_classes is not None:
+            rc, inner = self.row_classes, self.class_mask
+            lines.append(f"  residue classes: each query sees only keys of its class mod "
+                         f"{rc.factor}; where both lengths are multiples of {rc.factor} the "
+                         f"descriptor holds one class's mask (K = {inner.num_intervals}, Kc = "
+                         f"{inner.num_bwd_intervals}, residual regions "
+                         f"{list(inner.residual_regions)}) and the kernels run the {rc.factor} "
+                         "classes as heads (row_classes=False: the lowering above)")
+            for g, r in enumerate(rc.spec.regions):
+                lines.append(f"    class region {g}: rows [{r.rows[0]}, {r.rows[1]}): "
+                             f"{r.visible}")
         if self.residual_regions:
             lines.append("  residual predicates are evaluated per element in partial tiles; "
                          "a tile that a hull covers but its residual may cut is partial")
@@ -331,7 +387,8 @@ class CompiledMask:
     def instantiate(self, metadata: Mapping | None, q_len: int, kv_len: int | None = None,
                     *, block_q: Optional[int] = None, block_kv: Optional[int] = None,
                     bwd_block_q: Optional[int] = None, bwd_block_kv: Optional[int] = None,
-                    preprocess: str | None = None) -> ExecutionDescriptor:
+                    preprocess: str | None = None,
+                    row_classes: Optional[bool] = None) -> ExecutionDescriptor:
         """Build the :class:`ExecutionDescriptor` for one batch (jit-able).
 
         Tile sizes left as None take the preferred tiles of the backend that will run.
@@ -346,8 +403,26 @@ class CompiledMask:
         metadata's values are checked first (:class:`MetadataError` names the argument).
         Inside ``jit`` it is traced into the caller's program (values outside their declared
         range are clamped; :meth:`MaskSpec.check_metadata` reports them under ``checkify``).
+
+        A mask whose rules pair each query only with keys of its own residue class mod
+        ``c`` (``(q - k) % c == 0`` in every region, e.g. a dilated window) gets a
+        :class:`ClassDescriptor` when both lengths are multiples of ``c``: the descriptor of
+        one class's mask, which :func:`jcompilemask.mask_attention` runs with the classes
+        as heads (:mod:`jcompilemask.lower.classes`, :meth:`classes_for`).
+        ``row_classes=False`` (or ``$JCOMPILEMASK_ROW_CLASSES=0``) builds the
+        sequence-coordinate descriptor instead (hulls and residual predicates);
+        ``row_classes=True`` raises if the classes cannot be used.
         """
         kv_len = q_len if kv_len is None else kv_len
+        if isinstance(q_len, (int, np.integer)) and isinstance(kv_len, (int, np.integer)):
+            q_len, kv_len = int(q_len), int(kv_len)
+            c = self.classes_for(q_len, kv_len, row_classes)
+            if c > 1:
+                inner = self.class_mask.instantiate(
+                    metadata, q_len // c, kv_len // c, block_q=block_q, block_kv=block_kv,
+                    bwd_block_q=bwd_block_q, bwd_block_kv=bwd_block_kv,
+                    preprocess=preprocess, row_classes=False)
+                return ClassDescriptor(inner, classes=c, mask=self)
         self.check_ranges(q_len, kv_len)
         tiles = resolve_tiles(block_q, block_kv, bwd_block_q, bwd_block_kv)
         impl = planner().select_preprocess(self, preprocess)
@@ -457,7 +532,9 @@ def _compile_cached(spec: MaskSpec) -> CompiledMask:
             f"({len(spec.regions)} region(s), sympy)")
     with slow_step(what):
         regions = tuple(lower_region(r, spec) for r in spec.regions)
-    return CompiledMask(spec, regions)
+    cm = CompiledMask(spec, regions)
+    cm.row_classes = find_row_classes(spec)
+    return cm
 
 
 _warned: set = set()      # spec keys whose fallback regions were reported
@@ -493,7 +570,8 @@ def compile(spec, *, warn: bool = True) -> CompiledMask:  # noqa: A001 - the pub
     key = spec.key()
     if not warn:
         _quiet.add(key)
-    elif cm.fallback_regions and key not in _quiet and key not in _warned:
+    elif (cm.fallback_regions and cm.row_classes is None and key not in _quiet
+          and key not in _warned):
         _warned.add(key)
         from .hints import warn_fallbacks
         warn_fallbacks(cm, stacklevel=3)

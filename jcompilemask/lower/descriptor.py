@@ -57,8 +57,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["ExecutionDescriptor", "TileConfig", "COMPUTE", "MASKED", "EMPTY", "FULL",
-           "PARTIAL", "pack_tiles", "unpack_tiles", "interval_check"]
+__all__ = ["ExecutionDescriptor", "ClassDescriptor", "TileConfig", "COMPUTE", "MASKED",
+           "EMPTY", "FULL", "PARTIAL", "pack_tiles", "unpack_tiles", "interval_check"]
 
 COMPUTE, MASKED = 1, 2
 EMPTY, FULL, PARTIAL = MASKED, COMPUTE, COMPUTE | MASKED
@@ -251,3 +251,98 @@ class ExecutionDescriptor:
         return (f"ExecutionDescriptor(B={self.batch}, Hm={self.mask_heads}, q_len="
                 f"{self.q_len}, kv_len={self.kv_len}, K={self.num_intervals}, Kc="
                 f"{self.num_bwd_intervals}, tiles={self.tiles})")
+
+
+@jax.tree_util.register_pytree_node_class
+class ClassDescriptor:
+    """The descriptor of a mask that pairs queries only with keys of their own residue
+    class mod ``classes`` (:mod:`jcompilemask.lower.classes`): ``inner`` is the
+    :class:`ExecutionDescriptor` of one class's mask (rows ``i = q // classes``, keys
+    ``j = k // classes``, lengths ``q_len / classes``), the same for every class.
+
+    :func:`jcompilemask.mask_attention` runs it on the inputs viewed as ``[batch,
+    len / classes, classes * heads, dim]`` (a free reshape: row ``classes * i + r`` of head
+    ``h`` is row ``i`` of head ``r * heads + h``), so the kernels see fewer, denser tiles
+    and no per-element predicate. ``q_len`` / ``kv_len`` and the dense views below are in
+    the sequence's coordinates; ``tiles`` and :meth:`to_string` describe the class tiles.
+    Built by :meth:`CompiledMask.instantiate` (``row_classes=False`` there gives an
+    :class:`ExecutionDescriptor` of the same mask instead).
+
+    >>> import jcompilemask as jcm
+    >>> from jcompilemask.spec import MaskSpec, Region, q, k, q_len
+    >>> spec = MaskSpec([Region((0, q_len), (k <= q) & (k > q - 4) & ((q - k) % 2 == 0))])
+    >>> d = jcm.compile(spec).instantiate(None, 8, 8)
+    >>> d.classes, d.q_len, d.inner.q_len
+    (2, 8, 4)
+    >>> bool((d.as_dense() == spec.as_dense(None, 8, 8)).all())
+    True
+    """
+
+    def __init__(self, inner: ExecutionDescriptor, *, classes: int, mask):
+        self.inner, self.classes, self.mask = inner, classes, mask
+
+    def tree_flatten(self):
+        return (self.inner,), (self.classes, self.mask)
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(children[0], classes=aux[0], mask=aux[1])
+
+    @property
+    def ndim(self):
+        raise not_an_array("ClassDescriptor")
+
+    @property
+    def q_len(self) -> int:
+        return self.inner.q_len * self.classes
+
+    @property
+    def kv_len(self) -> int:
+        return self.inner.kv_len * self.classes
+
+    @property
+    def tiles(self) -> TileConfig:
+        return self.inner.tiles
+
+    @property
+    def batch(self) -> int:
+        return self.inner.batch
+
+    @property
+    def mask_heads(self) -> int:
+        return self.inner.mask_heads
+
+    @property
+    def num_intervals(self) -> int:
+        return self.inner.num_intervals
+
+    @property
+    def num_bwd_intervals(self) -> int:
+        return self.inner.num_bwd_intervals
+
+    def visibility(self, rows, cols, view: str = "fwd"):
+        """bool [B, Hm, R, C] in the sequence's coordinates (see
+        :meth:`ExecutionDescriptor.visibility`)."""
+        rows = jnp.asarray(rows, jnp.int32)
+        cols = jnp.asarray(cols, jnp.int32)
+        c = self.classes
+        same = (rows[:, None] % c) == (cols[None, :] % c)
+        inside = ((rows >= 0) & (rows < self.q_len))[:, None] & \
+            ((cols >= 0) & (cols < self.kv_len))[None, :]
+        vis = self.inner.visibility(rows // c, cols // c, view)
+        return vis & (same & inside)[None, None]
+
+    def as_dense(self, view: str = "fwd"):
+        """bool [B, Hm, q_len, kv_len] in the sequence's coordinates."""
+        return self.visibility(jnp.arange(self.q_len), jnp.arange(self.kv_len), view)
+
+    def to_string(self, view: str = "fwd", batch: int = 0, head: int = 0,
+                  max_tiles: int = 64) -> str:
+        """The tile map of one class (every class has the same one)."""
+        return (f"{self.classes} residue classes (q % {self.classes} == k % "
+                f"{self.classes}), each {self.inner.q_len} x {self.inner.kv_len}:\n"
+                + self.inner.to_string(view, batch, head, max_tiles))
+
+    def __repr__(self):
+        return (f"ClassDescriptor(classes={self.classes}, q_len={self.q_len}, kv_len="
+                f"{self.kv_len}, inner={self.inner!r})")

@@ -1,0 +1,201 @@
+"""Residue classes: masks that only pair a query with keys of its own class mod ``c``.
+
+A rule such as ``(k <= q) & (k > q - 128) & ((q - k) % 2 == 0)`` (a dilated window) lowers
+in the sequence's own coordinates to a hull ``(q - 128, q]`` and a residual predicate that
+masks every other key: every visited tile is partial and half of each is computed for
+nothing. Yet ``(q - k) % c == 0`` says ``q`` and ``k`` have the same residue ``r`` mod
+``c``, so with ``q = c * i + r`` and ``k = c * j + r`` the mask splits into ``c``
+independent problems, one per class, and where every other atom depends on ``q`` and ``k``
+only through ``q - k`` (it is then the same in every class), each class runs the *same*
+mask, with no residual: here ``0 <= i - j < 64``, a plain causal window.
+
+In the ``[batch, len, heads, dim]`` layout that is a free reshape: ``[B, N, H, D]`` viewed
+as ``[B, N / c, c * H, D]`` puts row ``c * i + r`` of head ``h`` at row ``i`` of head
+``r * H + h`` (and keys likewise, so GQA's head mapping is kept). The kernels then see
+``c * H`` heads of length ``N / c`` under the class mask: the same visible pairs, fewer
+and denser tiles, no per-element predicate.
+
+:func:`find_row_classes` finds the factorization, exactly (or not at all):
+
+* every region's rule is a conjunction with a *class atom*: ``(q - k) % c == 0``
+  (``(k - q) % c``, a constant multiple of ``c`` added, ``0 ==`` on the left) or
+  ``q % c == k % c``, with one ``c >= 2`` for all regions (a region that sees nothing
+  is compatible with any);
+* every other comparison in the rules is ``alpha * (q - k) + rest`` with ``rest`` free of
+  ``q`` and ``k`` (constants, ``q_len``, ``kv_len``) after collecting terms: it then holds
+  at ``(c i + r, c j + r)`` iff it holds at ``(c i, c j)``, so the class rule is the rule
+  with ``q := c * q``, ``k := c * k`` (the lowering solves those exactly);
+* region bounds are constants divisible by ``c`` or ``q_len``;
+* no metadata and no ``h`` (their declared ranges and per-head tables are written in the
+  sequence's coordinates).
+
+The class spec's ``q_len`` / ``kv_len`` are the class lengths ``N / c``; a descriptor
+uses the classes only when both lengths are multiples of ``c``
+(:meth:`CompiledMask.instantiate`), else the residual lowering as before.
+
+>>> from jcompilemask.spec import MaskSpec, Region, q, k, q_len
+>>> spec = MaskSpec([Region((0, q_len), (k <= q) & (k > q - 128) & ((q - k) % 2 == 0))])
+>>> rc = find_row_classes(spec)
+>>> rc.factor, str(rc.spec.regions[0].visible)
+(2, '(k - q <= 0) & (k - q > -64)')
+>>> find_row_classes(MaskSpec([Region((0, q_len), (k < 16) & ((q - k) % 2 == 0))])) is None
+True
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from typing import Optional
+
+from ..spec.expr import (And, BinOp, BoolConst, Cmp, Const, Index, Length, Not, Or, Pred,
+                         substitute, walk)
+from ..spec.maskspec import MaskSpec, Region
+from .symbolic import _from_lin, _lin
+
+__all__ = ["RowClasses", "find_row_classes", "classes_enabled", "ENV"]
+
+ENV = "JCOMPILEMASK_ROW_CLASSES"
+
+
+def classes_enabled() -> bool:
+    """``$JCOMPILEMASK_ROW_CLASSES`` (default 1): 0 makes every descriptor use the
+    sequence's own coordinates (the residual lowering), e.g. to time both."""
+    v = os.environ.get(ENV, "").strip()
+    if v in ("", "1"):
+        return True
+    if v == "0":
+        return False
+    raise ValueError(f"${ENV} must be 0 or 1 (or unset: 1), got {v!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RowClasses:
+    """A spec's residue-class factorization: ``factor`` classes, each running ``spec``
+    (the rule in class coordinates ``i = q // factor``, ``j = k // factor``)."""
+
+    factor: int
+    spec: MaskSpec
+
+
+def _is_qk(e, name):
+    return isinstance(e, Index) and e.name == name
+
+
+def _class_factor(atom) -> Optional[int]:
+    """``c`` if ``atom`` says ``q = k (mod c)`` with a constant ``c >= 2``, else None."""
+    if not isinstance(atom, Cmp) or atom.op != "==":
+        return None
+    for a, b in ((atom.a, atom.b), (atom.b, atom.a)):
+        # q % c == k % c
+        if (isinstance(a, BinOp) and isinstance(b, BinOp) and a.op == b.op == "%"
+                and isinstance(a.b, Const) and isinstance(b.b, Const)
+                and a.b.value == b.b.value and a.b.value >= 2
+                and {(_is_qk(a.a, "q"), _is_qk(b.a, "k")), (_is_qk(a.a, "k"), _is_qk(b.a, "q"))}
+                & {(True, True)}):
+            return a.b.value
+        # (+-(q - k) + m c) % c == 0
+        if (isinstance(a, BinOp) and a.op == "%" and isinstance(a.b, Const)
+                and a.b.value >= 2 and isinstance(b, Const) and b.value == 0):
+            c = a.b.value
+            terms, const = _lin(a.a)
+            coeff = {key: v for key, (v, node) in terms.items()}
+            if (set(coeff) == {("index", "q"), ("index", "k")}
+                    and abs(coeff[("index", "q")]) == 1
+                    and coeff[("index", "q")] == -coeff[("index", "k")] and const % c == 0):
+                return c
+    return None
+
+
+def _invariant(atom: Cmp) -> bool:
+    """``atom`` is ``alpha * (q - k) + rest`` against 0, ``rest`` free of q, k, h and
+    metadata (collected syntactically: exact)."""
+    terms, _ = _lin(BinOp("-", atom.a, atom.b))
+    cq = ck = 0
+    for key, (v, node) in terms.items():
+        if _is_qk(node, "q"):
+            cq += v
+        elif _is_qk(node, "k"):
+            ck += v
+        elif not isinstance(node, (Length, Const)):
+            return False
+    return cq == -ck
+
+
+def _class_atom(atom: Cmp, c: int) -> Pred:
+    """An invariant ``atom`` in class coordinates. With ``q := c q``, ``k := c k`` and the
+    lengths scaled by ``c``, ``a - b`` becomes ``c X + d`` (``X`` its q / k / length terms,
+    ``d`` its constant); for integer ``X`` that compares with 0 as ``X`` does with
+    ``-d / c`` rounded the way ``op`` needs (exact)."""
+    terms, d = _lin(BinOp("-", atom.a, atom.b))
+    x = _from_lin(terms, 0)
+    lo, hi = -((d + c - 1) // c), -(d // c)          # floor(-d / c), ceil(-d / c)
+    if atom.op == "<":
+        return Cmp("<", x, Const(hi))
+    if atom.op == "<=":
+        return Cmp("<=", x, Const(lo))
+    if atom.op == ">":
+        return Cmp(">", x, Const(lo))
+    if atom.op == ">=":
+        return Cmp(">=", x, Const(hi))
+    if d % c:
+        return BoolConst(atom.op == "!=")
+    return Cmp(atom.op, x, Const(-d // c))
+
+
+def _scaled(p: Pred, c: int) -> Optional[Pred]:
+    """``p`` in class coordinates, if every comparison in it is invariant."""
+    for node in walk(p):
+        if isinstance(node, Cmp) and not _invariant(node):
+            return None
+        if not isinstance(node, (Cmp, And, Or, Not, BoolConst)) and isinstance(node, Pred):
+            return None
+    return substitute(p, lambda n: _class_atom(n, c) if isinstance(n, Cmp) else None)
+
+
+def _class_bound(b, c: int):
+    if isinstance(b, Const) and b.value % c == 0:
+        return Const(b.value // c)
+    if isinstance(b, Length) and b.name == "q_len":
+        return b
+    return None
+
+
+def find_row_classes(spec) -> Optional[RowClasses]:
+    """The residue-class factorization of ``spec`` (module doc), or None."""
+    if not isinstance(spec, MaskSpec) or spec.metadata or spec.mask_heads != 1:
+        return None
+    if any(isinstance(n, Index) and n.name == "h" for r in spec.regions for n in walk(r.visible)):
+        return None
+    factors, splits = set(), []
+    for r in spec.regions:
+        vis = r.visible
+        if isinstance(vis, BoolConst) and not vis.value:
+            splits.append((r, None))
+            continue
+        terms = vis.terms if isinstance(vis, And) else (vis,)
+        cs = [_class_factor(t) for t in terms]
+        found = {x for x in cs if x is not None}
+        if not found:
+            return None
+        factors.add(math.lcm(*found))
+        splits.append((r, [t for t, x in zip(terms, cs) if x is None]))
+    if len(factors) != 1:
+        return None
+    c = factors.pop()
+    regions = []
+    for r, rest in splits:
+        lo, hi = (_class_bound(b, c) for b in r.rows)
+        if lo is None or hi is None:
+            return None
+        if rest is None:
+            vis = BoolConst(False)
+        else:
+            # a region with several class atoms of other factors keeps the lcm: each
+            # divides c, so in class coordinates (q - k = c (i - j)) they always hold
+            vis = _scaled(And.of(*rest), c)
+            if vis is None:
+                return None
+        regions.append(Region((lo, hi), vis, name=r.name))
+    name = f"{spec.name or 'mask'} (classes mod {c})"
+    return RowClasses(c, MaskSpec(regions, name=name))
