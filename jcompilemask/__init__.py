@@ -11,8 +11,8 @@ __version__ = "0.1.0"   # the one version source (pyproject.toml reads it; CHANG
 
 from . import backends, masks, spec
 from .attention import mask_attention
-from .lower import (CompiledMask, ExecutionDescriptor, MaskFallbackWarning, TileConfig, compile,
-                    from_dense)
+from .lower import (ClassDescriptor, CompiledMask, ExecutionDescriptor, MaskFallbackWarning,
+                    TileConfig, compile, from_dense)
 from .spec import MaskSpec, Region
 
 
@@ -23,4 +23,5 @@ def __getattr__(name):
         return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'jcompilemask' has no attribute {name!r}")
 __all__ = ["masks", "spec", "backends", "mask_attention", "MaskSpec", "Region", "compile", "CompiledMask",
-           "ExecutionDescriptor", "TileConfig", "from_dense", "MaskFallbackWarning"]
+           "ExecutionDescriptor", "ClassDescriptor", "TileConfig", "from_dense",
+           "MaskFallbackWarning"]

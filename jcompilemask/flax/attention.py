@@ -47,12 +47,12 @@ import jax.numpy as jnp
 
 from ..attention.api import mask_attention
 from ..lower.compiled import CompiledMask
-from ..lower.descriptor import ExecutionDescriptor
+from ..lower.descriptor import ClassDescriptor, ExecutionDescriptor
 from ..spec.maskspec import MaskSpec
 
 __all__ = ["attention_fn", "make_attention_fn"]
 
-_MASKS = (ExecutionDescriptor, MaskSpec, CompiledMask)
+_MASKS = (ExecutionDescriptor, ClassDescriptor, MaskSpec, CompiledMask)
 
 
 def _inactive(v) -> bool:

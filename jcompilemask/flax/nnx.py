@@ -40,7 +40,7 @@ from jax import lax
 
 from ..attention.api import mask_attention
 from ..lower.compiled import CompiledMask, compile as compile_mask
-from ..lower.descriptor import ExecutionDescriptor
+from ..lower.descriptor import ClassDescriptor, ExecutionDescriptor
 from ..spec.maskspec import MaskSpec
 from .attention import attention_fn
 
@@ -187,7 +187,7 @@ def _rows_visibility(mask, rows, cols, n):
                              "descriptor, built once for the generated batch with "
                              "instantiate(metadata, max_length, max_length)")
         mask = cm.instantiate(None, n, n)
-    if not isinstance(mask, ExecutionDescriptor):
+    if not isinstance(mask, (ExecutionDescriptor, ClassDescriptor)):
         raise TypeError(f"decode=True takes an ExecutionDescriptor, a MaskSpec or None as "
                         f"mask, got {type(mask).__name__}")
     if (mask.q_len, mask.kv_len) != (n, n):

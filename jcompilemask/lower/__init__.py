@@ -1,8 +1,8 @@
 """Lowering: MaskSpec -> interval expressions (sympy) -> ExecutionDescriptor."""
 from .compiled import CompiledMask, compile
-from .descriptor import ExecutionDescriptor, TileConfig
+from .descriptor import ClassDescriptor, ExecutionDescriptor, TileConfig
 from .dense import from_dense
 from .hints import MaskFallbackWarning
 
-__all__ = ["CompiledMask", "compile", "ExecutionDescriptor", "TileConfig", "from_dense",
-           "MaskFallbackWarning"]
+__all__ = ["CompiledMask", "compile", "ExecutionDescriptor", "ClassDescriptor", "TileConfig",
+           "from_dense", "MaskFallbackWarning"]

@@ -102,7 +102,7 @@ from .._progress import log_once
 from ..attention import compat as _compat
 from ..attention import xla as _xla
 from ..lower.compiled import CompiledMask, compile as _compile
-from ..lower.descriptor import COMPUTE, ExecutionDescriptor, TileConfig, pack_tiles
+from ..lower.descriptor import COMPUTE, ClassDescriptor, ExecutionDescriptor, TileConfig, pack_tiles
 from ..spec.maskspec import MaskSpec
 from .plan import RingPlan, check_layout, chunk_size, full_ring_plan, ring_plan
 
@@ -512,6 +512,11 @@ def ring_attention(query, key, value, mask, *, axis_name: str,
         if cm.batched and metadata is None:
             raise ValueError(f"this mask reads metadata {sorted(cm.spec.metadata)}: pass "
                              "metadata={...} or an ExecutionDescriptor")
+    elif isinstance(mask, ClassDescriptor):
+        raise ValueError("ring_attention takes a descriptor in the sequence's coordinates; "
+                         "this one holds residue classes (a mask pairing q only with keys "
+                         "of its class): build it with instantiate(..., row_classes=False), "
+                         "or pass the MaskSpec")
     elif not isinstance(mask, ExecutionDescriptor):
         raise TypeError("mask must be an ExecutionDescriptor, MaskSpec or CompiledMask, "
                         f"got {type(mask).__name__}")
@@ -555,7 +560,7 @@ def ring_attention(query, key, value, mask, *, axis_name: str,
             backend, tiles = _backends.get("xla"), _xla_tiles(n, c)
         desc = cm.instantiate(metadata, n, n, block_q=tiles.block_q, block_kv=tiles.block_kv,
                               bwd_block_q=tiles.bwd_block_q, bwd_block_kv=tiles.bwd_block_kv,
-                              preprocess="jnp")
+                              preprocess="jnp", row_classes=False)
     else:
         if (desc.q_len, desc.kv_len) != (n, n):
             raise ValueError(f"the descriptor was built for q_len={desc.q_len}, kv_len="
