@@ -254,10 +254,18 @@ def test_static_order_keeps_the_grid_where_no_column_is_long(name, spec, n, b):
     """The benchmark shapes (8 heads, 131072 tokens a batch) of the masks where a host
     order measured slower than the grid (NOTES.md, session 21): the replay's gain stays
     under 5%, so the grid's kernel runs (no unit read)."""
-    desc = jcm.compile(spec, warn=False).instantiate(None, n, n, preprocess="jnp")
+    cm = jcm.compile(spec, warn=False)
+    desc = cm.instantiate(None, n, n, preprocess="jnp", row_classes=False)
     tiles = np.asarray(desc.bwd_tiles)
     group = api.kv_heads_per_l2_group(n, 128, 128, 2)
     assert api.backward_static_order(tiles, b, 8, 8, group, num_ctas=132) is None
+    # the dilated window runs as residue classes: one class's descriptor, c times the heads
+    classes = cm.instantiate(None, n, n, preprocess="jnp")
+    if isinstance(classes, jcm.ClassDescriptor):
+        c = classes.classes
+        tiles = np.asarray(classes.inner.bwd_tiles)
+        group = api.kv_heads_per_l2_group(n // c, 128, 128, 2)
+        assert api.backward_static_order(tiles, b, 8 * c, 8 * c, group, num_ctas=132) is None
 
 
 @pytest.mark.parametrize("n,b", [(8192, 16), (32768, 4)])

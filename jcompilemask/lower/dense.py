@@ -76,6 +76,13 @@ def _bitmap_tile_states(mask: np.ndarray, bq: int, bk: int) -> np.ndarray:
     return out
 
 
+
+def _no_classes(row_classes):
+    """A dense mask has no residue-class form (``CompiledMask.classes_for``)."""
+    if row_classes:
+        raise ValueError("row_classes=True: a mask from from_dense has no residue-class "
+                         "form (that needs a MaskSpec rule with (q - k) % c == 0)")
+
 class DenseMask(CompiledMask):
     """A static mask compiled from a boolean array [Hm, Nq, Nk], or [B, Hm, Nq, Nk] for
     one mask per sequence of the batch (see :func:`from_dense`).
@@ -182,7 +189,9 @@ class DenseMask(CompiledMask):
                 jnp.zeros((b, hm, kv_len, 0, 2), jnp.int32))
 
     def instantiate(self, metadata=None, q_len=None, kv_len=None, *, block_q=None,
-                    block_kv=None, bwd_block_q=None, bwd_block_kv=None, preprocess=None):
+                    block_kv=None, bwd_block_q=None, bwd_block_kv=None, preprocess=None,
+                    row_classes=None):
+        _no_classes(row_classes)
         if metadata:
             raise ValueError("a mask from from_dense takes no metadata")
         q_len, kv_len = self._lengths(q_len, kv_len)
@@ -291,8 +300,10 @@ class SegmentedDenseMask(DenseMask):
         return sq, skv
 
     def instantiate(self, metadata=None, q_len=None, kv_len=None, *, block_q=None,
-                    block_kv=None, bwd_block_q=None, bwd_block_kv=None, preprocess=None):
+                    block_kv=None, bwd_block_q=None, bwd_block_kv=None, preprocess=None,
+                    row_classes=None):
         from .preprocess import tile_states_dense
+        _no_classes(row_classes)
         q_len, kv_len = self._lengths(q_len, kv_len)
         tiles = resolve_tiles(block_q, block_kv, bwd_block_q, bwd_block_kv)
         sq, skv = self._segments(metadata, q_len, kv_len)

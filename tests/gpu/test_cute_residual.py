@@ -32,6 +32,15 @@ IMPL = os.environ.get("JCM_RESIDUAL_IMPL", "cute")    # "xla": the same checks o
 _why = None if IMPL == "xla" else backends.get("cute").available()
 needs_gpu = pytest.mark.skipif(_why is not None, reason=f"cute backend unavailable: {_why}")
 
+
+
+@pytest.fixture(autouse=True)
+def _residual_lowering(monkeypatch):
+    """These cases test the residual kernels: the dilated window would otherwise run as
+    residue classes (no residual; tests/gpu/test_cute_classes.py)."""
+    monkeypatch.setenv("JCOMPILEMASK_ROW_CLASSES", "0")
+
+
 D = Scalar("d", min=1, max=9)
 V = Vector("v", 3, min=1, max=5)
 A = Scalar("a", max=q_len)

@@ -1,0 +1,304 @@
+"""Residue classes (``jcompilemask.lower.classes``): a mask whose regions pair each query
+only with keys of its own class mod ``c`` runs one class's mask with the classes as heads.
+
+* Detection: the spellings of the class atom, what the rest of a rule may hold (functions
+  of ``q - k`` and the lengths), and what keeps a spec out (other atoms, metadata, ``h``,
+  region bounds, mixed factors).
+* The class spec is exact: its dense view, put back on the classes, is the spec's (random
+  windows, dilations, offsets and lengths: hypothesis).
+* Descriptors: :class:`ClassDescriptor` at lengths that are multiples of ``c`` (dense
+  views in the sequence's coordinates, jit / pytree), the sequence-coordinate descriptor
+  otherwise or with ``row_classes=False`` / ``$JCOMPILEMASK_ROW_CLASSES=0``.
+* ``mask_attention`` (xla backend) against the dense reference, forward, lse and
+  gradients: GQA, bias, unbatched inputs, ``return_residual``, a prebuilt descriptor
+  inside ``jit``; the classes and the residual lowering agree.
+* Reporting and the paths that take no class descriptor (ring attention).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import jcompilemask as jcm
+from jcompilemask.lower.classes import ENV, find_row_classes
+from jcompilemask.spec import MaskSpec, Region, Scalar, k, kv_len, q, q_len
+from jcompilemask.spec.expr import h
+from jcompilemask.testing import (assert_within_policy, reference_attention,
+                                  reference_gradients)
+
+DILATED = (k <= q) & (k > q - 8) & ((q - k) % 2 == 0)
+
+
+def _spec(rule, rows=(0, q_len), **kw):
+    return MaskSpec([Region(rows, rule)], **kw)
+
+
+def _reassembled(rc, nq, nk):
+    """The class spec's dense view put back on the classes: [nq, nk]."""
+    c = rc.factor
+    cls = np.asarray(rc.spec.as_dense(None, nq // c, nk // c))[0, 0]
+    out = np.zeros((nq, nk), bool)
+    for r in range(c):
+        out[r::c, r::c] = cls
+    return out
+
+
+# =======================================================================================
+# Detection
+# =======================================================================================
+@pytest.mark.parametrize("rule, factor", [
+    (DILATED, 2),
+    ((q - k) % 3 == 0, 3),
+    ((k - q) % 4 == 0, 4),
+    ((q - k + 6) % 3 == 0, 3),
+    (0 == (q - k) % 2, 2),
+    ((q % 5 == k % 5) & (k <= q), 5),
+    ((k % 2 == q % 2) & (q - k < 9) & (k - q < 9), 2),
+    ((k <= q) & ((q - k) % 2 == 0) & ((q - k) % 3 == 0), 6),
+    ((k <= q) & (k >= q - kv_len + 3) & ((q - k) % 2 == 0), 2),
+    ((k <= q) & ((q - k) % 2 == 0) & (q - k != 4), 2),
+    (((k <= q) | (k >= q + 10)) & ((q - k) % 2 == 0), 2),
+], ids=["dilated", "plain3", "k-q", "offset", "zero-left", "q%c==k%c", "two-sided",
+        "lcm", "kv_len", "not-equal", "or-of-differences"])
+def test_factorizations_are_found_and_exact(rule, factor):
+    spec = _spec(rule)
+    rc = find_row_classes(spec)
+    assert rc is not None and rc.factor == factor
+    for n in (factor * 5, factor * 8):
+        want = np.asarray(spec.as_dense(None, n, n))[0, 0]
+        assert (_reassembled(rc, n, n) == want).all()
+    # the class mask has no residual: intervals only
+    assert not jcm.compile(rc.spec).residual_regions
+
+
+@pytest.mark.parametrize("spec", [
+    _spec((k <= q) & (k > q - 8)),                                   # no class atom
+    _spec((k < 4) | DILATED),                                        # not a conjunct
+    _spec((k < 16) & ((q - k) % 2 == 0)),                            # k alone
+    _spec((q < 16) & ((q - k) % 2 == 0)),                            # q alone
+    _spec((k // 4 <= q // 4) & ((q - k) % 2 == 0)),                  # floor of k
+    _spec(((q - k) // 2 < 3) & ((q - k) % 2 == 0)),                  # hidden q - k
+    _spec((k <= q) & ((2 * q - k) % 2 == 0)),                        # 2q - k: k even
+    _spec((k <= q) & ((q - k) % 2 == 1)),                            # the other class
+    _spec((k <= q) & (q - k < Scalar("w", max=q_len)) & ((q - k) % 2 == 0)),   # metadata
+    _spec((h == 0) & ((q - k) % 2 == 0), num_heads=2),              # per head
+    MaskSpec([Region((0, 3), (q - k) % 2 == 0),                      # bound not a multiple
+              Region((3, q_len), k <= q)]),
+    MaskSpec([Region((0, 4), (q - k) % 2 == 0),                      # mixed factors
+              Region((4, q_len), (q - k) % 4 == 0)]),
+    MaskSpec([Region((0, 4), (q - k) % 2 == 0),                      # a region without
+              Region((4, q_len), k <= q)]),
+], ids=["none", "or", "k-alone", "q-alone", "floor", "hidden", "2q-k", "odd-class",
+        "metadata", "per-head", "bound", "mixed", "region-without"])
+def test_specs_that_do_not_factor(spec):
+    assert find_row_classes(spec) is None
+    assert jcm.compile(spec, warn=False).classes_for(8, 8) == 1
+
+
+def test_regions_with_constant_bounds_and_a_region_that_sees_nothing():
+    spec = MaskSpec([Region((0, 4), ((q - k) % 2 == 0) & (k <= q)),
+                     Region((4, 10), False),
+                     Region((10, q_len), ((q - k) % 2 == 0) & (k >= q - 4))])
+    rc = find_row_classes(spec)
+    assert rc.factor == 2
+    assert [tuple(str(b) for b in r.rows) for r in rc.spec.regions] == \
+        [("0", "2"), ("2", "5"), ("5", "q_len")]
+    for n in (12, 16, 20):
+        assert (_reassembled(rc, n, n) == np.asarray(spec.as_dense(None, n, n))[0, 0]).all()
+
+
+@settings(deadline=None, max_examples=40)
+@given(window=st.integers(1, 40), dilation=st.integers(2, 5), shift=st.integers(-6, 6),
+       causal=st.booleans(), mult=st.integers(1, 6), extra=st.integers(1, 3))
+def test_random_dilated_windows_are_exact(window, dilation, shift, causal, mult, extra):
+    """Windows of any width, offset and dilation: the class spec put back on the classes
+    equals the spec, at every length that is a multiple of the dilation."""
+    rule = (k > q - window + shift) & ((q - k) % dilation == 0)
+    rule = rule & (k <= q + shift) if causal else rule & (k < q + window + shift)
+    spec = _spec(rule)
+    rc = find_row_classes(spec)
+    assert rc is not None and rc.factor == dilation
+    nq, nk = dilation * mult, dilation * (mult + extra)
+    want = np.asarray(spec.as_dense(None, nq, nk))[0, 0]
+    assert (_reassembled(rc, nq, nk) == want).all()
+
+
+# =======================================================================================
+# Descriptors
+# =======================================================================================
+def test_class_descriptor_dense_views_and_pytree():
+    spec = _spec(DILATED)
+    cm = jcm.compile(spec)
+    d = cm.instantiate(None, 24, 24, block_q=4, block_kv=4, bwd_block_q=4, bwd_block_kv=4)
+    assert isinstance(d, jcm.ClassDescriptor)
+    assert (d.classes, d.q_len, d.kv_len, d.inner.q_len) == (2, 24, 24, 12)
+    want = np.asarray(spec.as_dense(None, 24, 24))
+    for view in ("fwd", "bwd"):
+        assert (np.asarray(d.as_dense(view)) == want).all()
+    assert d.inner.mask is cm.class_mask and d.mask is cm
+    assert d.num_intervals == 1 and d.tiles == d.inner.tiles
+    assert "2 residue classes" in d.to_string()
+    leaves, tree = jax.tree_util.tree_flatten(d)
+    d2 = jax.tree_util.tree_unflatten(tree, leaves)
+    assert isinstance(d2, jcm.ClassDescriptor) and d2.classes == 2
+    built = jax.jit(lambda: cm.instantiate(None, 24, 24))()
+    assert isinstance(built, jcm.ClassDescriptor)
+    with pytest.raises(AttributeError, match="not an array"):
+        d.ndim  # noqa: B018
+
+
+def test_lengths_that_are_not_multiples_and_the_switches(monkeypatch):
+    cm = jcm.compile(_spec(DILATED))
+    assert isinstance(cm.instantiate(None, 23, 23), jcm.ExecutionDescriptor)
+    assert isinstance(cm.instantiate(None, 24, 23), jcm.ExecutionDescriptor)
+    assert isinstance(cm.instantiate(None, 24, 24, row_classes=False), jcm.ExecutionDescriptor)
+    with pytest.raises(ValueError, match="multiples of 2"):
+        cm.instantiate(None, 23, 23, row_classes=True)
+    with pytest.raises(ValueError, match="cannot run as residue classes"):
+        jcm.compile(jcm.masks.causal()).instantiate(None, 8, 8, row_classes=True)
+    with pytest.raises(TypeError, match="row_classes must be"):
+        cm.instantiate(None, 24, 24, row_classes="yes")
+    monkeypatch.setenv(ENV, "0")
+    assert isinstance(cm.instantiate(None, 24, 24), jcm.ExecutionDescriptor)
+    assert isinstance(cm.instantiate(None, 24, 24, row_classes=True), jcm.ClassDescriptor)
+    monkeypatch.setenv(ENV, "2")
+    with pytest.raises(ValueError, match=ENV):
+        cm.instantiate(None, 24, 24)
+
+
+# =======================================================================================
+# mask_attention against the dense reference (xla backend)
+# =======================================================================================
+def _inputs(seed, b, n, hq, hk, d=8, dtype=jnp.float32):
+    ks = jax.random.split(jax.random.key(seed), 4)
+    mk = lambda kk, hh: jax.random.normal(kk, (b, n, hh, d), jnp.float32).astype(dtype)  # noqa
+    return mk(ks[0], hq), mk(ks[1], hk), mk(ks[2], hk), mk(ks[3], hq)
+
+
+def _check(spec, qx, kx, vx, do, mask_arg=None, **kw):
+    n = qx.shape[1]
+    mask = spec.as_dense(None, n, n)
+    arg = spec if mask_arg is None else mask_arg
+
+    def loss(a, b_, c):
+        out, lse = jcm.mask_attention(a, b_, c, arg, implementation="xla",
+                                      return_residual=True, **kw)
+        return jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32)), (out, lse)
+    grads, (out, lse) = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))(qx, kx, vx)
+    bias = kw.get("bias")
+    ho, hl = reference_attention(qx, kx, vx, mask, precision="high") if bias is None else \
+        _biased(qx, kx, vx, mask, bias)
+    lo, ll = reference_attention(qx, kx, vx, mask, precision="input") if bias is None else \
+        (ho, hl)
+    assert_within_policy(out, ho, lo, "out")
+    assert_within_policy(jnp.swapaxes(lse, 1, 2), hl, ll, "lse")
+    if bias is None:
+        high, low = reference_gradients(qx, kx, vx, do, mask)
+        for name, g, hi, lw in zip(("dq", "dk", "dv"), grads, high, low):
+            assert_within_policy(g, hi, lw, name)
+    return out, lse, grads
+
+
+def _biased(qx, kx, vx, mask, bias):
+    g = qx.shape[2] // kx.shape[2]
+    kr, vr = jnp.repeat(kx, g, 2), jnp.repeat(vx, g, 2)
+    s = jnp.einsum("bqhd,bkhd->bhqk", qx, kr) / np.sqrt(qx.shape[-1]) + bias
+    s = jnp.where(mask, s, -jnp.inf)
+    lse = jax.nn.logsumexp(s, -1)
+    p = jnp.where(mask, jnp.exp(s - lse[..., None]), 0)
+    return jnp.einsum("bhqk,bkhd->bqhd", p, vr), lse
+
+
+@pytest.mark.parametrize("hq, hk", [(2, 2), (4, 2), (3, 1)], ids=["mha", "gqa", "mqa"])
+@pytest.mark.parametrize("rule", [
+    DILATED,
+    (q % 3 == k % 3) & (q - k < 10) & (k - q < 7),
+    (k <= q) & ((q - k) % 4 == 0),
+], ids=["dilated", "bidirectional3", "causal4"])
+def test_attention_matches_the_dense_reference(rule, hq, hk):
+    spec = _spec(rule)
+    rc = find_row_classes(spec)
+    n = 12 * rc.factor
+    _check(spec, *_inputs(3, 2, n, hq, hk))
+
+
+def test_classes_and_the_residual_lowering_agree(monkeypatch):
+    spec = _spec(DILATED)
+    args = _inputs(5, 2, 32, 4, 2)
+    out_c, lse_c, g_c = _check(spec, *args)
+    monkeypatch.setenv(ENV, "0")
+    out_r, lse_r, g_r = _check(spec, *args)
+    np.testing.assert_allclose(out_c, out_r, atol=2e-6)
+    np.testing.assert_allclose(lse_c, lse_r, atol=2e-6)
+    for a, b_ in zip(g_c, g_r):
+        np.testing.assert_allclose(a, b_, atol=2e-6)
+
+
+def test_bias_is_gathered_per_class():
+    spec = _spec(DILATED)
+    qx, kx, vx, do = _inputs(7, 2, 16, 4, 2)
+    bias = jax.random.normal(jax.random.key(9), (2, 4, 16, 16))
+    _check(spec, qx, kx, vx, do, bias=bias)
+    # a broadcast bias (one head, one batch) and its gradient
+    b1 = bias[:1, :1]
+    ref = jax.grad(lambda bb: jnp.sum(_biased(qx, kx, vx, spec.as_dense(None, 16, 16), bb)[0]
+                                      * do))(b1)
+    got = jax.grad(lambda bb: jnp.sum(jcm.mask_attention(qx, kx, vx, spec, bias=bb,
+                                                         implementation="xla") * do))(b1)
+    np.testing.assert_allclose(got, ref, atol=1e-5)
+
+
+def test_prebuilt_descriptor_inside_jit_and_unbatched_inputs():
+    spec = _spec(DILATED)
+    qx, kx, vx, do = _inputs(11, 2, 20, 2, 2)
+    d = jcm.compile(spec).instantiate(None, 20, 20)
+    _check(spec, qx, kx, vx, do, mask_arg=d)
+    out = jcm.mask_attention(qx[0], kx[0], vx[0], spec, implementation="xla")
+    ref, _ = reference_attention(qx[:1], kx[:1], vx[:1], spec.as_dense(None, 20, 20))
+    np.testing.assert_allclose(out, ref[0], atol=1e-5)
+
+
+def test_is_causal_and_window_arguments_keep_the_classes():
+    """jax.nn's is_causal / local_window_size become rules of q - k: still classes."""
+    spec = _spec((q - k) % 2 == 0)
+    qx, kx, vx, do = _inputs(13, 1, 16, 2, 2)
+    got = jcm.mask_attention(qx, kx, vx, spec, is_causal=True, local_window_size=(5, 0),
+                             implementation="xla")
+    rows, cols = np.arange(16)[:, None], np.arange(16)[None, :]
+    dense = ((rows - cols) % 2 == 0) & (cols <= rows) & (cols >= rows - 5)
+    ref, _ = reference_attention(qx, kx, vx, dense)
+    np.testing.assert_allclose(got, ref, atol=1e-5)
+
+
+# =======================================================================================
+# Reporting and the paths without classes
+# =======================================================================================
+def test_explain_reports_the_classes():
+    cm = jcm.compile(_spec(DILATED))
+    text = cm.explain()
+    assert "residue classes: each query sees only keys of its class mod 2" in text
+    assert "class region 0: rows [0, q_len): (k - q <= 0) & (k - q > -4)" in text
+    report = jcm.backends.explain(mask=cm)
+    assert "residue classes mod 2" in report and "no residual" in report
+
+
+def test_no_fallback_warning_for_a_spec_that_runs_as_classes():
+    import warnings
+    rule = (k <= q) & (k > q - 12) & ((k - q) % 2 == 0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", jcm.MaskFallbackWarning)
+        jcm.compile(_spec(rule))
+
+
+def test_ring_attention_names_the_fix_for_a_class_descriptor():
+    from jax.sharding import Mesh, PartitionSpec as P
+    d = jcm.compile(_spec(DILATED)).instantiate(None, 16, 16)
+    qx, _, _, _ = _inputs(1, 1, 16, 2, 2)
+    mesh = Mesh(np.array(jax.devices()[:1]), ("cp",))
+    f = jax.shard_map(lambda a: jcm.mask_attention(a, a, a, d, context_axis="cp"),
+                      mesh=mesh, in_specs=P(None, "cp"), out_specs=P(None, "cp"))
+    with pytest.raises(ValueError, match="row_classes=False"):
+        f(qx)
