@@ -51,13 +51,14 @@ def _attention_bwd(scale, softcap, backend_name, bias_grad, deterministic, res, 
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
-def _class_attention(q, k, v, desc, bias, scale, softcap, backend_name, bias_grad,
-                     deterministic):
-    """Attention under a :class:`ClassDescriptor`: [B, N, H, D] viewed as [B, N / c, c H, D]
-    (row ``c i + r`` of head ``h`` is row ``i`` of head ``r H + h``; GQA's head map is
-    kept: query head ``r H + h`` reads key head ``r Hk + h // (H / Hk)``), one class's mask
-    on every class, and the results viewed back (free reshapes; the lse [B, c H, N / c]
-    is transposed to [B, H, N])."""
+def _class_attention_with_bias(q, k, v, desc, bias, scale, softcap, backend_name,
+                               bias_grad, deterministic):
+    """Attention under a :class:`ClassDescriptor` with a bias: [B, N, H, D] viewed as
+    [B, N / c, c H, D] (row ``c i + r`` of head ``h`` is row ``i`` of head ``r H + h``; GQA's
+    head map is kept: query head ``r H + h`` reads key head ``r Hk + h // (H / Hk)``), the
+    bias gathered to its same-class blocks (autodiff scatters its gradient back), one
+    class's mask on every class, and the results viewed back. Without a bias the same views
+    happen per device inside the partitioned call (attention/partition.py)."""
     c = desc.classes
     b, nq, hq, _ = q.shape
     by_class = lambda x: x.reshape(x.shape[0], x.shape[1] // c, c * x.shape[2], x.shape[3])  # noqa: E731
@@ -294,11 +295,13 @@ def mask_attention(query, key, value, mask=None, *, bias=None,
 
     if not isinstance(deterministic, (bool, np.bool_)):
         raise TypeError(f"deterministic must be True or False, got {deterministic!r}")
-    if classes > 1:
-        out, lse = _class_attention(query, key, value, desc, bias, float(scale),
-                                    logits_soft_cap, backend.name, bias_grad,
-                                    bool(deterministic))
+    if classes > 1 and bias is not None:
+        out, lse = _class_attention_with_bias(query, key, value, desc, bias, float(scale),
+                                              logits_soft_cap, backend.name, bias_grad,
+                                              bool(deterministic))
     else:
+        # (a ClassDescriptor without a bias: the partitioned call views each device's
+        # arrays with the classes as heads, attention/partition.py)
         out, lse = _attention(query, key, value, desc, bias, float(scale), logits_soft_cap,
                               backend.name, bias_grad, bool(deterministic))
     if unbatched:

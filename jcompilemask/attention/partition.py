@@ -261,18 +261,61 @@ def _shardings(st: _Static, mesh, bax, hax):
     return args, (qs, qs, qs) + (bias if st.bias_grad else ())
 
 
+def _by_class(x, c):
+    """[B, N, H, D] -> [B, N / c, c H, D] (row ``c i + r`` of head ``h`` is row ``i`` of head
+    ``r H + h``: a view)."""
+    b, n, h, d = x.shape
+    return x.reshape(b, n // c, c * h, d)
+
+
+def _from_class(x, c):
+    b, m, ch, d = x.shape
+    return x.reshape(b, m * c, ch // c, d)
+
+
+def _lse_by_class(x, c):
+    """[B, H, N] -> [B, c H, N / c] (a transpose of the small lse)."""
+    b, h, n = x.shape
+    return jnp.moveaxis(x.reshape(b, h, n // c, c), -1, 1).reshape(b, c * h, n // c)
+
+
+def _lse_from_class(x, c):
+    b, ch, m = x.shape
+    return jnp.moveaxis(x.reshape(b, c, ch // c, m), 1, -1).reshape(b, ch // c, m * c)
+
+
 def _call(st: _Static, *arrays):
-    """The backend on whatever shapes it is given (global or one device's shard)."""
+    """The backend on whatever shapes it is given (global or one device's shard). A
+    :class:`ClassDescriptor` (residue classes) runs its inner descriptor on this device's
+    arrays viewed with the classes as heads, so batch and head sharding stay local."""
     q, k, v = arrays[:3]
     desc = jax.tree.unflatten(st.desc_tree, arrays[3:3 + st.n_desc])
-    bias = arrays[-1] if st.has_bias else None
+    rest = arrays[3 + st.n_desc:]
+    c = getattr(desc, "classes", 1)
+    if c == 1:
+        return _backend_call(st, q, k, v, desc, rest)
+    assert not st.has_bias, "a bias under residue classes is gathered by mask_attention"
+    q, k, v = (_by_class(x, c) for x in (q, k, v))
+    if st.kind == "fwd":
+        out, lse = _backend_call(st, q, k, v, desc.inner, rest)
+        return _from_class(out, c), _lse_from_class(lse, c)
+    out, lse, do = rest[:3]
+    rest = ((_by_class(out, c), _lse_by_class(lse, c), _by_class(do, c))
+            + tuple(_lse_by_class(x, c) for x in rest[3:]))             # dlse
+    return tuple(_from_class(x, c) for x in _backend_call(st, q, k, v, desc.inner, rest))
+
+
+def _backend_call(st: _Static, q, k, v, desc, rest):
+    """``rest``: the operands after the descriptor's leaves (out, lse, do[, dlse]) and the
+    bias last."""
+    bias = rest[-1] if st.has_bias else None
     be = _backends.get(st.backend)
     if st.kind == "fwd":
         if bias is None:
             return tuple(be.forward(q, k, v, desc, st.scale, st.softcap))
         return tuple(be.forward(q, k, v, desc, st.scale, st.softcap, bias=bias))
-    out, lse, do = arrays[3 + st.n_desc:6 + st.n_desc]
-    dlse = arrays[6 + st.n_desc] if st.has_dlse else None
+    out, lse, do = rest[:3]
+    dlse = rest[3] if st.has_dlse else None
     args = (q, k, v, desc, st.scale, st.softcap, out, lse, do, dlse)
     if bias is not None:
         dq, dk, dv, dbias = be.backward(*args, bias=bias, bias_grad=st.bias_grad)

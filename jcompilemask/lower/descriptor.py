@@ -281,12 +281,17 @@ class ClassDescriptor:
     def __init__(self, inner: ExecutionDescriptor, *, classes: int, mask):
         self.inner, self.classes, self.mask = inner, classes, mask
 
+    # The inner descriptor's children, in its order: code that walks a descriptor's fields
+    # by position (the partitioning rules: which leaves have a mask-head axis) reads a
+    # class descriptor as its inner one.
     def tree_flatten(self):
-        return (self.inner,), (self.classes, self.mask)
+        children, aux = self.inner.tree_flatten()
+        return children, (aux, self.classes, self.mask)
 
     @classmethod
     def tree_unflatten(cls, aux, children):
-        return cls(children[0], classes=aux[0], mask=aux[1])
+        inner = ExecutionDescriptor.tree_unflatten(aux[0], children)
+        return cls(inner, classes=aux[1], mask=aux[2])
 
     @property
     def ndim(self):

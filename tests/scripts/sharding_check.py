@@ -1,10 +1,11 @@
 """Run in a subprocess by tests/test_sharding.py (8 host devices must be set before JAX
 starts): ``mask_attention`` under a plain ``jax.jit`` whose q, k, v are sharded over a
 2 x 4 mesh along the batch, the heads, or both, for every built-in mask, random lowered
-specs, a per-head mask and a mask with fallback regions. Forward (out, lse) and
-gradients are within the tolerance policy of the dense reference and agree with the
-single-device call; the compiled HLO of every sharded layout has no collective at all
-(so in particular no all-gather or all-to-all of q, k, v). Prints ``OK <cases>``."""
+specs, a per-head mask, a mask with fallback regions and a dilated window (residue
+classes). Forward (out, lse) and gradients are within the tolerance policy of the dense
+reference and agree with the single-device call; the compiled HLO of every sharded
+layout has no collective at all (so in particular no all-gather or all-to-all of q, k,
+v). Prints ``OK <cases>``."""
 import os
 import re
 import sys
@@ -54,6 +55,9 @@ def cases(rng):
         spec, md = gpu_cases.random_spec_case(rng, n=N, b=B)
         yield f"random{i}", spec, md
     yield "per_head", MaskSpec([Region((0, q_len), k <= q + h * 3)], num_heads=HQ), None
+    # residue classes (a ClassDescriptor): each device views its shard with the classes as
+    # heads, so every layout stays local
+    yield "dilated", MaskSpec([Region((0, q_len), (k <= q) & (k > q - 12) & ((q - k) % 2 == 0))]), None
     s = Scalar("s", max=q_len)
     yield ("fallback", MaskSpec([Region((0, s), k % 4 != 1), Region((s, q_len), k <= q)]),
            {"s": rng.integers(0, N, B)})
@@ -92,7 +96,10 @@ def main():
         hi, lo = jax.jit(references)(qx, kx, vx, desc.as_dense(), do)
         single = jax.jit(attend_and_grad)(qx, kx, vx, desc, do)
         # Each built-in under every layout; the other masks under batch x heads only.
-        layouts = LAYOUTS if name in BUILTIN else {"batch_x_heads": LAYOUTS["batch_x_heads"]}
+        layouts = (LAYOUTS if name in BUILTIN + ("dilated",)
+                   else {"batch_x_heads": LAYOUTS["batch_x_heads"]})
+        if name == "dilated":
+            assert isinstance(desc, jcm.ClassDescriptor), desc
         for layout, spec_ in layouts.items():
             put = lambda x: jax.device_put(x, NamedSharding(mesh, spec_))  # noqa: E731
             # The descriptor shards with the batch where it has one per sequence.
