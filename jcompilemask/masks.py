@@ -13,8 +13,8 @@ from .spec.expr import Or, TRUE, k, q, q_len, kv_len
 from .spec.maskspec import MaskSpec, Region
 from .spec.metadata import Scalar, SegmentIds, Vector
 
-__all__ = ["causal", "full", "sliding_window", "chunked_causal", "prefix_lm", "document",
-           "hstu", "shared_prompt", "clear"]
+__all__ = ["causal", "full", "sliding_window", "dilated_window", "chunked_causal", "prefix_lm",
+           "document", "hstu", "shared_prompt", "clear"]
 
 
 def _nonneg_int(v, what):
@@ -50,6 +50,31 @@ def sliding_window(left: int, right: int = 0, sinks: int = 0) -> MaskSpec:
         return MaskSpec([Region((0, q_len), window)], name=f"sliding_window({left}, {right})")
     return MaskSpec([Region((0, q_len), window | ((k < sinks) & (k <= q + right)))],
                     name=f"sliding_window({left}, {right}, sinks={sinks})")
+
+
+def dilated_window(left: int, right: int = 0, dilation: int = 2) -> MaskSpec:
+    """Row q sees every ``dilation``-th key of its window: q - left <= k <= q + right and
+    (q - k) % dilation == 0 (a dilated sliding window, as in Longformer's dilated heads).
+    No metadata. It runs as ``dilation`` residue classes (``jcompilemask.lower.classes``):
+    where the lengths are multiples of ``dilation``, each class of ``q % dilation`` runs a
+    plain window ``left // dilation`` keys back and ``right // dilation`` ahead, the classes
+    as heads, with no per-element predicate.
+
+    >>> import jcompilemask as jcm
+    >>> dilated_window(4, dilation=2).as_dense(None, 5)[0, 0].astype(int).tolist()
+    [[1, 0, 0, 0, 0], [0, 1, 0, 0, 0], [1, 0, 1, 0, 0], [0, 1, 0, 1, 0], [1, 0, 1, 0, 1]]
+    >>> cm = jcm.compile(dilated_window(128, dilation=2))
+    >>> cm.row_classes.factor, str(cm.row_classes.spec.regions[0].visible)
+    (2, '(k - q >= -64) & (k - q <= 0)')
+    """
+    left, right = _nonneg_int(left, "left"), _nonneg_int(right, "right")
+    if isinstance(dilation, bool) or not isinstance(dilation, int) or dilation < 1:
+        raise ValueError(f"dilation must be a positive int, got {dilation!r}")
+    rule = (k >= q - left) & (k <= q + right)
+    if dilation > 1:
+        rule = rule & ((q - k) % dilation == 0)
+    return MaskSpec([Region((0, q_len), rule)],
+                    name=f"dilated_window({left}, {right}, dilation={dilation})")
 
 
 def chunked_causal(chunk: int) -> MaskSpec:

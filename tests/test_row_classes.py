@@ -302,3 +302,21 @@ def test_ring_attention_names_the_fix_for_a_class_descriptor():
                       mesh=mesh, in_specs=P(None, "cp"), out_specs=P(None, "cp"))
     with pytest.raises(ValueError, match="row_classes=False"):
         f(qx)
+
+
+def test_builtin_dilated_window():
+    m = jcm.masks.dilated_window(6, 2, dilation=3)
+    rows, cols = np.arange(12)[:, None], np.arange(12)[None, :]
+    want = (cols >= rows - 6) & (cols <= rows + 2) & ((rows - cols) % 3 == 0)
+    assert (np.asarray(m.as_dense(None, 12))[0, 0] == want).all()
+    cm = jcm.compile(m)
+    assert cm.row_classes.factor == 3 and isinstance(cm.instantiate(None, 12, 12),
+                                                     jcm.ClassDescriptor)
+    assert jcm.compile(jcm.masks.dilated_window(6, dilation=1)).row_classes is None
+    qx, kx, vx, do = _inputs(17, 2, 24, 2, 1)
+    _check(jcm.masks.dilated_window(8, 3, dilation=2), qx, kx, vx, do)
+    for bad in (dict(dilation=0), dict(dilation=True), dict(dilation=2.0)):
+        with pytest.raises(ValueError, match="dilation must be a positive int"):
+            jcm.masks.dilated_window(4, **bad)
+    with pytest.raises(ValueError, match="left must be"):
+        jcm.masks.dilated_window(-1)
