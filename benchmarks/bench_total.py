@@ -189,7 +189,13 @@ def jcm_workload(mask, n, smoke=False, implementation=None):
     preprocess = cm.default_preprocess()
     instantiate = jax.jit(lambda m: cm.instantiate(m, L, L, preprocess=preprocess))
     desc = instantiate(md)
-    pairs = W.descriptor_pairs(desc) * (b if desc.batch == 1 else 1)
+    count = desc
+    if cm.row_classes is not None and L % cm.row_classes.factor == 0:
+        # residue classes count the visible pairs exactly (a residual lowering counts its
+        # hulls): every variant and peer of such a mask gets the exact count
+        count = jax.jit(lambda m: cm.instantiate(m, L, L, preprocess="jnp",
+                                                 row_classes=True))(md)
+    pairs = W.descriptor_pairs(count) * (b if count.batch == 1 else 1)
     ks = jax.random.split(jax.random.key(n), 4)
     q, k, v, do = (jax.random.normal(kk, (b, L, h, d), jnp.float32).astype(jnp.bfloat16)
                    for kk in ks)

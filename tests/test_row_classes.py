@@ -320,3 +320,14 @@ def test_builtin_dilated_window():
             jcm.masks.dilated_window(4, **bad)
     with pytest.raises(ValueError, match="left must be"):
         jcm.masks.dilated_window(-1)
+
+
+def test_vmap_over_a_leading_axis():
+    spec = _spec(DILATED)
+    qx, kx, vx, _ = _inputs(19, 2, 16, 2, 2)
+    stack = lambda x: jnp.stack([x, 2 * x])  # noqa: E731
+    got = jax.vmap(lambda a, b_, c: jcm.mask_attention(a, b_, c, spec, implementation="xla"))(
+        stack(qx), stack(kx), stack(vx))
+    for i, s in enumerate((1, 2)):
+        ref, _ = reference_attention(s * qx, s * kx, s * vx, spec.as_dense(None, 16, 16))
+        np.testing.assert_allclose(got[i], ref, atol=1e-5)
