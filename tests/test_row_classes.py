@@ -151,9 +151,13 @@ def test_class_descriptor_dense_views_and_pytree():
 
 
 def test_lengths_that_are_not_multiples_and_the_switches(monkeypatch):
+    from jcompilemask.lower import compiled
+    monkeypatch.setattr(compiled, "_odd_lengths", set())     # each is reported once
     cm = jcm.compile(_spec(DILATED))
-    assert isinstance(cm.instantiate(None, 23, 23), jcm.ExecutionDescriptor)
-    assert isinstance(cm.instantiate(None, 24, 23), jcm.ExecutionDescriptor)
+    with pytest.warns(jcm.MaskFallbackWarning, match="q_len=23, kv_len=23"):
+        assert isinstance(cm.instantiate(None, 23, 23), jcm.ExecutionDescriptor)
+    with pytest.warns(jcm.MaskFallbackWarning, match="pad the sequences"):
+        assert isinstance(cm.instantiate(None, 24, 23), jcm.ExecutionDescriptor)
     assert isinstance(cm.instantiate(None, 24, 24, row_classes=False), jcm.ExecutionDescriptor)
     with pytest.raises(ValueError, match="multiples of 2"):
         cm.instantiate(None, 23, 23, row_classes=True)
@@ -331,3 +335,16 @@ def test_vmap_over_a_leading_axis():
     for i, s in enumerate((1, 2)):
         ref, _ = reference_attention(s * qx, s * kx, s * vx, spec.as_dense(None, 16, 16))
         np.testing.assert_allclose(got[i], ref, atol=1e-5)
+
+
+def test_lengths_that_miss_the_classes_are_reported_once(monkeypatch):
+    from jcompilemask.lower import compiled
+    monkeypatch.setattr(compiled, "_odd_lengths", set())
+    cm = jcm.compile(_spec((k <= q) & (k > q - 10) & ((q - k) % 2 == 0)))
+    with pytest.warns(jcm.MaskFallbackWarning, match="multiples of 2"):
+        cm.instantiate(None, 21, 21)
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", jcm.MaskFallbackWarning)
+        cm.instantiate(None, 21, 21)                   # once per lengths
+        cm.instantiate(None, 21, 21, row_classes=False)

@@ -222,6 +222,17 @@ class CompiledMask:
         elif q_len % rc.factor or kv_len % rc.factor:
             why = (f"q_len={q_len} and kv_len={kv_len} must both be multiples of "
                    f"{rc.factor}")
+            if row_classes is None and (self.spec.key(), q_len, kv_len) not in _odd_lengths:
+                _odd_lengths.add((self.spec.key(), q_len, kv_len))
+                import warnings
+                from .hints import MaskFallbackWarning
+                warnings.warn(
+                    f"{'mask ' + repr(self.spec.name) if self.spec.name else 'this mask'}"
+                    f" runs as residue classes mod {rc.factor} "
+                    f"only where q_len and kv_len are multiples of {rc.factor}; at "
+                    f"q_len={q_len}, kv_len={kv_len} it takes its residual lowering "
+                    "(slower: pad the sequences to a multiple)", MaskFallbackWarning,
+                    stacklevel=3)
         elif row_classes is None and not classes_enabled():
             return 1
         if why is None:
@@ -538,6 +549,7 @@ def _compile_cached(spec: MaskSpec) -> CompiledMask:
 
 
 _warned: set = set()      # spec keys whose fallback regions were reported
+_odd_lengths: set = set()  # (spec key, q_len, kv_len) told they miss the residue classes
 _quiet: set = set()       # spec keys a caller compiled with warn=False
 
 
