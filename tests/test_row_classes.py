@@ -348,3 +348,22 @@ def test_lengths_that_miss_the_classes_are_reported_once(monkeypatch):
         warnings.simplefilter("error", jcm.MaskFallbackWarning)
         cm.instantiate(None, 21, 21)                   # once per lengths
         cm.instantiate(None, 21, 21, row_classes=False)
+
+
+@settings(deadline=None, max_examples=60)
+@given(alpha=st.sampled_from([-3, -2, -1, 1, 2, 3]), beta=st.integers(-1, 1),
+       gamma=st.integers(-1, 1), d=st.integers(-20, 20),
+       op=st.sampled_from(["<", "<=", ">", ">=", "==", "!="]), c=st.integers(2, 4),
+       mq=st.integers(1, 5), mk=st.integers(1, 5))
+def test_random_class_atoms_are_exact(alpha, beta, gamma, d, op, c, mq, mk):
+    """Any comparison alpha (q - k) + beta q_len + gamma kv_len + d OP 0, with the class
+    atom: its class form (divided by c, the constant rounded per OP) gives the same mask at
+    unequal lengths."""
+    from jcompilemask.spec.expr import Cmp, Const
+    lhs = alpha * (q - k) + beta * q_len + gamma * kv_len + d
+    spec = _spec(Cmp(op, lhs, Const(0)) & ((q - k) % c == 0))
+    rc = find_row_classes(spec)
+    assert rc is not None and rc.factor == c
+    nq, nk = c * mq, c * mk
+    want = np.asarray(spec.as_dense(None, nq, nk))[0, 0]
+    assert (_reassembled(rc, nq, nk) == want).all()
