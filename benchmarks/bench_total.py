@@ -190,7 +190,8 @@ def jcm_workload(mask, n, smoke=False, implementation=None):
     instantiate = jax.jit(lambda m: cm.instantiate(m, L, L, preprocess=preprocess))
     desc = instantiate(md)
     count = desc
-    if cm.row_classes is not None and L % cm.row_classes.factor == 0:
+    if (cm.row_classes is not None and L % cm.row_classes.factor == 0
+            and not isinstance(desc, jcm.ClassDescriptor)):
         # residue classes count the visible pairs exactly (a residual lowering counts its
         # hulls): every variant and peer of such a mask gets the exact count
         count = jax.jit(lambda m: cm.instantiate(m, L, L, preprocess="jnp",

@@ -267,18 +267,17 @@ def _explain_regions(cm, chosen, call=None) -> list[str]:
     rc = getattr(cm, "row_classes", None)
     if rc is not None and call is not None:
         inner = cm.class_mask
-        cc = dataclasses.replace(
-            call_for(inner, dtype=call.dtype, head_dim=call.head_dim,
-                     head_dim_v=call.head_dim_v, num_heads=call.num_heads * rc.factor,
-                     num_kv_heads=call.num_kv_heads * rc.factor, softcap=call.softcap,
-                     bias=call.bias), tiles=None)
+        cc = call_for(inner, dtype=call.dtype, head_dim=call.head_dim,
+                      head_dim_v=call.head_dim_v, num_heads=call.num_heads * rc.factor,
+                      num_kv_heads=call.num_kv_heads * rc.factor, softcap=call.softcap,
+                      bias=call.bias)
         runs = next((b.name for b in backends() if _check(b, cc) is None), None)
+        res = (f"residual regions {list(inner.residual_regions)}" if inner.residual_regions
+               else "no residual")
         lines.append(f"  residue classes mod {rc.factor}: where q_len and kv_len are multiples "
                      f"of {rc.factor} (and $JCOMPILEMASK_ROW_CLASSES is not 0), one class's "
-                     f"mask (K = {inner.num_intervals}, "
-                     f"{'residual regions ' + str(list(inner.residual_regions)) if inner.residual_regions else 'no residual'}"
-                     f") runs with the classes as heads, on: {runs}; the regions above "
-                     "serve other lengths")
+                     f"mask (K = {inner.num_intervals}, {res}) runs with the classes as "
+                     f"heads, on: {runs}; the regions above serve other lengths")
     return lines
 
 

@@ -60,20 +60,15 @@ def _class_attention_with_bias(q, k, v, desc, bias, scale, softcap, backend_name
     class's mask on every class, and the results viewed back. Without a bias the same views
     happen per device inside the partitioned call (attention/partition.py)."""
     c = desc.classes
-    b, nq, hq, _ = q.shape
-    by_class = lambda x: x.reshape(x.shape[0], x.shape[1] // c, c * x.shape[2], x.shape[3])  # noqa: E731
-    if bias is not None:
-        # [B, H, Nq, Nk] -> the same-class blocks [B, H, Nq/c, Nk/c, c] -> [B, c H, ...]
-        nk = k.shape[1]
-        bias = jnp.broadcast_to(bias, (bias.shape[0], hq, nq, nk))
-        g = bias.reshape(bias.shape[0], hq, nq // c, c, nk // c, c)
-        g = jnp.diagonal(g, axis1=3, axis2=5)
-        bias = jnp.moveaxis(g, -1, 1).reshape(bias.shape[0], c * hq, nq // c, nk // c)
+    bb, nq, nk, hq = bias.shape[0], q.shape[1], k.shape[1], q.shape[2]
+    # [B, H, Nq, Nk] -> the same-class blocks [B, H, Nq/c, Nk/c, c] -> [B, c H, ...]
+    g = jnp.broadcast_to(bias, (bb, hq, nq, nk)).reshape(bb, hq, nq // c, c, nk // c, c)
+    g = jnp.diagonal(g, axis1=3, axis2=5)
+    bias = jnp.moveaxis(g, -1, 1).reshape(bb, c * hq, nq // c, nk // c)
+    by_class = functools.partial(_partition.by_class, c=c)
     out, lse = _attention(by_class(q), by_class(k), by_class(v), desc.inner, bias, scale,
                           softcap, backend_name, bias_grad, deterministic)
-    out = out.reshape(b, nq, hq, out.shape[-1])
-    lse = jnp.moveaxis(lse.reshape(b, c, hq, nq // c), 1, -1).reshape(b, hq, nq)
-    return out, lse
+    return _partition.from_class(out, c), _partition.lse_from_class(lse, c)
 
 
 def _shape_error(msg):

@@ -66,7 +66,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from .. import backends as _backends
 
-__all__ = ["forward", "backward", "batch_sharded"]
+__all__ = ["forward", "backward", "batch_sharded", "by_class", "from_class", "lse_by_class",
+           "lse_from_class"]
 
 # Fields of the descriptor (in pytree order) whose axis 1 is the mask-head axis.
 _HEAD_FIELDS = (0, 1, 2, 3)     # fwd_intervals, bwd_intervals, fwd_tiles, bwd_tiles
@@ -261,25 +262,25 @@ def _shardings(st: _Static, mesh, bax, hax):
     return args, (qs, qs, qs) + (bias if st.bias_grad else ())
 
 
-def _by_class(x, c):
+def by_class(x, c):
     """[B, N, H, D] -> [B, N / c, c H, D] (row ``c i + r`` of head ``h`` is row ``i`` of head
     ``r H + h``: a view)."""
     b, n, h, d = x.shape
     return x.reshape(b, n // c, c * h, d)
 
 
-def _from_class(x, c):
+def from_class(x, c):
     b, m, ch, d = x.shape
     return x.reshape(b, m * c, ch // c, d)
 
 
-def _lse_by_class(x, c):
+def lse_by_class(x, c):
     """[B, H, N] -> [B, c H, N / c] (a transpose of the small lse)."""
     b, h, n = x.shape
     return jnp.moveaxis(x.reshape(b, h, n // c, c), -1, 1).reshape(b, c * h, n // c)
 
 
-def _lse_from_class(x, c):
+def lse_from_class(x, c):
     b, ch, m = x.shape
     return jnp.moveaxis(x.reshape(b, c, ch // c, m), 1, -1).reshape(b, ch // c, m * c)
 
@@ -295,14 +296,14 @@ def _call(st: _Static, *arrays):
     if c == 1:
         return _backend_call(st, q, k, v, desc, rest)
     assert not st.has_bias, "a bias under residue classes is gathered by mask_attention"
-    q, k, v = (_by_class(x, c) for x in (q, k, v))
+    q, k, v = (by_class(x, c) for x in (q, k, v))
     if st.kind == "fwd":
         out, lse = _backend_call(st, q, k, v, desc.inner, rest)
-        return _from_class(out, c), _lse_from_class(lse, c)
+        return from_class(out, c), lse_from_class(lse, c)
     out, lse, do = rest[:3]
-    rest = ((_by_class(out, c), _lse_by_class(lse, c), _by_class(do, c))
-            + tuple(_lse_by_class(x, c) for x in rest[3:]))             # dlse
-    return tuple(_from_class(x, c) for x in _backend_call(st, q, k, v, desc.inner, rest))
+    rest = ((by_class(out, c), lse_by_class(lse, c), by_class(do, c))
+            + tuple(lse_by_class(x, c) for x in rest[3:]))             # dlse
+    return tuple(from_class(x, c) for x in _backend_call(st, q, k, v, desc.inner, rest))
 
 
 def _backend_call(st: _Static, q, k, v, desc, rest):

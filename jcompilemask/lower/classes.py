@@ -87,12 +87,10 @@ def _class_factor(atom) -> Optional[int]:
     if not isinstance(atom, Cmp) or atom.op != "==":
         return None
     for a, b in ((atom.a, atom.b), (atom.b, atom.a)):
-        # q % c == k % c
+        # q % c == k % c (the loop tries both sides in both orders)
         if (isinstance(a, BinOp) and isinstance(b, BinOp) and a.op == b.op == "%"
                 and isinstance(a.b, Const) and isinstance(b.b, Const)
-                and a.b.value == b.b.value and a.b.value >= 2
-                and {(_is_qk(a.a, "q"), _is_qk(b.a, "k")), (_is_qk(a.a, "k"), _is_qk(b.a, "q"))}
-                & {(True, True)}):
+                and a.b.value == b.b.value >= 2 and _is_qk(a.a, "q") and _is_qk(b.a, "k")):
             return a.b.value
         # (+-(q - k) + m c) % c == 0
         if (isinstance(a, BinOp) and a.op == "%" and isinstance(a.b, Const)
