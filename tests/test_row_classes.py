@@ -12,7 +12,7 @@ only with keys of its own class mod ``c`` runs one class's mask with the classes
 * ``mask_attention`` (xla backend) against the dense reference, forward, lse and
   gradients: GQA, bias, unbatched inputs, ``return_residual``, a prebuilt descriptor
   inside ``jit``; the classes and the residual lowering agree.
-* Reporting and the paths that take no class descriptor (ring attention).
+* Reporting; ring attention (context parallelism) over the class sequence.
 """
 from __future__ import annotations
 
@@ -297,15 +297,85 @@ def test_no_fallback_warning_for_a_spec_that_runs_as_classes():
         jcm.compile(_spec(rule))
 
 
-def test_ring_attention_names_the_fix_for_a_class_descriptor():
+def _ring(mask, layout=None):
     from jax.sharding import Mesh, PartitionSpec as P
-    d = jcm.compile(_spec(DILATED)).instantiate(None, 16, 16)
-    qx, _, _, _ = _inputs(1, 1, 16, 2, 2)
     mesh = Mesh(np.array(jax.devices()[:1]), ("cp",))
-    f = jax.shard_map(lambda a: jcm.mask_attention(a, a, a, d, context_axis="cp"),
-                      mesh=mesh, in_specs=P(None, "cp"), out_specs=P(None, "cp"))
-    with pytest.raises(ValueError, match="row_classes=False"):
-        f(qx)
+    return jax.jit(jax.shard_map(
+        lambda a, b_, c: jcm.mask_attention(a, b_, c, mask, context_axis="cp",
+                                            context_layout=layout, return_residual=True),
+        mesh=mesh, in_specs=P(None, "cp"), out_specs=P(None, "cp")))
+
+
+@pytest.mark.parametrize("arg", ["descriptor", "spec"])
+def test_ring_attention_runs_the_classes(arg):
+    """The ring takes a ClassDescriptor (or builds one from the spec): each shard viewed
+    with the classes as heads is its chunks of the class sequence. On one device with two
+    chunks it must equal mask_attention (the multi-device cases run in
+    tests/scripts/context_parallel_check.py)."""
+    spec = _spec(DILATED)
+    t = dict(block_q=4, block_kv=4, bwd_block_q=4, bwd_block_kv=4)
+    d = jcm.compile(spec).instantiate(None, 16, 16, **t)
+    assert isinstance(d, jcm.ClassDescriptor)
+    qx, kx, vx, do = _inputs(3, 2, 16, 4, 2)
+    if arg == "spec":        # built inside the ring at the xla tiles of a chunk
+        f = _ring(spec, layout=(1, 0))
+        perm = lambda x: jnp.concatenate([x[:, 8:], x[:, :8]], 1)   # noqa: E731
+    else:
+        f = _ring(d)
+        perm = lambda x: x   # noqa: E731
+
+    def loss(a, b_, c):
+        out, lse = f(perm(a), perm(b_), perm(c))
+        return out, lse
+    (out, lse), pull = jax.vjp(loss, qx, kx, vx)
+    (r_out, r_lse), r_pull = jax.vjp(
+        lambda a, b_, c: jcm.mask_attention(a, b_, c, d, return_residual=True), qx, kx, vx)
+    np.testing.assert_allclose(perm(r_out), out, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(perm(r_lse), lse, rtol=1e-5, atol=1e-5)
+    for g, r in zip(pull((perm(do), jnp.zeros_like(lse))), r_pull((do, jnp.zeros_like(r_lse)))):
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5)
+
+
+def test_ring_attention_names_the_fix_where_a_chunk_splits_a_class_row():
+    spec = _spec(DILATED)
+    d = jcm.compile(spec).instantiate(None, 18, 18)
+    qx, _, _, _ = _inputs(1, 1, 18, 2, 2)
+    # 18 rows in 2 chunks of 9: a chunk would start inside a class row
+    with pytest.raises(ValueError, match="a chunk must start at a multiple of 2"):
+        _ring(d, layout=(0, 1))(qx, qx, qx)
+    # the spec takes its residual lowering there, which the ring refuses, naming both fixes
+    with pytest.raises(ValueError, match="fall back to an element predicate.*residue classes"):
+        _ring(spec, layout=(0, 1))(qx, qx, qx)
+
+
+def test_ring_attention_residual_lowering_when_classes_are_off(monkeypatch):
+    monkeypatch.setenv(ENV, "0")
+    qx, _, _, _ = _inputs(1, 1, 16, 2, 2)
+    with pytest.raises(ValueError, match=f"{ENV}=0 turns them off"):
+        _ring(_spec(DILATED))(qx, qx, qx)
+
+
+def test_ring_plans_read_a_class_descriptor_as_its_class_sequence():
+    from jcompilemask import parallel as par
+    from jcompilemask.parallel.plan import chunk_size
+    t = dict(block_q=4, block_kv=4, bwd_block_q=4, bwd_block_kv=4)
+    spec = _spec((k <= q) & (k > q - 24) & ((q - k) % 3 == 0))
+    d = jcm.compile(spec).instantiate(None, 96, 96, **t)
+    assert d.classes == 3
+    inner = d.inner
+    assert chunk_size(d, 4) == 24 and chunk_size(inner, 4) == 8
+    np.testing.assert_array_equal(par.chunk_visibility(d, 4), par.chunk_visibility(inner, 4))
+    # a row's work is its visible keys: the dense view's row sums
+    dense = np.asarray(d.as_dense()).sum((0, 1)).sum(-1)
+    np.testing.assert_array_equal(par.row_work(d), dense)
+    lay = par.balance_permutation(d, 2, 2)
+    assert lay == par.balance_permutation(inner, 2, 2)
+    rep = par.cost_report(d, par.ring_plan(d, 2, lay), kv_bytes_per_token=1)
+    assert rep["chunk_rows"] == 24 and sum(rep["work_per_device"]) == dense.sum()
+    with pytest.raises(ValueError, match="multiple of 5 chunks x 3"):
+        chunk_size(d, 5)
+    with pytest.raises(ValueError, match="runs as 3 residue classes"):
+        chunk_size(d, 16)              # 6 rows a chunk, 2 of each class: not 4-row tiles
 
 
 def test_builtin_dilated_window():

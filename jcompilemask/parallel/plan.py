@@ -29,7 +29,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from ..lower.descriptor import COMPUTE, TILES_PER_WORD, ExecutionDescriptor
+from ..lower.descriptor import COMPUTE, TILES_PER_WORD, ClassDescriptor, ExecutionDescriptor
 
 __all__ = ["RingPlan", "ring_plan", "full_ring_plan", "zigzag_permutation",
            "balance_permutation", "permute_sequence", "unpermute_sequence",
@@ -111,8 +111,31 @@ def _tile_states(desc, view):
     return np.swapaxes(_unpack(_concrete(desc.bwd_tiles, "a ring plan"), tq), -1, -2)
 
 
+def _classes(desc):
+    """(the descriptor the ring runs, its residue classes): a :class:`ClassDescriptor`'s
+    chunk ``i`` is chunk ``i`` of its class sequence (every class alike), so layouts and
+    plans read its inner descriptor."""
+    if isinstance(desc, ClassDescriptor):
+        return desc.inner, desc.classes
+    return desc, 1
+
+
 def chunk_size(desc: ExecutionDescriptor, num_chunks: int) -> int:
-    """Rows per chunk; raises unless the chunks are whole tiles of both passes."""
+    """Rows per chunk; raises unless the chunks are whole tiles of both passes (of a
+    :class:`ClassDescriptor`: whole class rows, and whole tiles of the class sequence)."""
+    inner, f = _classes(desc)
+    if f > 1:
+        if desc.q_len != desc.kv_len or desc.q_len % (num_chunks * f):
+            raise ValueError(f"a chunk of this descriptor must start at a multiple of its "
+                             f"{f} residue classes: the sequence length {desc.q_len} is not "
+                             f"a multiple of {num_chunks} chunks x {f}")
+        try:
+            return chunk_size(inner, num_chunks) * f
+        except ValueError as e:
+            raise ValueError(f"{e} (this descriptor runs as {f} residue classes: a chunk "
+                             f"of {desc.q_len // num_chunks} rows holds "
+                             f"{desc.q_len // num_chunks // f} rows of each class, and the "
+                             "tiles are the class sequence's)") from None
     if desc.q_len != desc.kv_len:
         raise ValueError(f"context parallelism needs q_len == kv_len (self-attention); the "
                          f"descriptor has {desc.q_len} / {desc.kv_len}")
@@ -132,6 +155,8 @@ def chunk_size(desc: ExecutionDescriptor, num_chunks: int) -> int:
 def chunk_visibility(desc: ExecutionDescriptor, num_chunks: int) -> np.ndarray:
     """bool [C, C]: query chunk a sees some key of key chunk b (for some batch and head),
     from the tile states of both passes (no dense mask)."""
+    chunk_size(desc, num_chunks)
+    desc, _ = _classes(desc)
     cs = chunk_size(desc, num_chunks)
     out = np.zeros((num_chunks, num_chunks), bool)
     for view in ("fwd", "bwd"):
@@ -145,7 +170,11 @@ def chunk_visibility(desc: ExecutionDescriptor, num_chunks: int) -> np.ndarray:
 
 def row_work(desc: ExecutionDescriptor) -> np.ndarray:
     """int64 [Nq]: visible keys per row summed over the batch and mask heads (the union
-    of the row's intervals), from the forward interval table."""
+    of the row's intervals), from the forward interval table. A :class:`ClassDescriptor`'s
+    row ``f i + r`` has the work of its class row ``i``."""
+    inner, f = _classes(desc)
+    if f > 1:
+        return np.repeat(row_work(inner), f)
     iv = _concrete(desc.fwd_intervals, "row_work").astype(np.int64)   # [B, Hm, Nq, K, 2]
     big = np.iinfo(np.int64).max // 4
     lo = np.where(iv[..., 1] > 0, iv[..., 0], big)
@@ -314,9 +343,10 @@ def cost_report(desc: ExecutionDescriptor, plan: RingPlan, *, kv_bytes_per_token
     cs = chunk_size(desc, c)
     cpd, p = plan.chunks_per_device, plan.num_devices
     w = row_work(desc).reshape(c, cs).sum(1)
-    st = (_tile_states(desc, "fwd") & COMPUTE) != 0
-    tq = cs // desc.tiles.block_q
-    tiles = st.sum(axis=(0, 1, 3)).reshape(c, tq).sum(1)
+    inner, f = _classes(desc)          # a class descriptor: f class sequences alike
+    st = (_tile_states(inner, "fwd") & COMPUTE) != 0
+    tq = cs // f // inner.tiles.block_q
+    tiles = f * st.sum(axis=(0, 1, 3)).reshape(c, tq).sum(1)
     dev = [list(plan.chunks[d * cpd:(d + 1) * cpd]) for d in range(p)]
     work = np.array([w[ch].sum() for ch in dev], np.float64)
     tw = np.array([tiles[ch].sum() for ch in dev], np.float64)

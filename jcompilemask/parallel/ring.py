@@ -43,7 +43,11 @@ rows x columns of every step anyway. Each step cuts from it the intervals of the
 rows clipped to the held key chunks (re-based to local columns), the column intervals of
 the held keys clipped to the local rows, and the matching blocks of both tile-state
 maps. Masks with residual predicates (an element predicate over absolute indices) are not
-supported here.
+supported here, except where they are residue classes (a dilated window,
+:mod:`jcompilemask.lower.classes`): with a :class:`ClassDescriptor` (or a spec that has one
+at N), each device's shard viewed as ``[B, N / (P c), c H, D]`` is its chunks of the class
+sequence when a chunk is a multiple of ``c`` rows, and the ring runs one class's mask at
+``N / c`` with ``c H`` heads.
 
 Layout. The sequence is cut into C chunks (whole tiles of both passes); a layout (a
 tuple of chunk ids, see :mod:`jcompilemask.parallel.plan`) says which chunks each device
@@ -100,7 +104,9 @@ from jax import lax
 from .. import backends as _backends
 from .._progress import log_once
 from ..attention import compat as _compat
+from ..attention import partition as _partition
 from ..attention import xla as _xla
+from ..lower.classes import ENV as CLASSES_ENV, classes_enabled
 from ..lower.compiled import CompiledMask, compile as _compile
 from ..lower.descriptor import COMPUTE, ClassDescriptor, ExecutionDescriptor, TileConfig, pack_tiles
 from ..spec.maskspec import MaskSpec
@@ -403,7 +409,14 @@ def _misfit(cs: int, tiles: TileConfig) -> list[str]:
     return [f"{f}={getattr(tiles, f)}" for f in _TILE_FIELDS if cs % getattr(tiles, f)]
 
 
-def _chunk_error(cs, n, c, tiles, backend, whose) -> ValueError:
+def _rows(cs, n, c, classes=1) -> str:
+    if classes == 1:
+        return f"a chunk has {cs} rows (N = {n} over the layout's {c} chunks)"
+    return (f"a chunk has {cs} rows per residue class ({cs * classes} rows, {classes} "
+            f"classes; N = {n * classes} over the layout's {c} chunks)")
+
+
+def _chunk_error(cs, n, c, tiles, backend, whose, classes=1) -> ValueError:
     if backend == "xla":
         fix = ("build the descriptor with tiles that divide N / num_chunks, or use fewer "
                "chunks (layout= / context_layout=)")
@@ -412,8 +425,8 @@ def _chunk_error(cs, n, c, tiles, backend, whose) -> ValueError:
                f"multiple of them: pass a layout with fewer chunks (layout= / "
                f"context_layout=) or a longer sequence, or implementation='xla' (which "
                f"takes any tiles that divide a chunk)")
-    return ValueError(f"a chunk has {cs} rows (N = {n} over the layout's {c} chunks), not a "
-                      f"multiple of {whose} {', '.join(_misfit(cs, tiles))}: {fix}")
+    return ValueError(f"{_rows(cs, n, c, classes)}, not a multiple of {whose} "
+                      f"{', '.join(_misfit(cs, tiles))}: {fix}")
 
 
 def _call(query, key, value, cm, softcap, num_intervals, tiles) -> _backends.Call:
@@ -442,6 +455,36 @@ def _step_backend(backend, call: _backends.Call, desc, cpd: int) -> str:
     return "xla"
 
 
+def _ring_classes(cm: CompiledMask, n: int, cs: Optional[int]) -> int:
+    """The residue classes a ring over chunks of ``cs`` rows runs ``cm`` with (1: none).
+    A chunk must hold whole class rows (``cs`` a multiple of the factor); where it does
+    not, the mask takes its residual lowering, which :func:`ring_attention` refuses."""
+    rc = cm.row_classes
+    if rc is None or cs is None or cs % rc.factor:
+        return 1
+    return cm.classes_for(n, n)
+
+
+def _class_chunk_error(f, cs, n, c) -> ValueError:
+    return ValueError(f"this mask runs as {f} residue classes, so a chunk must start at a "
+                      f"multiple of {f}: a chunk has {cs} rows (N = {n} over the layout's "
+                      f"{c} chunks); pass a layout whose chunks are multiples of {f} rows "
+                      "(context_layout= / layout=) or pad the sequence")
+
+
+def _classes_hint(cm, n, cs, c) -> str:
+    """Why a mask with residue classes took its residual lowering in the ring."""
+    rc = cm.row_classes
+    if rc is None:
+        return ""
+    if not classes_enabled():
+        return (f" (it would run as {rc.factor} residue classes, but "
+                f"${CLASSES_ENV}=0 turns them off)")
+    if cs is not None and cs % rc.factor:
+        return f" (or run it as residue classes: {_class_chunk_error(rc.factor, cs, n, c)})"
+    return ""
+
+
 def ring_attention(query, key, value, mask, *, axis_name: str,
                    layout: Union[None, Sequence[int], RingPlan] = None,
                    metadata: Optional[Mapping] = None, scale: Optional[float] = None,
@@ -461,7 +504,9 @@ def ring_attention(query, key, value, mask, *, axis_name: str,
         along the batch over another axis), at the tiles of the backend that runs (the
         default ``instantiate`` builds those), or a MaskSpec / CompiledMask with
         ``metadata`` (the descriptor is then built here, at the whole length, with the
-        backend's tiles, or for ``xla`` tiles that divide a chunk).
+        backend's tiles, or for ``xla`` tiles that divide a chunk). A
+        :class:`ClassDescriptor` (residue classes) runs over its class sequence; its
+        chunks must be multiples of its ``classes`` rows.
       axis_name: the mesh axis the sequence is sharded over (P = its size).
       layout: which chunks each device holds: None (one chunk per device, in order), a
         chunk order (e.g. :func:`balance_permutation`; the caller applies it with
@@ -507,31 +552,44 @@ def ring_attention(query, key, value, mask, *, axis_name: str,
     c = len(chunks)
     cpd = c // p
 
+    cs = n // c if n % c == 0 else None
+    classes = 1
     if isinstance(mask, (MaskSpec, CompiledMask)):
         cm, desc = _compile(mask), None
         if cm.batched and metadata is None:
             raise ValueError(f"this mask reads metadata {sorted(cm.spec.metadata)}: pass "
                              "metadata={...} or an ExecutionDescriptor")
-    elif isinstance(mask, ClassDescriptor):
-        raise ValueError("ring_attention takes a descriptor in the sequence's coordinates; "
-                         "this one holds residue classes (a mask pairing q only with keys "
-                         "of its class): build it with instantiate(..., row_classes=False), "
-                         "or pass the MaskSpec")
-    elif not isinstance(mask, ExecutionDescriptor):
-        raise TypeError("mask must be an ExecutionDescriptor, MaskSpec or CompiledMask, "
-                        f"got {type(mask).__name__}")
-    elif metadata is not None:
+        classes = _ring_classes(cm, n, cs)
+    elif metadata is not None and isinstance(mask, (ExecutionDescriptor, ClassDescriptor)):
         raise ValueError("metadata is only used when mask is a MaskSpec or CompiledMask")
+    elif isinstance(mask, ClassDescriptor):
+        if (mask.q_len, mask.kv_len) != (n, n):
+            raise ValueError(f"the descriptor was built for q_len={mask.q_len}, kv_len="
+                             f"{mask.kv_len}; with {p} devices of {query.shape[1]} rows the "
+                             f"whole sequence is {n}: build it for the whole sequence")
+        if cs is not None and cs % mask.classes:
+            raise _class_chunk_error(mask.classes, cs, n, c)
+        cm, desc, classes = mask.mask, mask.inner, mask.classes
+    elif not isinstance(mask, ExecutionDescriptor):
+        raise TypeError("mask must be an ExecutionDescriptor, ClassDescriptor, MaskSpec or "
+                        f"CompiledMask, got {type(mask).__name__}")
     else:
         cm, desc = mask.mask, mask
     if getattr(cm, "layout", None) == "bitmap":
         raise ValueError("context parallelism needs interval tables; this dense mask is kept "
                          "as a bitmap (too many runs per row): run it without context_axis")
-    if cm.fallback_regions:
+    if classes > 1:
+        # Residue classes (lower/classes.py): each device's shard, viewed as [B, rows / f,
+        # f H, D], is its chunks of the class sequence (a chunk starts at a multiple of f),
+        # so the ring runs one class's mask, at N / f, with f times the heads.
+        cm = cm.class_mask
+        query, key, value = (_partition.by_class(x, classes) for x in (query, key, value))
+        n, cs = n // classes, None if cs is None else cs // classes
+    elif cm.fallback_regions:
         raise ValueError(f"context parallelism needs a fully lowered mask; regions "
                          f"{list(cm.fallback_regions)} fall back to an element "
                          "predicate (see CompiledMask.explain()): run them without "
-                         "context_axis")
+                         f"context_axis{_classes_hint(cm, n, cs, c)}")
     if logits_soft_cap is not None:
         if not isinstance(logits_soft_cap, (int, float)) or logits_soft_cap <= 0:
             raise ValueError(f"logits_soft_cap must be a positive float, got "
@@ -540,7 +598,6 @@ def ring_attention(query, key, value, mask, *, axis_name: str,
     call = _call(query, key, value, cm, logits_soft_cap, cm.num_intervals,
                  None if desc is None else desc.tiles)
     backend = _backends.select(impl, call)
-    cs = n // c if n % c == 0 else None
 
     if desc is None:
         tiles = _xla_tiles(n, c) if backend.name == "xla" else backend.tiles(call)
@@ -551,12 +608,11 @@ def ring_attention(query, key, value, mask, *, axis_name: str,
         if backend.name != "xla" and cs is not None and _misfit(cs, tiles):
             if impl is not None:
                 raise _chunk_error(cs, n, c, tiles, backend.name,
-                                   f"the {backend.name} backend's tiles")
+                                   f"the {backend.name} backend's tiles", classes)
             log_once(("ring-tiles", backend.name, cs, tiles),
-                     "jcompilemask: ring_attention runs the xla backend, not %s: a chunk "
-                     "has %d rows (N = %d over %d chunks), not a multiple of its tiles %s "
-                     "(fewer chunks or a longer sequence would let it run)", backend.name,
-                     cs, n, c, tiles)
+                     "jcompilemask: ring_attention runs the xla backend, not %s: %s, not a "
+                     "multiple of its tiles %s (fewer chunks or a longer sequence would let "
+                     "it run)", backend.name, _rows(cs, n, c, classes), tiles)
             backend, tiles = _backends.get("xla"), _xla_tiles(n, c)
         desc = cm.instantiate(metadata, n, n, block_q=tiles.block_q, block_kv=tiles.block_kv,
                               bwd_block_q=tiles.bwd_block_q, bwd_block_kv=tiles.bwd_block_kv,
@@ -567,7 +623,7 @@ def ring_attention(query, key, value, mask, *, axis_name: str,
                              f"{desc.kv_len}; with {p} devices of {query.shape[1]} rows the "
                              f"whole sequence is {n}: build it for the whole sequence")
         if cs is not None and _misfit(cs, desc.tiles):
-            raise _chunk_error(cs, n, c, desc.tiles, backend.name, "the descriptor's")
+            raise _chunk_error(cs, n, c, desc.tiles, backend.name, "the descriptor's", classes)
     chunk_size(desc, c)
     b, hq = query.shape[0], query.shape[2]
     if desc.batch not in (1, b):
@@ -585,4 +641,6 @@ def ring_attention(query, key, value, mask, *, axis_name: str,
         raise TypeError(f"deterministic must be True or False, got {deterministic!r}")
     out, lse = _ring(query, key, value, desc, float(scale), logits_soft_cap, axis_name, plan,
                      step_backend, bool(deterministic))
+    if classes > 1:
+        out, lse = _partition.from_class(out, classes), _partition.lse_from_class(lse, classes)
     return (out, lse) if return_residuals else out

@@ -152,3 +152,24 @@ def test_ring_with_a_spec_instantiates_at_the_cute_tiles(recorded):
     desc = _desc(name, md)
     _seen_cute(recorded, desc, len(LAYOUT))
     _check(name, got, desc.as_dense(), args)
+
+
+@pytest.mark.parametrize("arg", ["descriptor", "spec"])
+def test_ring_runs_residue_classes_on_the_cute_kernels(arg, recorded):
+    """A dilated window (issue 16's: window 128, dilation 2) as residue classes: the shard
+    viewed as [B, N / 2, 2 H, D] is its chunks of the class sequence, so every step runs
+    the class mask (N / 2 rows, chunks of 128 class rows: whole CuTe tiles) on the
+    kernels, with no residual predicate."""
+    spec = jcm.masks.dilated_window(127, 0, dilation=2)
+    tiles = dataclasses.asdict(backends.get("cute").tiles(None))
+    desc = jcm.compile(spec).instantiate(None, N, N, preprocess="jnp", **tiles)
+    assert isinstance(desc, jcm.ClassDescriptor) and desc.classes == 2
+    args = _inputs(2)
+    got = _with_grads(_ring(desc if arg == "descriptor" else spec, LAYOUT), args[3])(*args[:3])
+    cute_tiles = backends.get("cute").tiles(None)
+    assert {s[0] for s in recorded} == {"fwd", "bwd"}, recorded
+    for kind, t, k, q_len, bwd_why in recorded:
+        assert t == cute_tiles and q_len == N // 2, recorded
+        assert k == len(LAYOUT) * desc.inner.num_intervals, recorded
+        assert bwd_why is None, f"the ring step's gradients left the CuTe backward: {bwd_why}"
+    _check("dilated_window", got, desc.as_dense(), args)

@@ -75,7 +75,11 @@ BUILTINS = {
     "document": jcm.masks.document(), "document_bidir": jcm.masks.document(causal=False),
     "hstu": jcm.masks.hstu(), "shared_prompt": jcm.masks.shared_prompt(3),
     "clear": jcm.masks.clear(8, 2), "random0": random_lowered(0), "random1": random_lowered(1),
+    "dilated": jcm.masks.dilated_window(20, 3, dilation=2),
 }
+# Residue classes (a ClassDescriptor; the ring runs the class sequence): N and the chunks
+# multiples of the dilation.
+EXTRA = {"dilated3": jcm.masks.dilated_window(30, 6, dilation=3)}
 
 # (name, mask, devices, N, tile, layout kind, dtype, descriptor passed traced)
 CASES = [(f"{m}-p2", m, 2, 128, 16, "balance", jnp.float32, False) for m in BUILTINS]
@@ -85,12 +89,13 @@ CASES += [
     ("shared_prompt-p4-balance", "shared_prompt", 4, 128, 16, "balance", jnp.float32, False),
     ("hstu-p4-traced", "hstu", 4, 128, 16, "balance", jnp.float32, True),
     ("document-p4-inorder-bf16", "document", 4, 128, 16, "none", jnp.bfloat16, False),
+    ("dilated3-p4-traced", "dilated3", 4, 384, 16, "balance", jnp.float32, True),
 ]
 
 
 def run_case(name, mask, p, n, tile, kind, dtype, traced):
     rng = np.random.default_rng(sum(map(ord, name)))
-    spec = BUILTINS[mask]
+    spec = {**BUILTINS, **EXTRA}[mask]
     md = metadata_for(mask, n, rng)
     if md is not None:
         md = {key: np.asarray(val, np.int32) for key, val in md.items()}
