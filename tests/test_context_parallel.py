@@ -178,3 +178,32 @@ def test_spec_with_metadata_on_one_device():
                       mesh=mesh, in_specs=P(None, "cp"), out_specs=P(None, "cp"))
     ref = jcm.mask_attention(q, q, q, spec, metadata=md)
     np.testing.assert_allclose(np.asarray(f(q)), np.asarray(ref), atol=1e-5)
+
+
+_EAGER = r'''
+import os
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+import jax, jax.numpy as jnp, numpy as np, jcompilemask as jcm
+from jax.sharding import Mesh, PartitionSpec as P
+mesh = Mesh(np.array(jax.devices()[:2]), ("cp",))
+x = jax.random.normal(jax.random.key(0), (1, 64, 2, 8))
+for spec, md in ((jcm.masks.prefix_lm(), {"prefix_len": np.array([20], np.int32)}),
+                 (jcm.masks.dilated_window(9, dilation=2), None)):
+    f = jax.shard_map(lambda a: jcm.mask_attention(a, a, a, spec, metadata=md,
+                                                   context_axis="cp"),
+                      mesh=mesh, in_specs=P(None, "cp"), out_specs=P(None, "cp"))
+    err = float(jnp.abs(f(x) - jcm.mask_attention(x, x, x, spec, metadata=md)).max())
+    assert err < 1e-5, err
+print("EAGER OK")
+'''
+
+
+def test_a_spec_in_an_eager_shard_map_builds_its_descriptor():
+    """Unjitted shard_map, the descriptor built inside from a spec: op by op, jaxlib's
+    Shardy canonicalizer segfaults on one of the preprocess's ops, so the preprocess runs
+    as one jitted program there (lower/preprocess.py)."""
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    res = subprocess.run([sys.executable, "-c", _EAGER], capture_output=True, text=True,
+                         timeout=600, env=env)
+    assert res.returncode == 0 and "EAGER OK" in res.stdout, (res.returncode,
+                                                             res.stderr[-3000:])

@@ -157,6 +157,13 @@ def build_descriptor_program(cm, metadata, q_len: int, kv_len: int, tiles: TileC
     releases them (tests/compiled_programs.py does so for the test suite).
     """
     if not _top_level():        # traced metadata, or concrete metadata inside a trace
+        if _eager_shard_map():
+            # Op by op inside an eager (unjitted) jax.shard_map, each op is compiled as its
+            # own manual computation, and jaxlib 0.11's Shardy canonicalizer crashes the
+            # process on some of them (ManualComputationUnusedInputsPattern, a segfault):
+            # one jitted program compiles once and does not.
+            return jax.jit(functools.partial(build_descriptor, cm, q_len=q_len,
+                                             kv_len=kv_len, tiles=tiles))(metadata)
         return build_descriptor(cm, metadata, q_len, kv_len, tiles)
     arrays, _ = cm.spec.checked_metadata(metadata, q_len, kv_len)
     programs = cm.__dict__.setdefault("_descriptor_programs", {})
@@ -177,6 +184,17 @@ def _top_level() -> bool:
     try:
         return bool(clean()) if clean is not None else False
     except Exception:            # pragma: no cover - a JAX without it
+        return False
+
+
+def _eager_shard_map() -> bool:
+    """The innermost trace is an eager ``jax.shard_map``'s (its body run op by op, not
+    under ``jit``). False when JAX offers no way to tell."""
+    try:
+        from jax._src import core as _core
+        from jax._src.shard_map import ShardMapTrace
+        return isinstance(_core.trace_ctx.trace, ShardMapTrace)
+    except Exception:            # pragma: no cover - a JAX without them
         return False
 
 
