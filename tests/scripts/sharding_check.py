@@ -158,6 +158,21 @@ def main():
     for a, b in zip(compiled(*args), jax.jit(with_bias)(qx, kx, vx, bias, do)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=2e-5)
 
+    # A dilated window (residue classes) with a per-head bias, heads sharded: the class
+    # views and the bias's same-class blocks are taken in mask_attention on the global
+    # arrays, so XLA may move data between the head devices; the results must not change
+    # (tests/test_row_classes.py checks the unsharded bias path against the oracle).
+    spec = MaskSpec([Region((0, q_len), (k <= q) & (k > q - 12) & ((q - k) % 2 == 0))])
+    desc = jcm.compile(spec).instantiate(None, N, N, **TILES)
+    assert isinstance(desc, jcm.ClassDescriptor), desc
+    hbias = jax.random.normal(keys[2], (B, HQ, N, N), jnp.float32)
+    args = (put(qx), put(kx), put(vx),
+            jax.device_put(hbias, NamedSharding(mesh, P("data", "model"))), put(do))
+    got = jax.jit(with_bias)(*args)
+    want = jax.jit(with_bias)(qx, kx, vx, hbias, do)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=2e-5)
+
     # Query heads over an axis that does not divide the key/value heads: the heads are
     # replicated (whole GQA groups), the batch still shards; results unchanged.
     mq = lambda x: jax.device_put(x, NamedSharding(mesh, P("data", None, "model")))  # noqa: E731
