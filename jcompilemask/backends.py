@@ -277,7 +277,8 @@ def _explain_regions(cm, chosen, call=None) -> list[str]:
         lines.append(f"  residue classes mod {rc.factor}: where q_len and kv_len are multiples "
                      f"of {rc.factor} (and $JCOMPILEMASK_ROW_CLASSES is not 0), one class's "
                      f"mask (K = {inner.num_intervals}, {res}) runs with the classes as "
-                     f"heads, on: {runs}; the regions above serve other lengths")
+                     f"heads{', each with its own segment ids' if rc.segments else ''}, on: "
+                     f"{runs}; the regions above serve other lengths")
     return lines
 
 

@@ -52,13 +52,17 @@ def sliding_window(left: int, right: int = 0, sinks: int = 0) -> MaskSpec:
                     name=f"sliding_window({left}, {right}, sinks={sinks})")
 
 
-def dilated_window(left: int, right: int = 0, dilation: int = 2) -> MaskSpec:
+def dilated_window(left: int, right: int = 0, dilation: int = 2, *,
+                   documents: bool = False) -> MaskSpec:
     """Row q sees every ``dilation``-th key of its window: q - left <= k <= q + right and
     (q - k) % dilation == 0 (a dilated sliding window, as in Longformer's dilated heads).
-    No metadata. It runs as ``dilation`` residue classes (``jcompilemask.lower.classes``):
-    where the lengths are multiples of ``dilation``, each class of ``q % dilation`` runs a
-    plain window ``left // dilation`` keys back and ``right // dilation`` ahead, the classes
-    as heads, with no per-element predicate.
+    No metadata, or with ``documents=True`` packed documents: k also in q's run of equal
+    ``segment_ids`` (int [B, N]; negative ids are padding and see nothing), as in
+    :func:`document`. It runs as ``dilation`` residue classes
+    (``jcompilemask.lower.classes``): where the lengths are multiples of ``dilation``, each
+    class of ``q % dilation`` runs a plain window ``left // dilation`` keys back and
+    ``right // dilation`` ahead (within its documents), the classes as heads, with no
+    per-element predicate.
 
     >>> import jcompilemask as jcm
     >>> dilated_window(4, dilation=2).as_dense(None, 5)[0, 0].astype(int).tolist()
@@ -70,11 +74,17 @@ def dilated_window(left: int, right: int = 0, dilation: int = 2) -> MaskSpec:
     left, right = _nonneg_int(left, "left"), _nonneg_int(right, "right")
     if isinstance(dilation, bool) or not isinstance(dilation, int) or dilation < 1:
         raise ValueError(f"dilation must be a positive int, got {dilation!r}")
+    if not isinstance(documents, bool):
+        raise TypeError(f"documents must be True or False, got {documents!r}")
     rule = (k >= q - left) & (k <= q + right)
+    if documents:
+        seg = SegmentIds("segment_ids")
+        rule = (k >= seg.start(q)) & (k < seg.end(q)) & rule
     if dilation > 1:
         rule = rule & ((q - k) % dilation == 0)
+    docs = ", documents=True" if documents else ""
     return MaskSpec([Region((0, q_len), rule)],
-                    name=f"dilated_window({left}, {right}, dilation={dilation})")
+                    name=f"dilated_window({left}, {right}, dilation={dilation}{docs})")
 
 
 def chunked_causal(chunk: int) -> MaskSpec:

@@ -53,7 +53,7 @@ def test_multi_device_equals_single_device():
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     res = subprocess.run([sys.executable, script], capture_output=True, text=True,
                          timeout=1800, env=env)
-    assert res.returncode == 0 and "OK 19 8" in res.stdout, (res.stdout[-2000:],
+    assert res.returncode == 0 and "OK 21 8" in res.stdout, (res.stdout[-2000:],
                                                              res.stderr[-4000:])
 
 

@@ -13,6 +13,9 @@ only with keys of its own class mod ``c`` runs one class's mask with the classes
   gradients: GQA, bias, unbatched inputs, ``return_residual``, a prebuilt descriptor
   inside ``jit``; the classes and the residual lowering agree.
 * Reporting; ring attention (context parallelism) over the class sequence.
+* Per-class metadata: segment ids read as run bounds (packed documents with a dilated
+  window), each class its own descriptor, exact for any ids (hypothesis), through
+  attention, a bias, jit with traced metadata and the ring.
 """
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ from hypothesis import given, settings, strategies as st
 
 import jcompilemask as jcm
 from jcompilemask.lower.classes import ENV, find_row_classes
-from jcompilemask.spec import MaskSpec, Region, Scalar, k, kv_len, q, q_len
+from jcompilemask.spec import MaskSpec, Region, Scalar, SegmentIds, k, kv_len, q, q_len
 from jcompilemask.spec.expr import h
 from jcompilemask.testing import (assert_within_policy, reference_attention,
                                   reference_gradients)
@@ -182,10 +185,12 @@ def _inputs(seed, b, n, hq, hk, d=8, dtype=jnp.float32):
     return mk(ks[0], hq), mk(ks[1], hk), mk(ks[2], hk), mk(ks[3], hq)
 
 
-def _check(spec, qx, kx, vx, do, mask_arg=None, **kw):
+def _check(spec, qx, kx, vx, do, mask_arg=None, md=None, **kw):
     n = qx.shape[1]
-    mask = spec.as_dense(None, n, n)
+    mask = spec.as_dense(md, n, n)
     arg = spec if mask_arg is None else mask_arg
+    if md is not None and mask_arg is None:
+        kw["metadata"] = md
 
     def loss(a, b_, c):
         out, lse = jcm.mask_attention(a, b_, c, arg, implementation="xla",
@@ -437,3 +442,127 @@ def test_random_class_atoms_are_exact(alpha, beta, gamma, d, op, c, mq, mk):
     nq, nk = c * mq, c * mk
     want = np.asarray(spec.as_dense(None, nq, nk))[0, 0]
     assert (_reassembled(rc, nq, nk) == want).all()
+
+
+# =======================================================================================
+# Per-class metadata: packed documents with a dilated window
+# =======================================================================================
+SEG = SegmentIds("segment_ids")
+DOC = (k >= SEG.start(q)) & (k < SEG.end(q))
+
+
+def _ids(rng, b, n, contiguous=False):
+    ids = rng.integers(-1, 4, (b, n))
+    if contiguous:
+        ids = np.sort(ids, axis=1)
+    return {"segment_ids": ids.astype(np.int32)}
+
+
+@pytest.mark.parametrize("rule, factor", [
+    (DOC & DILATED, 2),
+    ((k >= SEG.run_start(q)) & (SEG.run_end(q) > k) & ((q - k) % 3 == 0), 3),
+    ((q >= SEG.start(k)) & (q < SEG.end(k)) & (k <= q) & (q % 2 == k % 2), 2),
+])
+def test_segment_run_bounds_factor_with_per_class_metadata(rule, factor):
+    rc = find_row_classes(_spec(rule))
+    assert rc is not None and rc.factor == factor and rc.segments == ("segment_ids",)
+
+
+@pytest.mark.parametrize("rule", [
+    (SEG.id(k) == SEG.id(q)) & DILATED,                       # ids, not run bounds
+    (k > SEG.start(q)) & DILATED,                             # strict: not one class bound
+    (k >= SEG.start(q) + 1) & DILATED,
+    (k >= SEG.start(q - 1)) & DILATED,                        # read at q - 1
+    DOC & DILATED & (k < Scalar("s", max=q_len)),             # a scalar
+])
+def test_segment_reads_that_do_not_factor(rule):
+    assert find_row_classes(_spec(rule)) is None
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.integers(2, 4), st.integers(1, 20),
+       st.booleans(), st.booleans(), st.integers(1, 3))
+def test_per_class_descriptors_are_exact(seed, c, window, causal, contiguous, b):
+    """Random ids (runs of one id split by short runs, padding, contiguous or not): every
+    view of the class descriptor equals the spec's dense view."""
+    rng = np.random.default_rng(seed)
+    rule = DOC & (k > q - window) & ((q - k) % c == 0)
+    rule = rule & (k <= q) if causal else rule & (k < q + window)
+    spec = _spec(rule)
+    n = c * int(rng.integers(3, 12))
+    md = _ids(rng, b, n, contiguous)
+    d = jcm.compile(spec).instantiate(md, n, n, block_q=4, block_kv=4, bwd_block_q=4,
+                                      bwd_block_kv=4)
+    assert isinstance(d, jcm.ClassDescriptor) and d.per_class and d.mask_heads == 1
+    assert d.inner.mask_heads == c and d.batch == b
+    want = np.asarray(spec.as_dense(md, n, n))
+    for view in ("fwd", "bwd"):
+        assert (np.asarray(d.as_dense(view)) == want).all(), view
+
+
+def test_class_segment_ids_keep_runs_apart():
+    from jcompilemask.lower.classes import class_segment_ids
+    # id 0 in two runs around a one-token run of 1: class 0 must not join them
+    ids = np.array([[0, 0, 1, 0, 0, 0, -1, -1]], np.int32)
+    out = np.asarray(class_segment_ids(ids, 2))
+    assert out.tolist() == [[0, 1, 2, -4], [0, 2, 2, -4]]
+    spec = _spec(DOC & (k <= q) & ((q - k) % 2 == 0))
+    d = jcm.compile(spec).instantiate({"segment_ids": ids}, 8, 8)
+    assert (np.asarray(d.as_dense()) == np.asarray(spec.as_dense({"segment_ids": ids}, 8))).all()
+
+
+@pytest.mark.parametrize("hq, hk", [(2, 2), (4, 2)], ids=["mha", "gqa"])
+def test_packed_documents_with_a_dilated_window_attend_exactly(hq, hk):
+    rng = np.random.default_rng(5)
+    spec = _spec(DOC & DILATED)
+    md = _ids(rng, 2, 32)
+    assert isinstance(jcm.compile(spec).instantiate(md, 32, 32), jcm.ClassDescriptor)
+    _check(spec, *_inputs(7, 2, 32, hq, hk), md=md)
+
+
+def test_per_class_bias_jit_and_traced_metadata():
+    rng = np.random.default_rng(6)
+    spec = _spec(DOC & DILATED)
+    md = _ids(rng, 2, 24)
+    qx, kx, vx, do = _inputs(8, 2, 24, 4, 2)
+    bias = jax.random.normal(jax.random.key(9), (2, 4, 24, 24), jnp.float32)
+    _check(spec, qx, kx, vx, do, md=md, bias=bias)
+    cm = jcm.compile(spec)
+
+    @jax.jit
+    def f(a, b_, c, ids):
+        d = cm.instantiate({"segment_ids": ids}, 24, 24)
+        assert isinstance(d, jcm.ClassDescriptor) and d.per_class
+        return jcm.mask_attention(a, b_, c, d, implementation="xla")
+    out = f(qx, kx, vx, md["segment_ids"])
+    ref, _ = reference_attention(qx, kx, vx, spec.as_dense(md, 24, 24), precision="high")
+    np.testing.assert_allclose(out, ref, rtol=2e-5, atol=2e-5)
+
+
+def test_per_class_ring_on_one_device():
+    rng = np.random.default_rng(10)
+    spec = _spec(DOC & DILATED)
+    md = _ids(rng, 2, 16)
+    t = dict(block_q=4, block_kv=4, bwd_block_q=4, bwd_block_kv=4)
+    d = jcm.compile(spec).instantiate(md, 16, 16, **t)
+    qx, kx, vx, _ = _inputs(11, 2, 16, 4, 2)
+    out, lse = _ring(d, layout=(1, 0))(*(jnp.concatenate([x[:, 8:], x[:, :8]], 1)
+                                         for x in (qx, kx, vx)))
+    out = jnp.concatenate([out[:, 8:], out[:, :8]], 1)
+    ref, _ = reference_attention(qx, kx, vx, spec.as_dense(md, 16, 16), precision="high")
+    np.testing.assert_allclose(out, ref, rtol=2e-5, atol=2e-5)
+    from jcompilemask import parallel as par
+    w = par.row_work(d)
+    np.testing.assert_array_equal(w, np.asarray(d.as_dense()).sum((0, 1, 3)))
+
+
+def test_builtin_dilated_window_over_packed_documents():
+    m = jcm.masks.dilated_window(10, 2, dilation=2, documents=True)
+    ids = np.array([[0, 0, 0, 1, 1, 1, 1, 1, 1, 1, -1, -1]], np.int32)
+    d = jcm.compile(m).instantiate({"segment_ids": ids}, 12, 12)
+    assert isinstance(d, jcm.ClassDescriptor) and d.per_class
+    want = np.asarray(m.as_dense({"segment_ids": ids}, 12))
+    assert (np.asarray(d.as_dense()) == want).all()
+    assert not want[0, 0, 3, :3].any() and not want[0, 0, 10:].any()   # documents, padding
+    with pytest.raises(TypeError, match="documents must be True or False"):
+        jcm.masks.dilated_window(4, documents=1)

@@ -66,8 +66,8 @@ def _class_attention_with_bias(q, k, v, desc, bias, scale, softcap, backend_name
     g = jnp.diagonal(g, axis1=3, axis2=5)
     bias = jnp.moveaxis(g, -1, 1).reshape(bb, c * hq, nq // c, nk // c)
     by_class = functools.partial(_partition.by_class, c=c)
-    out, lse = _attention(by_class(q), by_class(k), by_class(v), desc.inner, bias, scale,
-                          softcap, backend_name, bias_grad, deterministic)
+    out, lse = _attention(by_class(q), by_class(k), by_class(v), desc.for_heads(hq), bias,
+                          scale, softcap, backend_name, bias_grad, deterministic)
     return _partition.from_class(out, c), _partition.lse_from_class(lse, c)
 
 

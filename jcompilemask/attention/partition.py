@@ -88,17 +88,20 @@ class _Static:
     has_bias: bool = False
     bias_grad: bool = False
     deterministic: bool = False
+    # a ClassDescriptor whose classes are its inner mask heads (per-class metadata): that
+    # axis is not the call's heads and is never sharded with them
+    per_class: bool = False
 
     @property
     def n_desc(self):
         return len(self.desc_fields)
 
     def dims(self):
-        """(B, Hq, Hkv, Bm, Hm)."""
+        """(B, Hq, Hkv, Bm, Hm); Hm is 1 for a per-class descriptor (module doc)."""
         b, _, hq, _ = self.shapes[0]
         hkv = self.shapes[1][2]
         fwd_iv = self.shapes[3]
-        return b, hq, hkv, fwd_iv[0], fwd_iv[1]
+        return b, hq, hkv, fwd_iv[0], 1 if self.per_class else fwd_iv[1]
 
 
 def _desc_leaves(desc):
@@ -296,14 +299,15 @@ def _call(st: _Static, *arrays):
     if c == 1:
         return _backend_call(st, q, k, v, desc, rest)
     assert not st.has_bias, "a bias under residue classes is gathered by mask_attention"
+    inner = desc.for_heads(q.shape[2])         # this device's heads
     q, k, v = (by_class(x, c) for x in (q, k, v))
     if st.kind == "fwd":
-        out, lse = _backend_call(st, q, k, v, desc.inner, rest)
+        out, lse = _backend_call(st, q, k, v, inner, rest)
         return from_class(out, c), lse_from_class(lse, c)
     out, lse, do = rest[:3]
     rest = ((by_class(out, c), lse_by_class(lse, c), by_class(do, c))
             + tuple(lse_by_class(x, c) for x in rest[3:]))             # dlse
-    return tuple(from_class(x, c) for x in _backend_call(st, q, k, v, desc.inner, rest))
+    return tuple(from_class(x, c) for x in _backend_call(st, q, k, v, inner, rest))
 
 
 def _backend_call(st: _Static, q, k, v, desc, rest):
@@ -420,7 +424,8 @@ def forward(backend: str, q, k, v, desc, scale: float, softcap: Optional[float],
     leaves, fields, tree = _desc_leaves(desc)
     arrays = (q, k, v, *leaves) + (() if bias is None else (bias,))
     st = _Static(backend, float(scale), softcap, tree, fields,
-                 tuple(tuple(a.shape) for a in arrays), "fwd", has_bias=bias is not None)
+                 tuple(tuple(a.shape) for a in arrays), "fwd", has_bias=bias is not None,
+                 per_class=getattr(desc, "per_class", False))
     return _run(st, arrays)
 
 
@@ -436,7 +441,7 @@ def backward(backend: str, q, k, v, desc, scale: float, softcap: Optional[float]
     st = _Static(backend, float(scale), softcap, tree, fields,
                  tuple(tuple(a.shape) for a in arrays), "bwd", dlse is not None,
                  has_bias=bias is not None, bias_grad=bool(bias_grad) and bias is not None,
-                 deterministic=bool(deterministic))
+                 deterministic=bool(deterministic), per_class=getattr(desc, "per_class", False))
     res = _run(st, arrays)
     if bias is None:
         return res

@@ -26,8 +26,21 @@ and denser tiles, no per-element predicate.
   at ``(c i + r, c j + r)`` iff it holds at ``(c i, c j)``, so the class rule is the rule
   with ``q := c * q``, ``k := c * k`` (the lowering solves those exactly);
 * region bounds are constants divisible by ``c`` or ``q_len``;
-* no metadata and no ``h`` (their declared ranges and per-head tables are written in the
-  sequence's coordinates).
+* no ``h`` and no metadata, except segment ids read as run bounds at ``q`` or ``k``
+  themselves: ``X >= seg.B(Y)`` or ``X < seg.B(Y)`` with ``X, Y`` each ``q`` or ``k`` and
+  ``B`` one of ``start``, ``end``, ``run_start``, ``run_end`` (packed documents: the
+  ``document`` mask's atoms). Scalars, vectors, ``seg.id`` and other uses stay out
+  (their values are written in the sequence's coordinates).
+
+*Per-class metadata.* A run ``[s, e)`` of the sequence holds, in class ``r``, the class
+rows ``ceil((s - r) / c) <= j < ceil((e - r) / c)``, and ``c j + r >= s`` iff ``j >=
+ceil((s - r) / c)`` (``<`` likewise): so a run-bound atom reads, in each class, the same
+bound of the class sequence's runs, provided the class sequence's runs are exactly the
+sequence's runs restricted to the class. Segment ids give each run a label of its own
+(its index among the runs; negative for padding runs) before they are sliced per class,
+``labels[:, r::c]``, which makes that so whatever the ids (two runs of one id with a short
+run between them would otherwise merge within a class). Each class then has its own
+descriptor (the classes are its mask heads, see :class:`ClassDescriptor`).
 
 The class spec's ``q_len`` / ``kv_len`` are the class lengths ``N / c``; a descriptor
 uses the classes only when both lengths are multiples of ``c``
@@ -51,9 +64,10 @@ from typing import Optional
 from ..spec.expr import (And, BinOp, BoolConst, Cmp, Const, Index, Length, Not, Or, Pred,
                          substitute, walk)
 from ..spec.maskspec import MaskSpec, Region
+from ..spec.metadata import SegmentIds, SegRead
 from .symbolic import _from_lin, _lin
 
-__all__ = ["RowClasses", "find_row_classes", "classes_enabled", "ENV"]
+__all__ = ["RowClasses", "find_row_classes", "classes_enabled", "class_segment_ids", "ENV"]
 
 ENV = "JCOMPILEMASK_ROW_CLASSES"
 
@@ -76,6 +90,9 @@ class RowClasses:
 
     factor: int
     spec: MaskSpec
+    # names of the SegmentIds the spec reads (as run bounds): each class gets its own
+    # metadata (:func:`class_segment_ids`) and its own descriptor
+    segments: tuple = ()
 
 
 def _is_qk(e, name):
@@ -103,6 +120,44 @@ def _class_factor(atom) -> Optional[int]:
                     and coeff[("index", "q")] == -coeff[("index", "k")] and const % c == 0):
                 return c
     return None
+
+
+_RUN_BOUNDS = ("start", "end", "run_start", "run_end")
+
+
+def _run_atom(atom) -> bool:
+    """``atom`` is ``X >= seg.B(Y)`` or ``X < seg.B(Y)`` (either side order), ``X`` and ``Y``
+    each ``q`` or ``k``, ``B`` a run bound: the same atom in every class (module doc)."""
+    if not isinstance(atom, Cmp):
+        return False
+    flip = {">=": "<=", "<": ">", "<=": ">=", ">": "<"}
+    for x, b, op in ((atom.a, atom.b, atom.op), (atom.b, atom.a, flip.get(atom.op))):
+        if (op in (">=", "<") and (_is_qk(x, "q") or _is_qk(x, "k"))
+                and isinstance(b, SegRead) and b.field in _RUN_BOUNDS
+                and (_is_qk(b.pos, "q") or _is_qk(b.pos, "k"))):
+            return True
+    return False
+
+
+def class_segment_ids(ids, c: int, xp=None):
+    """Segment ids [B, N] -> the class sequences' ids [B * c, N / c] (row ``b c + r`` is
+    class ``r`` of sequence ``b``): each run of the sequence gets a label of its own (its
+    run index; ``-1 - index`` for a run of negative ids, which stays padding), then every
+    ``c``-th token from ``r``. The class sequence's runs are then exactly the sequence's
+    runs restricted to the class (module doc).
+
+    >>> import numpy as np
+    >>> class_segment_ids(np.array([[0, 0, 1, 0, 0, 0, -1, -1]]), 2).tolist()
+    [[0, 1, 2, -4], [0, 2, 2, -4]]
+    """
+    if xp is None:
+        import jax.numpy as xp
+    ids = xp.asarray(ids)
+    b, n = ids.shape
+    new = xp.concatenate([xp.ones((b, 1), bool), ids[:, 1:] != ids[:, :-1]], axis=1)
+    run = xp.cumsum(new.astype(xp.int32), axis=1, dtype=xp.int32) - 1
+    label = xp.where(ids >= 0, run, -1 - run).astype(xp.int32)
+    return xp.transpose(label.reshape(b, n // c, c), (0, 2, 1)).reshape(b * c, n // c)
 
 
 def _invariant(atom: Cmp) -> bool:
@@ -142,13 +197,19 @@ def _class_atom(atom: Cmp, c: int) -> Pred:
 
 
 def _scaled(p: Pred, c: int) -> Optional[Pred]:
-    """``p`` in class coordinates, if every comparison in it is invariant."""
+    """``p`` in class coordinates, if every comparison in it is invariant or a run-bound
+    atom (kept as it is: it reads the class sequence's runs)."""
     for node in walk(p):
-        if isinstance(node, Cmp) and not _invariant(node):
+        if isinstance(node, Cmp) and not (_invariant(node) or _run_atom(node)):
             return None
         if not isinstance(node, (Cmp, And, Or, Not, BoolConst)) and isinstance(node, Pred):
             return None
-    return substitute(p, lambda n: _class_atom(n, c) if isinstance(n, Cmp) else None)
+
+    def one(n):
+        if not isinstance(n, Cmp):
+            return None
+        return n if _run_atom(n) else _class_atom(n, c)
+    return substitute(p, one)
 
 
 def _class_bound(b, c: int):
@@ -161,7 +222,9 @@ def _class_bound(b, c: int):
 
 def find_row_classes(spec) -> Optional[RowClasses]:
     """The residue-class factorization of ``spec`` (module doc), or None."""
-    if not isinstance(spec, MaskSpec) or spec.metadata or spec.mask_heads != 1:
+    if not isinstance(spec, MaskSpec) or spec.mask_heads != 1:
+        return None
+    if any(not isinstance(d, SegmentIds) for d in spec.metadata.values()):
         return None
     if any(isinstance(n, Index) and n.name == "h" for r in spec.regions for n in walk(r.visible)):
         return None
@@ -196,4 +259,7 @@ def find_row_classes(spec) -> Optional[RowClasses]:
                 return None
         regions.append(Region((lo, hi), vis, name=r.name))
     name = f"{spec.name or 'mask'} (classes mod {c})"
-    return RowClasses(c, MaskSpec(regions, name=name))
+    cspec = MaskSpec(regions, name=name)
+    # every metadata read is a run-bound atom (_scaled refused the rest); a segment read
+    # that the class rules dropped (e.g. under a class atom alone) leaves no declaration
+    return RowClasses(c, cspec, tuple(sorted(cspec.metadata)))

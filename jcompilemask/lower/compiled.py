@@ -218,7 +218,8 @@ class CompiledMask:
         if rc is None:
             why = ("its rules do not pair each query only with keys of its residue class "
                    "(a conjunct (q - k) % c == 0 in every region, every other comparison "
-                   "a function of q - k, no metadata or h)")
+                   "a function of q - k, no h, no metadata but segment-id run bounds "
+                   "at q or k)")
         elif q_len % rc.factor or kv_len % rc.factor:
             why = (f"q_len={q_len} and kv_len={kv_len} must both be multiples of "
                    f"{rc.factor}")
@@ -367,6 +368,10 @@ class CompiledMask:
                          f"{inner.num_bwd_intervals}, residual regions "
                          f"{list(inner.residual_regions)}) and the kernels run the {rc.factor} "
                          "classes as heads (row_classes=False: the lowering above)")
+            if rc.segments:
+                lines.append(f"    each class reads its own segment ids "
+                             f"({', '.join(rc.segments)}: runs relabeled, then one token in "
+                             f"{rc.factor}) and has its own descriptor")
             for g, r in enumerate(rc.spec.regions):
                 lines.append(f"    class region {g}: rows [{r.rows[0]}, {r.rows[1]}): "
                              f"{r.visible}")
@@ -429,15 +434,29 @@ class CompiledMask:
             q_len, kv_len = int(q_len), int(kv_len)
             c = self.classes_for(q_len, kv_len, row_classes)
             if c > 1:
+                segs = self.row_classes.segments
+                if segs:
+                    metadata = self._class_metadata(metadata, q_len, kv_len, c)
                 inner = self.class_mask.instantiate(
                     metadata, q_len // c, kv_len // c, block_q=block_q, block_kv=block_kv,
                     bwd_block_q=bwd_block_q, bwd_block_kv=bwd_block_kv,
                     preprocess=preprocess, row_classes=False)
-                return ClassDescriptor(inner, classes=c, mask=self)
+                if segs:
+                    inner = _classes_as_heads(inner, c)
+                return ClassDescriptor(inner, classes=c, mask=self, per_class=bool(segs))
         self.check_ranges(q_len, kv_len)
         tiles = resolve_tiles(block_q, block_kv, bwd_block_q, bwd_block_kv)
         impl = planner().select_preprocess(self, preprocess)
         return impl.build(self, metadata, q_len, kv_len, tiles)
+
+    def _class_metadata(self, metadata, q_len: int, kv_len: int, c: int) -> dict:
+        """The class mask's metadata: each segment-id array checked as this spec's, then
+        relabeled by run and sliced per class, [B, N] -> [B * c, N / c]
+        (:func:`~jcompilemask.lower.classes.class_segment_ids`)."""
+        from .classes import class_segment_ids
+        arrays, _ = self.spec.checked_metadata(metadata, q_len, kv_len)
+        return {name: class_segment_ids(jnp.asarray(arrays[name]).astype(jnp.int32), c)
+                for name in self.row_classes.segments}
 
     def check_ranges(self, q_len: int, kv_len: int):
         """The int32 range check of :meth:`MaskSpec.check_ranges`, over the lowered
@@ -534,6 +553,20 @@ def _per_head_residual(units):
     h = Index("h")
     return Or.of(*[And.of(Or.of(*[h == x for x in heads]) if heads is not None else TRUE, r)
                    for r, heads in units])
+
+
+def _classes_as_heads(inner: ExecutionDescriptor, c: int) -> ExecutionDescriptor:
+    """A descriptor of batch ``B * c`` (row ``b c + r``: class ``r`` of sequence ``b``, one
+    mask head) as batch ``B`` with the classes as its mask heads (a reshape). Region
+    bounds are multiples of ``c`` (or the length), so a class row's region is the same in
+    every class; the backward's column table is exact where it is in every class."""
+    b = inner.batch // c
+    heads = lambda x: x.reshape((b, c) + x.shape[2:])          # noqa: E731
+    return ExecutionDescriptor(
+        heads(inner.fwd_intervals), heads(inner.bwd_intervals), heads(inner.fwd_tiles),
+        heads(inner.bwd_tiles), inner.row_region.reshape((b, c) + inner.row_region.shape[1:])[:, 0],
+        inner.bwd_exact.reshape(b, c).all(axis=1), inner.metadata, mask=inner.mask,
+        q_len=inner.q_len, kv_len=inner.kv_len, tiles=inner.tiles)
 
 
 @functools.lru_cache(maxsize=256)

@@ -278,20 +278,37 @@ class ClassDescriptor:
     True
     """
 
-    def __init__(self, inner: ExecutionDescriptor, *, classes: int, mask):
+    def __init__(self, inner: ExecutionDescriptor, *, classes: int, mask,
+                 per_class: bool = False):
         self.inner, self.classes, self.mask = inner, classes, mask
+        self.per_class = per_class
 
     # The inner descriptor's children, in its order: code that walks a descriptor's fields
     # by position (the partitioning rules: which leaves have a mask-head axis) reads a
     # class descriptor as its inner one.
     def tree_flatten(self):
         children, aux = self.inner.tree_flatten()
-        return children, (aux, self.classes, self.mask)
+        return children, (aux, self.classes, self.mask, self.per_class)
 
     @classmethod
     def tree_unflatten(cls, aux, children):
         inner = ExecutionDescriptor.tree_unflatten(aux[0], children)
-        return cls(inner, classes=aux[1], mask=aux[2])
+        return cls(inner, classes=aux[1], mask=aux[2], per_class=aux[3])
+
+    def for_heads(self, heads: int) -> ExecutionDescriptor:
+        """The inner descriptor for the inputs viewed with the classes as heads, of
+        ``heads`` heads each (``classes * heads`` in all): the inner one itself, or where
+        each class has its own mask (``per_class``: a mask reading segment ids, whose
+        classes are the inner descriptor's mask heads) its tables repeated so that head
+        ``r * heads + h`` reads class ``r``'s."""
+        if not self.per_class:
+            return self.inner
+        d = self.inner
+        rep = lambda x: jnp.repeat(x, heads, axis=1)          # noqa: E731
+        return ExecutionDescriptor(rep(d.fwd_intervals), rep(d.bwd_intervals),
+                                   rep(d.fwd_tiles), rep(d.bwd_tiles), d.row_region,
+                                   d.bwd_exact, d.metadata, mask=d.mask, q_len=d.q_len,
+                                   kv_len=d.kv_len, tiles=d.tiles)
 
     @property
     def ndim(self):
@@ -315,7 +332,9 @@ class ClassDescriptor:
 
     @property
     def mask_heads(self) -> int:
-        return self.inner.mask_heads
+        # per_class: the inner descriptor's heads are the classes; the mask itself is the
+        # same for every head of the call
+        return 1 if self.per_class else self.inner.mask_heads
 
     @property
     def num_intervals(self) -> int:
@@ -335,6 +354,10 @@ class ClassDescriptor:
         inside = ((rows >= 0) & (rows < self.q_len))[:, None] & \
             ((cols >= 0) & (cols < self.kv_len))[None, :]
         vis = self.inner.visibility(rows // c, cols // c, view)
+        if self.per_class:                # row r's class is inner head r % c
+            idx = jnp.broadcast_to((rows % c)[None, None, :, None],
+                                   (vis.shape[0], 1) + vis.shape[2:])
+            vis = jnp.take_along_axis(vis, idx, axis=1)
         return vis & (same & inside)[None, None]
 
     def as_dense(self, view: str = "fwd"):
@@ -343,10 +366,13 @@ class ClassDescriptor:
 
     def to_string(self, view: str = "fwd", batch: int = 0, head: int = 0,
                   max_tiles: int = 64) -> str:
-        """The tile map of one class (every class has the same one)."""
+        """The tile map of one class (every class has the same one; with ``per_class``
+        ``head`` picks the class)."""
+        which = (f"class {head} of" if self.per_class else "each of")
         return (f"{self.classes} residue classes (q % {self.classes} == k % "
-                f"{self.classes}), each {self.inner.q_len} x {self.inner.kv_len}:\n"
-                + self.inner.to_string(view, batch, head, max_tiles))
+                f"{self.classes}), {which} {self.inner.q_len} x {self.inner.kv_len}:\n"
+                + self.inner.to_string(view, batch, head if self.per_class else 0,
+                                       max_tiles))
 
     def __repr__(self):
         return (f"ClassDescriptor(classes={self.classes}, q_len={self.q_len}, kv_len="

@@ -174,7 +174,14 @@ def row_work(desc: ExecutionDescriptor) -> np.ndarray:
     row ``f i + r`` has the work of its class row ``i``."""
     inner, f = _classes(desc)
     if f > 1:
-        return np.repeat(row_work(inner), f)
+        w = _head_row_work(inner)                                     # [1 or f, Nq / f]
+        # row f i + r: class r's row i (the same class mask in every class, or its own)
+        return np.repeat(w[0], f) if w.shape[0] == 1 else w.T.reshape(-1)
+    return _head_row_work(desc).sum(0)
+
+
+def _head_row_work(desc) -> np.ndarray:
+    """int64 [Hm, Nq]: :func:`row_work` per mask head."""
     iv = _concrete(desc.fwd_intervals, "row_work").astype(np.int64)   # [B, Hm, Nq, K, 2]
     big = np.iinfo(np.int64).max // 4
     lo = np.where(iv[..., 1] > 0, iv[..., 0], big)
@@ -186,7 +193,7 @@ def row_work(desc: ExecutionDescriptor) -> np.ndarray:
     prev = np.maximum.accumulate(np.concatenate(
         [np.full(hi.shape[:-1] + (1,), -1, np.int64), hi[..., :-1]], -1), axis=-1)
     add = np.where(lo < big, np.maximum(0, hi - np.maximum(lo, prev)), 0)
-    work = add.sum(-1).sum((0, 1))
+    work = add.sum(-1).sum(0)
     if desc.mask.fallback_regions:
         raise ValueError("row_work reads the interval tables; this mask has fallback "
                          f"regions {list(desc.mask.fallback_regions)} that are not in them")
@@ -346,7 +353,8 @@ def cost_report(desc: ExecutionDescriptor, plan: RingPlan, *, kv_bytes_per_token
     inner, f = _classes(desc)          # a class descriptor: f class sequences alike
     st = (_tile_states(inner, "fwd") & COMPUTE) != 0
     tq = cs // f // inner.tiles.block_q
-    tiles = f * st.sum(axis=(0, 1, 3)).reshape(c, tq).sum(1)
+    # f classes alike (one mask head), or each its own (the inner mask heads)
+    tiles = (f if inner.mask_heads == 1 else 1) * st.sum(axis=(0, 1, 3)).reshape(c, tq).sum(1)
     dev = [list(plan.chunks[d * cpd:(d + 1) * cpd]) for d in range(p)]
     work = np.array([w[ch].sum() for ch in dev], np.float64)
     tw = np.array([tiles[ch].sum() for ch in dev], np.float64)

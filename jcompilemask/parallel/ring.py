@@ -569,7 +569,7 @@ def ring_attention(query, key, value, mask, *, axis_name: str,
                              f"whole sequence is {n}: build it for the whole sequence")
         if cs is not None and cs % mask.classes:
             raise _class_chunk_error(mask.classes, cs, n, c)
-        cm, desc, classes = mask.mask, mask.inner, mask.classes
+        cm, desc, classes = mask.mask, mask.for_heads(query.shape[2]), mask.classes
     elif not isinstance(mask, ExecutionDescriptor):
         raise TypeError("mask must be an ExecutionDescriptor, ClassDescriptor, MaskSpec or "
                         f"CompiledMask, got {type(mask).__name__}")
@@ -578,6 +578,7 @@ def ring_attention(query, key, value, mask, *, axis_name: str,
     if getattr(cm, "layout", None) == "bitmap":
         raise ValueError("context parallelism needs interval tables; this dense mask is kept "
                          "as a bitmap (too many runs per row): run it without context_axis")
+    outer_cm, heads = cm, query.shape[2]
     if classes > 1:
         # Residue classes (lower/classes.py): each device's shard, viewed as [B, rows / f,
         # f H, D], is its chunks of the class sequence (a chunk starts at a multiple of f),
@@ -614,9 +615,14 @@ def ring_attention(query, key, value, mask, *, axis_name: str,
                      "multiple of its tiles %s (fewer chunks or a longer sequence would let "
                      "it run)", backend.name, _rows(cs, n, c, classes), tiles)
             backend, tiles = _backends.get("xla"), _xla_tiles(n, c)
-        desc = cm.instantiate(metadata, n, n, block_q=tiles.block_q, block_kv=tiles.block_kv,
-                              bwd_block_q=tiles.bwd_block_q, bwd_block_kv=tiles.bwd_block_kv,
-                              preprocess="jnp", row_classes=False)
+        tile_kw = dict(block_q=tiles.block_q, block_kv=tiles.block_kv,
+                       bwd_block_q=tiles.bwd_block_q, bwd_block_kv=tiles.bwd_block_kv)
+        if classes > 1:       # the class descriptor (per-class metadata included)
+            desc = outer_cm.instantiate(metadata, n * classes, n * classes, preprocess="jnp",
+                                        row_classes=True, **tile_kw).for_heads(heads)
+        else:
+            desc = cm.instantiate(metadata, n, n, preprocess="jnp", row_classes=False,
+                                  **tile_kw)
     else:
         if (desc.q_len, desc.kv_len) != (n, n):
             raise ValueError(f"the descriptor was built for q_len={desc.q_len}, kv_len="

@@ -3,7 +3,9 @@ with keys of its own class mod ``c`` run one class's mask with the classes as he
 (``jcompilemask.lower.classes``; ``mask_attention`` views [B, N, H, D] as
 [B, N / c, c * H, D]), forward and backward against the dense oracle under the tolerance
 policy, the registry choosing cute for them on its own; and the classes give the residual
-lowering's results (``$JCOMPILEMASK_ROW_CLASSES=0``) within the policy. On CI (no GPU) they
+lowering's results (``$JCOMPILEMASK_ROW_CLASSES=0``) within the policy. Packed documents
+with a dilated window: each class its own segment ids and descriptor (the call's heads
+read their class's tables). On CI (no GPU) they
 skip; tests/test_row_classes.py runs the same checks on the xla backend.
 
     python3 -m pytest -q tests/gpu/test_cute_classes.py        # on the H200
@@ -11,12 +13,13 @@ skip; tests/test_row_classes.py runs the same checks on the xla backend.
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from jcompilemask import backends
 from jcompilemask.lower.classes import find_row_classes
-from jcompilemask.spec import MaskSpec, Region, k, q, q_len
-from gpu_cases import check_attention, registry_names_cute  # noqa: E402  (tests/gpu is on sys.path)
+from jcompilemask.spec import MaskSpec, Region, SegmentIds, k, q, q_len
+from gpu_cases import check_attention, metadata, registry_names_cute  # noqa: E402  (tests/gpu is on sys.path)
 
 _why = backends.get("cute").available()
 needs_gpu = pytest.mark.skipif(_why is not None, reason=f"cute backend unavailable: {_why}")
@@ -61,3 +64,24 @@ def test_classes_against_the_residual_lowering(monkeypatch):
     check_attention(spec, None, 2, 1024, 4, 2, 64, jnp.bfloat16, "cute", seed=2)
     monkeypatch.setenv("JCOMPILEMASK_ROW_CLASSES", "0")
     check_attention(spec, None, 2, 1024, 4, 2, 64, jnp.bfloat16, "cute", seed=2)
+
+
+_SEG = SegmentIds("segment_ids")
+PACKED = MaskSpec([Region((0, q_len), (k >= _SEG.start(q)) & (k < _SEG.end(q))
+                          & CASES["dilated_window"])])
+
+
+def test_registry_runs_packed_classes_on_cute():
+    rc = find_row_classes(PACKED)
+    assert rc is not None and rc.segments == ("segment_ids",)
+    registry_names_cute(rc.spec, hq=8 * rc.factor, hkv=8 * rc.factor, mark_available=True)
+    text = registry_names_cute(PACKED, mark_available=True)
+    assert "each with its own segment ids" in text and "on: cute" in text, text
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype, hq, hkv", [(jnp.bfloat16, 4, 2), (jnp.float16, 2, 2)],
+                         ids=["bf16-gqa", "fp16"])
+def test_packed_documents_with_a_dilated_window(dtype, hq, hkv):
+    md = metadata("document", 2, 768, np.random.default_rng(4))
+    check_attention(PACKED, md, 2, 768, hq, hkv, 128, dtype, "cute", seed=3)

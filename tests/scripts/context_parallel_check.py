@@ -79,7 +79,11 @@ BUILTINS = {
 }
 # Residue classes (a ClassDescriptor; the ring runs the class sequence): N and the chunks
 # multiples of the dilation.
-EXTRA = {"dilated3": jcm.masks.dilated_window(30, 6, dilation=3)}
+_seg = SegmentIds("segment_ids")
+EXTRA = {"dilated3": jcm.masks.dilated_window(30, 6, dilation=3),
+         # packed documents with a dilated window: each class its own descriptor
+         "document_dilated": MaskSpec([Region((0, q_len), (k >= _seg.start(q)) & (k < _seg.end(q))
+                                              & (k <= q) & (k > q - 24) & ((q - k) % 2 == 0))])}
 
 # (name, mask, devices, N, tile, layout kind, dtype, descriptor passed traced)
 CASES = [(f"{m}-p2", m, 2, 128, 16, "balance", jnp.float32, False) for m in BUILTINS]
@@ -90,6 +94,9 @@ CASES += [
     ("hstu-p4-traced", "hstu", 4, 128, 16, "balance", jnp.float32, True),
     ("document-p4-inorder-bf16", "document", 4, 128, 16, "none", jnp.bfloat16, False),
     ("dilated3-p4-traced", "dilated3", 4, 384, 16, "balance", jnp.float32, True),
+    ("document_dilated-p2", "document_dilated", 2, 128, 16, "balance", jnp.float32, False),
+    ("document_dilated-p4-traced", "document_dilated", 4, 256, 16, "balance", jnp.float32,
+     True),
 ]
 
 

@@ -24,7 +24,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E4
 import jcompilemask as jcm  # noqa: E402
 import gpu_cases  # noqa: E402
 from jcompilemask.attention.partition import batch_sharded  # noqa: E402
-from jcompilemask.spec import MaskSpec, Region, Scalar, h, k, q, q_len  # noqa: E402
+from jcompilemask.spec import MaskSpec, Region, Scalar, SegmentIds, h, k, q, q_len  # noqa: E402
 from jcompilemask.testing import assert_within_policy, reference_attention  # noqa: E402
 
 B, N, HQ, HKV, D = 4, 64, 8, 4, 8          # GQA: 2 query heads per key/value head
@@ -58,6 +58,15 @@ def cases(rng):
     # residue classes (a ClassDescriptor): each device views its shard with the classes as
     # heads, so every layout stays local
     yield "dilated", MaskSpec([Region((0, q_len), (k <= q) & (k > q - 12) & ((q - k) % 2 == 0))]), None
+    # packed documents with a dilated window: each class has its own descriptor (the inner
+    # descriptor's mask heads), replicated over the head devices; with 8 classes that axis
+    # has the query heads' size, and must still not be sharded with them
+    seg = SegmentIds("segment_ids")
+    for c in (2, 8):
+        yield (f"document_dilated{c}",
+               MaskSpec([Region((0, q_len), (k >= seg.start(q)) & (k < seg.end(q))
+                                & (k <= q) & (k > q - 6 * c) & ((q - k) % c == 0))]),
+               gpu_cases.metadata("document", B, N, rng))
     s = Scalar("s", max=q_len)
     yield ("fallback", MaskSpec([Region((0, s), k % 4 != 1), Region((s, q_len), k <= q)]),
            {"s": rng.integers(0, N, B)})
@@ -96,10 +105,11 @@ def main():
         hi, lo = jax.jit(references)(qx, kx, vx, desc.as_dense(), do)
         single = jax.jit(attend_and_grad)(qx, kx, vx, desc, do)
         # Each built-in under every layout; the other masks under batch x heads only.
-        layouts = (LAYOUTS if name in BUILTIN + ("dilated",)
+        layouts = (LAYOUTS if name in BUILTIN + ("dilated", "document_dilated2")
                    else {"batch_x_heads": LAYOUTS["batch_x_heads"]})
-        if name == "dilated":
+        if "dilated" in name:
             assert isinstance(desc, jcm.ClassDescriptor), desc
+            assert desc.per_class == name.startswith("document"), desc
         for layout, spec_ in layouts.items():
             put = lambda x: jax.device_put(x, NamedSharding(mesh, spec_))  # noqa: E731
             # The descriptor shards with the batch where it has one per sequence.
