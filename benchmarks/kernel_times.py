@@ -320,8 +320,9 @@ def main(argv=None):
         ap.error(f"--impls: unknown {bad} (jcm, flex-fa4, fa4-native)")
     mask = "causal" if args.smoke else args.mask
     n = B.SMOKE["ns"][0] if args.smoke else args.n
-    if mask not in W.MASKS + W.MASKS_16 + W.PROBES:
-        ap.error(f"--mask: unknown {mask!r} (one of {', '.join(W.MASKS + W.MASKS_16 + W.PROBES)})")
+    known = W.MASKS + W.MASKS_16 + W.PROBES + W.MASKS_CLASSES
+    if mask not in known:
+        ap.error(f"--mask: unknown {mask!r} (one of {', '.join(known)})")
     runs = [(impl, tag, env) for impl in impls
             for tag, env in (variants if impl == "jcm" else [("", {})])]
     if len(runs) > 1 and not args.in_process:

@@ -22,6 +22,11 @@ MASKS_16 = ("block_causal", "block_causal_intervals", "dilated_window", "global_
 # WINDOW // DILATION wide, so at N // DILATION (and DILATION times the batch, the same
 # work) it times what the dilated window at N would cost with its classes as heads.
 PROBES = ("dilated_classes",)
+# Residue classes with per-class metadata: packed documents (sorted segment ids, DOCS_MIN to
+# DOCS_MAX documents a sequence, no padding) under the dilated window; each class of q % 2
+# reads its own segment ids (lower/classes.py).
+MASKS_CLASSES = ("dilated_documents",)
+DOCS_MIN, DOCS_MAX = 2, 8
 BLOCK, WINDOW, DILATION, GLOBALS, GLOBAL_WINDOW = 64, 128, 2, 16, 256
 HEADS, HEAD_DIM, TOKENS = 8, 128, 131072
 CLEAR_PAD = 384
@@ -63,6 +68,8 @@ def spec_for(mask: str, n: int):
                         name=mask)
     if mask == "dilated_classes":
         return MaskSpec([Region((0, q_len), (k <= q) & (k > q - WINDOW // DILATION))], name=mask)
+    if mask == "dilated_documents":
+        return jcm.masks.dilated_window(WINDOW - 1, 0, DILATION, documents=True)
     raise ValueError(mask)
 
 
@@ -87,14 +94,25 @@ def metadata_for(mask: str, n: int, batch: int | None = None, seed: int = 0):
     if mask == "clear":
         t = rng.integers(128, 385, b)
         return {"text_len": t.astype(np.int32), "image_len": np.full(b, n, np.int32)}
+    if mask == "dilated_documents":
+        ids = np.zeros((b, n), np.int32)
+        for i in range(b):
+            cuts = np.sort(rng.choice(np.arange(1, n), rng.integers(DOCS_MIN, DOCS_MAX + 1) - 1,
+                                      replace=False))
+            ids[i] = np.searchsorted(cuts, np.arange(n), side="right")
+        return {"segment_ids": ids}
     raise ValueError(mask)
 
 
 def descriptor_pairs(desc) -> int:
     """Visible pairs of one descriptor's batch (a residue-class descriptor: its classes'
-    pairs, each class running the inner descriptor's mask)."""
+    pairs, each class running the inner descriptor's mask, or with per-class metadata its
+    own: the inner descriptor's mask heads)."""
     classes = getattr(desc, "classes", 1)
     inner = getattr(desc, "inner", desc)
+    if getattr(desc, "per_class", False):
+        iv = inner.fwd_intervals
+        return sum(visible_pairs(iv[:, r:r + 1]) for r in range(classes))
     return visible_pairs(inner.fwd_intervals) * classes
 
 
@@ -185,6 +203,10 @@ def torch_mask_mod(mask, n, md, torch, dev, block_mask=False):
     if mask == "dilated_classes":
         return lambda b, h, q, k: (k <= q) & (k > q - WINDOW // DILATION)
     t = {k_: torch.as_tensor(v, device=dev) for k_, v in md.items()}
+    if mask == "dilated_documents":
+        doc = t["segment_ids"]
+        return lambda b, h, q, k: ((k <= q) & (k > q - WINDOW) & ((q - k) % DILATION == 0)
+                                   & (doc[b, q] == doc[b, k]))
     if mask == "hstu":
         a, e, g = t["context_len"], t["history_end"], t["group_size"]
 

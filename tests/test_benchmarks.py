@@ -6,6 +6,7 @@ import json
 import os
 import xml.etree.ElementTree as ET
 
+import numpy as np
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -147,6 +148,23 @@ def test_bench_total_smoke_runs_issue_16_masks(tmp_path):
     assert all("error" not in r and r["pairs"] > 0 for r in recs), recs
     pairs = {r["mask"]: r["pairs"] for r in recs}
     assert pairs["block_causal"] == pairs["block_causal_intervals"]
+
+
+def test_bench_total_smoke_runs_packed_dilated_documents(tmp_path):
+    """The per-class workload (packed documents under the dilated window): the class
+    descriptor's pairs are its classes' own, and the check against the dense reference
+    passes."""
+    mod = _bench_module("bench_total")
+    recs = mod.main(["--smoke", "--masks", "dilated_documents", "--check",
+                     "--out", str(tmp_path / "d.json")])
+    assert len(recs) == 1 and recs[0]["check"] == "ok", recs
+    import workloads as W
+    import jcompilemask as jcm
+    n = recs[0]["n"]
+    md = W.metadata_for("dilated_documents", n, batch=1)
+    d = jcm.compile(W.spec_for("dilated_documents", n)).instantiate(md, n, n)
+    assert d.per_class
+    assert W.descriptor_pairs(d) == int(np.asarray(d.mask.spec.as_dense(md, n)).sum())
 
 
 def _bench_module(name):
