@@ -448,6 +448,7 @@ def test_random_class_atoms_are_exact(alpha, beta, gamma, d, op, c, mq, mk):
 # Per-class metadata: packed documents with a dilated window
 # =======================================================================================
 SEG = SegmentIds("segment_ids")
+CSEG = SegmentIds("segment_ids", contiguous=True)
 DOC = (k >= SEG.start(q)) & (k < SEG.end(q))
 
 
@@ -462,6 +463,7 @@ def _ids(rng, b, n, contiguous=False):
     (DOC & DILATED, 2),
     ((k >= SEG.run_start(q)) & (SEG.run_end(q) > k) & ((q - k) % 3 == 0), 3),
     ((q >= SEG.start(k)) & (q < SEG.end(k)) & (k <= q) & (q % 2 == k % 2), 2),
+    ((CSEG.id(k) == CSEG.id(q)) & DILATED, 2),           # ids declared contiguous: one run
 ])
 def test_segment_run_bounds_factor_with_per_class_metadata(rule, factor):
     rc = find_row_classes(_spec(rule))
@@ -566,3 +568,18 @@ def test_builtin_dilated_window_over_packed_documents():
     assert not want[0, 0, 3, :3].any() and not want[0, 0, 10:].any()   # documents, padding
     with pytest.raises(TypeError, match="documents must be True or False"):
         jcm.masks.dilated_window(4, documents=1)
+
+
+def test_contiguous_id_spelling_runs_as_per_class_classes():
+    """``docs.id(k) == docs.id(q)`` with ids declared contiguous (sorted, padding first or
+    last): per-class classes, exact against the dense view and through attention."""
+    spec = _spec((CSEG.id(k) == CSEG.id(q)) & DILATED)
+    rng = np.random.default_rng(12)
+    md = _ids(rng, 2, 32, contiguous=True)
+    d = jcm.compile(spec).instantiate(md, 32, 32, block_q=4, block_kv=4, bwd_block_q=4,
+                                      bwd_block_kv=4)
+    assert isinstance(d, jcm.ClassDescriptor) and d.per_class
+    want = np.asarray(spec.as_dense(md, 32, 32))
+    for view in ("fwd", "bwd"):
+        assert (np.asarray(d.as_dense(view)) == want).all(), view
+    _check(spec, *_inputs(13, 2, 32, 4, 2), md=md)

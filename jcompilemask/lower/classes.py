@@ -29,7 +29,8 @@ and denser tiles, no per-element predicate.
 * no ``h`` and no metadata, except segment ids read as run bounds at ``q`` or ``k``
   themselves: ``X >= seg.B(Y)`` or ``X < seg.B(Y)`` with ``X, Y`` each ``q`` or ``k`` and
   ``B`` one of ``start``, ``end``, ``run_start``, ``run_end`` (packed documents: the
-  ``document`` mask's atoms). Scalars, vectors, ``seg.id`` and other uses stay out
+  ``document`` mask's atoms), or ``seg.id(k) == seg.id(q)`` of ids declared
+  ``contiguous`` (the same run). Scalars, vectors and other uses of ``seg.id`` stay out
   (their values are written in the sequence's coordinates).
 
 *Per-class metadata.* A run ``[s, e)`` of the sequence holds, in class ``r``, the class
@@ -127,9 +128,17 @@ _RUN_BOUNDS = ("start", "end", "run_start", "run_end")
 
 def _run_atom(atom) -> bool:
     """``atom`` is ``X >= seg.B(Y)`` or ``X < seg.B(Y)`` (either side order), ``X`` and ``Y``
-    each ``q`` or ``k``, ``B`` a run bound: the same atom in every class (module doc)."""
+    each ``q`` or ``k``, ``B`` a run bound, or ``seg.id(k) == seg.id(q)`` of segment ids
+    declared ``contiguous`` (one run per id, so equal ids are one run, and equal run
+    labels): the same atom in every class (module doc)."""
     if not isinstance(atom, Cmp):
         return False
+    a, b = atom.a, atom.b
+    if (atom.op == "==" and isinstance(a, SegRead) and isinstance(b, SegRead)
+            and a.field == b.field == "id" and a.decl is b.decl and a.decl.contiguous
+            and ((_is_qk(a.pos, "q") and _is_qk(b.pos, "k"))
+                 or (_is_qk(a.pos, "k") and _is_qk(b.pos, "q")))):
+        return True
     flip = {">=": "<=", "<": ">", "<=": ">=", ">": "<"}
     for x, b, op in ((atom.a, atom.b, atom.op), (atom.b, atom.a, flip.get(atom.op))):
         if (op in (">=", "<") and (_is_qk(x, "q") or _is_qk(x, "k"))
