@@ -583,3 +583,20 @@ def test_contiguous_id_spelling_runs_as_per_class_classes():
     for view in ("fwd", "bwd"):
         assert (np.asarray(d.as_dense(view)) == want).all(), view
     _check(spec, *_inputs(13, 2, 32, 4, 2), md=md)
+
+
+def test_per_class_under_vmap_with_batched_metadata():
+    """vmap over stacked inputs and stacked segment ids: each slice builds its own per-class
+    descriptor inside the trace."""
+    spec = _spec(DOC & DILATED)
+    rng = np.random.default_rng(14)
+    qx, kx, vx, _ = _inputs(15, 2, 16, 2, 2)
+    ids = np.stack([_ids(rng, 2, 16)["segment_ids"] for _ in range(2)])
+    stack = lambda x: jnp.stack([x, 2 * x])  # noqa: E731
+    got = jax.vmap(lambda a, b_, c, s: jcm.mask_attention(
+        a, b_, c, spec, metadata={"segment_ids": s}, implementation="xla"))(
+        stack(qx), stack(kx), stack(vx), jnp.asarray(ids))
+    for i, s in enumerate((1, 2)):
+        md = {"segment_ids": ids[i]}
+        ref, _ = reference_attention(s * qx, s * kx, s * vx, spec.as_dense(md, 16, 16))
+        np.testing.assert_allclose(got[i], ref, atol=1e-5)
