@@ -485,19 +485,20 @@ def test_segment_reads_that_do_not_factor(rule):
 @given(st.integers(0, 2**31 - 1), st.integers(2, 4), st.integers(1, 20),
        st.booleans(), st.booleans(), st.integers(1, 3))
 def test_per_class_descriptors_are_exact(seed, c, window, causal, contiguous, b):
-    """Random ids (runs of one id split by short runs, padding, contiguous or not): every
-    view of the class descriptor equals the spec's dense view."""
+    """Random ids (runs of one id split by short runs, padding, contiguous or not) and
+    lengths (q_len != kv_len too): every view of the class descriptor equals the spec's
+    dense view."""
     rng = np.random.default_rng(seed)
     rule = DOC & (k > q - window) & ((q - k) % c == 0)
     rule = rule & (k <= q) if causal else rule & (k < q + window)
     spec = _spec(rule)
-    n = c * int(rng.integers(3, 12))
-    md = _ids(rng, b, n, contiguous)
-    d = jcm.compile(spec).instantiate(md, n, n, block_q=4, block_kv=4, bwd_block_q=4,
+    nq, nk = (c * int(x) for x in rng.integers(3, 12, 2))      # unequal lengths too
+    md = _ids(rng, b, max(nq, nk), contiguous)
+    d = jcm.compile(spec).instantiate(md, nq, nk, block_q=4, block_kv=4, bwd_block_q=4,
                                       bwd_block_kv=4)
     assert isinstance(d, jcm.ClassDescriptor) and d.per_class and d.mask_heads == 1
     assert d.inner.mask_heads == c and d.batch == b
-    want = np.asarray(spec.as_dense(md, n, n))
+    want = np.asarray(spec.as_dense(md, nq, nk))
     for view in ("fwd", "bwd"):
         assert (np.asarray(d.as_dense(view)) == want).all(), view
 
