@@ -70,6 +70,13 @@ def dilated_window(left: int, right: int = 0, dilation: int = 2, *,
     >>> cm = jcm.compile(dilated_window(128, dilation=2))
     >>> cm.row_classes.factor, str(cm.row_classes.spec.regions[0].visible)
     (2, '(k - q >= -64) & (k - q <= 0)')
+    >>> import numpy as np
+    >>> ids = np.array([[0, 0, 0, 0, 1, 1, 1, 1]], np.int32)
+    >>> d = jcm.compile(dilated_window(4, documents=True)).instantiate({"segment_ids": ids}, 8)
+    >>> d.classes, d.per_class        # each class of q % 2 reads its own segment ids
+    (2, True)
+    >>> d.as_dense()[0, 0, 6].astype(int).tolist()
+    [0, 0, 0, 0, 1, 0, 1, 0]
     """
     left, right = _nonneg_int(left, "left"), _nonneg_int(right, "right")
     if isinstance(dilation, bool) or not isinstance(dilation, int) or dilation < 1:
