@@ -154,18 +154,26 @@ def test_ring_with_a_spec_instantiates_at_the_cute_tiles(recorded):
     _check(name, got, desc.as_dense(), args)
 
 
+@pytest.mark.parametrize("documents", [False, True], ids=["window", "documents"])
 @pytest.mark.parametrize("arg", ["descriptor", "spec"])
-def test_ring_runs_residue_classes_on_the_cute_kernels(arg, recorded):
+def test_ring_runs_residue_classes_on_the_cute_kernels(arg, documents, recorded):
     """A dilated window (issue 16's: window 128, dilation 2) as residue classes: the shard
     viewed as [B, N / 2, 2 H, D] is its chunks of the class sequence, so every step runs
     the class mask (N / 2 rows, chunks of 128 class rows: whole CuTe tiles) on the
-    kernels, with no residual predicate."""
-    spec = jcm.masks.dilated_window(127, 0, dilation=2)
+    kernels, with no residual predicate. Over packed documents each class has its own
+    descriptor (per-head tables to the kernels)."""
+    spec = jcm.masks.dilated_window(127, 0, dilation=2, documents=documents)
+    md = None
+    if documents:
+        md = {key: np.asarray(val, np.int32) for key, val in
+              metadata("document", B, N, np.random.default_rng(5)).items()}
     tiles = dataclasses.asdict(backends.get("cute").tiles(None))
-    desc = jcm.compile(spec).instantiate(None, N, N, preprocess="jnp", **tiles)
+    desc = jcm.compile(spec).instantiate(md, N, N, preprocess="jnp", **tiles)
     assert isinstance(desc, jcm.ClassDescriptor) and desc.classes == 2
+    assert desc.per_class == documents
     args = _inputs(2)
-    got = _with_grads(_ring(desc if arg == "descriptor" else spec, LAYOUT), args[3])(*args[:3])
+    got = _with_grads(_ring(desc, LAYOUT) if arg == "descriptor" else _ring(spec, LAYOUT, md),
+                      args[3])(*args[:3])
     cute_tiles = backends.get("cute").tiles(None)
     assert {s[0] for s in recorded} == {"fwd", "bwd"}, recorded
     for kind, t, k, q_len, bwd_why in recorded:
