@@ -562,11 +562,12 @@ def _classes_as_heads(inner: ExecutionDescriptor, c: int) -> ExecutionDescriptor
     every class; the backward's column table is exact where it is in every class."""
     b = inner.batch // c
     heads = lambda x: x.reshape((b, c) + x.shape[2:])          # noqa: E731
+    region = inner.row_region.reshape((b, c) + inner.row_region.shape[1:])[:, 0]
     return ExecutionDescriptor(
         heads(inner.fwd_intervals), heads(inner.bwd_intervals), heads(inner.fwd_tiles),
-        heads(inner.bwd_tiles), inner.row_region.reshape((b, c) + inner.row_region.shape[1:])[:, 0],
-        inner.bwd_exact.reshape(b, c).all(axis=1), inner.metadata, mask=inner.mask,
-        q_len=inner.q_len, kv_len=inner.kv_len, tiles=inner.tiles)
+        heads(inner.bwd_tiles), region, inner.bwd_exact.reshape(b, c).all(axis=1),
+        inner.metadata, mask=inner.mask, q_len=inner.q_len, kv_len=inner.kv_len,
+        tiles=inner.tiles)
 
 
 @functools.lru_cache(maxsize=256)

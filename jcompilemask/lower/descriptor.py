@@ -268,6 +268,11 @@ class ClassDescriptor:
     Built by :meth:`CompiledMask.instantiate` (``row_classes=False`` there gives an
     :class:`ExecutionDescriptor` of the same mask instead).
 
+    ``per_class``: a mask that reads segment ids (packed documents) has a mask of its own
+    in each class; ``inner`` then holds them as its ``classes`` mask heads, and
+    :meth:`for_heads` repeats them to the heads of a call's class view. ``mask_heads`` is
+    1 either way: the mask is the same for every head of the call.
+
     >>> import jcompilemask as jcm
     >>> from jcompilemask.spec import MaskSpec, Region, q, k, q_len
     >>> spec = MaskSpec([Region((0, q_len), (k <= q) & (k > q - 4) & ((q - k) % 2 == 0))])
