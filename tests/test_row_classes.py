@@ -601,3 +601,34 @@ def test_per_class_under_vmap_with_batched_metadata():
         md = {"segment_ids": ids[i]}
         ref, _ = reference_attention(s * qx, s * kx, s * vx, spec.as_dense(md, 16, 16))
         np.testing.assert_allclose(got[i], ref, atol=1e-5)
+
+
+@pytest.mark.parametrize("spec, why", [
+    (_spec(DILATED & (k < Scalar("s", max=q_len))), "reads metadata 's' (a Scalar)"),
+    (_spec(DILATED & (k < 16)), "atom `k < 16` of region 0 is neither"),
+    (MaskSpec([Region((0, q_len), DILATED & (k <= q + h))], num_heads=2), "per-head mask"),
+    (MaskSpec([Region((0, 5), DILATED), Region((5, q_len), DILATED)]),
+     "region 0's rows [0, 5) are not bounded by multiples of 2"),
+    (MaskSpec([Region((0, 4), DILATED), Region((4, q_len), k <= q)]),
+     "region 1 has no class atom"),
+    (MaskSpec([Region((0, 6), DILATED), Region((6, q_len), (q - k) % 3 == 0)]),
+     "different factors [2, 3]"),
+])
+def test_why_a_spec_with_a_class_atom_does_not_factor(spec, why):
+    """The reason reaches the fallback warning and row_classes=True's error."""
+    import warnings
+    from jcompilemask.lower.classes import why_no_row_classes
+    assert why in why_no_row_classes(spec)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        cm = jcm.compile(spec)
+    msgs = [str(x.message) for x in seen if issubclass(x.category, jcm.MaskFallbackWarning)]
+    assert msgs and all(why in m for m in msgs), msgs
+    with pytest.raises(ValueError, match="cannot run as residue classes"):
+        cm.classes_for(12, 12, True)
+
+
+def test_no_class_reason_without_a_class_atom_or_when_it_factors():
+    from jcompilemask.lower.classes import why_no_row_classes
+    assert why_no_row_classes(_spec((k <= q) & (k % 4 != 1))) is None
+    assert why_no_row_classes(_spec(DILATED)) is None

@@ -68,7 +68,8 @@ from ..spec.maskspec import MaskSpec, Region
 from ..spec.metadata import SegmentIds, SegRead
 from .symbolic import _from_lin, _lin
 
-__all__ = ["RowClasses", "find_row_classes", "classes_enabled", "class_segment_ids", "ENV"]
+__all__ = ["RowClasses", "find_row_classes", "why_no_row_classes", "classes_enabled",
+           "class_segment_ids", "ENV"]
 
 ENV = "JCOMPILEMASK_ROW_CLASSES"
 
@@ -231,14 +232,51 @@ def _class_bound(b, c: int):
 
 def find_row_classes(spec) -> Optional[RowClasses]:
     """The residue-class factorization of ``spec`` (module doc), or None."""
-    if not isinstance(spec, MaskSpec) or spec.mask_heads != 1:
+    return _factorize(spec)[0]
+
+
+def why_no_row_classes(spec) -> Optional[str]:
+    """Why a spec that holds a class atom (``(q - k) % c == 0``, ``q % c == k % c``) does
+    not factor into residue classes; None when it factors or holds none.
+
+    >>> from jcompilemask.spec import MaskSpec, Region, Scalar, q, k, q_len
+    >>> s = Scalar("s", max=q_len)
+    >>> print(why_no_row_classes(MaskSpec([Region((0, q_len), (k < s) & ((q - k) % 2 == 0))])))
+    it reads metadata 's' (a Scalar); only segment ids read as run bounds at q or k can be split per class
+    """
+    rc, why = _factorize(spec)
+    if rc is not None or not isinstance(spec, MaskSpec):
         return None
-    if any(not isinstance(d, SegmentIds) for d in spec.metadata.values()):
+    if not any(isinstance(n, Cmp) and _class_factor(n) is not None
+               for r in spec.regions for n in walk(r.visible)):
         return None
+    return why
+
+
+def _blocker(p: Pred):
+    """The first node of ``p`` that keeps it from class coordinates (None: there is none)."""
+    for node in walk(p):
+        if isinstance(node, Cmp) and not (_invariant(node) or _run_atom(node)):
+            return node
+        if not isinstance(node, (Cmp, And, Or, Not, BoolConst)) and isinstance(node, Pred):
+            return node
+    return None
+
+
+def _factorize(spec):
+    """(RowClasses or None, the reason it is None)."""
+    if not isinstance(spec, MaskSpec):
+        return None, "not a MaskSpec"
+    if spec.mask_heads != 1:
+        return None, "it is a per-head mask"
+    for name, d in spec.metadata.items():
+        if not isinstance(d, SegmentIds):
+            return None, (f"it reads metadata {name!r} (a {type(d).__name__}); only segment "
+                          "ids read as run bounds at q or k can be split per class")
     if any(isinstance(n, Index) and n.name == "h" for r in spec.regions for n in walk(r.visible)):
-        return None
+        return None, "its rules read the head h"
     factors, splits = set(), []
-    for r in spec.regions:
+    for i, r in enumerate(spec.regions):
         vis = r.visible
         if isinstance(vis, BoolConst) and not vis.value:
             splits.append((r, None))
@@ -247,17 +285,19 @@ def find_row_classes(spec) -> Optional[RowClasses]:
         cs = [_class_factor(t) for t in terms]
         found = {x for x in cs if x is not None}
         if not found:
-            return None
+            return None, (f"region {i} has no class atom ((q - k) % c == 0) among the "
+                          "conjuncts of its rule")
         factors.add(math.lcm(*found))
         splits.append((r, [t for t, x in zip(terms, cs) if x is None]))
     if len(factors) != 1:
-        return None
+        return None, f"its regions' class atoms have different factors {sorted(factors)}"
     c = factors.pop()
     regions = []
-    for r, rest in splits:
+    for i, (r, rest) in enumerate(splits):
         lo, hi = (_class_bound(b, c) for b in r.rows)
         if lo is None or hi is None:
-            return None
+            return None, (f"region {i}'s rows [{r.rows[0]}, {r.rows[1]}) are not bounded by "
+                          f"multiples of {c} or q_len")
         if rest is None:
             vis = BoolConst(False)
         else:
@@ -265,10 +305,12 @@ def find_row_classes(spec) -> Optional[RowClasses]:
             # divides c, so in class coordinates (q - k = c (i - j)) they always hold
             vis = _scaled(And.of(*rest), c)
             if vis is None:
-                return None
+                return None, (f"atom `{_blocker(And.of(*rest))}` of region {i} is neither a "
+                              "function of q - k and the lengths nor a segment run bound at "
+                              "q or k")
         regions.append(Region((lo, hi), vis, name=r.name))
     name = f"{spec.name or 'mask'} (classes mod {c})"
     cspec = MaskSpec(regions, name=name)
     # every metadata read is a run-bound atom (_scaled refused the rest); a segment read
     # that the class rules dropped (e.g. under a class atom alone) leaves no declaration
-    return RowClasses(c, cspec, tuple(sorted(cspec.metadata)))
+    return RowClasses(c, cspec, tuple(sorted(cspec.metadata))), None

@@ -216,10 +216,12 @@ class CompiledMask:
         rc = self.row_classes
         why = None
         if rc is None:
-            why = ("its rules do not pair each query only with keys of its residue class "
-                   "(a conjunct (q - k) % c == 0 in every region, every other comparison "
-                   "a function of q - k, no h, no metadata but segment-id run bounds "
-                   "at q or k)")
+            from .classes import why_no_row_classes
+            why = why_no_row_classes(self.spec) or (
+                "its rules do not pair each query only with keys of its residue class "
+                "(a conjunct (q - k) % c == 0 in every region, every other comparison "
+                "a function of q - k, no h, no metadata but segment-id run bounds "
+                "at q or k)")
         elif q_len % rc.factor or kv_len % rc.factor:
             why = (f"q_len={q_len} and kv_len={kv_len} must both be multiples of "
                    f"{rc.factor}")

@@ -139,8 +139,14 @@ def _key_id_hint(spec, atom) -> str:
 
 
 def warn_fallbacks(cm, stacklevel: int = 3):
-    """Issue one :class:`MaskFallbackWarning` per region of ``cm`` with a residual."""
+    """Issue one :class:`MaskFallbackWarning` per region of ``cm`` with a residual (saying,
+    for a spec with a residue-class atom, why it does not run as residue classes)."""
+    from .classes import why_no_row_classes
+    why = why_no_row_classes(cm.spec)
+    extra = ("" if why is None else
+             f" The rule holds a residue-class atom, but the mask cannot run as residue "
+             f"classes (no residual at all, docs/lowering.md): {why}.")
     for i in cm.fallback_regions:
-        warnings.warn(fallback_message(cm.spec, i, cm.regions[i].fallback),
+        warnings.warn(fallback_message(cm.spec, i, cm.regions[i].fallback) + extra,
                       MaskFallbackWarning, stacklevel=stacklevel)
 
