@@ -209,11 +209,8 @@ def _class_atom(atom: Cmp, c: int) -> Pred:
 def _scaled(p: Pred, c: int) -> Optional[Pred]:
     """``p`` in class coordinates, if every comparison in it is invariant or a run-bound
     atom (kept as it is: it reads the class sequence's runs)."""
-    for node in walk(p):
-        if isinstance(node, Cmp) and not (_invariant(node) or _run_atom(node)):
-            return None
-        if not isinstance(node, (Cmp, And, Or, Not, BoolConst)) and isinstance(node, Pred):
-            return None
+    if _blocker(p) is not None:
+        return None
 
     def one(n):
         if not isinstance(n, Cmp):

@@ -155,9 +155,9 @@ def chunk_size(desc: ExecutionDescriptor, num_chunks: int) -> int:
 def chunk_visibility(desc: ExecutionDescriptor, num_chunks: int) -> np.ndarray:
     """bool [C, C]: query chunk a sees some key of key chunk b (for some batch and head),
     from the tile states of both passes (no dense mask)."""
-    chunk_size(desc, num_chunks)
-    desc, _ = _classes(desc)
     cs = chunk_size(desc, num_chunks)
+    desc, f = _classes(desc)              # a class descriptor: its class sequence's chunks
+    cs //= f
     out = np.zeros((num_chunks, num_chunks), bool)
     for view in ("fwd", "bwd"):
         st = (_tile_states(desc, view) & COMPUTE) != 0            # [B, Hm, Tq, Tk]

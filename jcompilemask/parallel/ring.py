@@ -455,6 +455,12 @@ def _step_backend(backend, call: _backends.Call, desc, cpd: int) -> str:
     return "xla"
 
 
+def _length_error(desc, p, rows, n) -> ValueError:
+    return ValueError(f"the descriptor was built for q_len={desc.q_len}, kv_len="
+                      f"{desc.kv_len}; with {p} devices of {rows} rows the whole sequence "
+                      f"is {n}: build it for the whole sequence")
+
+
 def _ring_classes(cm: CompiledMask, n: int, cs: Optional[int]) -> int:
     """The residue classes a ring over chunks of ``cs`` rows runs ``cm`` with (1: none).
     A chunk must hold whole class rows (``cs`` a multiple of the factor); where it does
@@ -564,9 +570,7 @@ def ring_attention(query, key, value, mask, *, axis_name: str,
         raise ValueError("metadata is only used when mask is a MaskSpec or CompiledMask")
     elif isinstance(mask, ClassDescriptor):
         if (mask.q_len, mask.kv_len) != (n, n):
-            raise ValueError(f"the descriptor was built for q_len={mask.q_len}, kv_len="
-                             f"{mask.kv_len}; with {p} devices of {query.shape[1]} rows the "
-                             f"whole sequence is {n}: build it for the whole sequence")
+            raise _length_error(mask, p, query.shape[1], n)
         if cs is not None and cs % mask.classes:
             raise _class_chunk_error(mask.classes, cs, n, c)
         cm, desc, classes = mask.mask, mask.for_heads(query.shape[2]), mask.classes
@@ -625,9 +629,7 @@ def ring_attention(query, key, value, mask, *, axis_name: str,
                                   **tile_kw)
     else:
         if (desc.q_len, desc.kv_len) != (n, n):
-            raise ValueError(f"the descriptor was built for q_len={desc.q_len}, kv_len="
-                             f"{desc.kv_len}; with {p} devices of {query.shape[1]} rows the "
-                             f"whole sequence is {n}: build it for the whole sequence")
+            raise _length_error(desc, p, query.shape[1], n)
         if cs is not None and _misfit(cs, desc.tiles):
             raise _chunk_error(cs, n, c, desc.tiles, backend.name, "the descriptor's", classes)
     chunk_size(desc, c)
