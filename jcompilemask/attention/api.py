@@ -172,6 +172,13 @@ def mask_attention(query, key, value, mask=None, *, bias=None,
       A row that sees no key gets out 0, lse -inf and zero gradients (jax instead averages
       the values of such a row).
 
+    Differentiation: first-order reverse mode (``jax.grad``, ``jax.vjp``, under
+    ``jax.checkpoint``, ``lax.scan`` and ``vmap``), with respect to query, key, value and
+    ``bias``. It is a ``jax.custom_vjp`` (the backward is its own kernel), so forward mode
+    (``jax.jvp``, ``jax.jacfwd``) raises JAX's "can't apply forward-mode autodiff"
+    TypeError, and a second reverse pass (a Hessian-vector product) is not supported
+    either; use ``jax.nn.dot_product_attention`` where those are needed.
+
     >>> import jax, jax.numpy as jnp, jcompilemask as jcm
     >>> q = k = v = jax.random.normal(jax.random.key(0), (1, 16, 2, 8))
     >>> out = jcm.mask_attention(q, k, v, jcm.masks.causal())
