@@ -188,12 +188,23 @@ def _top_level() -> bool:
 
 
 def _eager_shard_map() -> bool:
-    """The innermost trace is an eager ``jax.shard_map``'s (its body run op by op, not
-    under ``jit``). False when JAX offers no way to tell."""
+    """Ops run op by op inside an eager (unjitted) ``jax.shard_map``'s body: its trace is
+    the innermost one or sits below transformations that evaluate eagerly (``jax.vjp`` /
+    ``jax.grad`` / ``jax.vmap`` of the unjitted shard_map: JVP, linearize and batch traces
+    pass each op down to it). A staging trace (``jit``, ``make_jaxpr``) on the way ends the
+    walk: the ops then join that program. False when JAX offers no way to tell."""
     try:
         from jax._src import core as _core
+        from jax._src.interpreters import partial_eval as _pe
         from jax._src.shard_map import ShardMapTrace
-        return isinstance(_core.trace_ctx.trace, ShardMapTrace)
+        trace = _core.trace_ctx.trace
+        for _ in range(64):      # the stack of nested transformations, innermost first
+            if isinstance(trace, ShardMapTrace):
+                return True
+            if trace is None or isinstance(trace, (_pe.DynamicJaxprTrace, _core.EvalTrace)):
+                return False
+            trace = getattr(trace, "parent_trace", None)
+        return False
     except Exception:            # pragma: no cover - a JAX without them
         return False
 
