@@ -87,6 +87,45 @@ def call_for(cm, *, dtype: str, head_dim: int, head_dim_v: int, num_heads: int,
                 residual_reason=residual_reason_of(cm))
 
 
+def cute_head_dims(head_dim: int, head_dim_v: int) -> Optional[tuple[int, int]]:
+    """The head dims ``(D', Dv')`` the CuTe kernels run a call of head dims
+    ``(head_dim, head_dim_v)`` at, or None when no built pair is wide enough (past 256).
+
+    A built pair (D in 64 / 128 / 256 with Dv == D, or (192, 128)) runs as is. Other head
+    dims run at the cheapest built pair at least as wide in both (least D' + Dv'): query
+    and key zero-padded to D', value to Dv'. That is exact: zero columns add nothing to
+    ``q . k`` (the scale stays the caller's, ``1 / sqrt(head_dim)`` by default), give
+    zero output columns, which are cut off, and zero gradient columns. It costs the
+    padded kernels' work (``(D' + Dv') / (D + Dv)`` of a kernel built for the call's own
+    dims) and one copy of each padded operand, far less than the ``xla`` backend on a
+    GPU.
+
+    >>> cute_head_dims(128, 128), cute_head_dims(96, 96), cute_head_dims(160, 128)
+    ((128, 128), (128, 128), (192, 128))
+    >>> cute_head_dims(32, 64), cute_head_dims(192, 192), cute_head_dims(320, 320)
+    ((64, 64), (256, 256), None)
+    """
+    from .kernels.cute.api import HEAD_DIM_PAIRS, HEAD_DIMS
+    if head_dim < 1 or head_dim_v < 1:
+        return None
+    built = [(d, d) for d in HEAD_DIMS] + list(HEAD_DIM_PAIRS)
+    fits = [(d, dv) for d, dv in built if d >= head_dim and dv >= head_dim_v]
+    return min(fits, key=lambda p: (p[0] + p[1], p)) if fits else None
+
+
+def _cute_call_dims(call: Call) -> tuple[int, int]:
+    """``call``'s head dims as the CuTe kernels run them (its own where none fits: the
+    kernels' checks then say why)."""
+    return cute_head_dims(call.head_dim, call.head_dim_v) or (call.head_dim, call.head_dim_v)
+
+
+def _pad_last(x, width: int):
+    """``x`` with its last axis zero-padded to ``width`` (as is when already that wide)."""
+    import jax.numpy as jnp
+    extra = width - x.shape[-1]
+    return x if extra == 0 else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, extra)])
+
+
 @dataclasses.dataclass(frozen=True)
 class Backend:
     """An attention implementation.
@@ -231,7 +270,8 @@ def explain(call: Call | None = None, mask=None) -> str:
             status += f" ({note})"
         lines.append(f"  {b.name}: {status}")
     if call is not None:
-        lines.append(f"chosen: {chosen}")
+        lines.append(f"chosen: {chosen}" + (_padding_note(call, " (", ")")
+                                             if chosen == "cute" else ""))
         if chosen is not None:
             lines.append(explain_backward(call))
     if cm is not None:
@@ -331,25 +371,23 @@ def _cute_backend() -> Backend:
                     "it per element in partial tiles")
         if call.dtype not in ("bfloat16", "float16"):
             return f"dtype {call.dtype} (the CuTe kernels take bfloat16 and float16)"
-        from .kernels.cute.api import HEAD_DIM_PAIRS, HEAD_DIMS
-        pair = (call.head_dim, call.head_dim_v)
-        if pair not in HEAD_DIM_PAIRS and (call.head_dim not in HEAD_DIMS
-                                           or call.head_dim_v != call.head_dim):
+        if cute_head_dims(call.head_dim, call.head_dim_v) is None:
+            from .kernels.cute.api import HEAD_DIM_PAIRS, HEAD_DIMS
             return (f"head dims {call.head_dim}/{call.head_dim_v} (built: D in {HEAD_DIMS} "
-                    f"with Dv == D, and (D, Dv) in {HEAD_DIM_PAIRS})")
+                    f"with Dv == D, and (D, Dv) in {HEAD_DIM_PAIRS}; narrower head dims "
+                    "run zero-padded to one of them, wider ones have no kernel)")
         return None     # any K: unrolled up to 8 intervals, a per-tile loop past it
 
     def tiles(call):
         from .kernels.cute import preferred_forward_tiles
-        bq, bk = preferred_forward_tiles(call.head_dim if call else 128,
-                                         call.dtype if call else "bfloat16")
+        d, dv = _cute_call_dims(call) if call is not None else (128, 128)
+        bq, bk = preferred_forward_tiles(d, call.dtype if call else "bfloat16")
         bwd = (DEFAULT_TILES.bwd_block_q, DEFAULT_TILES.bwd_block_kv)
         if call is not None:
             # The backward configs of D 256 and 192 / 128 run 64 x 64 / 64 x 96 backward tiles.
             from .kernels.cute.api import preferred_backward_tiles
-            if cute_backward_plan(call.head_dim, call.head_dim_v, call.softcap) is None:
-                bwd = preferred_backward_tiles(call.head_dim, call.dtype, call.head_dim_v,
-                                               softcap=bool(call.softcap))
+            if cute_backward_plan(d, dv, call.softcap) is None:
+                bwd = preferred_backward_tiles(d, call.dtype, dv, softcap=bool(call.softcap))
         return TileConfig(bq, bk, *bwd)
 
     def residual_program(desc):
@@ -370,6 +408,12 @@ def _cute_backend() -> Backend:
 
     def forward(q, k, v, desc, scale, softcap):
         import jax.numpy as jnp
+        dims = cute_head_dims(q.shape[-1], v.shape[-1])
+        if dims is not None and dims != (q.shape[-1], v.shape[-1]):
+            # Head dims without a kernel of their own run zero-padded (cute_head_dims).
+            out, lse = forward(_pad_last(q, dims[0]), _pad_last(k, dims[0]),
+                               _pad_last(v, dims[1]), desc, scale, softcap)
+            return out[..., :v.shape[-1]], lse
         prog = residual_program(desc)
         from .kernels.cute import cute_forward
         extra = {}
@@ -389,6 +433,16 @@ def _cute_backend() -> Backend:
 
     def backward(q, k, v, desc, scale, softcap, out, lse, do, dlse=None, deterministic=False):
         import jax.numpy as jnp
+        d, dv = q.shape[-1], v.shape[-1]
+        dims = cute_head_dims(d, dv)
+        if dims is not None and dims != (d, dv):
+            # As the forward: zero columns of q / k / v / out / dO give zero gradient
+            # columns and leave delta = rowsum(dO * out) as it was.
+            dq, dk, dvv = backward(_pad_last(q, dims[0]), _pad_last(k, dims[0]),
+                                   _pad_last(v, dims[1]), desc, scale, softcap,
+                                   _pad_last(out, dims[1]), lse, _pad_last(do, dims[1]),
+                                   dlse, deterministic)
+            return dq[..., :d], dk[..., :d], dvv[..., :dv]
         prog = residual_program(desc)
         why = cute_backward_reason(q, v, desc, softcap)
         if why is not None:
@@ -420,11 +474,11 @@ def _cute_backend() -> Backend:
 
     def tile_options(call):
         t = tiles(call)
-        if cute_backward_plan(call.head_dim, call.head_dim_v, call.softcap) is not None:
+        d, dv = _cute_call_dims(call)
+        if cute_backward_plan(d, dv, call.softcap) is not None:
             return (t,)
         from .kernels.cute.api import served_backward_tiles
-        served = served_backward_tiles(call.head_dim, call.dtype, call.head_dim_v,
-                                       softcap=bool(call.softcap))
+        served = served_backward_tiles(d, call.dtype, dv, softcap=bool(call.softcap))
         return (t,) + tuple(dataclasses.replace(t, bwd_block_q=q, bwd_block_kv=k)
                             for q, k in served if (q, k) != (t.bwd_block_q, t.bwd_block_kv))
 
@@ -555,13 +609,25 @@ def explain_backward(call: Call) -> str:
     if chosen != "cute":
         return f"backward: {chosen} (the backend that runs the forward)"
     bwd_tiles = None if call.tiles is None else (call.tiles.bwd_block_q, call.tiles.bwd_block_kv)
-    why = cute_backward_plan(call.head_dim, call.head_dim_v, call.softcap or None, bwd_tiles)
+    d, dv = _cute_call_dims(call)
+    why = cute_backward_plan(d, dv, call.softcap or None, bwd_tiles)
     if why is None:
         return "backward: the CuTe backward kernel"
     return f"backward: xla on the CuTe forward's residuals, because {why}"
 
 
 _BUILTIN_DONE = False
+
+
+def _padding_note(call: Call, before: str = "", after: str = "") -> str:
+    """How the CuTe kernels run ``call``'s head dims when they have no kernel of their own
+    ("" when they do)."""
+    d, dv = _cute_call_dims(call)
+    if (d, dv) == (call.head_dim, call.head_dim_v):
+        return ""
+    work = (d + dv) / (call.head_dim + call.head_dim_v)
+    return (f"{before}head dims {call.head_dim}/{call.head_dim_v} run zero-padded to {d}/{dv}: "
+            f"exact, {work:.2f}x the matmul work of kernels of their own{after}")
 
 
 def _ensure_builtin():

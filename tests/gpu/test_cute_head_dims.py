@@ -42,15 +42,28 @@ CONFIGS = {
 }
 
 
+# Head dims without kernels of their own: they run the kernels of a built pair, zero-padded
+# (backends.cute_head_dims); the CPU twin is tests/test_head_dim_padding.py.
+PADDED = {
+    "p96": (96, 96, None),
+    "p80cap": (80, 80, 5.0),
+    "p32": (32, 32, None),
+    "p160": (160, 128, None),
+    "p128v64": (128, 64, None),
+    "p192v192": (192, 192, None),
+}
+
+
 @pytest.fixture(autouse=True)
 def cute_backward_on(monkeypatch):
     monkeypatch.setenv(backends.CUTE_BACKWARD_ENV, "1")
 
 
 def _grads(spec, md, b, n, hq, hkv, config, dtype=jnp.bfloat16, seed=0):
-    d, dv, cap = CONFIGS[config]
+    d, dv, cap = {**CONFIGS, **PADDED}[config]
     from jcompilemask.kernels.cute.api import preferred_backward_tiles
-    assert backends.cute_backward_plan(d, dv, cap, preferred_backward_tiles(d, "bfloat16", dv, cap is not None)) is None
+    pd, pdv = backends.cute_head_dims(d, dv)
+    assert backends.cute_backward_plan(pd, pdv, cap, preferred_backward_tiles(pd, "bfloat16", pdv, cap is not None)) is None
     ks = jax.random.split(jax.random.key(seed), 4)
     gain = 1.0 if cap is None else 3.0        # with a cap: logits wide enough to saturate tanh
     qx = (gain * jax.random.normal(ks[0], (b, n, hq, d), jnp.float32)).astype(dtype)
@@ -92,6 +105,20 @@ def test_fully_masked_rows(config):
     s = Scalar("start", max=q_len)
     spec = MaskSpec([Region((s, q_len), k <= q)])
     _grads(spec, {"start": np.array([300, 900])}, 2, 900, 2, 2, config)
+
+
+@pytest.mark.parametrize("config", sorted(PADDED))
+@pytest.mark.parametrize("name", ["causal", "hstu", "document"])
+def test_padded_head_dims_grads(name, config):
+    rng = np.random.default_rng(4)
+    _grads(SPECS[name], metadata(name, 2, 1000, rng), 2, 1000, 4, 2, config)
+
+
+@pytest.mark.parametrize("config", sorted(PADDED))
+def test_padded_head_dims_fp16_mqa_fully_masked_rows(config):
+    s = Scalar("start", max=q_len)
+    spec = MaskSpec([Region((s, q_len), k <= q)])
+    _grads(spec, {"start": np.array([300, 900])}, 2, 900, 4, 1, config, dtype=jnp.float16)
 
 
 @pytest.mark.parametrize("config", ["cap128", "d256", "d192", "d192cap"])

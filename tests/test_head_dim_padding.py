@@ -1,0 +1,151 @@
+"""Head dims without a CuTe kernel of their own (96, 80, 32, 160 / 128, 128 / 64, ...) run
+the CuTe kernels zero-padded to a built pair (``backends.cute_head_dims``).
+
+The CPU twin of ``tests/gpu/test_cute_head_dims.py``'s padded cases: the real cute backend
+object (its supports / tiles / forward / backward, padding included) with the two kernel
+entry points replaced by a float32 reference over the same interval tables, which also
+refuses any head dims the kernels are not built for. So what is tested here is the
+padding and slicing around the kernels, the tiles the descriptor is built at and what
+``explain()`` says; the kernels themselves are tested on the GPU.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jcompilemask as jcm
+from jcompilemask import backends
+from jcompilemask.kernels.cute import api as cute_api
+from jcompilemask.kernels.cute.testing import reference_attention as kernel_reference
+from jcompilemask.testing import assert_within_policy, reference_attention, reference_gradients
+
+BUILT = {(d, d) for d in cute_api.HEAD_DIMS} | set(cute_api.HEAD_DIM_PAIRS)
+
+
+@contextlib.contextmanager
+def fake_cute_kernels(monkeypatch):
+    """The cute backend made available here, its kernels replaced by the reference; yields
+    the list of (kind, D, Dv, tiles) the kernels were called with."""
+    seen = []
+
+    def fwd(q, k, v, fwd_intervals, fwd_tiles, *, scale=None, softcap=None, block_q=128,
+            block_kv=128, **_):
+        assert (q.shape[-1], v.shape[-1]) in BUILT, (q.shape, v.shape)
+        seen.append(("fwd", q.shape[-1], v.shape[-1], (block_q, block_kv)))
+        o, lse = kernel_reference(q, k, v, fwd_intervals, scale, softcap)
+        return o.astype(q.dtype), lse
+
+    def bwd(q, k, v, out, lse, do, bwd_intervals, bwd_tiles, fwd_intervals, bwd_exact, *,
+            scale=None, dlse=None, block_q=None, block_kv=None, softcap=None, **_):
+        assert (q.shape[-1], v.shape[-1]) in BUILT, (q.shape, v.shape)
+        assert out.shape[-1] == do.shape[-1] == v.shape[-1]
+        seen.append(("bwd", q.shape[-1], v.shape[-1], (block_q, block_kv)))
+        f = lambda a, b, c: kernel_reference(a, b, c, fwd_intervals, scale, softcap)  # noqa: E731
+        (o, l), vjp = jax.vjp(f, *(x.astype(jnp.float32) for x in (q, k, v)))
+        ct_l = jnp.zeros_like(l) if dlse is None else jnp.where(jnp.isfinite(l), dlse, 0.0)
+        dq, dk, dv = vjp((do.astype(jnp.float32), ct_l))
+        return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+    import jcompilemask.kernels.cute as cute_pkg
+    monkeypatch.setattr(cute_pkg, "cute_forward", fwd)
+    monkeypatch.setattr(cute_api, "cute_backward", bwd)
+    backends._ensure_builtin()
+    real = backends._REGISTRY["cute"]
+    backends.register(dataclasses.replace(real, available=lambda: None))
+    try:
+        yield seen
+    finally:
+        backends.register(real)
+
+
+def _qkv(d, dv, *, b=2, n=192, h=4, hkv=2, dtype=jnp.bfloat16, seed=0):
+    ks = jax.random.split(jax.random.key(seed), 4)
+    q = jax.random.normal(ks[0], (b, n, h, d), jnp.float32)
+    k = jax.random.normal(ks[1], (b, n, hkv, d), jnp.float32)
+    v = jax.random.normal(ks[2], (b, n, hkv, dv), jnp.float32)
+    do = jax.random.normal(ks[3], (b, n, h, dv), jnp.float32)
+    return q.astype(dtype), k.astype(dtype), v.astype(dtype), do.astype(dtype)
+
+
+def test_cute_head_dims_picks_the_cheapest_built_pair():
+    assert backends.cute_head_dims(64, 64) == (64, 64)
+    assert backends.cute_head_dims(1, 1) == (64, 64)
+    assert backends.cute_head_dims(65, 65) == (128, 128)
+    assert backends.cute_head_dims(96, 64) == (128, 128)
+    assert backends.cute_head_dims(129, 128) == (192, 128)
+    assert backends.cute_head_dims(192, 129) == (256, 256)
+    assert backends.cute_head_dims(256, 256) == (256, 256)
+    assert backends.cute_head_dims(257, 64) is None
+    assert backends.cute_head_dims(0, 64) is None
+    for d in range(1, 257, 7):
+        for dv in range(1, 257, 11):
+            got = backends.cute_head_dims(d, dv)
+            assert got in BUILT and got[0] >= d and got[1] >= dv
+            assert all(a + c >= sum(got) for a, c in BUILT if a >= d and c >= dv)
+
+
+@pytest.mark.parametrize("d,dv,mask,softcap,dtype", [
+    (96, 96, "causal", None, jnp.bfloat16),
+    (80, 80, "sliding_window", None, jnp.float16),
+    (32, 32, "causal", 20.0, jnp.bfloat16),
+    (160, 128, "causal", None, jnp.bfloat16),
+    (128, 64, "prefix_lm", None, jnp.float16),
+    (192, 192, "causal", None, jnp.bfloat16),
+])
+def test_padded_head_dims_match_the_oracle(monkeypatch, d, dv, mask, softcap, dtype):
+    spec = {"causal": jcm.masks.causal(), "sliding_window": jcm.masks.sliding_window(48),
+            "prefix_lm": jcm.masks.prefix_lm()}[mask]
+    md = {"prefix_len": np.array([30, 150], np.int32)} if mask == "prefix_lm" else None
+    q, k, v, do = _qkv(d, dv, dtype=dtype)
+    with fake_cute_kernels(monkeypatch) as seen:
+        def f(q, k, v):
+            return jcm.mask_attention(q, k, v, spec, metadata=md, implementation="cute",
+                                      logits_soft_cap=softcap)
+        out, vjp = jax.vjp(jax.jit(f), q, k, v)
+        grads = vjp(do)
+    want_dims = backends.cute_head_dims(d, dv)
+    assert {s[1:3] for s in seen} == {want_dims}, seen
+    assert {s[0] for s in seen} == {"fwd", "bwd"}
+    assert out.shape == q.shape[:3] + (dv,) and out.dtype == dtype
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+
+    # the oracle at the call's own head dims, under the project's tolerance policy
+    vis = np.asarray(spec.as_dense(md, q.shape[1], k.shape[1]), bool)
+    high, low = reference_attention(q, k, v, vis, softcap=softcap), \
+        reference_attention(q, k, v, vis, softcap=softcap, precision="input")
+    assert_within_policy(out, high[0], low[0], "out")
+    ghigh, glow = reference_gradients(q, k, v, do, vis, softcap=softcap)
+    for name, g, h, lo in zip(("dq", "dk", "dv"), grads, ghigh, glow):
+        assert_within_policy(g, h, lo, name)
+
+
+def test_padded_head_dims_build_the_descriptor_at_the_padded_tiles(monkeypatch):
+    """D 192 / Dv 192 runs as 256 / 256: the descriptor is built at D 256's tiles."""
+    q, k, v, _ = _qkv(192, 192, n=160)
+    with fake_cute_kernels(monkeypatch) as seen:
+        jcm.mask_attention(q, k, v, jcm.masks.causal(), implementation="cute")
+    call = backends.call_for(jcm.compile(jcm.masks.causal()), dtype="bfloat16",
+                             head_dim=256, head_dim_v=256, num_heads=4, num_kv_heads=2)
+    t = backends.get("cute").tiles(call)
+    assert seen == [("fwd", 256, 256, (t.block_q, t.block_kv))]
+
+
+def test_explain_says_the_head_dims_run_padded(monkeypatch):
+    cm = jcm.compile(jcm.masks.causal())
+    call = backends.call_for(cm, dtype="bfloat16", head_dim=96, head_dim_v=96, num_heads=8,
+                             num_kv_heads=8)
+    with fake_cute_kernels(monkeypatch):
+        text = backends.explain(call)
+    assert "chosen: cute (head dims 96/96 run zero-padded to 128/128: exact, 1.33x" in text
+    assert "backward: the CuTe backward kernel" in text
+    wide = backends.call_for(cm, dtype="bfloat16", head_dim=320, head_dim_v=320,
+                             num_heads=8, num_kv_heads=8)
+    with fake_cute_kernels(monkeypatch):
+        text = backends.explain(wide)
+    assert "cute: skipped: head dims 320/320" in text and "wider ones have no kernel" in text
+    assert "chosen: xla" in text
