@@ -7,7 +7,9 @@ native and cuDNN, all in one process so the records share one ``run``.
 
 Configurations (``--configs``): ``d64``, ``d128`` (the no-cap baseline of ``d128cap``),
 ``d128cap`` (soft cap 30 at D 128: the issue's <= 15% cost), ``d256`` and ``d192``
-(D 192 / Dv 128). Workload: causal, bf16, 8 heads, 131072 // N sequences of N tokens.
+(D 192 / Dv 128); ``d96``, ``d80`` and ``d160`` (160 / 128): head dims without kernels of
+their own, which the CuTe kernels run zero-padded (``backends.cute_head_dims``: to 128 and
+192 / 128). Workload: causal, bf16, 8 heads, 131072 // N sequences of N tokens.
 
 Records (``mask``, ``n``, ``impl``, ``head_dim``, ``head_dim_v``, ``softcap``,
 ``fwd_ms``, ``bwd_ms`` = step - forward, ``step_ms``, ``run``, ``sm_clock_mhz``,
@@ -48,6 +50,7 @@ from jcompilemask.kernels.cute.api import BWD_CONFIG_ENV  # noqa: E402  (no cutl
 CONFIGS = {   # name: (D, Dv, soft cap)
     "d64": (64, 64, None), "d128": (128, 128, None), "d128cap": (128, 128, 30.0),
     "d256": (256, 256, None), "d192": (192, 128, None),
+    "d96": (96, 96, None), "d80": (80, 80, None), "d160": (160, 128, None),   # padded
 }
 HEADS, TOKENS = 8, 131072
 IMPLS = ("jcm-cute", "fa4-native", "jax-cudnn", "jcm-xla")

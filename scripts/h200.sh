@@ -98,6 +98,7 @@
 #                post), none timed on an H200 yet, after pz's and post's own GPU cases and
 #                the glue kernels alone (bench_glue.py) (~590 s: JCM_STAGE_S=595)
 #   hdimspar     the same spread over JCM_PAR parallel pytest processes (JCM_PAR_SKIP: a regex of ids to leave out)
+#   padded       head dims run zero-padded (96, 80, 160 / 128): their GPU cases, then timed beside D 128 and the peers
 #   multigpu     issue 19 on a multi-GPU kind: sharded training step + context parallelism (benchmarks/multi_gpu.py)
 #   kernels      GPU tests of the CuTe forward kernel alone (48 variant cases)
 #   forward      bench_forward (D = 128 causal vs FA4 native, same run) + the step-2 variants
@@ -1316,6 +1317,23 @@ PY
       --budget-s $(( b - 40 )) --out "$OUT/h200-head-dims.json" > "$OUT/bench-hdims.log" 2>&1
     echo "bench rc $? ($SECONDS s; configs $cfgs)"; pkill -9 -f bench_head_dims.py 2>/dev/null
     grep -E '^\{|budget' "$OUT/bench-hdims.log" | cut -c1-330 | tail -40
+    ;;
+  padded)
+    # Head dims without kernels of their own, run zero-padded (backends.cute_head_dims):
+    # their gradient cases against the reference (test_cute_head_dims.py -k padded, 4
+    # processes), then causal fwd / bwd at JCM_PADDED_NS (8K) for D 96 / 80 / 160-128 beside
+    # D 128, FA4 native (where it has the head dim), cuDNN and the xla backward they ran before.
+    export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
+    OUT=$OUT/tests JCM_PAR_ONLY=padded JCM_PAR_FILES=tests/gpu/test_cute_head_dims.py \
+      JCM_STAGE_S=$(left ${JCM_PADDED_TEST_S:-200}) bash "$0" hdimspar
+    b=$(left ${JCM_PADDED_BENCH_S:-200})
+    export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1
+    timeout -k 5 $b python3 benchmarks/bench_head_dims.py --ns ${JCM_PADDED_NS:-8192} \
+      --configs ${JCM_PADDED_CONFIGS:-d96,d128,d80,d160} \
+      --impls jcm-cute,fa4-native,jax-cudnn,jcm-xla --xla-ns ${JCM_PADDED_NS:-8192} --min-repeat-s 0.15 \
+      --budget-s $(( b - 30 )) --out "$OUT/h200-head-dims.json" > "$OUT/bench-padded.log" 2>&1
+    echo "bench rc $? ($SECONDS s)"; pkill -9 -f bench_head_dims.py 2>/dev/null
+    grep -E '^\{|budget' "$OUT/bench-padded.log" | cut -c1-330 | tail -30
     ;;
   bpers)
     # Issue 16 (compile-checked in session 27): persistent backward CTAs (one per SM, a row of
