@@ -995,7 +995,10 @@ def test_registry_runs_every_validated_config(monkeypatch):
         return backends.Call(dtype="bfloat16", head_dim=d, head_dim_v=dv, num_heads=4,
                              num_kv_heads=2, softcap=cap, has_fallback=False)
     assert cute.supports(call(192, 128)) is None
-    assert "head dims 192/64" in cute.supports(call(192, 64))
+    assert cute.supports(call(192, 64)) is None                   # runs padded to 192 / 128
+    assert cute.tiles(call(192, 64)) == cute.tiles(call(192, 128))
+    assert cute.tiles(call(192, 192)) == cute.tiles(call(256, 256))
+    assert "head dims 264/128" in cute.supports(call(264, 128))
     t = cute.tiles(call(256, 256))
     assert (t.block_q, t.block_kv, t.bwd_block_q, t.bwd_block_kv) == (128, 80, 64, 64)
     assert cute.tiles(call(192, 128)).bwd_block_kv == 96

@@ -120,8 +120,11 @@ def test_registry_accepts_step2_variants():
     for d in (64, 128, 256):
         for dtype in ("bfloat16", "float16"):
             assert cute.supports(call(d, dtype=dtype, softcap=True, k=6)) is None
-    assert "head dims" in cute.supports(call(96))
-    assert "head dims" in cute.supports(call(128, 64))
+    # head dims without kernels of their own run zero-padded (tests/test_head_dim_padding.py)
+    assert cute.supports(call(96)) is None and cute.supports(call(128, 64)) is None
+    assert cute.tiles(call(96)) == cute.tiles(call(128))
+    assert "head dims 320/320" in cute.supports(call(320))
+    assert "head dims 128/300" in cute.supports(call(128, 300))
     assert "dtype" in cute.supports(call(128, dtype="float32"))
     assert cute.supports(call(128, k=9)) is None and cute.supports(call(128, k=32)) is None  # any K
     assert (cute.tiles(call(256)).block_q, cute.tiles(call(256)).block_kv) == (128, 80)
