@@ -37,7 +37,7 @@ from .lower.descriptor import TileConfig
 
 __all__ = ["Backend", "Call", "register", "select", "explain", "preferred_tiles",
            "BackendUnavailable", "Preprocess", "register_preprocess", "select_preprocess",
-           "get_preprocess", "PREPROCESS_ENV"]
+           "get_preprocess", "PREPROCESS_ENV", "cute_head_dims"]
 
 
 class BackendUnavailable(RuntimeError):
