@@ -564,7 +564,8 @@ def _cute_backward_note() -> str:
         return (f"gradients from the xla backward on the CuTe forward's residuals "
                 f"({CUTE_BACKWARD_ENV}=0 turned the CuTe backward off)")
     return ("CuTe backward for every config the CuTe forward runs (D 64 / 128 / 256, 192 / "
-            "128, each with or without a soft cap; any K, residual predicates); "
+            "128, each with or without a soft cap, other head dims up to 256 zero-padded to "
+            "one of them; any K, residual predicates); "
             f"{CUTE_BACKWARD_ENV}=0 uses the xla backward on the CuTe forward's residuals "
             "instead")
 
