@@ -122,7 +122,10 @@ def mask_attention(query, key, value, mask=None, *, bias=None,
         [q_len, num_heads, head_dim] (then key and value drop the batch axis too).
       key: [batch, kv_len, num_kv_heads, head_dim]; query head h reads key/value head
         ``h // (num_heads // num_kv_heads)`` (GQA/MQA).
-      value: [batch, kv_len, num_kv_heads, head_dim_v].
+      value: [batch, kv_len, num_kv_heads, head_dim_v]. On an SM90 GPU the CuTe kernels
+        take head dims up to 256 in bfloat16 / float16 (those without a kernel of their own
+        run zero-padded: :func:`jcompilemask.backends.cute_head_dims`); wider ones and
+        float32 run the ``xla`` backend.
       mask: one of
 
         * an :class:`ExecutionDescriptor` (built once per step, shared by layers);
