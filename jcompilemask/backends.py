@@ -119,13 +119,6 @@ def _cute_call_dims(call: Call) -> tuple[int, int]:
     return cute_head_dims(call.head_dim, call.head_dim_v) or (call.head_dim, call.head_dim_v)
 
 
-def _pad_last(x, width: int):
-    """``x`` with its last axis zero-padded to ``width`` (as is when already that wide)."""
-    import jax.numpy as jnp
-    extra = width - x.shape[-1]
-    return x if extra == 0 else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, extra)])
-
-
 @dataclasses.dataclass(frozen=True)
 class Backend:
     """An attention implementation.
@@ -270,8 +263,7 @@ def explain(call: Call | None = None, mask=None) -> str:
             status += f" ({note})"
         lines.append(f"  {b.name}: {status}")
     if call is not None:
-        lines.append(f"chosen: {chosen}" + (_padding_note(call, " (", ")")
-                                             if chosen == "cute" else ""))
+        lines.append(f"chosen: {chosen}" + (_padding_note(call) if chosen == "cute" else ""))
         if chosen is not None:
             lines.append(explain_backward(call))
     if cm is not None:
@@ -411,8 +403,9 @@ def _cute_backend() -> Backend:
         dims = cute_head_dims(q.shape[-1], v.shape[-1])
         if dims is not None and dims != (q.shape[-1], v.shape[-1]):
             # Head dims without a kernel of their own run zero-padded (cute_head_dims).
-            out, lse = forward(_pad_last(q, dims[0]), _pad_last(k, dims[0]),
-                               _pad_last(v, dims[1]), desc, scale, softcap)
+            pad = xla._pad_to
+            out, lse = forward(pad(q, -1, dims[0]), pad(k, -1, dims[0]), pad(v, -1, dims[1]),
+                               desc, scale, softcap)
             return out[..., :v.shape[-1]], lse
         prog = residual_program(desc)
         from .kernels.cute import cute_forward
@@ -438,9 +431,10 @@ def _cute_backend() -> Backend:
         if dims is not None and dims != (d, dv):
             # As the forward: zero columns of q / k / v / out / dO give zero gradient
             # columns and leave delta = rowsum(dO * out) as it was.
-            dq, dk, dvv = backward(_pad_last(q, dims[0]), _pad_last(k, dims[0]),
-                                   _pad_last(v, dims[1]), desc, scale, softcap,
-                                   _pad_last(out, dims[1]), lse, _pad_last(do, dims[1]),
+            pad = xla._pad_to
+            dq, dk, dvv = backward(pad(q, -1, dims[0]), pad(k, -1, dims[0]),
+                                   pad(v, -1, dims[1]), desc, scale, softcap,
+                                   pad(out, -1, dims[1]), lse, pad(do, -1, dims[1]),
                                    dlse, deterministic)
             return dq[..., :d], dk[..., :d], dvv[..., :dv]
         prog = residual_program(desc)
@@ -620,15 +614,15 @@ def explain_backward(call: Call) -> str:
 _BUILTIN_DONE = False
 
 
-def _padding_note(call: Call, before: str = "", after: str = "") -> str:
-    """How the CuTe kernels run ``call``'s head dims when they have no kernel of their own
-    ("" when they do)."""
+def _padding_note(call: Call) -> str:
+    """`` (how the CuTe kernels run call's head dims)`` when they have no kernel of their
+    own, else ""."""
     d, dv = _cute_call_dims(call)
     if (d, dv) == (call.head_dim, call.head_dim_v):
         return ""
     work = (d + dv) / (call.head_dim + call.head_dim_v)
-    return (f"{before}head dims {call.head_dim}/{call.head_dim_v} run zero-padded to {d}/{dv}: "
-            f"exact, {work:.2f}x the matmul work of kernels of their own{after}")
+    return (f" (head dims {call.head_dim}/{call.head_dim_v} run zero-padded to {d}/{dv}: "
+            f"exact, {work:.2f}x the matmul work of kernels of their own)")
 
 
 def _ensure_builtin():
