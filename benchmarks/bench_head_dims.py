@@ -156,6 +156,8 @@ def bench_cudnn(n, b, d, dv, cap, kw):
     import jax.numpy as jnp
     if cap is not None:
         raise NotImplementedError("jax.nn.dot_product_attention has no soft cap")
+    if dv != d:
+        raise NotImplementedError(f"jax.nn.dot_product_attention needs Dv == D (got {d}/{dv})")
     q, k, v, do = _inputs(b, n, HEADS, d, dv, n)
     attn = lambda q, k, v: jax.nn.dot_product_attention(  # noqa: E731
         q, k, v, is_causal=True, implementation="cudnn")
