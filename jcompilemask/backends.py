@@ -113,6 +113,34 @@ def cute_head_dims(head_dim: int, head_dim_v: int) -> Optional[tuple[int, int]]:
     return min(fits, key=lambda p: (p[0] + p[1], p)) if fits else None
 
 
+CUTE_HEAD_DIM_PAD_ENV = "JCOMPILEMASK_CUTE_HEAD_DIM_PAD"
+
+
+def cute_head_dim_padding(head_dim: int, head_dim_v: int) -> Optional[str]:
+    """How the CuTe kernels take head dims without kernels of their own
+    (:func:`cute_head_dims`): ``"copy"``, q / k / v (and out / dO) zero-padded copies, the
+    results cut back; ``"tma"``, the arrays as they are, the wider kernel's TMA loads
+    zero-filling the columns past them and its stores dropping those (``kernel_head_dims``
+    of ``cute_forward`` / ``cute_backward``: no copies); None for a built pair (or none
+    wide enough). ``"tma"`` needs head dims that are multiples of 8 (16-byte TMA
+    strides). ``$JCOMPILEMASK_CUTE_HEAD_DIM_PAD`` = ``copy`` / ``tma`` chooses; the
+    default is ``copy`` (``tma``: compile-checked, not yet run on a GPU).
+
+    >>> cute_head_dim_padding(128, 128), cute_head_dim_padding(96, 96)
+    (None, 'copy')
+    """
+    import os
+    dims = cute_head_dims(head_dim, head_dim_v)
+    if dims is None or dims == (head_dim, head_dim_v):
+        return None
+    want = os.environ.get(CUTE_HEAD_DIM_PAD_ENV, "copy").strip().lower() or "copy"
+    if want not in ("copy", "tma"):
+        raise ValueError(f"${CUTE_HEAD_DIM_PAD_ENV}={want!r}: use 'copy' or 'tma'")
+    if want == "tma" and (head_dim % 8 or head_dim_v % 8):
+        return "copy"
+    return want
+
+
 def _cute_call_dims(call: Call) -> tuple[int, int]:
     """``call``'s head dims as the CuTe kernels run them (its own where none fits: the
     kernels' checks then say why)."""
@@ -400,8 +428,9 @@ def _cute_backend() -> Backend:
 
     def forward(q, k, v, desc, scale, softcap):
         import jax.numpy as jnp
+        padding = cute_head_dim_padding(q.shape[-1], v.shape[-1])
         dims = cute_head_dims(q.shape[-1], v.shape[-1])
-        if dims is not None and dims != (q.shape[-1], v.shape[-1]):
+        if padding == "copy":
             # Head dims without a kernel of their own run zero-padded (cute_head_dims).
             pad = xla._pad_to
             out, lse = forward(pad(q, -1, dims[0]), pad(k, -1, dims[0]), pad(v, -1, dims[1]),
@@ -409,10 +438,10 @@ def _cute_backend() -> Backend:
             return out[..., :v.shape[-1]], lse
         prog = residual_program(desc)
         from .kernels.cute import cute_forward
-        extra = {}
+        extra = {} if padding is None else dict(kernel_head_dims=dims)
         if prog is not None:
             bm = desc.fwd_intervals.shape[0]
-            extra = dict(residual=prog, row_region=jnp.broadcast_to(
+            extra.update(residual=prog, row_region=jnp.broadcast_to(
                 desc.row_region, (bm,) + desc.row_region.shape[1:]),
                 residual_params=prog.table(desc.metadata or {}, bm, xp=jnp))
         with slow_step(f"jcompilemask: building the CuTe forward kernel ({q.dtype}, D "
@@ -428,7 +457,8 @@ def _cute_backend() -> Backend:
         import jax.numpy as jnp
         d, dv = q.shape[-1], v.shape[-1]
         dims = cute_head_dims(d, dv)
-        if dims is not None and dims != (d, dv):
+        padding = cute_head_dim_padding(d, dv)
+        if padding == "copy":
             # As the forward: zero columns of q / k / v / out / dO give zero gradient
             # columns and leave delta = rowsum(dO * out) as it was.
             pad = xla._pad_to
@@ -438,17 +468,19 @@ def _cute_backend() -> Backend:
                                    dlse, deterministic)
             return dq[..., :d], dk[..., :d], dvv[..., :dv]
         prog = residual_program(desc)
-        why = cute_backward_reason(q, v, desc, softcap)
+        why = cute_backward_plan(*(dims if padding else (d, dv)), softcap,
+                                 (desc.tiles.bwd_block_q, desc.tiles.bwd_block_kv),
+                                 desc.num_bwd_intervals)
         if why is not None:
             log_once(("cute-backward", why), "jcompilemask: gradients come from the xla "
                      "backward, not the CuTe backward kernel: %s", why)
             return xla.backward(q, k, v, desc, scale, softcap, out, lse, do, dlse)
         from .kernels.cute.api import _bwd_static_order_on, cute_backward
-        extra = {}
+        extra = {} if padding is None else dict(kernel_head_dims=dims)
         if prog is not None:
             from .lower.residual_program import ResidualProgram
             bm = desc.fwd_intervals.shape[0]
-            extra = dict(residual=ResidualProgram.pair(desc.mask), row_region=jnp.broadcast_to(
+            extra.update(residual=ResidualProgram.pair(desc.mask), row_region=jnp.broadcast_to(
                 desc.row_region, (bm,) + desc.row_region.shape[1:]),
                 residual_params=prog.table(desc.metadata or {}, bm, xp=jnp))
         with slow_step(f"jcompilemask: building the CuTe backward kernel ({q.dtype}, D "
@@ -462,7 +494,7 @@ def _cute_backend() -> Backend:
                                  exact_columns=bool(getattr(desc.mask, "column_view_exact", False)),
                                  static_bwd_tiles=(static_bwd_tiles(desc) if not deterministic
                                                    and _bwd_static_order_on(
-                                                       q.shape[-1], v.shape[-1], softcap)
+                                                       *(dims if padding else (d, dv)), softcap)
                                                    else None),
                                  **extra)
 
@@ -621,8 +653,11 @@ def _padding_note(call: Call) -> str:
     if (d, dv) == (call.head_dim, call.head_dim_v):
         return ""
     work = (d + dv) / (call.head_dim + call.head_dim_v)
+    how = ("read in place by TMA boxes that zero-fill the columns past them, no copies"
+           if cute_head_dim_padding(call.head_dim, call.head_dim_v) == "tma"
+           else "padded copies of the operands")
     return (f" (head dims {call.head_dim}/{call.head_dim_v} run zero-padded to {d}/{dv}: "
-            f"exact, {work:.2f}x the matmul work of kernels of their own)")
+            f"exact, {work:.2f}x the matmul work of kernels of their own; {how})")
 
 
 def _ensure_builtin():

@@ -33,23 +33,42 @@ def fake_cute_kernels(monkeypatch):
     the list of (kind, D, Dv, tiles) the kernels were called with."""
     seen = []
 
+    def kernel_dims(q, v, kernel_head_dims, kind):
+        """The kernel's head dims; with ``kernel_head_dims`` (TMA in place), the checks
+        ``cute_forward`` / ``cute_backward`` make, and the padding their TMA boxes do."""
+        d, dv = q.shape[-1], v.shape[-1]
+        dims = (d, dv) if kernel_head_dims is None else tuple(kernel_head_dims)
+        assert dims in BUILT, (kind, q.shape, v.shape, kernel_head_dims)
+        if kernel_head_dims is not None:
+            assert dims[0] >= d and dims[1] >= dv and d % 8 == 0 and dv % 8 == 0, (d, dv, dims)
+        seen.append((kind, *dims, "tma" if dims != (d, dv) else "as is"))
+        return dims
+
+    def pad(x, n):   # what a TMA box wider than the array reads: zeros past its columns
+        return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, n - x.shape[-1])])
+
     def fwd(q, k, v, fwd_intervals, fwd_tiles, *, scale=None, softcap=None, block_q=128,
-            block_kv=128, **_):
-        assert (q.shape[-1], v.shape[-1]) in BUILT, (q.shape, v.shape)
-        seen.append(("fwd", q.shape[-1], v.shape[-1], (block_q, block_kv)))
-        o, lse = kernel_reference(q, k, v, fwd_intervals, scale, softcap)
-        return o.astype(q.dtype), lse
+            block_kv=128, kernel_head_dims=None, **_):
+        kd, kdv = kernel_dims(q, v, kernel_head_dims, "fwd")
+        seen[-1] = seen[-1] + ((block_q, block_kv),)
+        o, lse = kernel_reference(pad(q, kd), pad(k, kd), pad(v, kdv), fwd_intervals,
+                                  scale, softcap)
+        return o[..., :v.shape[-1]].astype(q.dtype), lse
 
     def bwd(q, k, v, out, lse, do, bwd_intervals, bwd_tiles, fwd_intervals, bwd_exact, *,
-            scale=None, dlse=None, block_q=None, block_kv=None, softcap=None, **_):
-        assert (q.shape[-1], v.shape[-1]) in BUILT, (q.shape, v.shape)
+            scale=None, dlse=None, block_q=None, block_kv=None, softcap=None,
+            kernel_head_dims=None, **_):
         assert out.shape[-1] == do.shape[-1] == v.shape[-1]
-        seen.append(("bwd", q.shape[-1], v.shape[-1], (block_q, block_kv)))
+        kd, kdv = kernel_dims(q, v, kernel_head_dims, "bwd")
+        seen[-1] = seen[-1] + ((block_q, block_kv),)
         f = lambda a, b, c: kernel_reference(a, b, c, fwd_intervals, scale, softcap)  # noqa: E731
-        (o, l), vjp = jax.vjp(f, *(x.astype(jnp.float32) for x in (q, k, v)))
+        (o, l), vjp = jax.vjp(f, *(pad(x, n).astype(jnp.float32)
+                                   for x, n in ((q, kd), (k, kd), (v, kdv))))
         ct_l = jnp.zeros_like(l) if dlse is None else jnp.where(jnp.isfinite(l), dlse, 0.0)
-        dq, dk, dv = vjp((do.astype(jnp.float32), ct_l))
-        return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+        dq, dk, dv = vjp((pad(do, kdv).astype(jnp.float32), ct_l))
+        d, dvv = q.shape[-1], v.shape[-1]
+        return (dq[..., :d].astype(q.dtype), dk[..., :d].astype(k.dtype),
+                dv[..., :dvv].astype(v.dtype))
 
     import jcompilemask.kernels.cute as cute_pkg
     monkeypatch.setattr(cute_pkg, "cute_forward", fwd)
@@ -89,6 +108,7 @@ def test_cute_head_dims_picks_the_cheapest_built_pair():
             assert all(a + c >= sum(got) for a, c in BUILT if a >= d and c >= dv)
 
 
+@pytest.mark.parametrize("mode", ["copy", "tma"])
 @pytest.mark.parametrize("d,dv,mask,softcap,dtype", [
     (96, 96, "causal", None, jnp.bfloat16),
     (80, 80, "sliding_window", None, jnp.float16),
@@ -96,8 +116,10 @@ def test_cute_head_dims_picks_the_cheapest_built_pair():
     (160, 128, "causal", None, jnp.bfloat16),
     (128, 64, "prefix_lm", None, jnp.float16),
     (192, 192, "causal", None, jnp.bfloat16),
+    (100, 100, "causal", None, jnp.bfloat16),    # not a multiple of 8: copies in either mode
 ])
-def test_padded_head_dims_match_the_oracle(monkeypatch, d, dv, mask, softcap, dtype):
+def test_padded_head_dims_match_the_oracle(monkeypatch, mode, d, dv, mask, softcap, dtype):
+    monkeypatch.setenv(backends.CUTE_HEAD_DIM_PAD_ENV, mode)
     spec = {"causal": jcm.masks.causal(), "sliding_window": jcm.masks.sliding_window(48),
             "prefix_lm": jcm.masks.prefix_lm()}[mask]
     md = {"prefix_len": np.array([30, 150], np.int32)} if mask == "prefix_lm" else None
@@ -111,6 +133,8 @@ def test_padded_head_dims_match_the_oracle(monkeypatch, d, dv, mask, softcap, dt
     want_dims = backends.cute_head_dims(d, dv)
     assert {s[1:3] for s in seen} == {want_dims}, seen
     assert {s[0] for s in seen} == {"fwd", "bwd"}
+    in_place = mode == "tma" and d % 8 == 0 and dv % 8 == 0
+    assert {s[3] for s in seen} == {"tma" if in_place else "as is"}, seen
     assert out.shape == q.shape[:3] + (dv,) and out.dtype == dtype
     assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
 
@@ -132,7 +156,7 @@ def test_padded_head_dims_build_the_descriptor_at_the_padded_tiles(monkeypatch):
     call = backends.call_for(jcm.compile(jcm.masks.causal()), dtype="bfloat16",
                              head_dim=256, head_dim_v=256, num_heads=4, num_kv_heads=2)
     t = backends.get("cute").tiles(call)
-    assert seen == [("fwd", 256, 256, (t.block_q, t.block_kv))]
+    assert seen == [("fwd", 256, 256, "as is", (t.block_q, t.block_kv))]
 
 
 def test_explain_says_the_head_dims_run_padded(monkeypatch):
@@ -142,7 +166,16 @@ def test_explain_says_the_head_dims_run_padded(monkeypatch):
     with fake_cute_kernels(monkeypatch):
         text = backends.explain(call)
     assert "chosen: cute (head dims 96/96 run zero-padded to 128/128: exact, 1.33x" in text
+    assert "padded copies of the operands" in text
     assert "backward: the CuTe backward kernel" in text
+    monkeypatch.setenv(backends.CUTE_HEAD_DIM_PAD_ENV, "tma")
+    with fake_cute_kernels(monkeypatch):
+        text = backends.explain(call)
+    assert "1.33x the matmul work of kernels of their own; read in place by TMA boxes" in text
+    monkeypatch.setenv(backends.CUTE_HEAD_DIM_PAD_ENV, "zeros")
+    with pytest.raises(ValueError, match="JCOMPILEMASK_CUTE_HEAD_DIM_PAD='zeros': use 'copy' or 'tma'"):
+        backends.cute_head_dim_padding(96, 96)
+    monkeypatch.delenv(backends.CUTE_HEAD_DIM_PAD_ENV)
     wide = backends.call_for(cm, dtype="bfloat16", head_dim=320, head_dim_v=320,
                              num_heads=8, num_kv_heads=8)
     with fake_cute_kernels(monkeypatch):

@@ -121,6 +121,56 @@ def test_padded_head_dims_fp16_mqa_fully_masked_rows(config):
     _grads(spec, {"start": np.array([300, 900])}, 2, 900, 4, 1, config, dtype=jnp.float16)
 
 
+# The same head dims read in place ($JCOMPILEMASK_CUTE_HEAD_DIM_PAD=tma): the wider kernels'
+# TMA boxes zero-fill the columns past the arrays' head dims and drop them on store, with no
+# padded copies (ForwardKey / BackwardKey.io_head_dims).
+@pytest.mark.parametrize("config", sorted(PADDED))
+@pytest.mark.parametrize("name", ["causal", "document"])
+def test_in_place_head_dims_grads(monkeypatch, name, config):
+    monkeypatch.setenv(backends.CUTE_HEAD_DIM_PAD_ENV, "tma")
+    rng = np.random.default_rng(4)
+    _grads(SPECS[name], metadata(name, 2, 1000, rng), 2, 1000, 4, 2, config)
+
+
+@pytest.mark.parametrize("config", sorted(PADDED))
+def test_in_place_head_dims_fp16_mqa_fully_masked_rows(monkeypatch, config):
+    monkeypatch.setenv(backends.CUTE_HEAD_DIM_PAD_ENV, "tma")
+    s = Scalar("start", max=q_len)
+    spec = MaskSpec([Region((s, q_len), k <= q)])
+    _grads(spec, {"start": np.array([300, 900])}, 2, 900, 4, 1, config, dtype=jnp.float16)
+
+
+@pytest.mark.parametrize("config", sorted(PADDED))
+def test_in_place_head_dims_match_the_copies(monkeypatch, config):
+    """In place and on padded copies the kernels see the same numbers: out, lse, dK and dV
+    bit for bit (dQ's float sums may be added in another order)."""
+    d, dv, cap = PADDED[config]
+    rng = np.random.default_rng(5)
+    md = metadata("hstu", 2, 1000, rng)
+    ks = jax.random.split(jax.random.key(6), 4)
+    qx, kx = (jax.random.normal(ks[i], (2, 1000, h, d), jnp.float32).astype(jnp.bfloat16)
+              for i, h in ((0, 4), (1, 2)))
+    vx = jax.random.normal(ks[2], (2, 1000, 2, dv), jnp.float32).astype(jnp.bfloat16)
+    do = jax.random.normal(ks[3], (2, 1000, 4, dv), jnp.float32).astype(jnp.bfloat16)
+
+    def run(mode):
+        monkeypatch.setenv(backends.CUTE_HEAD_DIM_PAD_ENV, mode)
+
+        def f(a, b_, c):       # a new function per mode: the mode is read while tracing
+            return jcm.mask_attention(a, b_, c, SPECS["hstu"], metadata=md,
+                                      implementation="cute", logits_soft_cap=cap,
+                                      return_residual=True)
+        (o, lse), vjp = jax.vjp(jax.jit(f), qx, kx, vx)
+        return (o, lse), vjp((do, jnp.zeros_like(lse)))
+
+    (o1, l1), (dq1, dk1, dv1) = run("copy")
+    (o2, l2), (dq2, dk2, dv2) = run("tma")
+    for name, a, b_ in (("out", o1, o2), ("lse", l1, l2), ("dk", dk1, dk2), ("dv", dv1, dv2)):
+        assert np.array_equal(np.asarray(a), np.asarray(b_), equal_nan=True), name
+    np.testing.assert_allclose(np.asarray(dq1, np.float32), np.asarray(dq2, np.float32),
+                               rtol=2e-2, atol=2e-2)
+
+
 @pytest.mark.parametrize("config", ["cap128", "d256", "d192", "d192cap"])
 def test_no_column_view_uses_row_intervals(config):
     spec = MaskSpec([Region((0, q_len), (k <= q) & (k >= q % 97 * 3))])

@@ -79,6 +79,37 @@ def forward_smem_bytes(head_dim: int, block_q: int, block_kv: int, num_stages: i
                                 + dv * num_stages * block_kv)
 
 
+
+def _check_io_head_dims(what: str, io, head_dim: int, head_dim_v: int) -> None:
+    """``io_head_dims`` of a kernel key: None, or (D, Dv) no wider than the kernel's head
+    dims, not both equal to them, and multiples of 8 (TMA's 16-byte global strides)."""
+    if io is None:
+        return
+    d, dv = io
+    if not (0 < d <= head_dim and 0 < dv <= head_dim_v) or (d, dv) == (head_dim, head_dim_v) \
+            or d % 8 or dv % 8:
+        raise ValueError(f"{what}(io_head_dims={io!r}) must be narrower than the kernel's head "
+                         f"dims {head_dim}/{head_dim_v} (None when equal) and multiples of 8")
+
+
+def _io_suffix(io) -> str:
+    """The kernel name's mark of ``io_head_dims``."""
+    return "" if io is None else f"_io{io[0]}x{io[1]}"
+
+
+def _io_head_dims(what: str, d: int, dv: int, kernel_head_dims):
+    """The ``io_head_dims`` of a call of (d, dv) arrays on the kernel of ``kernel_head_dims``
+    (None: the arrays' own; also None when equal to them)."""
+    if kernel_head_dims is None or tuple(kernel_head_dims) == (d, dv):
+        return None
+    kd, kdv = kernel_head_dims
+    if kd < d or kdv < dv or d % 8 or dv % 8:
+        raise ValueError(f"{what}: kernel_head_dims={tuple(kernel_head_dims)} must be at least "
+                         f"the arrays' head dims {d}/{dv}, which must be multiples of 8 (TMA's "
+                         "16-byte strides); pad the arrays otherwise")
+    return (d, dv)
+
+
 @dataclasses.dataclass(frozen=True)
 class ForwardKey:
     """Everything the compiled forward kernel depends on statically."""
@@ -212,6 +243,12 @@ class ForwardKey:
     # opts out): the dilated window's forward 0.533 -> 0.480 ms at 8K, 0.616 -> 0.488 at
     # 32K (H100, run 2026-12-05T23:42:56Z; Flex+FA4 0.493 / 0.512).
     residual_regs: bool = False
+    # The caller's head dims (D, Dv) where they are narrower than the kernel's (head_dim,
+    # head_dim_v): q / k / v / o are read and written at their own width, the TMA boxes stay
+    # the kernel's, so TMA fills the columns past D (Dv) with zeros on load and drops O's past
+    # Dv on store (backends.cute_head_dims without the pad / slice copies). None: the same.
+    # Both multiples of 8 (16-byte TMA strides). The scale is the caller's, as always.
+    io_head_dims: tuple | None = None
 
     @property
     def list_smem(self) -> int:
@@ -234,6 +271,7 @@ class ForwardKey:
             raise ValueError(f"residual program {self.residual!r} does not fit K={self.num_intervals}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"cute forward supports {_DTYPES}, got dtype {self.dtype!r}")
+        _check_io_head_dims("ForwardKey", self.io_head_dims, self.head_dim, self.head_dim_v)
         pair = (self.head_dim, self.head_dim_v)
         if not ((self.head_dim in HEAD_DIMS and self.head_dim_v == self.head_dim)
                 or pair in HEAD_DIM_PAIRS):
@@ -310,6 +348,7 @@ class ForwardKey:
             + ("_oe" if self.operands_early else "")
             + ("_pd" if self.p_double else "")
             + ("_rr" if self.residual_regs else "")
+            + _io_suffix(self.io_head_dims)
         )
 
 
@@ -407,8 +446,9 @@ def compile_forward(key: ForwardKey):
             operands_early=key.operands_early, p_double=key.p_double,
             residual_regs=key.residual_regs,
         )
-        inputs = [bhsd(nq, hq, key.head_dim), bhsd(nk, hkv, key.head_dim), bhsd(nk, hkv, key.head_dim_v),
-                  intervals, tiles]
+        # The tensors at the caller's head dims (io_head_dims: TMA zero-fills past them).
+        d_io, dv_io = key.io_head_dims or (key.head_dim, key.head_dim_v)
+        inputs = [bhsd(nq, hq, d_io), bhsd(nk, hkv, d_io), bhsd(nk, hkv, dv_io), intervals, tiles]
         entry = kernel
         if key.residual is not None:
             # The rows' regions [Bm, Nq] and the residual parameter table [Bm, max(W, 1)]
@@ -427,7 +467,7 @@ def compile_forward(key: ForwardKey):
             else:
                 inputs.append(cute.runtime.make_fake_tensor(cutlass.Int32, (sym(),), stride=(1,),
                                                             assumed_align=4))
-        args = inputs + [bhsd(nq, hq, key.head_dim_v), lse]
+        args = inputs + [bhsd(nq, hq, dv_io), lse]
         fn = cute.compile(
             entry, *args,
             cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
@@ -979,7 +1019,7 @@ def forward_schedule(fwd_tiles, batch: int, num_heads: int, num_kv_heads: int, h
 
 def cute_forward(q, k, v, fwd_intervals, fwd_tiles, *, scale=None, softcap=None, block_q=128, block_kv=128,
                  num_stages=None, softcap_fast_tanh=False, residual=None, row_region=None,
-                 residual_params=None):
+                 residual_params=None, kernel_head_dims=None):
     """Masked attention forward on SM90 from an Execution Descriptor's forward view.
 
     Args:
@@ -995,12 +1035,22 @@ def cute_forward(q, k, v, fwd_intervals, fwd_tiles, *, scale=None, softcap=None,
         hold hulls: its predicates are checked per element in partial tiles, reading
         ``row_region`` int32 [Bm, Nq] (the descriptor's) and ``residual_params`` int32
         [Bm, max(W, 1)] (``residual.table(desc.metadata, Bm, jnp)``).
+      kernel_head_dims: None, or a built pair (D', Dv') at least as wide as (D, Dv), both
+        multiples of 8: the kernel of (D', Dv') runs on the arrays as they are, its TMA
+        loads zero-filling the columns past D / Dv and O's store dropping those past Dv
+        (``ForwardKey.io_head_dims``): exact, with no padded copies. The tiles and stages
+        are (D', Dv')'s; the default scale stays 1/sqrt(D).
     Returns:
       o [B, Nq, Hq, Dv] (q.dtype) and lse float32 [B, Hq, Nq] (natural log; -inf for empty rows).
     """
     B, Nq, Hq, D = q.shape
     Bk, Nk, Hkv, Dk = k.shape
     Dv = v.shape[-1]
+    io = _io_head_dims("cute_forward", D, Dv, kernel_head_dims)
+    if scale is None:
+        scale = 1.0 / math.sqrt(D)
+    if io is not None:
+        D, Dv = kernel_head_dims
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if Bk != B or Dk != D or v.shape[:3] != k.shape[:3] or Hq % Hkv:
@@ -1015,8 +1065,6 @@ def cute_forward(q, k, v, fwd_intervals, fwd_tiles, *, scale=None, softcap=None,
             f"Nq={Nq}, Nk={Nk} (expected {(Bm, Hm, Tq, -(-Tk // 16))}); was the descriptor built "
             "for other tile sizes?"
         )
-    if scale is None:
-        scale = 1.0 / math.sqrt(D)
     stages = num_stages or preferred_forward_stages(D, jnp.dtype(q.dtype).name)
     residual = None if residual is None or residual.exact else residual
     key = ForwardKey(
@@ -1024,7 +1072,7 @@ def cute_forward(q, k, v, fwd_intervals, fwd_tiles, *, scale=None, softcap=None,
         block_q=block_q, block_kv=block_kv, broadcast_batch=(Bm == 1 and B > 1),
         broadcast_head=(Hm == 1 and Hq > 1), scale=float(scale), num_stages=stages,
         softcap=None if softcap is None else float(softcap), softcap_fast_tanh=softcap_fast_tanh,
-        residual=residual,
+        residual=residual, io_head_dims=io,
         **forward_switches(D, Dv, block_q, block_kv, stages, residual=residual),
     )
     extra = ()
@@ -1046,7 +1094,7 @@ def cute_forward(q, k, v, fwd_intervals, fwd_tiles, *, scale=None, softcap=None,
         extra = extra + ((persistent_schedule(order, num_sms()) if key.persistent else order),)
     name = _ensure_registered(key)
     out_types = (
-        jax.ShapeDtypeStruct((B, Nq, Hq, Dv), q.dtype),
+        jax.ShapeDtypeStruct((B, Nq, Hq, v.shape[-1]), q.dtype),
         jax.ShapeDtypeStruct((B, Hq, Nq), jnp.float32),
     )
     call = jax.ffi.ffi_call(name, out_types, vmap_method="sequential")
@@ -1931,10 +1979,19 @@ class BackwardKey:
     # masks, no stack (the dilated window, D 128: 16 B of stack and 9 local loads / stores
     # in the masked tile loop -> 0; 1413 -> 794 static instructions per masked tile copy).
     exact_columns: bool = False
+    # The caller's head dims (D, Dv) where narrower than (head_dim, dv): q / k / dk at D, v /
+    # do / dv at Dv, read by TMA boxes of the kernel's width (zero-filled past D / Dv) and
+    # dK / dV stored by TMA boxes that drop the columns past them (ForwardKey.io_head_dims;
+    # needs config.dkv_tma_store). dQ's float32 accumulator stays at the kernel's width.
+    io_head_dims: tuple | None = None
 
     def __post_init__(self):
         if self.dtype not in _DTYPES:
             raise ValueError(f"cute backward supports {_DTYPES}, got dtype {self.dtype!r}")
+        _check_io_head_dims("BackwardKey", self.io_head_dims, self.head_dim, self.dv)
+        if self.io_head_dims is not None and not self.config.dkv_tma_store:
+            raise ValueError("BackwardKey(io_head_dims=...) stores dK / dV by TMA (columns past "
+                             "the caller's head dims dropped): needs config.dkv_tma_store")
         if self.exact_columns and self.num_bwd_intervals == 0:
             raise ValueError("exact_columns needs a column view (num_bwd_intervals > 0)")
         if self.residual is not None:
@@ -1998,7 +2055,7 @@ class BackwardKey:
                 f"_{self.config.tag}_{scale_bits:016x}"
                 + ("" if self.softcap is None else f"_c{np.float64(self.softcap).view(np.uint64):016x}")
                 + ("" if self.residual is None else f"_r{self.residual[0].tag}{self.residual[1].tag}")
-                + ("_xc" if self.exact_columns else ""))
+                + ("_xc" if self.exact_columns else "") + _io_suffix(self.io_head_dims))
 
 
 def dq_warpgroups(head_dim: int, num_consumer_wgs: int = 2, block_q: int = BWD_TILES[0]) -> int:
@@ -2086,8 +2143,11 @@ def compile_backward(key: BackwardKey):
             cutlass.Int32, (bm, hm, sym(), sym()), stride=(sym64(), sym64(), sym64(), 1), assumed_align=4)
         sem = lambda: cute.runtime.make_fake_tensor(  # noqa: E731
             cutlass.Int32, (sym(), sym(), sym()), stride=(sym64(), sym64(), 1), assumed_align=4)
-        args = [bshd(dtype, nq, hq), bshd(dtype, nk, hkv), bshd(dtype, nk, hkv, dim=key.dv),
-                bshd(dtype, nq, hq, dim=key.dv),
+        # q / k / dk at the caller's D, v / do / dv at its Dv (io_head_dims: TMA zero-fills
+        # the kernel's columns past them and drops dK / dV's on store).
+        d_io, dv_io = key.io_head_dims or (d, key.dv)
+        args = [bshd(dtype, nq, hq, dim=d_io), bshd(dtype, nk, hkv, dim=d_io),
+                bshd(dtype, nk, hkv, dim=dv_io), bshd(dtype, nq, hq, dim=dv_io),
                 rows(), rows(), bwd_iv, tiles, fwd_iv, exact, rank, dq_acc(), sem()]
         entry = kernel
         if key.residual is not None:
@@ -2104,7 +2164,7 @@ def compile_backward(key: BackwardKey):
             entry = kernel.with_residual_schedule if key.residual is not None else kernel.with_schedule
             shape, stride = ((sym(), sym()), (sym64(), 1)) if cfg.persistent else ((sym(),), (1,))
             args.append(cute.runtime.make_fake_tensor(cutlass.Int32, shape, stride=stride, assumed_align=4))
-        args += [dq_acc(), sem(), bshd(dtype, nk, hkv), bshd(dtype, nk, hkv, dim=key.dv)]
+        args += [dq_acc(), sem(), bshd(dtype, nk, hkv, dim=d_io), bshd(dtype, nk, hkv, dim=dv_io)]
         fn = cute.compile(
             entry, *args,
             cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
@@ -2387,7 +2447,8 @@ def _bwd_static_order_on(head_dim: int, head_dim_v: int, softcap) -> bool:
 def cute_backward(q, k, v, out, lse, do, bwd_intervals, bwd_tiles, fwd_intervals, bwd_exact, *,
                   scale=None, dlse=None, block_q=BWD_TILES[0], block_kv=BWD_TILES[1],
                   deterministic=False, softcap=None, residual=None, row_region=None,
-                  residual_params=None, exact_columns=False, static_bwd_tiles=None):
+                  residual_params=None, exact_columns=False, static_bwd_tiles=None,
+                  kernel_head_dims=None):
     """Masked attention backward on SM90 from an Execution Descriptor's column view.
 
     Args:
@@ -2415,6 +2476,10 @@ def cute_backward(q, k, v, out, lse, do, bwd_intervals, bwd_tiles, fwd_intervals
         set), the grid. The order changes when each
         column runs, not what it computes: dK / dV are bit-identical, dQ's float sums
         may be added in another order (as under ``BackwardConfig.schedule``).
+      kernel_head_dims: None, or a built pair (D', Dv') at least as wide as (D, Dv), both
+        multiples of 8: the kernel of (D', Dv') runs on the arrays as they are (TMA loads
+        zero-fill the columns past D / Dv, dK / dV's stores drop them; dQ is cut from the
+        accumulator), as ``cute_forward``'s; the default scale stays 1/sqrt(D).
     Returns (dq, dk, dv) in the input dtype.
 
     (D, Dv) = (192, 128): v, out, do and dv are [.., 128] (``BWD_HEAD_DIM_PAIRS``).
@@ -2424,16 +2489,21 @@ def cute_backward(q, k, v, out, lse, do, bwd_intervals, bwd_tiles, fwd_intervals
     if k.dtype != q.dtype or v.dtype != q.dtype or do.dtype != q.dtype:
         raise TypeError(f"q, k, v, do must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}, "
                         f"{do.dtype}")
-    if k.shape[0] != B or v.shape[:3] != k.shape[:3] or Hq % Hkv:
+    if k.shape[0] != B or v.shape[:3] != k.shape[:3] or Hq % Hkv or k.shape[3] != D:
         raise ValueError(f"incompatible shapes q{q.shape} k{k.shape} v{v.shape}")
     Dv = v.shape[-1]
-    if ((Dv != D and (D, Dv) not in BWD_HEAD_DIM_PAIRS)
-            or out.shape != q.shape[:3] + (Dv,) or do.shape != out.shape):
-        raise ValueError(f"cute backward needs Dv == D or (D, Dv) in {BWD_HEAD_DIM_PAIRS}, "
-                         f"and out / do shaped [B, Nq, Hq, Dv]; got q{q.shape} v{v.shape} "
-                         f"out{out.shape} do{do.shape}")
+    if out.shape != q.shape[:3] + (Dv,) or do.shape != out.shape:
+        raise ValueError(f"cute backward needs out / do shaped [B, Nq, Hq, Dv]; got q{q.shape} "
+                         f"v{v.shape} out{out.shape} do{do.shape}")
     if scale is None:
         scale = 1.0 / math.sqrt(D)
+    io = _io_head_dims("cute_backward", D, Dv, kernel_head_dims)
+    D_io = D
+    if io is not None:
+        D, Dv = kernel_head_dims
+    if Dv != D and (D, Dv) not in BWD_HEAD_DIM_PAIRS:
+        raise ValueError(f"cute backward needs Dv == D or (D, Dv) in {BWD_HEAD_DIM_PAIRS}; got "
+                         f"{D}/{Dv}")
     Bm, Hm, _, K, _ = fwd_intervals.shape
     Kc = bwd_intervals.shape[3]
     Tq, Tk = -(-Nq // block_q), -(-Nk // block_kv)
@@ -2443,6 +2513,18 @@ def cute_backward(q, k, v, out, lse, do, bwd_intervals, bwd_tiles, fwd_intervals
     dtype_name = jnp.dtype(q.dtype).name
     config = backward_config(D, dtype_name, softcap is not None, block_q, block_kv,
                              deterministic, Tq)
+    if io is not None and not config.dkv_tma_store:
+        # dK / dV leave by element stores in this config (an override of the default): run
+        # it on zero-padded copies instead, which is exact too.
+        def pad(x, n):
+            return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, n - x.shape[-1])])
+        dq, dk, dv = cute_backward(
+            pad(q, D), pad(k, D), pad(v, Dv), pad(out, Dv), lse, pad(do, Dv), bwd_intervals,
+            bwd_tiles, fwd_intervals, bwd_exact, scale=scale, dlse=dlse, block_q=block_q,
+            block_kv=block_kv, deterministic=deterministic, softcap=softcap, residual=residual,
+            row_region=row_region, residual_params=residual_params, exact_columns=exact_columns,
+            static_bwd_tiles=static_bwd_tiles)
+        return dq[..., :D_io], dk[..., :D_io], dv[..., :io[1]]
     if config.heads_inner and Tk > 65535:
         raise ValueError(f"heads_inner puts the {Tk} key tiles of Nk={Nk} in the grid's y "
                          "dimension (at most 65535): unset heads_inner in "
@@ -2453,7 +2535,8 @@ def cute_backward(q, k, v, out, lse, do, bwd_intervals, bwd_tiles, fwd_intervals
         softcap=None if softcap is None else float(softcap), head_dim_v=None if Dv == D else Dv,
         residual=None if residual is None or (residual[0].exact and residual[1].exact) else
         tuple(residual),
-        exact_columns=bool(exact_columns) and Kc > 0 and _bwd_exact_columns(D, Dv, softcap))
+        exact_columns=bool(exact_columns) and Kc > 0 and _bwd_exact_columns(D, Dv, softcap),
+        io_head_dims=io)
     extra = ()
     if key.residual is not None:
         want = ((Bm, Nq), (Bm, max(residual[0].width, 1)))
@@ -2477,8 +2560,9 @@ def cute_backward(q, k, v, out, lse, do, bwd_intervals, bwd_tiles, fwd_intervals
     acc_shape = (B, Hq, Tq, block_q * D)
 
     def stats():
+        # (The preprocess kernel, an opt-in, is built for the kernel's own widths.)
         return backward_stats(out, do, lse, dlse, head_dim=D, block_q=block_q,
-                              mode=_bwd_prep_mode())
+                              mode=_bwd_prep_mode() if io is None else None)
 
     if Kc == 0:      # no column view: a 1-slot empty table keeps the operand shapes valid
         bwd_intervals = jnp.zeros((Bm, Hm, Nk, 1, 2), jnp.int32)
@@ -2530,7 +2614,7 @@ def cute_backward(q, k, v, out, lse, do, bwd_intervals, bwd_tiles, fwd_intervals
         dq_acc, _, dk, dv = scheduled(inputs)
     dq = backward_dq(dq_acc, Nq, D, block_q, backward_grad_scale(scale, softcap, config),
                      q.dtype, post=_bwd_post_on(), blocked=config.dq_blocked)
-    return dq, dk, dv
+    return dq[..., :D_io], dk, dv
 
 
 def backward_config(head_dim: int, dtype: str, softcap: bool, block_q: int, block_kv: int,
