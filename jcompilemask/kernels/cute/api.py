@@ -1046,15 +1046,15 @@ def cute_forward(q, k, v, fwd_intervals, fwd_tiles, *, scale=None, softcap=None,
     B, Nq, Hq, D = q.shape
     Bk, Nk, Hkv, Dk = k.shape
     Dv = v.shape[-1]
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if Bk != B or Dk != D or v.shape[:3] != k.shape[:3] or Hq % Hkv:
+        raise ValueError(f"incompatible shapes q{q.shape} k{k.shape} v{v.shape}")
     io = _io_head_dims("cute_forward", D, Dv, kernel_head_dims)
     if scale is None:
         scale = 1.0 / math.sqrt(D)
     if io is not None:
         D, Dv = kernel_head_dims
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if Bk != B or Dk != D or v.shape[:3] != k.shape[:3] or Hq % Hkv:
-        raise ValueError(f"incompatible shapes q{q.shape} k{k.shape} v{v.shape}")
     Bm, Hm, Nq_i, K, two = fwd_intervals.shape
     if two != 2 or Nq_i != Nq or Bm not in (1, B) or Hm not in (1, Hq):
         raise ValueError(f"fwd_intervals shape {fwd_intervals.shape} does not fit q{q.shape}")
