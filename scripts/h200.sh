@@ -99,6 +99,8 @@
 #                the glue kernels alone (bench_glue.py) (~590 s: JCM_STAGE_S=595)
 #   hdimspar     the same spread over JCM_PAR parallel pytest processes (JCM_PAR_SKIP: a regex of ids to leave out)
 #   padded       head dims run zero-padded (96, 80, 160 / 128): their GPU cases, then timed beside D 128 and the peers
+#   inplace      the same head dims read in place by the wider kernels' TMA boxes (HEAD_DIM_PAD=tma): their GPU
+#                cases, bit-identity with the copies, then copies vs in place timed at 8K
 #   multigpu     issue 19 on a multi-GPU kind: sharded training step + context parallelism (benchmarks/multi_gpu.py)
 #   kernels      GPU tests of the CuTe forward kernel alone (48 variant cases)
 #   forward      bench_forward (D = 128 causal vs FA4 native, same run) + the step-2 variants
@@ -1334,6 +1336,25 @@ PY
       --budget-s $(( b - 30 )) --out "$OUT/h200-head-dims.json" > "$OUT/bench-padded.log" 2>&1
     echo "bench rc $? ($SECONDS s)"; pkill -9 -f bench_head_dims.py 2>/dev/null
     grep -E '^\{|budget' "$OUT/bench-padded.log" | cut -c1-330 | tail -30
+    ;;
+  inplace)
+    # Head dims without kernels of their own read in place (JCOMPILEMASK_CUTE_HEAD_DIM_PAD=tma:
+    # the wider kernels' TMA boxes zero-fill past them; no padded copies): their gradient
+    # cases and the bit-identity with the copies (test_cute_head_dims.py -k in_place, 4
+    # processes), then causal fwd / bwd at JCM_INPLACE_NS (8K), copies beside in place, with
+    # D 128 and FA4 native.
+    export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
+    OUT=$OUT/tests JCM_PAR_ONLY=in_place JCM_PAR_FILES=tests/gpu/test_cute_head_dims.py \
+      JCM_STAGE_S=$(left ${JCM_INPLACE_TEST_S:-200}) bash "$0" hdimspar
+    b=$(left ${JCM_INPLACE_BENCH_S:-200})
+    export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1
+    tma=JCOMPILEMASK_CUTE_HEAD_DIM_PAD=tma
+    timeout -k 5 $b python3 benchmarks/bench_head_dims.py --ns ${JCM_INPLACE_NS:-8192} \
+      --configs ${JCM_INPLACE_CONFIGS:-d96,d80,d128} --impls jcm-cute,fa4-native --min-repeat-s 0.15 \
+      --jcm-variants "tma96@d96:$tma;tma80@d80:$tma;tma160@d160:$tma" \
+      --budget-s $(( b - 30 )) --out "$OUT/h200-head-dims.json" > "$OUT/bench-inplace.log" 2>&1
+    echo "bench rc $? ($SECONDS s)"; pkill -9 -f bench_head_dims.py 2>/dev/null
+    grep -E '^\{|budget' "$OUT/bench-inplace.log" | cut -c1-330 | tail -30
     ;;
   bpers)
     # Issue 16 (compile-checked in session 27): persistent backward CTAs (one per SM, a row of

@@ -182,3 +182,39 @@ def test_explain_says_the_head_dims_run_padded(monkeypatch):
         text = backends.explain(wide)
     assert "cute: skipped: head dims 320/320" in text and "wider ones have no kernel" in text
     assert "chosen: xla" in text
+
+
+def test_kernel_keys_take_the_callers_head_dims():
+    """``io_head_dims``: the kernels' keys (and names) for arrays narrower than the kernel."""
+    base = dict(dtype="bfloat16", head_dim=128, head_dim_v=128, num_intervals=1, block_q=128,
+                block_kv=128, broadcast_batch=True, broadcast_head=True, scale=0.1)
+    key = cute_api.ForwardKey(**base, io_head_dims=(96, 96))
+    assert key.target_name.endswith("_io96x96")
+    assert "_io" not in cute_api.ForwardKey(**base).target_name
+    for bad in ((128, 128), (136, 128), (100, 100), (0, 96)):
+        with pytest.raises(ValueError, match=r"io_head_dims=.*multiples of 8"):
+            cute_api.ForwardKey(**base, io_head_dims=bad)
+    config = cute_api.preferred_backward_config(128)
+    bkey = cute_api.BackwardKey("bfloat16", 128, 1, 1, True, True, 0.1, config=config,
+                                io_head_dims=(80, 80))
+    assert bkey.target_name.endswith("_io80x80")
+    with pytest.raises(ValueError, match="needs config.dkv_tma_store"):
+        cute_api.BackwardKey("bfloat16", 128, 1, 1, True, True, 0.1,
+                             config=cute_api.BackwardConfig(), io_head_dims=(80, 80))
+
+
+def test_cute_entry_points_check_kernel_head_dims():
+    """Before anything is built: kernel head dims narrower than the arrays, or arrays whose
+    head dims TMA cannot stride (not multiples of 8), are refused with the fix."""
+    q = jnp.zeros((1, 64, 1, 96), jnp.bfloat16)
+    iv = jnp.zeros((1, 1, 64, 1, 2), jnp.int32)
+    tiles = jnp.zeros((1, 1, 1, 1), jnp.uint32)
+    with pytest.raises(ValueError, match=r"cute_forward: kernel_head_dims=\(64, 64\) must be at least"):
+        cute_api.cute_forward(q, q, q, iv, tiles, kernel_head_dims=(64, 64))
+    odd = jnp.zeros((1, 64, 1, 100), jnp.bfloat16)
+    with pytest.raises(ValueError, match="multiples of 8.*pad the arrays otherwise"):
+        cute_api.cute_forward(odd, odd, odd, iv, tiles, kernel_head_dims=(128, 128))
+    lse = jnp.zeros((1, 1, 64), jnp.float32)
+    with pytest.raises(ValueError, match=r"cute_backward: kernel_head_dims=\(64, 64\)"):
+        cute_api.cute_backward(q, q, q, q, lse, q, iv, tiles, iv, True,
+                               kernel_head_dims=(64, 64))

@@ -224,6 +224,33 @@ def test_softcap_switches_compile_for_sm90(changes, dtype, d, kk, kc, bb, bh, ca
     assert "_sh_" in key.target_name
 
 
+# Head dims read in place (tests/gpu/test_cute_head_dims.py -k in_place runs them): (arrays'
+# D, Dv, kernel's D', Dv', soft cap).
+_IN_PLACE_KEYS = {"d96": (96, 96, 128, 128, None), "d160": (160, 128, 192, 128, None),
+                  "d32cap": (32, 32, 64, 64, 20.0)}
+
+
+@needs_cutlass
+@pytest.mark.parametrize("case", sorted(_IN_PLACE_KEYS))
+def test_in_place_kernels_compile_for_sm90(case, monkeypatch, capfd):
+    """The forward and backward with ``io_head_dims`` (the arrays at their own head dims,
+    the kernel's TMA boxes wider) compile for sm_90a, without C7512, under the registry's
+    configs of the kernel's head dims."""
+    from jcompilemask.kernels.cute import api
+    d, dv, kd, kdv, cap = _IN_PLACE_KEYS[case]
+    bq, bk = api.preferred_forward_tiles(kd)
+    stages = api.preferred_forward_stages(kd)
+    fkey = api._fit_list_to_length(api.ForwardKey(
+        "bfloat16", kd, kdv, 1, bq, bk, True, True, d ** -0.5, num_stages=stages, softcap=cap,
+        io_head_dims=(d, dv), **api.forward_switches(kd, kdv, bq, bk, stages, residual=None)), 64)
+    assert compile_checking_remarks(api.compile_forward, fkey, monkeypatch, capfd) is not None
+    cfg = api.preferred_backward_config(kd, "bfloat16", cap is not None)
+    bkey = api.BackwardKey("bfloat16", kd, 1, 1, True, True, d ** -0.5, cfg, softcap=cap,
+                           head_dim_v=None if kdv == kd else kdv, io_head_dims=(d, dv))
+    assert compile_checking_remarks(api.compile_backward, bkey, monkeypatch, capfd) is not None
+    assert fkey.target_name.endswith(f"_io{d}x{dv}") and bkey.target_name.endswith(f"_io{d}x{dv}")
+
+
 # dk_late (issue 15, the soft cap's cost; session 33): each tile's dK issued in the next
 # tile after its S^T / dP^T, from its shared dS^T stage: (dtype, D, K, Kc, broadcast batch /
 # head, soft cap, residual).
