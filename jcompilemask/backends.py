@@ -123,17 +123,20 @@ def cute_head_dim_padding(head_dim: int, head_dim_v: int) -> Optional[str]:
     zero-filling the columns past them and its stores dropping those (``kernel_head_dims``
     of ``cute_forward`` / ``cute_backward``: no copies); None for a built pair (or none
     wide enough). ``"tma"`` needs head dims that are multiples of 8 (16-byte TMA
-    strides). ``$JCOMPILEMASK_CUTE_HEAD_DIM_PAD`` = ``copy`` / ``tma`` chooses; the
-    default is ``copy`` (``tma``: compile-checked, not yet run on a GPU).
+    strides); others take ``"copy"``. ``$JCOMPILEMASK_CUTE_HEAD_DIM_PAD`` = ``copy`` /
+    ``tma`` chooses; the default is ``tma``. Measured on an H100 (session 45, run
+    2026-12-07T01:48:00Z, causal 8K, 8 heads, bf16; fwd / step ms, copies -> in place):
+    D 96 3.95 / 13.65 -> 3.44 / 12.94, D 80 3.87 / 13.57 -> 3.36 / 12.62; its GPU cases
+    (tests/gpu/test_cute_head_dims.py -k in_place) passed against the reference there.
 
-    >>> cute_head_dim_padding(128, 128), cute_head_dim_padding(96, 96)
-    (None, 'copy')
+    >>> cute_head_dim_padding(128, 128), cute_head_dim_padding(96, 96), cute_head_dim_padding(100, 100)
+    (None, 'tma', 'copy')
     """
     import os
     dims = cute_head_dims(head_dim, head_dim_v)
     if dims is None or dims == (head_dim, head_dim_v):
         return None
-    want = os.environ.get(CUTE_HEAD_DIM_PAD_ENV, "copy").strip().lower() or "copy"
+    want = os.environ.get(CUTE_HEAD_DIM_PAD_ENV, "tma").strip().lower() or "tma"
     if want not in ("copy", "tma"):
         raise ValueError(f"${CUTE_HEAD_DIM_PAD_ENV}={want!r}: use 'copy' or 'tma'")
     if want == "tma" and (head_dim % 8 or head_dim_v % 8):

@@ -99,8 +99,8 @@
 #                the glue kernels alone (bench_glue.py) (~590 s: JCM_STAGE_S=595)
 #   hdimspar     the same spread over JCM_PAR parallel pytest processes (JCM_PAR_SKIP: a regex of ids to leave out)
 #   padded       head dims run zero-padded (96, 80, 160 / 128): their GPU cases, then timed beside D 128 and the peers
-#   inplace      the same head dims read in place by the wider kernels' TMA boxes (HEAD_DIM_PAD=tma): their GPU
-#                cases, bit-identity with the copies, then copies vs in place timed at 8K
+#   inplace      the same head dims read in place by the wider kernels' TMA boxes (the default): their GPU
+#                cases, identity with the copies, then copies vs in place timed at 8K
 #   multigpu     issue 19 on a multi-GPU kind: sharded training step + context parallelism (benchmarks/multi_gpu.py)
 #   kernels      GPU tests of the CuTe forward kernel alone (48 variant cases)
 #   forward      bench_forward (D = 128 causal vs FA4 native, same run) + the step-2 variants
@@ -1325,6 +1325,7 @@ PY
     # their gradient cases against the reference (test_cute_head_dims.py -k padded, 4
     # processes), then causal fwd / bwd at JCM_PADDED_NS (8K) for D 96 / 80 / 160-128 beside
     # D 128, FA4 native (where it has the head dim), cuDNN and the xla backward they ran before.
+    # (The default form, in place since session 45; JCOMPILEMASK_CUTE_HEAD_DIM_PAD=copy for the copies.)
     export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
     OUT=$OUT/tests JCM_PAR_ONLY=padded JCM_PAR_FILES=tests/gpu/test_cute_head_dims.py \
       JCM_STAGE_S=$(left ${JCM_PADDED_TEST_S:-200}) bash "$0" hdimspar
@@ -1338,8 +1339,8 @@ PY
     grep -E '^\{|budget' "$OUT/bench-padded.log" | cut -c1-330 | tail -30
     ;;
   inplace)
-    # Head dims without kernels of their own read in place (JCOMPILEMASK_CUTE_HEAD_DIM_PAD=tma:
-    # the wider kernels' TMA boxes zero-fill past them; no padded copies): their gradient
+    # Head dims without kernels of their own read in place (JCOMPILEMASK_CUTE_HEAD_DIM_PAD=tma,
+    # the default: the wider kernels' TMA boxes zero-fill past them; no padded copies): their gradient
     # cases and the bit-identity with the copies (test_cute_head_dims.py -k in_place, 4
     # processes), then causal fwd / bwd at JCM_INPLACE_NS (8K), copies beside in place, with
     # D 128 and FA4 native.
@@ -1348,10 +1349,10 @@ PY
       JCM_STAGE_S=$(left ${JCM_INPLACE_TEST_S:-200}) bash "$0" hdimspar
     b=$(left ${JCM_INPLACE_BENCH_S:-200})
     export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1
-    tma=JCOMPILEMASK_CUTE_HEAD_DIM_PAD=tma
+    copy=JCOMPILEMASK_CUTE_HEAD_DIM_PAD=copy    # in place is the default (jcm-cute)
     timeout -k 5 $b python3 benchmarks/bench_head_dims.py --ns ${JCM_INPLACE_NS:-8192} \
       --configs ${JCM_INPLACE_CONFIGS:-d96,d80,d128} --impls jcm-cute,fa4-native --min-repeat-s 0.15 \
-      --jcm-variants "tma96@d96:$tma;tma80@d80:$tma;tma160@d160:$tma" \
+      --jcm-variants "copy96@d96:$copy;copy80@d80:$copy;copy160@d160:$copy" \
       --budget-s $(( b - 30 )) --out "$OUT/h200-head-dims.json" > "$OUT/bench-inplace.log" 2>&1
     echo "bench rc $? ($SECONDS s)"; pkill -9 -f bench_head_dims.py 2>/dev/null
     grep -E '^\{|budget' "$OUT/bench-inplace.log" | cut -c1-330 | tail -30

@@ -156,7 +156,7 @@ def test_padded_head_dims_build_the_descriptor_at_the_padded_tiles(monkeypatch):
     call = backends.call_for(jcm.compile(jcm.masks.causal()), dtype="bfloat16",
                              head_dim=256, head_dim_v=256, num_heads=4, num_kv_heads=2)
     t = backends.get("cute").tiles(call)
-    assert seen == [("fwd", 256, 256, "as is", (t.block_q, t.block_kv))]
+    assert seen == [("fwd", 256, 256, "tma", (t.block_q, t.block_kv))]
 
 
 def test_explain_says_the_head_dims_run_padded(monkeypatch):
@@ -166,12 +166,12 @@ def test_explain_says_the_head_dims_run_padded(monkeypatch):
     with fake_cute_kernels(monkeypatch):
         text = backends.explain(call)
     assert "chosen: cute (head dims 96/96 run zero-padded to 128/128: exact, 1.33x" in text
-    assert "padded copies of the operands" in text
+    assert "1.33x the matmul work of kernels of their own; read in place by TMA boxes" in text
     assert "backward: the CuTe backward kernel" in text
-    monkeypatch.setenv(backends.CUTE_HEAD_DIM_PAD_ENV, "tma")
+    monkeypatch.setenv(backends.CUTE_HEAD_DIM_PAD_ENV, "copy")
     with fake_cute_kernels(monkeypatch):
         text = backends.explain(call)
-    assert "1.33x the matmul work of kernels of their own; read in place by TMA boxes" in text
+    assert "padded copies of the operands" in text
     monkeypatch.setenv(backends.CUTE_HEAD_DIM_PAD_ENV, "zeros")
     with pytest.raises(ValueError, match="JCOMPILEMASK_CUTE_HEAD_DIM_PAD='zeros': use 'copy' or 'tma'"):
         backends.cute_head_dim_padding(96, 96)

@@ -109,21 +109,24 @@ def test_fully_masked_rows(config):
 
 @pytest.mark.parametrize("config", sorted(PADDED))
 @pytest.mark.parametrize("name", ["causal", "hstu", "document"])
-def test_padded_head_dims_grads(name, config):
+def test_padded_head_dims_grads(monkeypatch, name, config):
+    monkeypatch.setenv(backends.CUTE_HEAD_DIM_PAD_ENV, "copy")     # padded copies
     rng = np.random.default_rng(4)
     _grads(SPECS[name], metadata(name, 2, 1000, rng), 2, 1000, 4, 2, config)
 
 
 @pytest.mark.parametrize("config", sorted(PADDED))
-def test_padded_head_dims_fp16_mqa_fully_masked_rows(config):
+def test_padded_head_dims_fp16_mqa_fully_masked_rows(monkeypatch, config):
+    monkeypatch.setenv(backends.CUTE_HEAD_DIM_PAD_ENV, "copy")
     s = Scalar("start", max=q_len)
     spec = MaskSpec([Region((s, q_len), k <= q)])
     _grads(spec, {"start": np.array([300, 900])}, 2, 900, 4, 1, config, dtype=jnp.float16)
 
 
-# The same head dims read in place ($JCOMPILEMASK_CUTE_HEAD_DIM_PAD=tma): the wider kernels'
-# TMA boxes zero-fill the columns past the arrays' head dims and drop them on store, with no
-# padded copies (ForwardKey / BackwardKey.io_head_dims).
+# The same head dims read in place ($JCOMPILEMASK_CUTE_HEAD_DIM_PAD=tma, the default since
+# session 45; the cases above set copy): the wider kernels' TMA boxes zero-fill the columns
+# past the arrays' head dims and drop them on store, with no padded copies
+# (ForwardKey / BackwardKey.io_head_dims).
 @pytest.mark.parametrize("config", sorted(PADDED))
 @pytest.mark.parametrize("name", ["causal", "document"])
 def test_in_place_head_dims_grads(monkeypatch, name, config):
@@ -142,8 +145,11 @@ def test_in_place_head_dims_fp16_mqa_fully_masked_rows(monkeypatch, config):
 
 @pytest.mark.parametrize("config", sorted(PADDED))
 def test_in_place_head_dims_match_the_copies(monkeypatch, config):
-    """In place and on padded copies the kernels see the same numbers: out, lse, dK and dV
-    bit for bit (dQ's float sums may be added in another order)."""
+    """In place and on padded copies the kernels see the same numbers: out, lse and dV bit
+    for bit. dK and dQ may differ in the last bits: delta = rowsum(dO * O), which dS
+    subtracts, is summed over Dv' padded columns in one form and Dv in the other, and
+    XLA's reduction tree differs with the length (on an H100, session 45: p96 and p80cap
+    dK differed, p32 / p160 / p128v64 / p192v192 matched; both forms pass the reference)."""
     d, dv, cap = PADDED[config]
     rng = np.random.default_rng(5)
     md = metadata("hstu", 2, 1000, rng)
@@ -165,10 +171,11 @@ def test_in_place_head_dims_match_the_copies(monkeypatch, config):
 
     (o1, l1), (dq1, dk1, dv1) = run("copy")
     (o2, l2), (dq2, dk2, dv2) = run("tma")
-    for name, a, b_ in (("out", o1, o2), ("lse", l1, l2), ("dk", dk1, dk2), ("dv", dv1, dv2)):
+    for name, a, b_ in (("out", o1, o2), ("lse", l1, l2), ("dv", dv1, dv2)):
         assert np.array_equal(np.asarray(a), np.asarray(b_), equal_nan=True), name
-    np.testing.assert_allclose(np.asarray(dq1, np.float32), np.asarray(dq2, np.float32),
-                               rtol=2e-2, atol=2e-2)
+    for name, a, b_ in (("dk", dk1, dk2), ("dq", dq1, dq2)):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b_, np.float32),
+                                   rtol=2e-2, atol=2e-2, err_msg=name)
 
 
 @pytest.mark.parametrize("config", ["cap128", "d256", "d192", "d192cap"])
