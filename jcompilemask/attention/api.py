@@ -124,8 +124,9 @@ def mask_attention(query, key, value, mask=None, *, bias=None,
         ``h // (num_heads // num_kv_heads)`` (GQA/MQA).
       value: [batch, kv_len, num_kv_heads, head_dim_v]. On an SM90 GPU the CuTe kernels
         take head dims up to 256 in bfloat16 / float16 (those without a kernel of their own
-        run zero-padded: :func:`jcompilemask.backends.cute_head_dims`); wider ones and
-        float32 run the ``xla`` backend.
+        run a wider one, zero-padded, in place where they are multiples of 8:
+        :func:`jcompilemask.backends.cute_head_dims`, ``cute_head_dim_padding``); wider
+        ones and float32 run the ``xla`` backend.
       mask: one of
 
         * an :class:`ExecutionDescriptor` (built once per step, shared by layers);
