@@ -107,20 +107,29 @@ def test_fully_masked_rows(config):
     _grads(spec, {"start": np.array([300, 900])}, 2, 900, 2, 2, config)
 
 
+def _padded_grads(monkeypatch, form, name, config):
+    """The gradients of a padded config under ``form`` (``copy``: zero-padded copies;
+    ``tma``: in place) against the reference, on a built-in mask or (``name`` None) fp16
+    MQA with fully masked rows."""
+    monkeypatch.setenv(backends.CUTE_HEAD_DIM_PAD_ENV, form)
+    if name is not None:
+        rng = np.random.default_rng(4)
+        _grads(SPECS[name], metadata(name, 2, 1000, rng), 2, 1000, 4, 2, config)
+        return
+    s = Scalar("start", max=q_len)
+    spec = MaskSpec([Region((s, q_len), k <= q)])
+    _grads(spec, {"start": np.array([300, 900])}, 2, 900, 4, 1, config, dtype=jnp.float16)
+
+
 @pytest.mark.parametrize("config", sorted(PADDED))
 @pytest.mark.parametrize("name", ["causal", "hstu", "document"])
 def test_padded_head_dims_grads(monkeypatch, name, config):
-    monkeypatch.setenv(backends.CUTE_HEAD_DIM_PAD_ENV, "copy")     # padded copies
-    rng = np.random.default_rng(4)
-    _grads(SPECS[name], metadata(name, 2, 1000, rng), 2, 1000, 4, 2, config)
+    _padded_grads(monkeypatch, "copy", name, config)
 
 
 @pytest.mark.parametrize("config", sorted(PADDED))
 def test_padded_head_dims_fp16_mqa_fully_masked_rows(monkeypatch, config):
-    monkeypatch.setenv(backends.CUTE_HEAD_DIM_PAD_ENV, "copy")
-    s = Scalar("start", max=q_len)
-    spec = MaskSpec([Region((s, q_len), k <= q)])
-    _grads(spec, {"start": np.array([300, 900])}, 2, 900, 4, 1, config, dtype=jnp.float16)
+    _padded_grads(monkeypatch, "copy", None, config)
 
 
 # The same head dims read in place ($JCOMPILEMASK_CUTE_HEAD_DIM_PAD=tma, the default since
@@ -130,17 +139,12 @@ def test_padded_head_dims_fp16_mqa_fully_masked_rows(monkeypatch, config):
 @pytest.mark.parametrize("config", sorted(PADDED))
 @pytest.mark.parametrize("name", ["causal", "document"])
 def test_in_place_head_dims_grads(monkeypatch, name, config):
-    monkeypatch.setenv(backends.CUTE_HEAD_DIM_PAD_ENV, "tma")
-    rng = np.random.default_rng(4)
-    _grads(SPECS[name], metadata(name, 2, 1000, rng), 2, 1000, 4, 2, config)
+    _padded_grads(monkeypatch, "tma", name, config)
 
 
 @pytest.mark.parametrize("config", sorted(PADDED))
 def test_in_place_head_dims_fp16_mqa_fully_masked_rows(monkeypatch, config):
-    monkeypatch.setenv(backends.CUTE_HEAD_DIM_PAD_ENV, "tma")
-    s = Scalar("start", max=q_len)
-    spec = MaskSpec([Region((s, q_len), k <= q)])
-    _grads(spec, {"start": np.array([300, 900])}, 2, 900, 4, 1, config, dtype=jnp.float16)
+    _padded_grads(monkeypatch, "tma", None, config)
 
 
 @pytest.mark.parametrize("config", sorted(PADDED))
