@@ -179,6 +179,29 @@ def test_lse_is_differentiable():
     np.testing.assert_allclose(jax.grad(f)(qx), jax.grad(r)(qx), atol=2e-5)
 
 
+def test_differentiating_the_gradient_says_it_is_unsupported():
+    """First-order reverse mode works; a second derivative (Hessian-vector product, gradient
+    penalty, forward-over-reverse) raises one clear NotImplementedError, not a backend's
+    internal error; forward mode is JAX's custom_vjp TypeError."""
+    q = jax.random.normal(jax.random.key(0), (1, 64, 2, 32))
+    bias = jnp.zeros((1, 2, 64, 64))
+
+    def f(q, **kw):
+        return jnp.sum(jcm.mask_attention(q, q, q, jcm.masks.causal(), **kw))
+
+    for kw in ({}, {"bias": bias}):
+        g = jax.grad(lambda x: f(x, **kw))(q)
+        assert bool(jnp.all(jnp.isfinite(g)))
+        penalty = lambda x: jnp.sum(jax.grad(lambda y: f(y, **kw))(x) ** 2)  # noqa: E731
+        with pytest.raises(NotImplementedError, match="first-order reverse mode only.*"
+                           "jax.nn.dot_product_attention"):
+            jax.grad(penalty)(q)
+        with pytest.raises(NotImplementedError, match="first-order reverse mode only"):
+            jax.jvp(jax.grad(lambda y: f(y, **kw)), (q,), (q,))
+    with pytest.raises(TypeError, match="forward-mode autodiff"):
+        jax.jvp(f, (q,), (q,))
+
+
 def test_spec_with_metadata_under_jit_vmap_and_retrace():
     spec = BUILTINS["prefix_lm"]
     qx, kx, vx, _ = _inputs(jax.random.key(8), 2, N, N, 2, 2, 8, 8, jnp.float32)

@@ -36,9 +36,35 @@ def _attention_fwd(q, k, v, desc, bias, scale, softcap, backend_name, bias_grad,
     return (out, lse), (q, k, v, desc, bias, out, lse)
 
 
+_SECOND_ORDER = (
+    "jcompilemask.mask_attention supports first-order reverse mode only: its gradient (the "
+    "backend's backward pass) cannot itself be differentiated, so a Hessian, a Hessian-vector "
+    "product or a gradient penalty through it does not work. For those, use "
+    "jax.nn.dot_product_attention with the mask as a dense boolean array (e.g. "
+    "spec.as_dense(metadata, q_len, kv_len)).")
+
+
+@jax.custom_jvp
+def _first_order_only(x):
+    """The identity, whose derivative is a clear error: applied to what the backward pass
+    reads, so that differentiating the gradient of ``mask_attention`` says why it cannot,
+    instead of failing inside a backend (a dynamic ``fori_loop``, an FFI call)."""
+    return x
+
+
+@_first_order_only.defjvp
+def _first_order_only_jvp(primals, tangents):
+    raise NotImplementedError(_SECOND_ORDER)
+
+
 def _attention_bwd(scale, softcap, backend_name, bias_grad, deterministic, res, cts):
     q, k, v, desc, bias, out, lse = res
     do, dlse = cts
+    q, k, v, out, lse, do = (_first_order_only(x) for x in (q, k, v, out, lse, do))
+    if dlse is not None:
+        dlse = _first_order_only(dlse)
+    if bias is not None:
+        bias = _first_order_only(bias)
     if bias is None:
         dq, dk, dv = _partition.backward(backend_name, q, k, v, desc, scale, softcap, out,
                                          lse, do, dlse, deterministic=deterministic)
@@ -180,8 +206,9 @@ def mask_attention(query, key, value, mask=None, *, bias=None,
     ``jax.checkpoint``, ``lax.scan`` and ``vmap``), with respect to query, key, value and
     ``bias``. It is a ``jax.custom_vjp`` (the backward is its own kernel), so forward mode
     (``jax.jvp``, ``jax.jacfwd``) raises JAX's "can't apply forward-mode autodiff"
-    TypeError, and a second reverse pass (a Hessian-vector product) is not supported
-    either; use ``jax.nn.dot_product_attention`` where those are needed.
+    TypeError, and differentiating the gradient (a Hessian-vector product, a gradient
+    penalty) raises a NotImplementedError that says so; use
+    ``jax.nn.dot_product_attention`` where those are needed.
 
     >>> import jax, jax.numpy as jnp, jcompilemask as jcm
     >>> q = k = v = jax.random.normal(jax.random.key(0), (1, 16, 2, 8))
