@@ -2516,10 +2516,10 @@ def cute_backward(q, k, v, out, lse, do, bwd_intervals, bwd_tiles, fwd_intervals
     if io is not None and not config.dkv_tma_store:
         # dK / dV leave by element stores in this config (an override of the default): run
         # it on zero-padded copies instead, which is exact too.
-        def pad(x, n):
-            return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, n - x.shape[-1])])
+        from ...attention.xla import _pad_to
         dq, dk, dv = cute_backward(
-            pad(q, D), pad(k, D), pad(v, Dv), pad(out, Dv), lse, pad(do, Dv), bwd_intervals,
+            _pad_to(q, -1, D), _pad_to(k, -1, D), _pad_to(v, -1, Dv), _pad_to(out, -1, Dv),
+            lse, _pad_to(do, -1, Dv), bwd_intervals,
             bwd_tiles, fwd_intervals, bwd_exact, scale=scale, dlse=dlse, block_q=block_q,
             block_kv=block_kv, deterministic=deterministic, softcap=softcap, residual=residual,
             row_region=row_region, residual_params=residual_params, exact_columns=exact_columns,
