@@ -37,7 +37,7 @@ from .lower.descriptor import TileConfig
 
 __all__ = ["Backend", "Call", "register", "select", "explain", "preferred_tiles",
            "BackendUnavailable", "Preprocess", "register_preprocess", "select_preprocess",
-           "get_preprocess", "PREPROCESS_ENV", "cute_head_dims"]
+           "get_preprocess", "PREPROCESS_ENV", "cute_head_dims", "cute_forward_head_dims"]
 
 
 class BackendUnavailable(RuntimeError):
@@ -142,6 +142,30 @@ def cute_head_dim_padding(head_dim: int, head_dim_v: int) -> Optional[str]:
     if want == "tma" and (head_dim % 8 or head_dim_v % 8):
         return "copy"
     return want
+
+
+CUTE_FWD_NATIVE_ENV = "JCOMPILEMASK_CUTE_FWD_NATIVE"
+
+
+def cute_forward_head_dims(head_dim: int, head_dim_v: int) -> Optional[tuple[int, int]]:
+    """The head dims of the CuTe forward kernel that runs a call of these: the call's own
+    where the forward has kernels of them and ``$JCOMPILEMASK_CUTE_FWD_NATIVE`` is ``1``
+    (D 80 and 96 with Dv == D, ``kernels.cute.api.FWD_NATIVE_HEAD_DIMS``: D 128's loop on
+    narrower rows; the backward still runs them in place on D 128's kernels), else
+    :func:`cute_head_dims`'s. The switch is read at trace time; it stays ``0`` until the
+    native kernels' GPU cases have passed (tests/gpu/test_cute_head_dims.py -k native).
+
+    >>> cute_forward_head_dims(96, 96), cute_forward_head_dims(64, 64)
+    ((128, 128), (64, 64))
+    """
+    import os
+    from .kernels.cute.api import FWD_NATIVE_HEAD_DIMS
+    text = os.environ.get(CUTE_FWD_NATIVE_ENV, "").strip() or "0"
+    if text not in ("0", "1"):
+        raise ValueError(f"${CUTE_FWD_NATIVE_ENV} must be 0 or 1, got {text!r}")
+    if text == "1" and head_dim == head_dim_v and head_dim in FWD_NATIVE_HEAD_DIMS:
+        return (head_dim, head_dim_v)
+    return cute_head_dims(head_dim, head_dim_v)
 
 
 def _cute_call_dims(call: Call) -> tuple[int, int]:
@@ -431,8 +455,9 @@ def _cute_backend() -> Backend:
 
     def forward(q, k, v, desc, scale, softcap):
         import jax.numpy as jnp
-        padding = cute_head_dim_padding(q.shape[-1], v.shape[-1])
-        dims = cute_head_dims(q.shape[-1], v.shape[-1])
+        dims = cute_forward_head_dims(q.shape[-1], v.shape[-1])
+        padding = (None if dims == (q.shape[-1], v.shape[-1])
+                   else cute_head_dim_padding(q.shape[-1], v.shape[-1]))
         if padding == "copy":
             # Head dims without a kernel of their own run zero-padded (cute_head_dims).
             pad = xla._pad_to
@@ -659,6 +684,10 @@ def _padding_note(call: Call) -> str:
     how = ("read in place by TMA boxes that zero-fill the columns past them, no copies"
            if cute_head_dim_padding(call.head_dim, call.head_dim_v) == "tma"
            else "padded copies of the operands")
+    if cute_forward_head_dims(call.head_dim, call.head_dim_v) == (call.head_dim, call.head_dim_v):
+        return (f" (the forward has kernels of head dims {call.head_dim}/{call.head_dim_v}; "
+                f"the backward runs them zero-padded to {d}/{dv}: exact, {work:.2f}x the "
+                f"matmul work, {how})")
     return (f" (head dims {call.head_dim}/{call.head_dim_v} run zero-padded to {d}/{dv}: "
             f"exact, {work:.2f}x the matmul work of kernels of their own; {how})")
 

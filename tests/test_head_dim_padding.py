@@ -25,6 +25,8 @@ from jcompilemask.kernels.cute.testing import reference_attention as kernel_refe
 from jcompilemask.testing import assert_within_policy, reference_attention, reference_gradients
 
 BUILT = {(d, d) for d in cute_api.HEAD_DIMS} | set(cute_api.HEAD_DIM_PAIRS)
+# The forward also has kernels of these (backends.cute_forward_head_dims)
+BUILT_FWD = BUILT | {(d, d) for d in cute_api.FWD_NATIVE_HEAD_DIMS}
 
 
 @contextlib.contextmanager
@@ -38,7 +40,8 @@ def fake_cute_kernels(monkeypatch):
         ``cute_forward`` / ``cute_backward`` make, and the padding their TMA boxes do."""
         d, dv = q.shape[-1], v.shape[-1]
         dims = (d, dv) if kernel_head_dims is None else tuple(kernel_head_dims)
-        assert dims in BUILT, (kind, q.shape, v.shape, kernel_head_dims)
+        assert dims in (BUILT_FWD if kind == "fwd" else BUILT), (kind, q.shape, v.shape,
+                                                                 kernel_head_dims)
         if kernel_head_dims is not None:
             assert dims[0] >= d and dims[1] >= dv and d % 8 == 0 and dv % 8 == 0, (d, dv, dims)
         seen.append((kind, *dims, "tma" if dims != (d, dv) else "as is"))
@@ -218,3 +221,70 @@ def test_cute_entry_points_check_kernel_head_dims():
     with pytest.raises(ValueError, match=r"cute_backward: kernel_head_dims=\(64, 64\)"):
         cute_api.cute_backward(q, q, q, q, lse, q, iv, tiles, iv, True,
                                kernel_head_dims=(64, 64))
+
+
+@pytest.mark.parametrize("d,mask,softcap,dtype", [
+    (96, "causal", None, jnp.bfloat16),
+    (80, "sliding_window", 20.0, jnp.float16),
+])
+def test_native_forward_head_dims(monkeypatch, d, mask, softcap, dtype):
+    """$JCOMPILEMASK_CUTE_FWD_NATIVE=1: the forward runs D 80 / 96 kernels on the arrays as
+    they are; the backward runs D 128's in place on them (and on that forward's out / lse)."""
+    monkeypatch.setenv(backends.CUTE_FWD_NATIVE_ENV, "1")
+    spec = {"causal": jcm.masks.causal(), "sliding_window": jcm.masks.sliding_window(48)}[mask]
+    q, k, v, do = _qkv(d, d, dtype=dtype)
+    with fake_cute_kernels(monkeypatch) as seen:
+        def f(q, k, v):
+            return jcm.mask_attention(q, k, v, spec, implementation="cute",
+                                      logits_soft_cap=softcap)
+        out, vjp = jax.vjp(jax.jit(f), q, k, v)
+        grads = vjp(do)
+    call = backends.call_for(jcm.compile(spec), dtype=str(q.dtype), head_dim=d, head_dim_v=d,
+                             num_heads=4, num_kv_heads=2)
+    t = backends.get("cute").tiles(call)
+    assert set(seen) == {("fwd", d, d, "as is", (t.block_q, t.block_kv)),
+                         ("bwd", 128, 128, "tma", (t.bwd_block_q, t.bwd_block_kv))}, seen
+    vis = np.asarray(spec.as_dense(None, q.shape[1], k.shape[1]), bool)
+    high, low = reference_attention(q, k, v, vis, softcap=softcap), \
+        reference_attention(q, k, v, vis, softcap=softcap, precision="input")
+    assert_within_policy(out, high[0], low[0], "out")
+    ghigh, glow = reference_gradients(q, k, v, do, vis, softcap=softcap)
+    for name, g, h, lo in zip(("dq", "dk", "dv"), grads, ghigh, glow):
+        assert_within_policy(g, h, lo, name)
+
+
+def test_native_forward_head_dims_switch(monkeypatch):
+    """Off by default; only D 80 / 96 with Dv == D have native forwards; a bad value is
+    refused with the variable's name; explain() says which pass runs what."""
+    assert backends.cute_forward_head_dims(96, 96) == (128, 128)
+    monkeypatch.setenv(backends.CUTE_FWD_NATIVE_ENV, "1")
+    assert backends.cute_forward_head_dims(96, 96) == (96, 96)
+    assert backends.cute_forward_head_dims(80, 80) == (80, 80)
+    assert backends.cute_forward_head_dims(96, 64) == (128, 128)
+    assert backends.cute_forward_head_dims(112, 112) == (128, 128)
+    assert backends.cute_forward_head_dims(64, 64) == (64, 64)
+    assert backends.cute_forward_head_dims(320, 320) is None
+    cm = jcm.compile(jcm.masks.causal())
+    call = backends.call_for(cm, dtype="bfloat16", head_dim=96, head_dim_v=96, num_heads=8,
+                             num_kv_heads=8)
+    with fake_cute_kernels(monkeypatch):
+        text = backends.explain(call)
+    assert ("chosen: cute (the forward has kernels of head dims 96/96; the backward runs them "
+            "zero-padded to 128/128: exact, 1.33x the matmul work, read in place") in text, text
+    monkeypatch.setenv(backends.CUTE_FWD_NATIVE_ENV, "yes")
+    with pytest.raises(ValueError, match="JCOMPILEMASK_CUTE_FWD_NATIVE must be 0 or 1"):
+        backends.cute_forward_head_dims(96, 96)
+
+
+def test_native_forward_keys():
+    """ForwardKey takes D 80 / 96 with Dv == D (D 128's switches) and refuses other widths."""
+    base = dict(dtype="bfloat16", num_intervals=1, block_q=128, block_kv=128,
+                broadcast_batch=True, broadcast_head=True, scale=0.1)
+    for d in cute_api.FWD_NATIVE_HEAD_DIMS:
+        sw = cute_api.forward_switches(d, d, 128, 128, 2)
+        assert sw == cute_api.forward_switches(128, 128, 128, 128, 2)
+        key = cute_api.ForwardKey(head_dim=d, head_dim_v=d, **base, **sw)
+        assert f"_d{d}x{d}_" in key.target_name
+    for d, dv in ((96, 64), (112, 112), (48, 48)):
+        with pytest.raises(ValueError, match="cute forward is built for head dims"):
+            cute_api.ForwardKey(head_dim=d, head_dim_v=dv, **base)

@@ -175,6 +175,42 @@ def test_compiles_for_sm90(num_intervals, broadcast_batch, broadcast_head, monke
     assert compile_checking_remarks(compile_forward, key, monkeypatch, capfd) is not None
 
 
+# The native D 80 / 96 forwards (api.FWD_NATIVE_HEAD_DIMS, D 128's switches): (D, dtype, K,
+# broadcast batch / head, soft cap, residual program). 168 registers, 0 B of stack for each
+# (sessions 46's static SASS: 14 / 13 HGMMAs per tile at D 96 / 80 against 16 at D 128).
+_NATIVE_KEYS = {
+    "d96": (96, "bfloat16", 1, True, True, None, False),
+    "d80_fp16_cap_k3": (80, "float16", 3, False, False, 20.0, False),
+    "d96_k12": (96, "bfloat16", 12, False, True, None, False),
+    "d96_residual": (96, "bfloat16", 0, False, True, None, True),
+}
+
+
+@needs_cutlass
+@pytest.mark.parametrize("case", sorted(_NATIVE_KEYS))
+def test_native_head_dims_compile_for_sm90(case, monkeypatch, capfd):
+    """The native D 80 / 96 forwards compile for sm_90a under the registry's switches
+    (64B- / 32B-swizzled Q / K / V rows), without C7512."""
+    import jcompilemask as jcm
+    from jcompilemask.kernels.cute import api
+    from jcompilemask.lower.residual_program import ResidualProgram
+    from jcompilemask.spec import MaskSpec, Region, k, q, q_len
+    d, dtype, kk, bb, bh, cap, residual = _NATIVE_KEYS[case]
+    prog = None
+    if residual:
+        monkeypatch.setenv("JCOMPILEMASK_ROW_CLASSES", "0")
+        cm = jcm.compile(MaskSpec([Region((0, q_len), (k <= q) & (k > q - 128) & ((q - k) % 2 == 0))]),
+                         warn=False)
+        prog, kk = ResidualProgram.forward(cm), cm.num_intervals
+    bq, bk = api.preferred_forward_tiles(d)
+    stages = api.preferred_forward_stages(d)
+    registry_switches(monkeypatch, d, d, bq, bk, stages)    # no JCOMPILEMASK_CUTE_FWD_* set
+    key = api.ForwardKey(dtype, d, d, kk, bq, bk, bb, bh, d ** -0.5, num_stages=stages, softcap=cap,
+                         residual=prog, **api.forward_switches(d, d, bq, bk, stages, residual=prog))
+    assert key.work_runs and key.operands_early and key.p_double
+    assert compile_checking_remarks(api.compile_forward, key, monkeypatch, capfd) is not None
+
+
 @needs_cutlass
 @knob
 def test_bits_path_below_k8_compiles_for_sm90():

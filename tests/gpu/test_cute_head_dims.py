@@ -54,13 +54,23 @@ PADDED = {
 }
 
 
+# Head dims whose forward has kernels of its own (kernels.cute.api.FWD_NATIVE_HEAD_DIMS,
+# $JCOMPILEMASK_CUTE_FWD_NATIVE=1); their backward runs D 128's kernels in place.
+NATIVE = {
+    "n96": (96, 96, None),
+    "n80": (80, 80, None),
+    "n96cap": (96, 96, 5.0),
+    "n80cap": (80, 80, 5.0),
+}
+
+
 @pytest.fixture(autouse=True)
 def cute_backward_on(monkeypatch):
     monkeypatch.setenv(backends.CUTE_BACKWARD_ENV, "1")
 
 
 def _grads(spec, md, b, n, hq, hkv, config, dtype=jnp.bfloat16, seed=0):
-    d, dv, cap = {**CONFIGS, **PADDED}[config]
+    d, dv, cap = {**CONFIGS, **PADDED, **NATIVE}[config]
     from jcompilemask.kernels.cute.api import preferred_backward_tiles
     pd, pdv = backends.cute_head_dims(d, dv)
     assert backends.cute_backward_plan(pd, pdv, cap, preferred_backward_tiles(pd, "bfloat16", pdv, cap is not None)) is None
@@ -180,6 +190,98 @@ def test_in_place_head_dims_match_the_copies(monkeypatch, config):
     for name, a, b_ in (("dk", dk1, dk2), ("dq", dq1, dq2)):
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b_, np.float32),
                                    rtol=2e-2, atol=2e-2, err_msg=name)
+
+
+def _native_on(monkeypatch, config):
+    """The native forward on for ``config``'s head dims, and checked to be what runs."""
+    d, dv, _ = NATIVE[config]
+    monkeypatch.setenv(backends.CUTE_FWD_NATIVE_ENV, "1")
+    assert backends.cute_forward_head_dims(d, dv) == (d, dv)
+    assert backends.cute_head_dims(d, dv) == (128, 128)       # the backward's kernels
+
+
+@pytest.mark.parametrize("config", sorted(NATIVE))
+@pytest.mark.parametrize("name", ["causal", "hstu", "clear", "document", "sliding_window"])
+def test_native_forward_grads(monkeypatch, name, config):
+    """The native D 80 / 96 forwards (and the in-place backward on their out / lse) against
+    the reference, ragged lengths, GQA."""
+    _native_on(monkeypatch, config)
+    rng = np.random.default_rng(7)
+    n = 1000 if name != "clear" else 1100
+    _grads(SPECS[name], metadata(name, 2, n, rng), 2, n, 4, 2, config)
+
+
+@pytest.mark.parametrize("config", sorted(NATIVE))
+def test_native_forward_fp16_mqa_fully_masked_rows(monkeypatch, config):
+    _native_on(monkeypatch, config)
+    s = Scalar("start", max=q_len)
+    spec = MaskSpec([Region((s, q_len), k <= q)])
+    _grads(spec, {"start": np.array([300, 900])}, 2, 900, 4, 1, config, dtype=jnp.float16)
+
+
+@pytest.mark.parametrize("config", ["n96", "n80cap"])
+@pytest.mark.parametrize("seed", range(3))
+def test_native_forward_random_lowered_specs(monkeypatch, seed, config):
+    _native_on(monkeypatch, config)
+    rng = np.random.default_rng(310 + seed)
+    spec, md = random_spec_case(rng, 700, 2)
+    _grads(spec, md, 2, 700, 2, 2, config, seed=seed)
+
+
+@pytest.mark.parametrize("config", ["n96", "n80cap"])
+@pytest.mark.parametrize("mask", ["dilated_window", "k_over_8"])
+def test_native_forward_residual_and_any_k(monkeypatch, mask, config):
+    """A residual predicate evaluated in the kernel (the dilated window as a residual, not as
+    residue classes) and K > 8 intervals (the per-tile loop) at the native head dims."""
+    _native_on(monkeypatch, config)
+    monkeypatch.setenv("JCOMPILEMASK_ROW_CLASSES", "0")
+    if mask == "dilated_window":
+        spec = MaskSpec([Region((0, q_len), (k <= q) & (k > q - 128) & ((q - k) % 2 == 0))])
+    else:       # 12 key stripes of 3 keys, causal: K 12 (past the 8 kept in registers)
+        stripes = [(k >= 70 * i) & (k < 70 * i + 3) for i in range(12)]
+        rule = stripes[0]
+        for r in stripes[1:]:
+            rule = rule | r
+        spec = MaskSpec([Region((0, q_len), rule & (k <= q))])
+        assert jcm.compile(spec).num_intervals == 12
+    assert backends.explain(backends.call_for(jcm.compile(spec), dtype="bfloat16",
+                                              head_dim=NATIVE[config][0],
+                                              head_dim_v=NATIVE[config][1], num_heads=2,
+                                              num_kv_heads=2)).count("chosen: cute") == 1
+    _grads(spec, None, 1, 900, 2, 2, config)
+
+
+@pytest.mark.parametrize("config", sorted(NATIVE))
+@pytest.mark.parametrize("name", ["hstu", "clear"])
+def test_native_forward_matches_in_place(monkeypatch, name, config):
+    """The native forward and D 128's in place see the same numbers: the zero columns the
+    wider kernel's QK^T adds are exact zeros in each k-step's fp32 sum, and PV's extra
+    output columns are dropped. So out and lse agree bit for bit, and the backward (the same
+    in-place kernel on the same out / lse) gives the same dq / dk / dv."""
+    d, dv, cap = NATIVE[config]
+    rng = np.random.default_rng(8)
+    n = 1000
+    md = metadata(name, 2, n, rng)
+    ks = jax.random.split(jax.random.key(9), 4)
+    qx = (jax.random.normal(ks[0], (2, n, 4, d), jnp.float32) * (3.0 if cap else 1.0)).astype(jnp.bfloat16)
+    kx = jax.random.normal(ks[1], (2, n, 2, d), jnp.float32).astype(jnp.bfloat16)
+    vx = jax.random.normal(ks[2], (2, n, 2, dv), jnp.float32).astype(jnp.bfloat16)
+    do = jax.random.normal(ks[3], (2, n, 4, dv), jnp.float32).astype(jnp.bfloat16)
+
+    def run(native):
+        monkeypatch.setenv(backends.CUTE_FWD_NATIVE_ENV, native)
+
+        def f(a, b_, c):       # a new function per setting: it is read while tracing
+            return jcm.mask_attention(a, b_, c, SPECS[name], metadata=md,
+                                      implementation="cute", logits_soft_cap=cap,
+                                      return_residual=True)
+        (o, lse), vjp = jax.vjp(jax.jit(f), qx, kx, vx)
+        return (o, lse), vjp((do, jnp.zeros_like(lse)))
+
+    first, second = run("0"), run("1")
+    for what, a, b_ in zip(("out", "lse", "dq", "dk", "dv"),
+                           (*first[0], *first[1]), (*second[0], *second[1])):
+        assert np.array_equal(np.asarray(a), np.asarray(b_), equal_nan=True), what
 
 
 @pytest.mark.parametrize("config", ["cap128", "d256", "d192", "d192cap"])

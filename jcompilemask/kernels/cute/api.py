@@ -27,6 +27,11 @@ HEAD_DIMS = (64, 128, 256)          # Dv == D; validated on the H200 (NOTES.md)
 # (D, Dv) pairs with Dv != D (DeepSeek-style 192 / 128); validated on the H200 with the
 # backward's (tests/gpu/test_cute_head_dims.py, 2026-12-03).
 HEAD_DIM_PAIRS = ((192, 128),)
+# Head dims (Dv == D) whose forward has kernels of its own while the backward runs D 128's
+# kernels in place on them (backends.cute_forward_head_dims): 128 x 128 tiles and D 128's
+# loop and switches, Q / K / V in 64B- (D 96) or 32B-swizzled (D 80) rows. The forward at D 128
+# does the same work plus 33% (D 96) / 60% (D 80) of zero columns.
+FWD_NATIVE_HEAD_DIMS = (80, 96)
 # Dynamic shared memory one CTA may opt into on SM90 (227 KB).
 _SMEM_LIMIT = 232448
 # Shared memory the forward's work list adds: one chunk of tile indices (FWD_LIST_CHUNK
@@ -273,10 +278,11 @@ class ForwardKey:
             raise ValueError(f"cute forward supports {_DTYPES}, got dtype {self.dtype!r}")
         _check_io_head_dims("ForwardKey", self.io_head_dims, self.head_dim, self.head_dim_v)
         pair = (self.head_dim, self.head_dim_v)
-        if not ((self.head_dim in HEAD_DIMS and self.head_dim_v == self.head_dim)
-                or pair in HEAD_DIM_PAIRS):
+        if not ((self.head_dim in HEAD_DIMS + FWD_NATIVE_HEAD_DIMS
+                 and self.head_dim_v == self.head_dim) or pair in HEAD_DIM_PAIRS):
             raise ValueError(
-                f"cute forward is built for head dims {HEAD_DIMS} with Dv == D and (D, Dv) in "
+                f"cute forward is built for head dims {HEAD_DIMS + FWD_NATIVE_HEAD_DIMS} with "
+                f"Dv == D and (D, Dv) in "
                 f"{HEAD_DIM_PAIRS}, got {self.head_dim}/{self.head_dim_v}; use the "
                 "xla backend for other head dims"
             )
@@ -839,9 +845,10 @@ def _fwd_group_mask() -> bool:
 def _fwd_residual_words(head_dim: int = 128) -> bool:
     """Residual masks build a masked tile's visibility from column-group words
     (ForwardKey.residual_words, which cites the runs): on at D 128, the head dim it was
-    tested and timed at; ``$JCOMPILEMASK_CUTE_FWD_RESIDUAL_WORDS`` (read at trace time)
+    tested and timed at, and at FWD_NATIVE_HEAD_DIMS (D 128's loop on narrower rows); ``$JCOMPILEMASK_CUTE_FWD_RESIDUAL_WORDS`` (read at trace time)
     =1 / =0 forces it on / off at every head dim."""
-    return _env_flag(FWD_RESIDUAL_WORDS_ENV, "1" if head_dim == 128 else "0")
+    return _env_flag(FWD_RESIDUAL_WORDS_ENV,
+                     "1" if head_dim == 128 or head_dim in FWD_NATIVE_HEAD_DIMS else "0")
 
 
 def _fwd_rescale_tail() -> bool:
@@ -853,11 +860,12 @@ def _fwd_rescale_tail() -> bool:
 
 def _fwd_work_runs(work_list: bool, rescale_tail: bool, d, dv, block_q, block_kv, num_stages) -> bool:
     """Whether the forward's work list holds runs of one kind (ForwardKey.work_runs, which
-    cites the run): the default at D 64 and 128 (the head dims its GPU cases ran at) where
+    cites the run): the default at D 64 and 128 (the head dims its GPU cases ran at) and at
+    FWD_NATIVE_HEAD_DIMS (D 128's loop on narrower rows) where
     the work list is on, rescale_tail off and the runs' 4 KB fit;
     ``$JCOMPILEMASK_CUTE_FWD_WORK_RUNS`` (read at trace time) =1 / =0 forces it on / off
     wherever the work list is on."""
-    default = "1" if (d, dv) in ((64, 64), (128, 128)) else "0"
+    default = "1" if (d, dv) in ((64, 64), (128, 128)) or (d == dv and d in FWD_NATIVE_HEAD_DIMS) else "0"
     return (_env_flag(FWD_WORK_RUNS_ENV, default) and work_list and not rescale_tail
             and forward_smem_bytes(d, block_q, block_kv, num_stages, head_dim_v=dv)
             + _WORK_RUNS_SMEM <= _SMEM_LIMIT)
@@ -923,15 +931,16 @@ def _fwd_issue_switches(head_dim: int, head_dim_v: int, work_runs: bool, rescale
     8K 575.2 -> 586.1 TF/s (0.978 -> 0.997 of FA4), causal 32K 626.0 -> 637.4 (0.961 ->
     0.978), hstu 593.1 / 634.1 -> 592.5 / 636.1, shared prompt 549.0 / 621.1 -> 552.7 / 624.2
     (8K / 32K); session 32's H100 run at causal 8K ordered them the same (default 0.975,
-    operands_early 0.980, both 0.993). D 64 / 192 / 256 keep them off until timed. p_double
-    needs work runs and neither rescale knob.
+    operands_early 0.980, both 0.993). The native D 80 / 96 forwards (FWD_NATIVE_HEAD_DIMS)
+    run D 128's loop on narrower rows and take them too; D 64 / 192 / 256 keep them off
+    until timed. p_double needs work runs and neither rescale knob.
 
     >>> _fwd_issue_switches(128, 128, True, False, False)
     {'operands_early': True, 'p_double': True}
     >>> _fwd_issue_switches(64, 64, True, False, False)
     {'operands_early': False, 'p_double': False}
     """
-    measured = "1" if (head_dim, head_dim_v) == (128, 128) else "0"
+    measured = "1" if head_dim == head_dim_v and head_dim in (128,) + FWD_NATIVE_HEAD_DIMS else "0"
     return dict(operands_early=_env_flag(FWD_OPERANDS_EARLY_ENV, measured),
                 p_double=(_env_flag(FWD_P_DOUBLE_ENV, measured) and work_runs and not rescale_tail
                           and not rescale_early))
