@@ -37,7 +37,8 @@ from .lower.descriptor import TileConfig
 
 __all__ = ["Backend", "Call", "register", "select", "explain", "preferred_tiles",
            "BackendUnavailable", "Preprocess", "register_preprocess", "select_preprocess",
-           "get_preprocess", "PREPROCESS_ENV", "cute_head_dims", "cute_forward_head_dims"]
+           "get_preprocess", "PREPROCESS_ENV", "cute_head_dims", "cute_forward_head_dims",
+           "cute_backward_head_dims"]
 
 
 class BackendUnavailable(RuntimeError):
@@ -145,27 +146,45 @@ def cute_head_dim_padding(head_dim: int, head_dim_v: int) -> Optional[str]:
 
 
 CUTE_FWD_NATIVE_ENV = "JCOMPILEMASK_CUTE_FWD_NATIVE"
+CUTE_BWD_NATIVE_ENV = "JCOMPILEMASK_CUTE_BWD_NATIVE"
+
+
+def _native_dims(env: str, native: tuple, head_dim: int, head_dim_v: int):
+    import os
+    text = os.environ.get(env, "").strip() or "0"
+    if text not in ("0", "1"):
+        raise ValueError(f"${env} must be 0 or 1, got {text!r}")
+    if text == "1" and head_dim == head_dim_v and head_dim in native:
+        return (head_dim, head_dim_v)
+    return cute_head_dims(head_dim, head_dim_v)
 
 
 def cute_forward_head_dims(head_dim: int, head_dim_v: int) -> Optional[tuple[int, int]]:
     """The head dims of the CuTe forward kernel that runs a call of these: the call's own
     where the forward has kernels of them and ``$JCOMPILEMASK_CUTE_FWD_NATIVE`` is ``1``
     (D 80 and 96 with Dv == D, ``kernels.cute.api.FWD_NATIVE_HEAD_DIMS``: D 128's loop on
-    narrower rows; the backward still runs them in place on D 128's kernels), else
-    :func:`cute_head_dims`'s. The switch is read at trace time; it stays ``0`` until the
-    native kernels' GPU cases have passed (tests/gpu/test_cute_head_dims.py -k native).
+    narrower rows), else :func:`cute_head_dims`'s. The switch is read at trace time; it
+    stays ``0`` until the native kernels' GPU cases have passed
+    (tests/gpu/test_cute_head_dims.py -k native).
 
     >>> cute_forward_head_dims(96, 96), cute_forward_head_dims(64, 64)
     ((128, 128), (64, 64))
     """
-    import os
     from .kernels.cute.api import FWD_NATIVE_HEAD_DIMS
-    text = os.environ.get(CUTE_FWD_NATIVE_ENV, "").strip() or "0"
-    if text not in ("0", "1"):
-        raise ValueError(f"${CUTE_FWD_NATIVE_ENV} must be 0 or 1, got {text!r}")
-    if text == "1" and head_dim == head_dim_v and head_dim in FWD_NATIVE_HEAD_DIMS:
-        return (head_dim, head_dim_v)
-    return cute_head_dims(head_dim, head_dim_v)
+    return _native_dims(CUTE_FWD_NATIVE_ENV, FWD_NATIVE_HEAD_DIMS, head_dim, head_dim_v)
+
+
+def cute_backward_head_dims(head_dim: int, head_dim_v: int) -> Optional[tuple[int, int]]:
+    """The backward's :func:`cute_forward_head_dims`: the call's own at D 96 (Dv == D,
+    ``kernels.cute.api.BWD_NATIVE_HEAD_DIMS``: D 128's config on 32B-swizzled rows) when
+    ``$JCOMPILEMASK_CUTE_BWD_NATIVE`` is ``1``, else :func:`cute_head_dims`'s (D 80 runs
+    D 128's backward in place either way).
+
+    >>> cute_backward_head_dims(96, 96), cute_backward_head_dims(80, 80)
+    ((128, 128), (128, 128))
+    """
+    from .kernels.cute.api import BWD_NATIVE_HEAD_DIMS
+    return _native_dims(CUTE_BWD_NATIVE_ENV, BWD_NATIVE_HEAD_DIMS, head_dim, head_dim_v)
 
 
 def _cute_call_dims(call: Call) -> tuple[int, int]:
@@ -484,8 +503,8 @@ def _cute_backend() -> Backend:
     def backward(q, k, v, desc, scale, softcap, out, lse, do, dlse=None, deterministic=False):
         import jax.numpy as jnp
         d, dv = q.shape[-1], v.shape[-1]
-        dims = cute_head_dims(d, dv)
-        padding = cute_head_dim_padding(d, dv)
+        dims = cute_backward_head_dims(d, dv)
+        padding = None if dims == (d, dv) else cute_head_dim_padding(d, dv)
         if padding == "copy":
             # As the forward: zero columns of q / k / v / out / dO give zero gradient
             # columns and leave delta = rowsum(dO * out) as it was.
@@ -629,12 +648,14 @@ def cute_backward_plan(d: int, dv: int, softcap, bwd_tiles=None, num_bwd_interva
     """None when the CuTe backward kernel would serve gradients of this shape, else why the
     xla backward does (static facts only: head dims, soft cap, the descriptor's backward
     tiles)."""
-    from .kernels.cute.api import BWD_HEAD_DIM_PAIRS, BWD_HEAD_DIMS, served_backward_tiles
+    from .kernels.cute.api import (BWD_HEAD_DIM_PAIRS, BWD_HEAD_DIMS, BWD_NATIVE_HEAD_DIMS,
+                                   served_backward_tiles)
     del num_bwd_intervals   # any Kc: unrolled up to COLUMNS_UNROLLED, a loop past it
     if not _cute_backward_enabled():
         return f"the CuTe backward is turned off ({CUTE_BACKWARD_ENV}=0)"
     capped = softcap is not None and softcap is not False
-    if (d, dv) not in BWD_HEAD_DIM_PAIRS and (d not in BWD_HEAD_DIMS or dv != d):
+    if (d, dv) not in BWD_HEAD_DIM_PAIRS and (d not in BWD_HEAD_DIMS + BWD_NATIVE_HEAD_DIMS
+                                             or dv != d):
         return (f"head dims {d}/{dv} (the CuTe backward is built for D in {BWD_HEAD_DIMS} with "
                 f"Dv == D, and (D, Dv) in {BWD_HEAD_DIM_PAIRS})")
     served = served_backward_tiles(d, "bfloat16", dv, softcap=capped)
@@ -664,7 +685,7 @@ def explain_backward(call: Call) -> str:
     if chosen != "cute":
         return f"backward: {chosen} (the backend that runs the forward)"
     bwd_tiles = None if call.tiles is None else (call.tiles.bwd_block_q, call.tiles.bwd_block_kv)
-    d, dv = _cute_call_dims(call)
+    d, dv = cute_backward_head_dims(call.head_dim, call.head_dim_v) or _cute_call_dims(call)
     why = cute_backward_plan(d, dv, call.softcap or None, bwd_tiles)
     if why is None:
         return "backward: the CuTe backward kernel"
@@ -678,17 +699,22 @@ def _padding_note(call: Call) -> str:
     """`` (how the CuTe kernels run call's head dims)`` when they have no kernel of their
     own, else ""."""
     d, dv = _cute_call_dims(call)
-    if (d, dv) == (call.head_dim, call.head_dim_v):
+    own = (call.head_dim, call.head_dim_v)
+    if (d, dv) == own:
         return ""
     work = (d + dv) / (call.head_dim + call.head_dim_v)
     how = ("read in place by TMA boxes that zero-fill the columns past them, no copies"
            if cute_head_dim_padding(call.head_dim, call.head_dim_v) == "tma"
            else "padded copies of the operands")
-    if cute_forward_head_dims(call.head_dim, call.head_dim_v) == (call.head_dim, call.head_dim_v):
-        return (f" (the forward has kernels of head dims {call.head_dim}/{call.head_dim_v}; "
-                f"the backward runs them zero-padded to {d}/{dv}: exact, {work:.2f}x the "
-                f"matmul work, {how})")
-    return (f" (head dims {call.head_dim}/{call.head_dim_v} run zero-padded to {d}/{dv}: "
+    native = [p for p, dims in (("forward", cute_forward_head_dims(*own)),
+                                ("backward", cute_backward_head_dims(*own))) if dims == own]
+    if len(native) == 2:
+        return f" (kernels of head dims {own[0]}/{own[1]} of their own in both passes)"
+    if native:
+        other = "backward" if native == ["forward"] else "forward"
+        return (f" (the {native[0]} has kernels of head dims {own[0]}/{own[1]}; the {other} "
+                f"runs them zero-padded to {d}/{dv}: exact, {work:.2f}x the matmul work, {how})")
+    return (f" (head dims {own[0]}/{own[1]} run zero-padded to {d}/{dv}: "
             f"exact, {work:.2f}x the matmul work of kernels of their own; {how})")
 
 

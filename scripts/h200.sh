@@ -101,8 +101,9 @@
 #   padded       head dims run zero-padded (96, 80, 160 / 128): their GPU cases, then timed beside D 128 and the peers
 #   inplace      the same head dims read in place by the wider kernels' TMA boxes (the default): their GPU
 #                cases, identity with the copies, then copies vs in place timed at 8K
-#   native       the native D 80 / 96 forwards (JCOMPILEMASK_CUTE_FWD_NATIVE=1): a smoke under a hang guard,
-#                their GPU cases (-k native), then fwd / bwd at 8K beside in place, D 128 and FA4 native
+#   native       the native D 80 / 96 forwards and D 96's backward (JCOMPILEMASK_CUTE_FWD_NATIVE=1,
+#                JCOMPILEMASK_CUTE_BWD_NATIVE=1): smokes under hang guards, their GPU cases (-k native),
+#                then fwd / bwd at 8K beside in place, D 128 and FA4 native
 #   multigpu     issue 19 on a multi-GPU kind: sharded training step + context parallelism (benchmarks/multi_gpu.py)
 #   kernels      GPU tests of the CuTe forward kernel alone (48 variant cases)
 #   forward      bench_forward (D = 128 causal vs FA4 native, same run) + the step-2 variants
@@ -1360,22 +1361,25 @@ PY
     grep -E '^\{|budget' "$OUT/bench-inplace.log" | cut -c1-330 | tail -30
     ;;
   native)
-    # The native D 80 / 96 forwards (kernels.cute.api.FWD_NATIVE_HEAD_DIMS, opt-in:
-    # JCOMPILEMASK_CUTE_FWD_NATIVE=1): 64B- / 32B-swizzled rows, never run on a GPU before,
-    # so one bit-identity case first under a hang guard, then the rest of
-    # test_cute_head_dims.py -k native (4 processes), then causal fwd / bwd at
-    # JCM_NATIVE_NS (8K): in place (the default) beside native, D 128 and FA4 native.
+    # The native D 80 / 96 forwards and D 96's backward (kernels.cute.api.FWD_NATIVE_HEAD_DIMS /
+    # BWD_NATIVE_HEAD_DIMS, opt-in: JCOMPILEMASK_CUTE_FWD_NATIVE=1, JCOMPILEMASK_CUTE_BWD_NATIVE=1):
+    # 64B- / 32B-swizzled rows, never run on a GPU before, so one bit-identity case of each
+    # first under a hang guard, then the rest of test_cute_head_dims.py -k native (4
+    # processes), then causal fwd / bwd at JCM_NATIVE_NS (8K): in place (the default) beside
+    # native, D 128 and FA4 native.
     export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
-    if bwd_smoke native 120 "tests/gpu/test_cute_head_dims.py::test_native_forward_matches_in_place[hstu-n96]" \
+    t=tests/gpu/test_cute_head_dims.py
+    if { bwd_smoke native 120 "$t::test_native_forward_matches_in_place[hstu-n96]" \
+         && bwd_smoke nativeb 120 "$t::test_native_backward_matches_in_place[hstu-n96]"; } \
         || [[ -n ${JCM_COMPILE_ONLY:-} ]]; then      # compile-only: no case passes, go on
       OUT=$OUT/tests JCM_PAR_ONLY=native JCM_PAR_FILES=tests/gpu/test_cute_head_dims.py \
         JCM_STAGE_S=$(left ${JCM_NATIVE_TEST_S:-200}) bash "$0" hdimspar
       b=$(left ${JCM_NATIVE_BENCH_S:-200})
       export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1
-      nat=JCOMPILEMASK_CUTE_FWD_NATIVE=1
+      nat=JCOMPILEMASK_CUTE_FWD_NATIVE=1; natb=JCOMPILEMASK_CUTE_BWD_NATIVE=1
       timeout -k 5 $b python3 benchmarks/bench_head_dims.py --ns ${JCM_NATIVE_NS:-8192} \
         --configs ${JCM_NATIVE_CONFIGS:-d96,d80,d128} --impls jcm-cute,fa4-native --min-repeat-s 0.15 \
-        --jcm-variants "nat96@d96:$nat;nat80@d80:$nat" \
+        --jcm-variants "nat96@d96:$nat;natb96@d96:$nat $natb;nat80@d80:$nat" \
         --budget-s $(( b - 30 )) --out "$OUT/h200-head-dims.json" > "$OUT/bench-native.log" 2>&1
       echo "bench rc $? ($SECONDS s)"; pkill -9 -f bench_head_dims.py 2>/dev/null
       grep -E '^\{|budget' "$OUT/bench-native.log" | cut -c1-330 | tail -30

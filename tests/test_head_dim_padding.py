@@ -27,6 +27,7 @@ from jcompilemask.testing import assert_within_policy, reference_attention, refe
 BUILT = {(d, d) for d in cute_api.HEAD_DIMS} | set(cute_api.HEAD_DIM_PAIRS)
 # The forward also has kernels of these (backends.cute_forward_head_dims)
 BUILT_FWD = BUILT | {(d, d) for d in cute_api.FWD_NATIVE_HEAD_DIMS}
+BUILT_BWD = BUILT | {(d, d) for d in cute_api.BWD_NATIVE_HEAD_DIMS}
 
 
 @contextlib.contextmanager
@@ -40,8 +41,8 @@ def fake_cute_kernels(monkeypatch):
         ``cute_forward`` / ``cute_backward`` make, and the padding their TMA boxes do."""
         d, dv = q.shape[-1], v.shape[-1]
         dims = (d, dv) if kernel_head_dims is None else tuple(kernel_head_dims)
-        assert dims in (BUILT_FWD if kind == "fwd" else BUILT), (kind, q.shape, v.shape,
-                                                                 kernel_head_dims)
+        assert dims in (BUILT_FWD if kind == "fwd" else BUILT_BWD), (kind, q.shape, v.shape,
+                                                                     kernel_head_dims)
         if kernel_head_dims is not None:
             assert dims[0] >= d and dims[1] >= dv and d % 8 == 0 and dv % 8 == 0, (d, dv, dims)
         seen.append((kind, *dims, "tma" if dims != (d, dv) else "as is"))
@@ -288,3 +289,35 @@ def test_native_forward_keys():
     for d, dv in ((96, 64), (112, 112), (48, 48)):
         with pytest.raises(ValueError, match="cute forward is built for head dims"):
             cute_api.ForwardKey(head_dim=d, head_dim_v=dv, **base)
+
+
+@pytest.mark.parametrize("fwd,bwd", [("1", "1"), ("0", "1")])
+def test_native_backward_head_dims(monkeypatch, fwd, bwd):
+    """$JCOMPILEMASK_CUTE_BWD_NATIVE=1: D 96's backward runs its own kernels on the arrays as
+    they are, after either forward; D 80 keeps D 128's backward in place."""
+    monkeypatch.setenv(backends.CUTE_FWD_NATIVE_ENV, fwd)
+    monkeypatch.setenv(backends.CUTE_BWD_NATIVE_ENV, bwd)
+    spec = jcm.masks.causal()
+    for d, want_bwd in ((96, (96, 96, "as is")), (80, (128, 128, "tma"))):
+        q, k, v, do = _qkv(d, d)
+        with fake_cute_kernels(monkeypatch) as seen:
+            out, vjp = jax.vjp(jax.jit(lambda q, k, v: jcm.mask_attention(
+                q, k, v, spec, implementation="cute")), q, k, v)
+            grads = vjp(do)
+        want_fwd = (d, d, "as is") if fwd == "1" else (128, 128, "tma")
+        assert {s[:4] for s in seen} == {("fwd",) + want_fwd, ("bwd",) + want_bwd}, seen
+        vis = np.asarray(spec.as_dense(None, q.shape[1], k.shape[1]), bool)
+        ghigh, glow = reference_gradients(q, k, v, do, vis)
+        for name, g, h, lo in zip(("dq", "dk", "dv"), grads, ghigh, glow):
+            assert_within_policy(g, h, lo, name)
+    cm = jcm.compile(spec)
+    call = backends.call_for(cm, dtype="bfloat16", head_dim=96, head_dim_v=96, num_heads=8,
+                             num_kv_heads=8)
+    with fake_cute_kernels(monkeypatch):
+        text = backends.explain(call)
+    if fwd == "1":
+        assert "chosen: cute (kernels of head dims 96/96 of their own in both passes)" in text
+    else:
+        assert ("chosen: cute (the backward has kernels of head dims 96/96; the forward runs "
+                "them zero-padded to 128/128") in text, text
+    assert "backward: the CuTe backward kernel" in text

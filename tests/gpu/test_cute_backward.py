@@ -69,6 +69,46 @@ def test_named_barrier_ids_are_distinct_and_fit():
     assert min(ids) >= 1 and max(ids) <= 15, sorted(ids)
 
 
+# D 96's own backward (api.BWD_NATIVE_HEAD_DIMS): D 128's config with Q / K / V / dO in
+# 32B-swizzled rows so that dQ's halves of 48 columns start an atom. Static SASS (session
+# 46, causal K 1): 168 registers, 0 B of stack, 28 HGMMAs and 373-379 instructions per
+# unmasked tile copy (D 128: 32, 392-394); with the first warpgroup alone on dQ (64-column
+# rule) ptxas serialized the wgmmas (64 WARPGROUP syncs a tile). (dtype, K, Kc, broadcast
+# batch / head, deterministic, soft cap, residual)
+_NATIVE_BWD = {
+    "causal": ("bfloat16", 1, 1, True, True, False, None, False),
+    "clear_fp16_per_head": ("float16", 6, 7, False, False, False, None, False),
+    "deterministic": ("bfloat16", 2, 4, False, True, True, None, False),
+    "cap": ("bfloat16", 2, 4, False, True, False, 30.0, False),
+    "k12": ("bfloat16", 12, 12, False, True, False, None, False),
+    "dilated": ("bfloat16", 0, 0, False, True, False, None, True),
+}
+
+
+@needs_cutlass
+@pytest.mark.parametrize("case", sorted(_NATIVE_BWD))
+def test_native_backward_compiles_for_sm90(case, monkeypatch, capfd):
+    """D 96's backward under the registry's configs (soft cap, deterministic, K > 8, a
+    residual predicate), without C7512."""
+    import dataclasses
+    from jcompilemask.kernels.cute import api
+    from jcompilemask.lower.residual_program import ResidualProgram
+    dtype, kk, kc, bb, bh, det, cap, residual = _NATIVE_BWD[case]
+    pair, exact = None, False
+    if residual:
+        monkeypatch.setenv("JCOMPILEMASK_ROW_CLASSES", "0")
+        cm = jcm.compile(MaskSpec([Region((0, q_len), (k <= q) & (k > q - 128) & ((q - k) % 2 == 0))]),
+                         warn=False)
+        pair, kk, kc = ResidualProgram.pair(cm), cm.num_intervals, cm.num_bwd_intervals
+        exact = bool(cm.column_view_exact) and api._bwd_exact_columns(96, 96, cap)
+    cfg = dataclasses.replace(api.preferred_backward_config(96, dtype, cap is not None, det),
+                              deterministic=det)
+    key = api.BackwardKey(dtype, 96, kk, kc, bb, bh, 96 ** -0.5, cfg, softcap=cap, residual=pair,
+                          exact_columns=exact)
+    assert compile_checking_remarks(api.compile_backward, key, monkeypatch, capfd) is not None
+    assert "_d96_" in key.target_name
+
+
 @needs_cutlass
 @pytest.mark.parametrize("case", ["dilated", "divisor", "two_regions", "no_column_view",
                                   "dilated_schedule"])
@@ -1073,7 +1113,8 @@ def test_dq_fragment_order_round_trip():
     exactly, ragged last tile included, for both dQ splits (pure JAX, any machine)."""
     from jcompilemask.kernels.cute.api import dq_fragment_unpermute
     for blocked in (False, True):
-        for b, nq, hq, d in ((2, 150, 3, 64), (1, 128, 2, 128), (1, 64, 1, 192), (1, 70, 1, 256)):
+        for b, nq, hq, d in ((2, 150, 3, 64), (1, 128, 2, 128), (1, 64, 1, 192), (1, 70, 1, 256),
+                             (1, 100, 2, 96)):      # D 96: two dQ warpgroups of 48 columns
             dq = np.random.default_rng(0).normal(size=(b, nq, hq, d)).astype(np.float32)
             slots = _fragment_order_reference(dq, blocked=blocked)
             assert not np.isnan(slots).any()

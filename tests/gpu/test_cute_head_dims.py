@@ -55,7 +55,8 @@ PADDED = {
 
 
 # Head dims whose forward has kernels of its own (kernels.cute.api.FWD_NATIVE_HEAD_DIMS,
-# $JCOMPILEMASK_CUTE_FWD_NATIVE=1); their backward runs D 128's kernels in place.
+# $JCOMPILEMASK_CUTE_FWD_NATIVE=1), and D 96's backward (BWD_NATIVE_HEAD_DIMS,
+# $JCOMPILEMASK_CUTE_BWD_NATIVE=1); otherwise the backward runs D 128's kernels in place.
 NATIVE = {
     "n96": (96, 96, None),
     "n80": (80, 80, None),
@@ -192,12 +193,14 @@ def test_in_place_head_dims_match_the_copies(monkeypatch, config):
                                    rtol=2e-2, atol=2e-2, err_msg=name)
 
 
-def _native_on(monkeypatch, config):
-    """The native forward on for ``config``'s head dims, and checked to be what runs."""
+def _native_on(monkeypatch, config, backward=False):
+    """The native forward (and with ``backward`` the native backward) on for ``config``'s
+    head dims, and checked to be what runs."""
     d, dv, _ = NATIVE[config]
     monkeypatch.setenv(backends.CUTE_FWD_NATIVE_ENV, "1")
+    monkeypatch.setenv(backends.CUTE_BWD_NATIVE_ENV, "1" if backward else "0")
     assert backends.cute_forward_head_dims(d, dv) == (d, dv)
-    assert backends.cute_head_dims(d, dv) == (128, 128)       # the backward's kernels
+    assert backends.cute_backward_head_dims(d, dv) == ((d, dv) if backward else (128, 128))
 
 
 @pytest.mark.parametrize("config", sorted(NATIVE))
@@ -233,7 +236,11 @@ def test_native_forward_random_lowered_specs(monkeypatch, seed, config):
 def test_native_forward_residual_and_any_k(monkeypatch, mask, config):
     """A residual predicate evaluated in the kernel (the dilated window as a residual, not as
     residue classes) and K > 8 intervals (the per-tile loop) at the native head dims."""
-    _native_on(monkeypatch, config)
+    _residual_and_any_k(monkeypatch, mask, config, backward=False)
+
+
+def _residual_and_any_k(monkeypatch, mask, config, backward):
+    _native_on(monkeypatch, config, backward)
     monkeypatch.setenv("JCOMPILEMASK_ROW_CLASSES", "0")
     if mask == "dilated_window":
         spec = MaskSpec([Region((0, q_len), (k <= q) & (k > q - 128) & ((q - k) % 2 == 0))])
@@ -281,6 +288,69 @@ def test_native_forward_matches_in_place(monkeypatch, name, config):
     first, second = run("0"), run("1")
     for what, a, b_ in zip(("out", "lse", "dq", "dk", "dv"),
                            (*first[0], *first[1]), (*second[0], *second[1])):
+        assert np.array_equal(np.asarray(a), np.asarray(b_), equal_nan=True), what
+
+
+@pytest.mark.parametrize("config", ["n96", "n96cap"])
+@pytest.mark.parametrize("name", ["causal", "hstu", "clear", "document", "sliding_window"])
+def test_native_backward_grads(monkeypatch, name, config):
+    """D 96's own backward (32B-swizzled rows, dQ in halves of 48) on the native forward's
+    out / lse, against the reference."""
+    _native_on(monkeypatch, config, backward=True)
+    rng = np.random.default_rng(11)
+    n = 1000 if name != "clear" else 1100
+    _grads(SPECS[name], metadata(name, 2, n, rng), 2, n, 4, 2, config)
+
+
+@pytest.mark.parametrize("config", ["n96", "n96cap"])
+def test_native_backward_fp16_mqa_fully_masked_rows(monkeypatch, config):
+    _native_on(monkeypatch, config, backward=True)
+    s = Scalar("start", max=q_len)
+    spec = MaskSpec([Region((s, q_len), k <= q)])
+    _grads(spec, {"start": np.array([300, 900])}, 2, 900, 4, 1, config, dtype=jnp.float16)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_native_backward_random_lowered_specs(monkeypatch, seed):
+    _native_on(monkeypatch, "n96", backward=True)
+    rng = np.random.default_rng(320 + seed)
+    spec, md = random_spec_case(rng, 700, 2)
+    _grads(spec, md, 2, 700, 2, 2, "n96", seed=seed)
+
+
+@pytest.mark.parametrize("mask", ["dilated_window", "k_over_8"])
+def test_native_backward_residual_and_any_k(monkeypatch, mask):
+    _residual_and_any_k(monkeypatch, mask, "n96", backward=True)
+
+
+@pytest.mark.parametrize("config", ["n96", "n96cap"])
+@pytest.mark.parametrize("name", ["hstu", "clear"])
+def test_native_backward_matches_in_place(monkeypatch, name, config):
+    """D 96's own backward and D 128's in place compute the same sums: the zero columns of
+    the wider kernel add exact zeros to S^T / dP^T's k-steps, dQ / dK / dV columns are
+    independent, and delta is summed over Dv in both. So dq / dk / dv agree bit for bit
+    (both on the native forward's out / lse)."""
+    _native_on(monkeypatch, config)
+    d, dv, cap = NATIVE[config]
+    rng = np.random.default_rng(12)
+    n = 1000
+    md = metadata(name, 2, n, rng)
+    ks = jax.random.split(jax.random.key(13), 4)
+    qx = (jax.random.normal(ks[0], (2, n, 4, d), jnp.float32) * (3.0 if cap else 1.0)).astype(jnp.bfloat16)
+    kx = jax.random.normal(ks[1], (2, n, 2, d), jnp.float32).astype(jnp.bfloat16)
+    vx = jax.random.normal(ks[2], (2, n, 2, dv), jnp.float32).astype(jnp.bfloat16)
+    do = jax.random.normal(ks[3], (2, n, 4, dv), jnp.float32).astype(jnp.bfloat16)
+
+    def run(native):
+        monkeypatch.setenv(backends.CUTE_BWD_NATIVE_ENV, native)
+
+        def f(a, b_, c):       # a new function per setting: it is read while tracing
+            return jcm.mask_attention(a, b_, c, SPECS[name], metadata=md,
+                                      implementation="cute", logits_soft_cap=cap)
+        _, vjp = jax.vjp(jax.jit(f), qx, kx, vx)
+        return vjp(do)
+
+    for what, a, b_ in zip(("dq", "dk", "dv"), run("0"), run("1")):
         assert np.array_equal(np.asarray(a), np.asarray(b_), equal_nan=True), what
 
 

@@ -32,6 +32,11 @@ HEAD_DIM_PAIRS = ((192, 128),)
 # loop and switches, Q / K / V in 64B- (D 96) or 32B-swizzled (D 80) rows. The forward at D 128
 # does the same work plus 33% (D 96) / 60% (D 80) of zero columns.
 FWD_NATIVE_HEAD_DIMS = (80, 96)
+# Head dims (Dv == D) whose backward has kernels of its own (backends.cute_backward_head_dims):
+# D 128's config, Q / K / V / dO in 32B-swizzled rows so that dQ's halves of 48 columns start
+# a swizzle atom (dq_warpgroups). D 80's halves of 40 would need unswizzled rows: it keeps
+# D 128's kernels in place.
+BWD_NATIVE_HEAD_DIMS = (96,)
 # Dynamic shared memory one CTA may opt into on SM90 (227 KB).
 _SMEM_LIMIT = 232448
 # Shared memory the forward's work list adds: one chunk of tile indices (FWD_LIST_CHUNK
@@ -2018,7 +2023,7 @@ class BackwardKey:
                                  "or dkv_swap=True; use preferred_backward_config(D)")
         if self.softcap is not None and not (math.isfinite(self.softcap) and self.softcap > 0):
             raise ValueError(f"softcap must be None or a positive finite float, got {self.softcap!r}")
-        dims = BWD_HEAD_DIMS
+        dims = BWD_HEAD_DIMS + BWD_NATIVE_HEAD_DIMS
         if self.head_dim not in dims and self.dv == self.head_dim:
             raise ValueError(f"cute backward is built for head dims {dims} (Dv == D), "
                              f"got {self.head_dim}; the xla backward serves the others")
@@ -2069,12 +2074,14 @@ class BackwardKey:
 
 def dq_warpgroups(head_dim: int, num_consumer_wgs: int = 2, block_q: int = BWD_TILES[0]) -> int:
     """Consumer warpgroups that compute dQ. With 64-query tiles they split D when each half
-    is a whole 128B-swizzle row (64 elements of 16 bits) of K's buffer, else the first does
+    is a whole 128B-swizzle row (64 elements of 16 bits) of K's buffer, or (D 96) three
+    32B-swizzle rows of 16 (FlashBackwardSm90.qk_sw32; alone, the first warpgroup's 64 x 96
+    dQ beside its dK / dV made ptxas serialize the wgmmas: 64 WARPGROUP syncs a tile), else the first does
     it alone (D = 64: a 32-column half would not be a canonical wgmma layout); with
     128-query tiles (``dq_splits_queries``) each takes 64 of the queries, all of D."""
     if dq_splits_queries(block_q, num_consumer_wgs):
         return num_consumer_wgs
-    return num_consumer_wgs if head_dim // num_consumer_wgs >= 64 else 1
+    return num_consumer_wgs if head_dim // num_consumer_wgs >= 48 else 1
 
 
 def stats_shfl_query(i: int, lane):
@@ -2245,12 +2252,14 @@ BWD_ORDER_POLICIES = ("hoist", "group", "global", "tail", "auto")
 
 def _bwd_exact_columns(head_dim: int, head_dim_v: int, softcap) -> bool:
     """Whether cute_backward honours a mask's ``exact_columns`` promise for this kernel:
-    ``$JCOMPILEMASK_CUTE_BWD_EXACT_COLUMNS`` =1 / =0, else on at D 128 without a soft cap.
+    ``$JCOMPILEMASK_CUTE_BWD_EXACT_COLUMNS`` =1 / =0, else on at D 128 without a soft cap
+    (and at BWD_NATIVE_HEAD_DIMS, D 128's config on narrower rows).
 
     >>> _bwd_exact_columns(128, 128, None), _bwd_exact_columns(64, 64, None)
     (True, False)
     """
-    default = "1" if (head_dim, head_dim_v, softcap) == (128, 128, None) else "0"
+    default = "1" if head_dim == head_dim_v and head_dim in (128,) + BWD_NATIVE_HEAD_DIMS \
+        and softcap is None else "0"
     return _env_flag(BWD_EXACT_COLUMNS_ENV, default)
 # A block's fixed cost in visited-tile units (the "tail" policy's weights): ~5 us of setup,
 # K / V load and dK / dV store against ~2.4 us a tile (causal 8K, H200).
@@ -2436,7 +2445,8 @@ def backward_static_order(bwd_tiles, batch: int, num_heads: int, num_kv_heads: i
 def _bwd_static_order_on(head_dim: int, head_dim_v: int, softcap) -> bool:
     """Whether ``cute_backward`` may run a trace-time host order (``backward_static_order``)
     for tile states known while tracing: on by default at D 128 without a soft cap, the
-    configuration it was validated and timed on; ``$JCOMPILEMASK_CUTE_BWD_STATIC_ORDER=1`` /
+    configuration it was validated and timed on (and at BWD_NATIVE_HEAD_DIMS, D 128's config
+    on narrower rows); ``$JCOMPILEMASK_CUTE_BWD_STATIC_ORDER=1`` /
     ``0`` turns it on / off everywhere.
 
     Session 36 (H100, run 2026-12-05T23:42:56Z, ``h200.sh masks16``; the GPU test
@@ -2449,7 +2459,8 @@ def _bwd_static_order_on(head_dim: int, head_dim_v: int, softcap) -> bool:
     >>> _bwd_static_order_on(64, 64, None)
     False
     """
-    measured = "1" if (head_dim, head_dim_v) == (128, 128) and softcap is None else "0"
+    measured = "1" if (head_dim == head_dim_v and head_dim in (128,) + BWD_NATIVE_HEAD_DIMS
+                       and softcap is None) else "0"
     return _env_flag("JCOMPILEMASK_CUTE_BWD_STATIC_ORDER", measured)
 
 

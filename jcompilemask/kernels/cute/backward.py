@@ -175,7 +175,7 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         self.dq_split_q = dq_splits_queries(config.block_q, self.num_consumer_wgs)
         assert config.block_q == 64 or (self.dq_split_q and not self.split_dkv), \
             "dQ leaves in the fragment order of one m64 wgmma per warpgroup"
-        assert head_dim % 64 == 0
+        assert head_dim % 32 == 0, "head dims 64, 96 (dQ halves in 32B atoms), 128, 192, 256"
         assert num_intervals >= 1 and num_bwd_intervals >= 0
         self.dtype = dtype
         self.head_dim = head_dim
@@ -251,6 +251,7 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         # buffers seen MN-major, which must begin a swizzle atom: 128B atoms (64 elements)
         # when the half is a multiple of 64, else (D 192: halves of 96) 64B atoms for Q and K.
         self.qk_sw64 = False
+        self.qk_sw32 = False
         if self.dkv_swap:
             # dK^T / dV^T: (D or Dv, this warpgroup's 48 keys), M repeated over D / Dv;
             # dQ's halves of D (96 columns) start 64B atoms of K's buffer (and Q's).
@@ -266,6 +267,9 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         else:
             self.dkv_atoms, self.dkv_tile = (self.num_consumer_wgs, 1, 1), (64, head_dim)
             self.dv_tile = self.dkv_tile
+            # D 96: dQ's halves of 48 columns start 32B atoms (16 elements) of K's buffer.
+            half = head_dim // self.num_consumer_wgs
+            self.qk_sw32 = self.dq_wgs == 2 and not self.dq_split_q and half % 32 != 0
         self.dq_single_wg = self.dq_wgs == 1
         # Floats of one dQ warpgroup's tile (block_q x D / dq_wgs) and its float4 chunks
         # (its D columns / 8: with dq_split_q a warpgroup's 64 queries take all of D).
@@ -486,6 +490,9 @@ class FlashBackwardSm90(WarpSpecializedSm90):
         if const_expr(self.qk_sw64):
             sK_layout = self.k_major_sw64((bk, d, 1))
             sQ_layout = self.k_major_sw64((bq, d, self.num_stages))
+        if const_expr(self.qk_sw32):
+            sK_layout = self.k_major_sw64((bk, d, 1), kind=warpgroup.SmemLayoutAtomKind.K_SW32)
+            sQ_layout = self.k_major_sw64((bq, d, self.num_stages), kind=warpgroup.SmemLayoutAtomKind.K_SW32)
         sV_layout, sdO_layout = sK_layout, sQ_layout
         if const_expr(self.head_dim_v != d):
             sV_layout, sdO_layout = self.v_do_layouts()
@@ -1778,10 +1785,12 @@ class FlashBackwardSm90(WarpSpecializedSm90):
             t.rP = cute.make_rmem_tensor_like(t.acc_S, self.dtype)
             t.rP.store(t.acc_S.load().to(self.dtype))
 
-    def k_major_sw64(self, shape):
+    def k_major_sw64(self, shape, kind=None):
         """A K-major buffer of `shape` (rows, cols, stages) in 64B-swizzle atoms (8 x 32
-        elements): D 192's halves of 96 columns then start an atom (128B atoms: 64)."""
-        atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW64, self.dtype)
+        elements): D 192's halves of 96 columns then start an atom (128B atoms: 64); with
+        ``kind`` K_SW32, 32B atoms (8 x 16: D 96's halves of 48)."""
+        kind = warpgroup.SmemLayoutAtomKind.K_SW64 if kind is None else kind
+        atom = warpgroup.make_smem_layout_atom(kind, self.dtype)
         return cute.tile_to_shape(atom, shape, order=(0, 1, 2))
 
     def dv_tiled_mma(self):
