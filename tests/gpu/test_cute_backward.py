@@ -1055,7 +1055,8 @@ def test_registry_runs_every_validated_config(monkeypatch):
     assert plan(128, 128, None, (64, 128), 40) is None                  # any Kc
     assert "backward tiles 64x128" in plan(256, 256, None, (64, 128))
     assert "backward tiles 64x128" in plan(192, 128, 5.0, (64, 128))
-    assert "head dims 96/96" in plan(96, 96, None)
+    assert "head dims 80/80" in plan(80, 80, None)
+    assert plan(96, 96, None) is None     # D 96's own kernels (cute_backward_head_dims opts in)
     cute = backends.get("cute")
 
     def call(d, dv, cap=False):
@@ -1219,7 +1220,7 @@ def test_backward_config_env(monkeypatch):
 def test_backward_key_rejects_unsupported():
     from jcompilemask.kernels.cute.api import BackwardConfig, BackwardKey
     with pytest.raises(ValueError, match="head dims"):
-        BackwardKey("bfloat16", 96, 1, 1, True, True, 0.1)
+        BackwardKey("bfloat16", 80, 1, 1, True, True, 0.1)
     with pytest.raises(ValueError, match="split_dkv"):
         BackwardKey("bfloat16", 256, 1, 1, True, True, 0.1)       # 64 x 128 at D 256: no room
     with pytest.raises(ValueError, match="64x64 backward tiles with split_dkv"):
@@ -1275,8 +1276,8 @@ def test_backward_selection_reasons(monkeypatch):
     assert backends.cute_backward_reason(x, x, desc, 5.0) is None
     x256 = jnp.zeros((1, 256, 2, 256), jnp.bfloat16)
     assert "backward tiles 64x128" in backends.cute_backward_reason(x256, x256, desc, None)
-    x96 = jnp.zeros((1, 256, 2, 96), jnp.bfloat16)
-    assert "head dims 96/96" in backends.cute_backward_reason(x96, x96, desc, None)
+    x80 = jnp.zeros((1, 256, 2, 80), jnp.bfloat16)
+    assert "head dims 80/80" in backends.cute_backward_reason(x80, x80, desc, None)
     other = jcm.compile(jcm.masks.causal()).instantiate(None, 256, 256, block_q=128,
                                                          block_kv=128, bwd_block_q=128,
                                                          bwd_block_kv=128, preprocess="jnp")

@@ -56,7 +56,7 @@ def test_key_rejects_unsupported():
     from jcompilemask.kernels.cute.api import ForwardKey
 
     with pytest.raises(ValueError, match="head dim"):
-        ForwardKey("bfloat16", 96, 96, 1, 128, 128, True, True, 0.1)
+        ForwardKey("bfloat16", 112, 112, 1, 128, 128, True, True, 0.1)
     with pytest.raises(ValueError, match="Dv == D"):
         ForwardKey("bfloat16", 128, 64, 1, 128, 128, True, True, 0.1)
     with pytest.raises(ValueError, match="preferred_forward_tiles"):
