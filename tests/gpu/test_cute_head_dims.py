@@ -193,6 +193,20 @@ def test_in_place_head_dims_match_the_copies(monkeypatch, config):
                                    rtol=2e-2, atol=2e-2, err_msg=name)
 
 
+def _native_inputs(name, config, seed):
+    """(metadata, q, k, v, dO) of built-in ``name`` at ``config``'s head dims: 2 x 1000
+    tokens, 4 query / 2 KV heads, bf16 (queries x3 under a cap, to saturate the tanh)."""
+    d, dv, cap = NATIVE[config]
+    n = 1000
+    md = metadata(name, 2, n, np.random.default_rng(seed))
+    ks = jax.random.split(jax.random.key(seed + 1), 4)
+    qx = (jax.random.normal(ks[0], (2, n, 4, d), jnp.float32) * (3.0 if cap else 1.0)).astype(jnp.bfloat16)
+    kx = jax.random.normal(ks[1], (2, n, 2, d), jnp.float32).astype(jnp.bfloat16)
+    vx = jax.random.normal(ks[2], (2, n, 2, dv), jnp.float32).astype(jnp.bfloat16)
+    do = jax.random.normal(ks[3], (2, n, 4, dv), jnp.float32).astype(jnp.bfloat16)
+    return md, qx, kx, vx, do
+
+
 def _native_on(monkeypatch, config, backward=False):
     """The native forward (and with ``backward`` the native backward) on for ``config``'s
     head dims, and checked to be what runs."""
@@ -265,15 +279,8 @@ def test_native_forward_matches_in_place(monkeypatch, name, config):
     wider kernel's QK^T adds are exact zeros in each k-step's fp32 sum, and PV's extra
     output columns are dropped. So out and lse agree bit for bit, and the backward (the same
     in-place kernel on the same out / lse) gives the same dq / dk / dv."""
-    d, dv, cap = NATIVE[config]
-    rng = np.random.default_rng(8)
-    n = 1000
-    md = metadata(name, 2, n, rng)
-    ks = jax.random.split(jax.random.key(9), 4)
-    qx = (jax.random.normal(ks[0], (2, n, 4, d), jnp.float32) * (3.0 if cap else 1.0)).astype(jnp.bfloat16)
-    kx = jax.random.normal(ks[1], (2, n, 2, d), jnp.float32).astype(jnp.bfloat16)
-    vx = jax.random.normal(ks[2], (2, n, 2, dv), jnp.float32).astype(jnp.bfloat16)
-    do = jax.random.normal(ks[3], (2, n, 4, dv), jnp.float32).astype(jnp.bfloat16)
+    cap = NATIVE[config][2]
+    md, qx, kx, vx, do = _native_inputs(name, config, 8)
 
     def run(native):
         monkeypatch.setenv(backends.CUTE_FWD_NATIVE_ENV, native)
@@ -331,15 +338,8 @@ def test_native_backward_matches_in_place(monkeypatch, name, config):
     independent, and delta is summed over Dv in both. So dq / dk / dv agree bit for bit
     (both on the native forward's out / lse)."""
     _native_on(monkeypatch, config)
-    d, dv, cap = NATIVE[config]
-    rng = np.random.default_rng(12)
-    n = 1000
-    md = metadata(name, 2, n, rng)
-    ks = jax.random.split(jax.random.key(13), 4)
-    qx = (jax.random.normal(ks[0], (2, n, 4, d), jnp.float32) * (3.0 if cap else 1.0)).astype(jnp.bfloat16)
-    kx = jax.random.normal(ks[1], (2, n, 2, d), jnp.float32).astype(jnp.bfloat16)
-    vx = jax.random.normal(ks[2], (2, n, 2, dv), jnp.float32).astype(jnp.bfloat16)
-    do = jax.random.normal(ks[3], (2, n, 4, dv), jnp.float32).astype(jnp.bfloat16)
+    cap = NATIVE[config][2]
+    md, qx, kx, vx, do = _native_inputs(name, config, 12)
 
     def run(native):
         monkeypatch.setenv(backends.CUTE_BWD_NATIVE_ENV, native)
