@@ -150,11 +150,8 @@ CUTE_BWD_NATIVE_ENV = "JCOMPILEMASK_CUTE_BWD_NATIVE"
 
 
 def _native_dims(env: str, native: tuple, head_dim: int, head_dim_v: int):
-    import os
-    text = os.environ.get(env, "").strip() or "0"
-    if text not in ("0", "1"):
-        raise ValueError(f"${env} must be 0 or 1, got {text!r}")
-    if text == "1" and head_dim == head_dim_v and head_dim in native:
+    from .kernels.cute.api import _env_flag
+    if _env_flag(env, "0") and head_dim == head_dim_v and head_dim in native:
         return (head_dim, head_dim_v)
     return cute_head_dims(head_dim, head_dim_v)
 

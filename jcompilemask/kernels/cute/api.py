@@ -501,7 +501,7 @@ _HOST_ONLY = frozenset({
     "preferred_forward_stages", "_package_fingerprint", "_sources_fingerprint",
     "_strip_host_only", "_code_only",
     "_module_files", "_kernel_sources", "disk_cache_key", "kernel_function", "_ensure_registered",
-    "_fit_list_to_length", "_fwd_bits_above", "_env_flag", "_fwd_work_list", "_fwd_schedule",
+    "_fit_list_to_length", "_fwd_bits_above", "_env_flag", "_fwd_d128_loop", "_bwd_d128_config", "_fwd_work_list", "_fwd_schedule",
     "_fwd_k_ahead", "_fwd_group_mask", "_fwd_residual_words", "_fwd_rescale_tail",
     "_fwd_work_runs", "_fwd_masked_switches", "forward_switches", "_fwd_issue_switches", "num_sms",
     "persistent_schedule", "kv_heads_per_l2_group", "forward_schedule", "cute_forward",
@@ -804,6 +804,17 @@ def _env_flag(name: str, default: str) -> bool:
     return text == "1"
 
 
+def _fwd_d128_loop(head_dim: int, head_dim_v: int) -> bool:
+    """Whether the forward runs D 128's loop at these head dims: D 128 itself, or a
+    FWD_NATIVE_HEAD_DIMS dim with Dv == D (the same loop on narrower rows), so that D 128's
+    measured defaults (residual words, work runs, the issue switches) apply.
+
+    >>> _fwd_d128_loop(128, 128), _fwd_d128_loop(96, 96), _fwd_d128_loop(96, 128)
+    (True, True, False)
+    """
+    return head_dim == head_dim_v and head_dim in (128,) + FWD_NATIVE_HEAD_DIMS
+
+
 def _fwd_work_list(d, dv, block_q, block_kv, num_stages) -> bool:
     """Whether the forward iterates a compact work list (the producer warp turns the row's
     tile words into a list of visited key tiles; both sides walk the list) rather than every
@@ -853,7 +864,7 @@ def _fwd_residual_words(head_dim: int = 128) -> bool:
     tested and timed at, and at FWD_NATIVE_HEAD_DIMS (D 128's loop on narrower rows); ``$JCOMPILEMASK_CUTE_FWD_RESIDUAL_WORDS`` (read at trace time)
     =1 / =0 forces it on / off at every head dim."""
     return _env_flag(FWD_RESIDUAL_WORDS_ENV,
-                     "1" if head_dim == 128 or head_dim in FWD_NATIVE_HEAD_DIMS else "0")
+                     "1" if head_dim == 128 or _fwd_d128_loop(head_dim, head_dim) else "0")
 
 
 def _fwd_rescale_tail() -> bool:
@@ -870,7 +881,7 @@ def _fwd_work_runs(work_list: bool, rescale_tail: bool, d, dv, block_q, block_kv
     the work list is on, rescale_tail off and the runs' 4 KB fit;
     ``$JCOMPILEMASK_CUTE_FWD_WORK_RUNS`` (read at trace time) =1 / =0 forces it on / off
     wherever the work list is on."""
-    default = "1" if (d, dv) in ((64, 64), (128, 128)) or (d == dv and d in FWD_NATIVE_HEAD_DIMS) else "0"
+    default = "1" if (d, dv) == (64, 64) or _fwd_d128_loop(d, dv) else "0"
     return (_env_flag(FWD_WORK_RUNS_ENV, default) and work_list and not rescale_tail
             and forward_smem_bytes(d, block_q, block_kv, num_stages, head_dim_v=dv)
             + _WORK_RUNS_SMEM <= _SMEM_LIMIT)
@@ -945,7 +956,7 @@ def _fwd_issue_switches(head_dim: int, head_dim_v: int, work_runs: bool, rescale
     >>> _fwd_issue_switches(64, 64, True, False, False)
     {'operands_early': False, 'p_double': False}
     """
-    measured = "1" if head_dim == head_dim_v and head_dim in (128,) + FWD_NATIVE_HEAD_DIMS else "0"
+    measured = "1" if _fwd_d128_loop(head_dim, head_dim_v) else "0"
     return dict(operands_early=_env_flag(FWD_OPERANDS_EARLY_ENV, measured),
                 p_double=(_env_flag(FWD_P_DOUBLE_ENV, measured) and work_runs and not rescale_tail
                           and not rescale_early))
@@ -2250,6 +2261,17 @@ BWD_EXACT_COLUMNS_ENV = "JCOMPILEMASK_CUTE_BWD_EXACT_COLUMNS"
 BWD_ORDER_POLICIES = ("hoist", "group", "global", "tail", "auto")
 
 
+def _bwd_d128_config(head_dim: int, head_dim_v: int) -> bool:
+    """Whether the backward runs D 128's config at these head dims: D 128 itself, or a
+    BWD_NATIVE_HEAD_DIMS dim with Dv == D (the same config on narrower rows), so that D 128's
+    validated defaults (exact columns, the static order) apply.
+
+    >>> _bwd_d128_config(128, 128), _bwd_d128_config(96, 96), _bwd_d128_config(80, 80)
+    (True, True, False)
+    """
+    return head_dim == head_dim_v and head_dim in (128,) + BWD_NATIVE_HEAD_DIMS
+
+
 def _bwd_exact_columns(head_dim: int, head_dim_v: int, softcap) -> bool:
     """Whether cute_backward honours a mask's ``exact_columns`` promise for this kernel:
     ``$JCOMPILEMASK_CUTE_BWD_EXACT_COLUMNS`` =1 / =0, else on at D 128 without a soft cap
@@ -2258,8 +2280,7 @@ def _bwd_exact_columns(head_dim: int, head_dim_v: int, softcap) -> bool:
     >>> _bwd_exact_columns(128, 128, None), _bwd_exact_columns(64, 64, None)
     (True, False)
     """
-    default = "1" if head_dim == head_dim_v and head_dim in (128,) + BWD_NATIVE_HEAD_DIMS \
-        and softcap is None else "0"
+    default = "1" if _bwd_d128_config(head_dim, head_dim_v) and softcap is None else "0"
     return _env_flag(BWD_EXACT_COLUMNS_ENV, default)
 # A block's fixed cost in visited-tile units (the "tail" policy's weights): ~5 us of setup,
 # K / V load and dK / dV store against ~2.4 us a tile (causal 8K, H200).
@@ -2459,8 +2480,7 @@ def _bwd_static_order_on(head_dim: int, head_dim_v: int, softcap) -> bool:
     >>> _bwd_static_order_on(64, 64, None)
     False
     """
-    measured = "1" if (head_dim == head_dim_v and head_dim in (128,) + BWD_NATIVE_HEAD_DIMS
-                       and softcap is None) else "0"
+    measured = "1" if _bwd_d128_config(head_dim, head_dim_v) and softcap is None else "0"
     return _env_flag("JCOMPILEMASK_CUTE_BWD_STATIC_ORDER", measured)
 
 
