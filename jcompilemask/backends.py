@@ -150,18 +150,26 @@ CUTE_BWD_NATIVE_ENV = "JCOMPILEMASK_CUTE_BWD_NATIVE"
 
 
 def _native_dims(env: str, native: tuple, head_dim: int, head_dim_v: int):
+    """With ``$env`` = 1 and Dv == D: the narrowest of the ``native`` dims at least D where
+    it is cheaper than :func:`cute_head_dims`'s pair (D 72 on an 80 kernel, not 128); else
+    cute_head_dims's."""
     from .kernels.cute.api import _env_flag
-    if _env_flag(env, "0") and head_dim == head_dim_v and head_dim in native:
-        return (head_dim, head_dim_v)
-    return cute_head_dims(head_dim, head_dim_v)
+    padded = cute_head_dims(head_dim, head_dim_v)
+    if _env_flag(env, "0") and head_dim == head_dim_v:
+        fits = [n for n in native if n >= head_dim]
+        if fits and (padded is None or 2 * min(fits) < sum(padded)):
+            return (min(fits), min(fits))
+    return padded
 
 
 def cute_forward_head_dims(head_dim: int, head_dim_v: int) -> Optional[tuple[int, int]]:
-    """The head dims of the CuTe forward kernel that runs a call of these: the call's own
-    where the forward has kernels of them and ``$JCOMPILEMASK_CUTE_FWD_NATIVE`` is ``1``
-    (D 80 and 96 with Dv == D, ``kernels.cute.api.FWD_NATIVE_HEAD_DIMS``: D 128's loop on
-    narrower rows), else :func:`cute_head_dims`'s. The switch is read at trace time; it
-    stays ``0`` until the native kernels' GPU cases have passed
+    """The head dims of the CuTe forward kernel that runs a call of these. With
+    ``$JCOMPILEMASK_CUTE_FWD_NATIVE`` = ``1`` and Dv == D: the forward's native kernels
+    (D 80 and 96, ``kernels.cute.api.FWD_NATIVE_HEAD_DIMS``: D 128's loop on narrower
+    rows) at the call's own D, or the narrowest of them wider than it (D 72 zero-padded to
+    80, 88 to 96, in place like :func:`cute_head_dim_padding`'s) where that beats
+    :func:`cute_head_dims`'s pair; else cute_head_dims's. The switch is read at trace
+    time; it stays ``0`` until the native kernels' GPU cases have passed
     (tests/gpu/test_cute_head_dims.py -k native).
 
     >>> cute_forward_head_dims(96, 96), cute_forward_head_dims(64, 64)
@@ -172,10 +180,10 @@ def cute_forward_head_dims(head_dim: int, head_dim_v: int) -> Optional[tuple[int
 
 
 def cute_backward_head_dims(head_dim: int, head_dim_v: int) -> Optional[tuple[int, int]]:
-    """The backward's :func:`cute_forward_head_dims`: the call's own at D 96 (Dv == D,
-    ``kernels.cute.api.BWD_NATIVE_HEAD_DIMS``: D 128's config on 32B-swizzled rows) when
-    ``$JCOMPILEMASK_CUTE_BWD_NATIVE`` is ``1``, else :func:`cute_head_dims`'s (D 80 runs
-    D 128's backward in place either way).
+    """The backward's :func:`cute_forward_head_dims`: with ``$JCOMPILEMASK_CUTE_BWD_NATIVE``
+    = ``1`` and Dv == D, D 96's own kernels (``kernels.cute.api.BWD_NATIVE_HEAD_DIMS``: D
+    128's config on 32B-swizzled rows) run D 96 as is and D 72-88 zero-padded to 96 (D 80:
+    1.2x its work, not 128's 1.6x); else :func:`cute_head_dims`'s.
 
     >>> cute_backward_head_dims(96, 96), cute_backward_head_dims(80, 80)
     ((128, 128), (128, 128))
@@ -695,24 +703,32 @@ _BUILTIN_DONE = False
 def _padding_note(call: Call) -> str:
     """`` (how the CuTe kernels run call's head dims)`` when they have no kernel of their
     own, else ""."""
-    d, dv = _cute_call_dims(call)
     own = (call.head_dim, call.head_dim_v)
-    if (d, dv) == own:
+    if _cute_call_dims(call) == own:
         return ""
-    work = (d + dv) / (call.head_dim + call.head_dim_v)
+    fwd = cute_forward_head_dims(*own) or own
+    bwd = cute_backward_head_dims(*own) or own
+    if fwd == bwd == own:
+        return f" (kernels of head dims {own[0]}/{own[1]} of their own in both passes)"
     how = ("read in place by TMA boxes that zero-fill the columns past them, no copies"
            if cute_head_dim_padding(call.head_dim, call.head_dim_v) == "tma"
            else "padded copies of the operands")
-    native = [p for p, dims in (("forward", cute_forward_head_dims(*own)),
-                                ("backward", cute_backward_head_dims(*own))) if dims == own]
-    if len(native) == 2:
-        return f" (kernels of head dims {own[0]}/{own[1]} of their own in both passes)"
-    if native:
-        other = "backward" if native == ["forward"] else "forward"
-        return (f" (the {native[0]} has kernels of head dims {own[0]}/{own[1]}; the {other} "
-                f"runs them zero-padded to {d}/{dv}: exact, {work:.2f}x the matmul work, {how})")
-    return (f" (head dims {own[0]}/{own[1]} run zero-padded to {d}/{dv}: "
-            f"exact, {work:.2f}x the matmul work of kernels of their own; {how})")
+
+    def work(dims):
+        return (dims[0] + dims[1]) / (own[0] + own[1])
+
+    if fwd == bwd:
+        return (f" (head dims {own[0]}/{own[1]} run zero-padded to {fwd[0]}/{fwd[1]}: "
+                f"exact, {work(fwd):.2f}x the matmul work of kernels of their own; {how})")
+    if own in (fwd, bwd):
+        mine, other = ("forward", "backward") if fwd == own else ("backward", "forward")
+        to = bwd if fwd == own else fwd
+        return (f" (the {mine} has kernels of head dims {own[0]}/{own[1]}; the {other} "
+                f"runs them zero-padded to {to[0]}/{to[1]}: exact, {work(to):.2f}x the matmul "
+                f"work, {how})")
+    return (f" (head dims {own[0]}/{own[1]} run zero-padded: the forward to {fwd[0]}/{fwd[1]} "
+            f"({work(fwd):.2f}x the matmul work), the backward to {bwd[0]}/{bwd[1]} "
+            f"({work(bwd):.2f}x); exact, {how})")
 
 
 def _ensure_builtin():

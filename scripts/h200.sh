@@ -1379,7 +1379,7 @@ PY
       nat=JCOMPILEMASK_CUTE_FWD_NATIVE=1; natb=JCOMPILEMASK_CUTE_BWD_NATIVE=1
       timeout -k 5 $b python3 benchmarks/bench_head_dims.py --ns ${JCM_NATIVE_NS:-8192} \
         --configs ${JCM_NATIVE_CONFIGS:-d96,d80,d128} --impls jcm-cute,fa4-native --min-repeat-s 0.15 \
-        --jcm-variants "nat96@d96:$nat;natb96@d96:$nat $natb;nat80@d80:$nat" \
+        --jcm-variants "nat96@d96:$nat;natb96@d96:$nat $natb;nat80@d80:$nat;natb80@d80:$nat $natb" \
         --budget-s $(( b - 30 )) --out "$OUT/h200-head-dims.json" > "$OUT/bench-native.log" 2>&1
       echo "bench rc $? ($SECONDS s)"; pkill -9 -f bench_head_dims.py 2>/dev/null
       grep -E '^\{|budget' "$OUT/bench-native.log" | cut -c1-330 | tail -30

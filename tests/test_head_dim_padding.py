@@ -264,6 +264,11 @@ def test_native_forward_head_dims_switch(monkeypatch):
     assert backends.cute_forward_head_dims(96, 64) == (128, 128)
     assert backends.cute_forward_head_dims(112, 112) == (128, 128)
     assert backends.cute_forward_head_dims(64, 64) == (64, 64)
+    # Narrower dims take the narrowest native kernel that fits where it beats the built pair.
+    assert backends.cute_forward_head_dims(72, 72) == (80, 80)
+    assert backends.cute_forward_head_dims(88, 88) == (96, 96)
+    assert backends.cute_forward_head_dims(56, 56) == (64, 64)
+    assert backends.cute_forward_head_dims(72, 64) == (128, 128)
     assert backends.cute_forward_head_dims(320, 320) is None
     cm = jcm.compile(jcm.masks.causal())
     call = backends.call_for(cm, dtype="bfloat16", head_dim=96, head_dim_v=96, num_heads=8,
@@ -294,19 +299,39 @@ def test_native_forward_keys():
 @pytest.mark.parametrize("fwd,bwd", [("1", "1"), ("0", "1")])
 def test_native_backward_head_dims(monkeypatch, fwd, bwd):
     """$JCOMPILEMASK_CUTE_BWD_NATIVE=1: D 96's backward runs its own kernels on the arrays as
-    they are, after either forward; D 80 keeps D 128's backward in place."""
+    they are, after either forward; D 80 and 72 run it in place, zero-padded to 96 (not
+    128); the forward runs D 80 as is, D 72 in place on the 80 kernel."""
     monkeypatch.setenv(backends.CUTE_FWD_NATIVE_ENV, fwd)
     monkeypatch.setenv(backends.CUTE_BWD_NATIVE_ENV, bwd)
     spec = jcm.masks.causal()
-    for d, want_bwd in ((96, (96, 96, "as is")), (80, (128, 128, "tma"))):
+    assert backends.cute_backward_head_dims(80, 80) == (96, 96)
+    assert backends.cute_backward_head_dims(64, 64) == (64, 64)
+    assert backends.cute_backward_head_dims(104, 104) == (128, 128)
+    for d, want_bwd in ((96, (96, 96, "as is")), (80, (96, 96, "tma")), (72, (96, 96, "tma"))):
         q, k, v, do = _qkv(d, d)
         with fake_cute_kernels(monkeypatch) as seen:
             out, vjp = jax.vjp(jax.jit(lambda q, k, v: jcm.mask_attention(
                 q, k, v, spec, implementation="cute")), q, k, v)
             grads = vjp(do)
-        want_fwd = (d, d, "as is") if fwd == "1" else (128, 128, "tma")
+        native_fwd = {96: (96, 96, "as is"), 80: (80, 80, "as is"), 72: (80, 80, "tma")}[d]
+        want_fwd = native_fwd if fwd == "1" else (128, 128, "tma")
         assert {s[:4] for s in seen} == {("fwd",) + want_fwd, ("bwd",) + want_bwd}, seen
         _check_oracle(spec, None, None, q, k, v, do, None, grads)
+    for d, want in ((80, "the forward has kernels of head dims 80/80; the backward runs them "
+                         "zero-padded to 96/96: exact, 1.20x the matmul work, read in place")
+                    if fwd == "1" else
+                    (80, "head dims 80/80 run zero-padded: the forward to 128/128 (1.60x the "
+                         "matmul work), the backward to 96/96 (1.20x); exact, read in place"),
+                    (72, "head dims 72/72 run zero-padded: the forward to 80/80 (1.11x the "
+                         "matmul work), the backward to 96/96 (1.33x); exact, read in place")
+                    if fwd == "1" else
+                    (72, "head dims 72/72 run zero-padded: the forward to 128/128 (1.78x the "
+                         "matmul work), the backward to 96/96 (1.33x); exact, read in place")):
+        call = backends.call_for(jcm.compile(spec), dtype="bfloat16", head_dim=d, head_dim_v=d,
+                                 num_heads=8, num_kv_heads=8)
+        with fake_cute_kernels(monkeypatch):
+            text = backends.explain(call)
+        assert want in text, text
     cm = jcm.compile(spec)
     call = backends.call_for(cm, dtype="bfloat16", head_dim=96, head_dim_v=96, num_heads=8,
                              num_kv_heads=8)

@@ -74,14 +74,16 @@ def test_named_barrier_ids_are_distinct_and_fit():
 # 46, causal K 1): 168 registers, 0 B of stack, 28 HGMMAs and 373-379 instructions per
 # unmasked tile copy (D 128: 32, 392-394); with the first warpgroup alone on dQ (64-column
 # rule) ptxas serialized the wgmmas (64 WARPGROUP syncs a tile). (dtype, K, Kc, broadcast
-# batch / head, deterministic, soft cap, residual)
+# batch / head, deterministic, soft cap, residual, the arrays' head dims when narrower: D 80
+# and 72 run it in place, backends.cute_backward_head_dims)
 _NATIVE_BWD = {
-    "causal": ("bfloat16", 1, 1, True, True, False, None, False),
-    "clear_fp16_per_head": ("float16", 6, 7, False, False, False, None, False),
-    "deterministic": ("bfloat16", 2, 4, False, True, True, None, False),
-    "cap": ("bfloat16", 2, 4, False, True, False, 30.0, False),
-    "k12": ("bfloat16", 12, 12, False, True, False, None, False),
-    "dilated": ("bfloat16", 0, 0, False, True, False, None, True),
+    "causal": ("bfloat16", 1, 1, True, True, False, None, False, None),
+    "clear_fp16_per_head": ("float16", 6, 7, False, False, False, None, False, None),
+    "deterministic": ("bfloat16", 2, 4, False, True, True, None, False, None),
+    "cap": ("bfloat16", 2, 4, False, True, False, 30.0, False, None),
+    "k12": ("bfloat16", 12, 12, False, True, False, None, False, None),
+    "dilated": ("bfloat16", 0, 0, False, True, False, None, True, None),
+    "causal_io80": ("bfloat16", 1, 1, True, True, False, None, False, (80, 80)),
 }
 
 
@@ -93,7 +95,7 @@ def test_native_backward_compiles_for_sm90(case, monkeypatch, capfd):
     import dataclasses
     from jcompilemask.kernels.cute import api
     from jcompilemask.lower.residual_program import ResidualProgram
-    dtype, kk, kc, bb, bh, det, cap, residual = _NATIVE_BWD[case]
+    dtype, kk, kc, bb, bh, det, cap, residual, io = _NATIVE_BWD[case]
     pair, exact = None, False
     if residual:
         monkeypatch.setenv("JCOMPILEMASK_ROW_CLASSES", "0")
@@ -104,7 +106,7 @@ def test_native_backward_compiles_for_sm90(case, monkeypatch, capfd):
     cfg = dataclasses.replace(api.preferred_backward_config(96, dtype, cap is not None, det),
                               deterministic=det)
     key = api.BackwardKey(dtype, 96, kk, kc, bb, bh, 96 ** -0.5, cfg, softcap=cap, residual=pair,
-                          exact_columns=exact)
+                          exact_columns=exact, io_head_dims=io)
     assert compile_checking_remarks(api.compile_backward, key, monkeypatch, capfd) is not None
     assert "_d96_" in key.target_name
 

@@ -176,13 +176,15 @@ def test_compiles_for_sm90(num_intervals, broadcast_batch, broadcast_head, monke
 
 
 # The native D 80 / 96 forwards (api.FWD_NATIVE_HEAD_DIMS, D 128's switches): (D, dtype, K,
-# broadcast batch / head, soft cap, residual program). 168 registers, 0 B of stack for each
-# (sessions 46's static SASS: 14 / 13 HGMMAs per tile at D 96 / 80 against 16 at D 128).
+# broadcast batch / head, soft cap, residual program, the arrays' head dims when narrower:
+# D 72 runs the 80 kernel in place). 168 registers, 0 B of stack for each (sessions 46's
+# static SASS: 14 / 13 HGMMAs per tile at D 96 / 80 against 16 at D 128).
 _NATIVE_KEYS = {
-    "d96": (96, "bfloat16", 1, True, True, None, False),
-    "d80_fp16_cap_k3": (80, "float16", 3, False, False, 20.0, False),
-    "d96_k12": (96, "bfloat16", 12, False, True, None, False),
-    "d96_residual": (96, "bfloat16", 0, False, True, None, True),
+    "d96": (96, "bfloat16", 1, True, True, None, False, None),
+    "d80_fp16_cap_k3": (80, "float16", 3, False, False, 20.0, False, None),
+    "d96_k12": (96, "bfloat16", 12, False, True, None, False, None),
+    "d96_residual": (96, "bfloat16", 0, False, True, None, True, None),
+    "d80_io72": (80, "bfloat16", 1, True, True, None, False, (72, 72)),
 }
 
 
@@ -195,7 +197,7 @@ def test_native_head_dims_compile_for_sm90(case, monkeypatch, capfd):
     from jcompilemask.kernels.cute import api
     from jcompilemask.lower.residual_program import ResidualProgram
     from jcompilemask.spec import MaskSpec, Region, k, q, q_len
-    d, dtype, kk, bb, bh, cap, residual = _NATIVE_KEYS[case]
+    d, dtype, kk, bb, bh, cap, residual, io = _NATIVE_KEYS[case]
     prog = None
     if residual:
         monkeypatch.setenv("JCOMPILEMASK_ROW_CLASSES", "0")
@@ -206,7 +208,8 @@ def test_native_head_dims_compile_for_sm90(case, monkeypatch, capfd):
     stages = api.preferred_forward_stages(d)
     registry_switches(monkeypatch, d, d, bq, bk, stages)    # no JCOMPILEMASK_CUTE_FWD_* set
     key = api.ForwardKey(dtype, d, d, kk, bq, bk, bb, bh, d ** -0.5, num_stages=stages, softcap=cap,
-                         residual=prog, **api.forward_switches(d, d, bq, bk, stages, residual=prog))
+                         residual=prog, io_head_dims=io,
+                         **api.forward_switches(d, d, bq, bk, stages, residual=prog))
     assert key.work_runs and key.operands_early and key.p_double
     assert compile_checking_remarks(api.compile_forward, key, monkeypatch, capfd) is not None
 

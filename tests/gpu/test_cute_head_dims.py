@@ -62,6 +62,9 @@ NATIVE = {
     "n80": (80, 80, None),
     "n96cap": (96, 96, 5.0),
     "n80cap": (80, 80, 5.0),
+    # Narrower than a native kernel: the forward runs D 80's in place (72), the backward D
+    # 96's in place (80, 72; backends.cute_backward_head_dims).
+    "n72": (72, 72, None),
 }
 
 
@@ -209,12 +212,13 @@ def _native_inputs(name, config, seed):
 
 def _native_on(monkeypatch, config, backward=False):
     """The native forward (and with ``backward`` the native backward) on for ``config``'s
-    head dims, and checked to be what runs."""
+    head dims, and checked to be what runs: the call's own dims, or the narrowest native
+    kernel wider than them (D 72 forward on 80; D 80 / 72 backward on 96)."""
     d, dv, _ = NATIVE[config]
     monkeypatch.setenv(backends.CUTE_FWD_NATIVE_ENV, "1")
     monkeypatch.setenv(backends.CUTE_BWD_NATIVE_ENV, "1" if backward else "0")
-    assert backends.cute_forward_head_dims(d, dv) == (d, dv)
-    assert backends.cute_backward_head_dims(d, dv) == ((d, dv) if backward else (128, 128))
+    assert backends.cute_forward_head_dims(d, dv) == ((80, 80) if d == 72 else (d, dv))
+    assert backends.cute_backward_head_dims(d, dv) == ((96, 96) if backward else (128, 128))
 
 
 @pytest.mark.parametrize("config", sorted(NATIVE))
@@ -298,18 +302,19 @@ def test_native_forward_matches_in_place(monkeypatch, name, config):
         assert np.array_equal(np.asarray(a), np.asarray(b_), equal_nan=True), what
 
 
-@pytest.mark.parametrize("config", ["n96", "n96cap"])
+@pytest.mark.parametrize("config", ["n96", "n96cap", "n80", "n72"])
 @pytest.mark.parametrize("name", ["causal", "hstu", "clear", "document", "sliding_window"])
 def test_native_backward_grads(monkeypatch, name, config):
     """D 96's own backward (32B-swizzled rows, dQ in halves of 48) on the native forward's
-    out / lse, against the reference."""
+    out / lse, against the reference; at D 80 / 72 in place on the arrays (TMA zero-fills
+    the columns past them, dK / dV stores drop them)."""
     _native_on(monkeypatch, config, backward=True)
     rng = np.random.default_rng(11)
     n = 1000 if name != "clear" else 1100
     _grads(SPECS[name], metadata(name, 2, n, rng), 2, n, 4, 2, config)
 
 
-@pytest.mark.parametrize("config", ["n96", "n96cap"])
+@pytest.mark.parametrize("config", ["n96", "n96cap", "n80"])
 def test_native_backward_fp16_mqa_fully_masked_rows(monkeypatch, config):
     _native_on(monkeypatch, config, backward=True)
     s = Scalar("start", max=q_len)
@@ -330,13 +335,13 @@ def test_native_backward_residual_and_any_k(monkeypatch, mask):
     _residual_and_any_k(monkeypatch, mask, "n96", backward=True)
 
 
-@pytest.mark.parametrize("config", ["n96", "n96cap"])
+@pytest.mark.parametrize("config", ["n96", "n96cap", "n80", "n72"])
 @pytest.mark.parametrize("name", ["hstu", "clear"])
 def test_native_backward_matches_in_place(monkeypatch, name, config):
     """D 96's own backward and D 128's in place compute the same sums: the zero columns of
     the wider kernel add exact zeros to S^T / dP^T's k-steps, dQ / dK / dV columns are
     independent, and delta is summed over Dv in both. So dq / dk / dv agree bit for bit
-    (both on the native forward's out / lse)."""
+    (both on the native forward's out / lse); D 80 / 72 on the 96 kernel in place too."""
     _native_on(monkeypatch, config)
     cap = NATIVE[config][2]
     md, qx, kx, vx, do = _native_inputs(name, config, 12)
