@@ -150,12 +150,13 @@ CUTE_BWD_NATIVE_ENV = "JCOMPILEMASK_CUTE_BWD_NATIVE"
 
 
 def _native_dims(env: str, native: tuple, head_dim: int, head_dim_v: int):
-    """With ``$env`` = 1 and Dv == D: the narrowest of the ``native`` dims at least D where
-    it is cheaper than :func:`cute_head_dims`'s pair (D 72 on an 80 kernel, not 128); else
+    """With ``$env`` = 1 (the default) and Dv == D: the narrowest of the ``native`` dims at
+    least D where it is cheaper than :func:`cute_head_dims`'s pair (D 72 on an 80 kernel,
+    not 128); else (``$env`` = 0: D 128's kernels in place, as before session 47)
     cute_head_dims's."""
     from .kernels.cute.api import _env_flag
     padded = cute_head_dims(head_dim, head_dim_v)
-    if _env_flag(env, "0") and head_dim == head_dim_v:
+    if _env_flag(env, "1") and head_dim == head_dim_v:
         fits = [n for n in native if n >= head_dim]
         if fits and (padded is None or 2 * min(fits) < sum(padded)):
             return (min(fits), min(fits))
@@ -163,30 +164,34 @@ def _native_dims(env: str, native: tuple, head_dim: int, head_dim_v: int):
 
 
 def cute_forward_head_dims(head_dim: int, head_dim_v: int) -> Optional[tuple[int, int]]:
-    """The head dims of the CuTe forward kernel that runs a call of these. With
-    ``$JCOMPILEMASK_CUTE_FWD_NATIVE`` = ``1`` and Dv == D: the forward's native kernels
-    (D 80 and 96, ``kernels.cute.api.FWD_NATIVE_HEAD_DIMS``: D 128's loop on narrower
-    rows) at the call's own D, or the narrowest of them wider than it (D 72 zero-padded to
-    80, 88 to 96, in place like :func:`cute_head_dim_padding`'s) where that beats
-    :func:`cute_head_dims`'s pair; else cute_head_dims's. The switch is read at trace
-    time; it stays ``0`` until the native kernels' GPU cases have passed
-    (tests/gpu/test_cute_head_dims.py -k native).
+    """The head dims of the CuTe forward kernel that runs a call of these. With Dv == D: the
+    forward's native kernels (D 80 and 96, ``kernels.cute.api.FWD_NATIVE_HEAD_DIMS``: D
+    128's loop on narrower rows) at the call's own D, or the narrowest of them wider than
+    it (D 72 zero-padded to 80, 88 to 96, in place like :func:`cute_head_dim_padding`'s)
+    where that beats :func:`cute_head_dims`'s pair; else cute_head_dims's.
+    ``$JCOMPILEMASK_CUTE_FWD_NATIVE=0`` (read at trace time) runs D 128's kernels instead,
+    in place. The default since session 47: all of tests/gpu/test_cute_head_dims.py -k
+    native passed (H100), and causal 8K forward ms went 3.429 -> 3.070 at D 96 and 3.369
+    -> 2.883 at D 80 (H100, run 2026-12-07T08:17:06Z; FA4 native 2.882 / 2.695).
 
-    >>> cute_forward_head_dims(96, 96), cute_forward_head_dims(64, 64)
-    ((128, 128), (64, 64))
+    >>> cute_forward_head_dims(96, 96), cute_forward_head_dims(72, 72), cute_forward_head_dims(64, 64)
+    ((96, 96), (80, 80), (64, 64))
     """
     from .kernels.cute.api import FWD_NATIVE_HEAD_DIMS
     return _native_dims(CUTE_FWD_NATIVE_ENV, FWD_NATIVE_HEAD_DIMS, head_dim, head_dim_v)
 
 
 def cute_backward_head_dims(head_dim: int, head_dim_v: int) -> Optional[tuple[int, int]]:
-    """The backward's :func:`cute_forward_head_dims`: with ``$JCOMPILEMASK_CUTE_BWD_NATIVE``
-    = ``1`` and Dv == D, D 96's own kernels (``kernels.cute.api.BWD_NATIVE_HEAD_DIMS``: D
-    128's config on 32B-swizzled rows) run D 96 as is and D 72-88 zero-padded to 96 (D 80:
-    1.2x its work, not 128's 1.6x); else :func:`cute_head_dims`'s.
+    """The backward's :func:`cute_forward_head_dims`: with Dv == D, D 96's own kernels
+    (``kernels.cute.api.BWD_NATIVE_HEAD_DIMS``: D 128's config on 32B-swizzled rows) run
+    D 96 as is and D 72-88 zero-padded to 96 in place (D 80: 1.2x its matmul work, not
+    128's 1.6x); else :func:`cute_head_dims`'s. ``$JCOMPILEMASK_CUTE_BWD_NATIVE=0`` runs
+    D 128's kernels instead, in place. Causal 8K backward ms (H100, run
+    2026-12-07T08:17:06Z): D 96 9.538 -> 8.500, D 80 9.203 -> 8.297 (FA4 native 7.854 /
+    7.013).
 
     >>> cute_backward_head_dims(96, 96), cute_backward_head_dims(80, 80)
-    ((128, 128), (128, 128))
+    ((96, 96), (96, 96))
     """
     from .kernels.cute.api import BWD_NATIVE_HEAD_DIMS
     return _native_dims(CUTE_BWD_NATIVE_ENV, BWD_NATIVE_HEAD_DIMS, head_dim, head_dim_v)

@@ -101,8 +101,8 @@
 #   padded       head dims run zero-padded (96, 80, 160 / 128): their GPU cases, then timed beside D 128 and the peers
 #   inplace      the same head dims read in place by the wider kernels' TMA boxes (the default): their GPU
 #                cases, identity with the copies, then copies vs in place timed at 8K
-#   native       the native D 80 / 96 forwards and D 96's backward (JCOMPILEMASK_CUTE_FWD_NATIVE=1,
-#                JCOMPILEMASK_CUTE_BWD_NATIVE=1): smokes under hang guards, their GPU cases (-k native),
+#   native       the native D 80 / 96 forwards and D 96's backward (the default since session 47):
+#                smokes under hang guards, their GPU cases (-k native),
 #                then fwd / bwd at 8K beside in place, D 128 and FA4 native
 #   multigpu     issue 19 on a multi-GPU kind: sharded training step + context parallelism (benchmarks/multi_gpu.py)
 #   kernels      GPU tests of the CuTe forward kernel alone (48 variant cases)
@@ -1328,8 +1328,10 @@ PY
     # their gradient cases against the reference (test_cute_head_dims.py -k padded, 4
     # processes), then causal fwd / bwd at JCM_PADDED_NS (8K) for D 96 / 80 / 160-128 beside
     # D 128, FA4 native (where it has the head dim), cuDNN and the xla backward they ran before.
-    # (The default form, in place since session 45; JCOMPILEMASK_CUTE_HEAD_DIM_PAD=copy for the copies.)
+    # (The default form, in place since session 45; JCOMPILEMASK_CUTE_HEAD_DIM_PAD=copy for the copies.
+    # D 96 / 80 on D 128's kernels: the native ones, the default since session 47, are off here.)
     export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
+    export JCOMPILEMASK_CUTE_FWD_NATIVE=0 JCOMPILEMASK_CUTE_BWD_NATIVE=0
     OUT=$OUT/tests JCM_PAR_ONLY=padded JCM_PAR_FILES=tests/gpu/test_cute_head_dims.py \
       JCM_STAGE_S=$(left ${JCM_PADDED_TEST_S:-200}) bash "$0" hdimspar
     b=$(left ${JCM_PADDED_BENCH_S:-200})
@@ -1346,8 +1348,9 @@ PY
     # the default: the wider kernels' TMA boxes zero-fill past them; no padded copies): their gradient
     # cases and the bit-identity with the copies (test_cute_head_dims.py -k in_place, 4
     # processes), then causal fwd / bwd at JCM_INPLACE_NS (8K), copies beside in place, with
-    # D 128 and FA4 native.
+    # D 128 and FA4 native (D 96 / 80 on D 128's kernels: the native ones are off here).
     export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
+    export JCOMPILEMASK_CUTE_FWD_NATIVE=0 JCOMPILEMASK_CUTE_BWD_NATIVE=0
     OUT=$OUT/tests JCM_PAR_ONLY=in_place JCM_PAR_FILES=tests/gpu/test_cute_head_dims.py \
       JCM_STAGE_S=$(left ${JCM_INPLACE_TEST_S:-200}) bash "$0" hdimspar
     b=$(left ${JCM_INPLACE_BENCH_S:-200})
@@ -1362,11 +1365,11 @@ PY
     ;;
   native)
     # The native D 80 / 96 forwards and D 96's backward (kernels.cute.api.FWD_NATIVE_HEAD_DIMS /
-    # BWD_NATIVE_HEAD_DIMS, opt-in: JCOMPILEMASK_CUTE_FWD_NATIVE=1, JCOMPILEMASK_CUTE_BWD_NATIVE=1):
-    # 64B- / 32B-swizzled rows, never run on a GPU before, so one bit-identity case of each
-    # first under a hang guard, then the rest of test_cute_head_dims.py -k native (4
-    # processes), then causal fwd / bwd at JCM_NATIVE_NS (8K): in place (the default) beside
-    # native, D 128 and FA4 native.
+    # BWD_NATIVE_HEAD_DIMS; the default since session 47, off with JCOMPILEMASK_CUTE_FWD_NATIVE=0,
+    # JCOMPILEMASK_CUTE_BWD_NATIVE=0): one bit-identity case of each first under a hang guard,
+    # then the rest of test_cute_head_dims.py -k native (4 processes), then causal fwd / bwd at
+    # JCM_NATIVE_NS (8K): both native (the default, jcm-cute) beside the native forward alone
+    # (nf), D 128's kernels in place (ip), D 128 and FA4 native.
     export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
     t=tests/gpu/test_cute_head_dims.py
     if { bwd_smoke native 120 "$t::test_native_forward_matches_in_place[hstu-n96]" \
@@ -1376,10 +1379,10 @@ PY
         JCM_STAGE_S=$(left ${JCM_NATIVE_TEST_S:-200}) bash "$0" hdimspar
       b=$(left ${JCM_NATIVE_BENCH_S:-200})
       export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1
-      nat=JCOMPILEMASK_CUTE_FWD_NATIVE=1; natb=JCOMPILEMASK_CUTE_BWD_NATIVE=1
+      nf=JCOMPILEMASK_CUTE_BWD_NATIVE=0; ip="JCOMPILEMASK_CUTE_FWD_NATIVE=0 JCOMPILEMASK_CUTE_BWD_NATIVE=0"
       timeout -k 5 $b python3 benchmarks/bench_head_dims.py --ns ${JCM_NATIVE_NS:-8192} \
         --configs ${JCM_NATIVE_CONFIGS:-d96,d80,d128} --impls jcm-cute,fa4-native --min-repeat-s 0.15 \
-        --jcm-variants "nat96@d96:$nat;natb96@d96:$nat $natb;nat80@d80:$nat;natb80@d80:$nat $natb" \
+        --jcm-variants "nf96@d96:$nf;ip96@d96:$ip;nf80@d80:$nf;ip80@d80:$ip" \
         --budget-s $(( b - 30 )) --out "$OUT/h200-head-dims.json" > "$OUT/bench-native.log" 2>&1
       echo "bench rc $? ($SECONDS s)"; pkill -9 -f bench_head_dims.py 2>/dev/null
       grep -E '^\{|budget' "$OUT/bench-native.log" | cut -c1-330 | tail -30

@@ -123,6 +123,9 @@ def test_cute_head_dims_picks_the_cheapest_built_pair():
     (100, 100, "causal", None, jnp.bfloat16),    # not a multiple of 8: copies in either mode
 ])
 def test_padded_head_dims_match_the_oracle(monkeypatch, mode, d, dv, mask, softcap, dtype):
+    """The padding around a built pair's kernels (the native D 80 / 96 kernels off, so that
+    D 96 / 80 take D 128's too, as under $JCOMPILEMASK_CUTE_FWD_NATIVE=0 / _BWD_NATIVE=0)."""
+    _natives(monkeypatch, "0")
     monkeypatch.setenv(backends.CUTE_HEAD_DIM_PAD_ENV, mode)
     spec = {"causal": jcm.masks.causal(), "sliding_window": jcm.masks.sliding_window(48),
             "prefix_lm": jcm.masks.prefix_lm()}[mask]
@@ -143,6 +146,12 @@ def test_padded_head_dims_match_the_oracle(monkeypatch, mode, d, dv, mask, softc
     assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
 
     _check_oracle(spec, md, softcap, q, k, v, do, out, grads)
+
+
+def _natives(monkeypatch, value):
+    """Both native-head-dim switches set to ``value`` ("0" / "1")."""
+    monkeypatch.setenv(backends.CUTE_FWD_NATIVE_ENV, value)
+    monkeypatch.setenv(backends.CUTE_BWD_NATIVE_ENV, value)
 
 
 def _check_oracle(spec, md, softcap, q, k, v, do, out, grads):
@@ -173,6 +182,10 @@ def test_explain_says_the_head_dims_run_padded(monkeypatch):
     cm = jcm.compile(jcm.masks.causal())
     call = backends.call_for(cm, dtype="bfloat16", head_dim=96, head_dim_v=96, num_heads=8,
                              num_kv_heads=8)
+    with fake_cute_kernels(monkeypatch):
+        text = backends.explain(call)
+    assert "chosen: cute (kernels of head dims 96/96 of their own in both passes)" in text
+    _natives(monkeypatch, "0")
     with fake_cute_kernels(monkeypatch):
         text = backends.explain(call)
     assert "chosen: cute (head dims 96/96 run zero-padded to 128/128: exact, 1.33x" in text
@@ -235,9 +248,10 @@ def test_cute_entry_points_check_kernel_head_dims():
     (80, "sliding_window", 20.0, jnp.float16),
 ])
 def test_native_forward_head_dims(monkeypatch, d, mask, softcap, dtype):
-    """$JCOMPILEMASK_CUTE_FWD_NATIVE=1: the forward runs D 80 / 96 kernels on the arrays as
-    they are; the backward runs D 128's in place on them (and on that forward's out / lse)."""
-    monkeypatch.setenv(backends.CUTE_FWD_NATIVE_ENV, "1")
+    """The native forward (the default): D 80 / 96 kernels on the arrays as they are; with
+    $JCOMPILEMASK_CUTE_BWD_NATIVE=0 the backward runs D 128's in place on them (and on that
+    forward's out / lse)."""
+    monkeypatch.setenv(backends.CUTE_BWD_NATIVE_ENV, "0")
     spec = {"causal": jcm.masks.causal(), "sliding_window": jcm.masks.sliding_window(48)}[mask]
     q, k, v, do = _qkv(d, d, dtype=dtype)
     with fake_cute_kernels(monkeypatch) as seen:
@@ -255,9 +269,13 @@ def test_native_forward_head_dims(monkeypatch, d, mask, softcap, dtype):
 
 
 def test_native_forward_head_dims_switch(monkeypatch):
-    """Off by default; only D 80 / 96 with Dv == D have native forwards; a bad value is
-    refused with the variable's name; explain() says which pass runs what."""
+    """On by default (=0 runs D 128's in place); only D 80 / 96 with Dv == D have native
+    forwards; a bad value is refused with the variable's name; explain() says which pass
+    runs what."""
+    assert backends.cute_forward_head_dims(96, 96) == (96, 96)
+    monkeypatch.setenv(backends.CUTE_FWD_NATIVE_ENV, "0")
     assert backends.cute_forward_head_dims(96, 96) == (128, 128)
+    assert backends.cute_forward_head_dims(72, 72) == (128, 128)
     monkeypatch.setenv(backends.CUTE_FWD_NATIVE_ENV, "1")
     assert backends.cute_forward_head_dims(96, 96) == (96, 96)
     assert backends.cute_forward_head_dims(80, 80) == (80, 80)
@@ -273,6 +291,7 @@ def test_native_forward_head_dims_switch(monkeypatch):
     cm = jcm.compile(jcm.masks.causal())
     call = backends.call_for(cm, dtype="bfloat16", head_dim=96, head_dim_v=96, num_heads=8,
                              num_kv_heads=8)
+    monkeypatch.setenv(backends.CUTE_BWD_NATIVE_ENV, "0")
     with fake_cute_kernels(monkeypatch):
         text = backends.explain(call)
     assert ("chosen: cute (the forward has kernels of head dims 96/96; the backward runs them "

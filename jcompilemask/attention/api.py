@@ -152,8 +152,9 @@ def mask_attention(query, key, value, mask=None, *, bias=None,
         take head dims up to 256 in bfloat16 / float16 (those without a kernel of their own
         run a wider one, zero-padded, in place where they are multiples of 8:
         :func:`jcompilemask.backends.cute_head_dims`, ``cute_head_dim_padding``; D 80 / 96
-        have opt-in kernels of their own, ``cute_forward_head_dims`` /
-        ``cute_backward_head_dims``); wider ones and float32 run the ``xla`` backend.
+        have kernels of their own, which also take D 72 / 88 in place,
+        ``cute_forward_head_dims`` / ``cute_backward_head_dims``); wider ones and float32
+        run the ``xla`` backend.
       mask: one of
 
         * an :class:`ExecutionDescriptor` (built once per step, shared by layers);

@@ -55,8 +55,8 @@ PADDED = {
 
 
 # Head dims whose forward has kernels of its own (kernels.cute.api.FWD_NATIVE_HEAD_DIMS,
-# $JCOMPILEMASK_CUTE_FWD_NATIVE=1), and D 96's backward (BWD_NATIVE_HEAD_DIMS,
-# $JCOMPILEMASK_CUTE_BWD_NATIVE=1); otherwise the backward runs D 128's kernels in place.
+# $JCOMPILEMASK_CUTE_FWD_NATIVE, on by default since session 47), and D 96's backward
+# (BWD_NATIVE_HEAD_DIMS, $JCOMPILEMASK_CUTE_BWD_NATIVE); set to 0, D 128's run in place.
 NATIVE = {
     "n96": (96, 96, None),
     "n80": (80, 80, None),
@@ -121,10 +121,18 @@ def test_fully_masked_rows(config):
     _grads(spec, {"start": np.array([300, 900])}, 2, 900, 2, 2, config)
 
 
+def _natives_off(monkeypatch):
+    """D 80 / 96 on D 128's kernels, padded (the native ones are the default)."""
+    monkeypatch.setenv(backends.CUTE_FWD_NATIVE_ENV, "0")
+    monkeypatch.setenv(backends.CUTE_BWD_NATIVE_ENV, "0")
+
+
 def _padded_grads(monkeypatch, form, name, config):
     """The gradients of a padded config under ``form`` (``copy``: zero-padded copies;
     ``tma``: in place) against the reference, on a built-in mask or (``name`` None) fp16
-    MQA with fully masked rows."""
+    MQA with fully masked rows. The native kernels are off: D 96 / 80 take D 128's, as
+    under $JCOMPILEMASK_CUTE_FWD_NATIVE=0 / _BWD_NATIVE=0."""
+    _natives_off(monkeypatch)
     monkeypatch.setenv(backends.CUTE_HEAD_DIM_PAD_ENV, form)
     if name is not None:
         rng = np.random.default_rng(4)
@@ -168,6 +176,7 @@ def test_in_place_head_dims_match_the_copies(monkeypatch, config):
     subtracts, is summed over Dv' padded columns in one form and Dv in the other, and
     XLA's reduction tree differs with the length (on an H100, session 45: p96 and p80cap
     dK differed, p32 / p160 / p128v64 / p192v192 matched; both forms pass the reference)."""
+    _natives_off(monkeypatch)
     d, dv, cap = PADDED[config]
     rng = np.random.default_rng(5)
     md = metadata("hstu", 2, 1000, rng)
@@ -286,6 +295,7 @@ def test_native_forward_matches_in_place(monkeypatch, name, config):
     else its atomic adds differ run to run) gives the same dq / dk / dv."""
     cap = NATIVE[config][2]
     md, qx, kx, vx, do = _native_inputs(name, config, 8)
+    monkeypatch.setenv(backends.CUTE_BWD_NATIVE_ENV, "0")
 
     def run(native):
         monkeypatch.setenv(backends.CUTE_FWD_NATIVE_ENV, native)

@@ -27,15 +27,15 @@ HEAD_DIMS = (64, 128, 256)          # Dv == D; validated on the H200 (NOTES.md)
 # (D, Dv) pairs with Dv != D (DeepSeek-style 192 / 128); validated on the H200 with the
 # backward's (tests/gpu/test_cute_head_dims.py, 2026-12-03).
 HEAD_DIM_PAIRS = ((192, 128),)
-# Head dims (Dv == D) whose forward has kernels of its own while the backward runs D 128's
-# kernels in place on them (backends.cute_forward_head_dims): 128 x 128 tiles and D 128's
+# Head dims (Dv == D) whose forward has kernels of its own (backends.cute_forward_head_dims,
+# the default since session 47; narrower dims run them in place): 128 x 128 tiles and D 128's
 # loop and switches, Q / K / V in 64B- (D 96) or 32B-swizzled (D 80) rows. The forward at D 128
 # does the same work plus 33% (D 96) / 60% (D 80) of zero columns.
 FWD_NATIVE_HEAD_DIMS = (80, 96)
 # Head dims (Dv == D) whose backward has kernels of its own (backends.cute_backward_head_dims):
 # D 128's config, Q / K / V / dO in 32B-swizzled rows so that dQ's halves of 48 columns start
-# a swizzle atom (dq_warpgroups). D 80's halves of 40 would need unswizzled rows: it keeps
-# D 128's kernels in place.
+# a swizzle atom (dq_warpgroups). D 80's halves of 40 would need unswizzled rows: it runs
+# D 96's kernels in place (1.2x its matmul work; D 128's: 1.6x).
 BWD_NATIVE_HEAD_DIMS = (96,)
 # Dynamic shared memory one CTA may opt into on SM90 (227 KB).
 _SMEM_LIMIT = 232448
