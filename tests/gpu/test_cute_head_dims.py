@@ -226,8 +226,11 @@ def _native_on(monkeypatch, config, backward=False):
     d, dv, _ = NATIVE[config]
     monkeypatch.setenv(backends.CUTE_FWD_NATIVE_ENV, "1")
     monkeypatch.setenv(backends.CUTE_BWD_NATIVE_ENV, "1" if backward else "0")
-    assert backends.cute_forward_head_dims(d, dv) == ((80, 80) if d == 72 else (d, dv))
-    assert backends.cute_backward_head_dims(d, dv) == ((96, 96) if backward else (128, 128))
+    from jcompilemask.kernels.cute.api import BWD_NATIVE_HEAD_DIMS, FWD_NATIVE_HEAD_DIMS
+    fwd = min(n for n in FWD_NATIVE_HEAD_DIMS if n >= d)
+    bwd = min(n for n in BWD_NATIVE_HEAD_DIMS if n >= d) if backward else 128
+    assert backends.cute_forward_head_dims(d, dv) == (fwd, fwd)
+    assert backends.cute_backward_head_dims(d, dv) == (bwd, bwd)
 
 
 @pytest.mark.parametrize("config", sorted(NATIVE))
