@@ -501,7 +501,8 @@ _HOST_ONLY = frozenset({
     "preferred_forward_stages", "_package_fingerprint", "_sources_fingerprint",
     "_strip_host_only", "_code_only",
     "_module_files", "_kernel_sources", "disk_cache_key", "kernel_function", "_ensure_registered",
-    "_fit_list_to_length", "_fwd_bits_above", "_env_flag", "_fwd_d128_loop", "_bwd_d128_config", "_fwd_work_list", "_fwd_schedule",
+    "_fit_list_to_length", "_fwd_bits_above", "_env_flag", "_fwd_d128_loop", "_bwd_d128_config",
+    "_fwd_work_list", "_fwd_schedule",
     "_fwd_k_ahead", "_fwd_group_mask", "_fwd_residual_words", "_fwd_rescale_tail",
     "_fwd_work_runs", "_fwd_masked_switches", "forward_switches", "_fwd_issue_switches", "num_sms",
     "persistent_schedule", "kv_heads_per_l2_group", "forward_schedule", "cute_forward",
@@ -864,7 +865,7 @@ def _fwd_residual_words(head_dim: int = 128) -> bool:
     tested and timed at, and at FWD_NATIVE_HEAD_DIMS (D 128's loop on narrower rows); ``$JCOMPILEMASK_CUTE_FWD_RESIDUAL_WORDS`` (read at trace time)
     =1 / =0 forces it on / off at every head dim."""
     return _env_flag(FWD_RESIDUAL_WORDS_ENV,
-                     "1" if head_dim == 128 or _fwd_d128_loop(head_dim, head_dim) else "0")
+                     "1" if _fwd_d128_loop(head_dim, head_dim) else "0")
 
 
 def _fwd_rescale_tail() -> bool:
