@@ -32,9 +32,14 @@ def _runs(mask: np.ndarray):
     return starts.reshape(m.shape[:-1] + (r,)), lens.reshape(m.shape[:-1] + (r,))
 
 
-# The CuTe kernels unroll up to 8 row intervals; past that the interval tables cost more
-# than a bitmap everywhere (every partial tile checks K intervals per element).
+# Up to 8 runs per row the interval tables serve every backend. Past that the xla
+# backend's per-element checks grow with K, so "auto" keeps a bitmap for it. The CuTe
+# kernels loop over a masked tile's intervals past 8 (any K; validated on the GPU up to
+# K 32 in tests/gpu/test_cute_any_k.py), and a bitmap would send the mask to the xla
+# backend, whose GPU backward is 15-25x slower: where they can run, "auto" keeps the
+# tables up to KERNEL_TABLE_INTERVALS runs per row and per column.
 MAX_TABLE_INTERVALS = 8
+KERNEL_TABLE_INTERVALS = 32
 BITMAP_KEY = "dense_bitmap"
 _WORD = 32
 
@@ -45,6 +50,29 @@ def _max_runs(mask: np.ndarray) -> int:
         return 0
     starts = mask[..., :1].sum(-1) + (mask[..., 1:] & ~mask[..., :-1]).sum(-1)
     return int(starts.max(initial=0))
+
+
+def _kernel_tables_usable() -> bool:
+    """True where the registry's CuTe kernels can run in this process (an SM90 GPU with
+    the GPU dependencies): "auto" then keeps interval tables up to
+    ``KERNEL_TABLE_INTERVALS`` runs."""
+    from .. import backends
+    try:
+        return backends.get("cute").available() is None
+    except Exception:       # pragma: no cover - a broken GPU install reads as absent
+        return False
+
+
+def auto_layout(runs_per_row: int, runs_per_col: int) -> str:
+    """The layout ``layout="auto"`` picks for a mask with these most runs per row / column:
+    "intervals" up to ``MAX_TABLE_INTERVALS`` row runs; up to ``KERNEL_TABLE_INTERVALS``
+    row and column runs where the CuTe kernels run (they take any K, the bitmap only the
+    xla backend); "bitmap" past that."""
+    if runs_per_row <= MAX_TABLE_INTERVALS:
+        return "intervals"
+    if max(runs_per_row, runs_per_col) <= KERNEL_TABLE_INTERVALS and _kernel_tables_usable():
+        return "intervals"
+    return "bitmap"
 
 
 def _pack_bits(mask: np.ndarray) -> np.ndarray:
@@ -87,14 +115,20 @@ class DenseMask(CompiledMask):
     """A static mask compiled from a boolean array [Hm, Nq, Nk], or [B, Hm, Nq, Nk] for
     one mask per sequence of the batch (see :func:`from_dense`).
 
-    Two layouts, chosen by the most runs of visible keys in a row (K):
+    Two layouts, chosen by the most runs of visible keys in a row (K) and, past 8, in a
+    column (Kc):
 
-    * ``"intervals"`` (K <= 8): the interval tables hold the runs -- K per row, Kc (the
-      most runs in a column) per key column -- and every backend serves the mask.
-    * ``"bitmap"`` (K > 8, e.g. a random pattern): the mask is kept as a packed bitmap
+    * ``"intervals"``: the interval tables hold the runs -- K per row, Kc per key
+      column -- and every backend serves the mask. ``"auto"`` picks it for K <= 8, and
+      where the CuTe kernels can run (an SM90 GPU with the GPU dependencies: they take
+      any K) for K and Kc up to 32 (``KERNEL_TABLE_INTERVALS``).
+    * ``"bitmap"`` (the rest, e.g. a random pattern): the mask is kept as a packed bitmap
       (Nk / 8 bytes per row and head) that the ``xla`` backend reads per tile; its cost
       does not grow with the number of runs. The interval tables are empty and the mask
       counts as one fallback region (every row), so the CuTe kernels leave it to ``xla``.
+
+    So on a GPU a mask of 9-32 runs per row runs on the CuTe kernels; on a CPU the same
+    call gives a bitmap (the xla backend's cheaper form). ``layout=`` fixes either.
 
     Descriptors are constants (no metadata; B = 1, or the mask's batch for a per-sequence
     mask); tile states are exact in both layouts. ``array`` is the mask as given
@@ -113,7 +147,9 @@ class DenseMask(CompiledMask):
         self.q_len, self.kv_len = mask.shape[-2:]
         self.runs_per_row = max(_max_runs(mask), 1)
         if layout == "auto":
-            layout = "intervals" if self.runs_per_row <= MAX_TABLE_INTERVALS else "bitmap"
+            layout = auto_layout(self.runs_per_row,
+                                 0 if self.runs_per_row <= MAX_TABLE_INTERVALS
+                                 else _max_runs(np.swapaxes(mask, -1, -2)))
         self.layout = layout
         if layout == "intervals":
             self.fallback_regions = ()
@@ -159,7 +195,9 @@ class DenseMask(CompiledMask):
         if self.layout == "bitmap":
             return (f"DenseMask {self.name or ''} {self.array.shape}: bitmap layout (up to "
                     f"{self.runs_per_row} runs per row, over {MAX_TABLE_INTERVALS}); served "
-                    "by the xla backend")
+                    "by the xla backend"
+                    + (f" (on an SM90 GPU, layout='intervals' runs it on the CuTe kernels)"
+                       if self.runs_per_row <= KERNEL_TABLE_INTERVALS else ""))
         return (f"DenseMask {self.name or ''} {self.array.shape}: K = {self.num_intervals} "
                 f"runs per row at most, Kc = {self.num_bwd_intervals} per column")
 
@@ -333,8 +371,9 @@ class SegmentedDenseMask(DenseMask):
 
 def from_dense(mask, name: str | None = None, *, layout: str = "auto",
                batched: bool = False) -> DenseMask:
-    """Compile a fixed boolean mask into interval tables (or, past 8 runs in a row, a
-    bitmap: ``layout`` "auto", "intervals" or "bitmap"; see :class:`DenseMask`).
+    """Compile a fixed boolean mask into interval tables (or, past 8 runs in a row -- 32
+    where the CuTe kernels run -- a bitmap: ``layout`` "auto", "intervals" or "bitmap";
+    see :class:`DenseMask`).
 
     Shape contract of ``mask`` (True = attend):
 

@@ -25,7 +25,8 @@ import jcompilemask as jcm
 from jcompilemask import backends
 from jcompilemask.lower.compiled import region_backend
 from jcompilemask.spec import MaskSpec, Region, Scalar, k, q, q_len
-from gpu_cases import check_attention, random_many_intervals_case, registry_names_cute  # noqa: E402  (tests/gpu is on sys.path under pytest)
+from gpu_cases import (check_attention, random_many_intervals_case, random_many_runs_dense,  # noqa: E402  (tests/gpu is on sys.path under pytest)
+                       registry_names_cute)
 
 import os
 
@@ -110,3 +111,81 @@ def test_registry_names_cute_for_any_k(name, monkeypatch):
         spec, _ = CASES[name]
     assert jcm.compile(spec, warn=False).num_intervals > 8
     registry_names_cute(spec, hq=8, hkv=8, mark_available=True)
+
+
+# ---------------------------------------------------------------------------------------
+# Fixed masks of 9-32 runs per row (from_dense): interval tables where the kernels run
+# ---------------------------------------------------------------------------------------
+def _dense_runs(m):
+    from jcompilemask.lower.dense import _max_runs
+    return _max_runs(m), _max_runs(np.swapaxes(m, -1, -2))
+
+
+@needs_gpu
+@pytest.mark.parametrize("seed", range(3))
+def test_dense_many_runs_on_cute(seed, any_k_on):
+    """A fixed mask of 9-32 runs per row and per column, as a user's dense array: on the
+    GPU ``from_dense``'s "auto" layout keeps its interval tables, so the registry runs it
+    on the CuTe kernels (a bitmap would leave it to xla), and it matches the oracle. Seed 0
+    has more than 16 runs in a column (the backward's looped column intervals)."""
+    arr = random_many_runs_dense(np.random.default_rng(1600 + seed), 700, heads=2)
+    kr, kc = _dense_runs(arr)
+    assert 8 < kr <= 32 and kc <= 32, (kr, kc)
+    cm = jcm.from_dense(arr)
+    if IMPL == "cute":
+        assert cm.layout == "intervals", cm.explain()
+    check_attention(cm, None, 2, 700, 4, 2, 128, jnp.bfloat16, IMPL, seed=seed,
+                    forward=seed == 0)
+
+
+def test_dense_many_runs_layout_rule(monkeypatch):
+    """CPU twin of ``test_dense_many_runs_on_cute``: with the CuTe kernels usable, "auto"
+    keeps tables for 9-32 runs (row and column) and the registry names cute for them;
+    without, a bitmap (the xla backend's form) with the same dense view; past 32 a bitmap
+    either way; ``layout=`` overrides."""
+    from jcompilemask.lower import dense
+    arr = random_many_runs_dense(np.random.default_rng(1600), 700, heads=2)
+    kr, kc = _dense_runs(arr)
+    assert 8 < kr <= 32 and 16 < kc <= 32, (kr, kc)
+    monkeypatch.setattr(dense, "_kernel_tables_usable", lambda: False)
+    cpu = jcm.from_dense(arr)
+    assert cpu.layout == "bitmap" and "layout='intervals' runs it" in cpu.explain()
+    monkeypatch.setattr(dense, "_kernel_tables_usable", lambda: True)
+    gpu = jcm.from_dense(arr)
+    assert gpu.layout == "intervals"
+    assert (gpu.num_intervals, gpu.num_bwd_intervals) == (kr, kc)
+    assert gpu.key() != cpu.key()
+    for m in (cpu, gpu):
+        d = m.instantiate(None, 700, 700, block_q=128, block_kv=128, bwd_block_q=64,
+                          bwd_block_kv=128)
+        for view in ("fwd", "bwd"):
+            np.testing.assert_array_equal(np.asarray(d.as_dense(view)[0]), arr)
+    monkeypatch.delenv(backends.CUTE_BACKWARD_ENV, raising=False)
+    registry_names_cute(gpu, hq=4, hkv=2, mark_available=True)
+    # K <= 8 keeps tables anywhere; past 32 a bitmap even where the kernels run.
+    assert dense.auto_layout(8, 100) == "intervals"
+    assert dense.auto_layout(33, 4) == "bitmap" and dense.auto_layout(12, 33) == "bitmap"
+    assert jcm.from_dense(arr, layout="bitmap").layout == "bitmap"
+    monkeypatch.setattr(dense, "_kernel_tables_usable", lambda: False)
+    assert dense.auto_layout(12, 12) == "bitmap"
+    assert jcm.from_dense(arr, layout="intervals").layout == "intervals"
+
+
+def test_dense_many_runs_same_attention_either_layout():
+    """The two layouts of one 9-32-run mask give the same attention and gradients on the
+    xla backend (the bitmap is what a CPU gets, the tables what the GPU kernels read)."""
+    arr = random_many_runs_dense(np.random.default_rng(1601), 200, heads=1)
+    q_, k_, v_ = (jax.random.normal(jax.random.key(i), (1, 200, 2, 32)) for i in range(3))
+
+    def loss(layout, a, b, c):
+        o = jcm.mask_attention(a, b, c, jcm.from_dense(arr, layout=layout),
+                               implementation="xla")
+        return jnp.sum(o * jnp.arange(32.0)[None, None, None]), o
+
+    outs = [jax.value_and_grad(functools.partial(loss, lay), argnums=(0, 1, 2), has_aux=True)(
+        q_, k_, v_) for lay in ("intervals", "bitmap")]
+    (_, o1), g1 = outs[0]
+    (_, o2), g2 = outs[1]
+    np.testing.assert_allclose(o1, o2, atol=1e-5)
+    for a, b in zip(g1, g2):
+        np.testing.assert_allclose(a, b, atol=1e-5)
