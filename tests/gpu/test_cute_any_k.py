@@ -134,7 +134,7 @@ def test_dense_many_runs_on_cute(seed, any_k_on):
     cm = jcm.from_dense(arr)
     if IMPL == "cute":
         assert cm.layout == "intervals", cm.explain()
-    check_attention(cm, None, 2, 700, 4, 2, 128, jnp.bfloat16, IMPL, seed=seed,
+    check_attention(cm, None, 2, 700, 2, 1, 128, jnp.bfloat16, IMPL, seed=seed,
                     forward=seed == 0)
 
 
@@ -161,7 +161,7 @@ def test_dense_many_runs_layout_rule(monkeypatch):
         for view in ("fwd", "bwd"):
             np.testing.assert_array_equal(np.asarray(d.as_dense(view)[0]), arr)
     monkeypatch.delenv(backends.CUTE_BACKWARD_ENV, raising=False)
-    registry_names_cute(gpu, hq=4, hkv=2, mark_available=True)
+    registry_names_cute(gpu, hq=2, hkv=1, mark_available=True)
     # K <= 8 keeps tables anywhere; past 32 a bitmap even where the kernels run.
     assert dense.auto_layout(8, 100) == "intervals"
     assert dense.auto_layout(33, 4) == "bitmap" and dense.auto_layout(12, 33) == "bitmap"
