@@ -181,10 +181,9 @@ def jcm_workload(mask, n, smoke=False, implementation=None):
     md = _metadata(mask, n, b, smoke)
     md = None if md is None else {k: jnp.asarray(v) for k, v in md.items()}
     cm = jcm.compile(spec)
-    call = jcm.backends.Call(dtype="bfloat16", head_dim=d, head_dim_v=d, num_heads=h,
-                             num_kv_heads=h, softcap=False,
-                             has_fallback=bool(cm.fallback_regions),
-                             num_intervals=cm.num_intervals)
+    # the Call mask_attention makes of this mask (a bitmap dense mask: the xla backend)
+    call = jcm.backends.call_for(cm, dtype="bfloat16", head_dim=d, head_dim_v=d,
+                                 num_heads=h, num_kv_heads=h, softcap=False)
     impl = jcm.backends.select(implementation, call).name     # the registry's pick
     preprocess = cm.default_preprocess()
     instantiate = jax.jit(lambda m: cm.instantiate(m, L, L, preprocess=preprocess))
@@ -196,7 +195,12 @@ def jcm_workload(mask, n, smoke=False, implementation=None):
         # hulls): every variant and peer of such a mask gets the exact count
         count = jax.jit(lambda m: cm.instantiate(m, L, L, preprocess="jnp",
                                                  row_classes=True))(md)
-    pairs = W.descriptor_pairs(count) * (b if count.batch == 1 else 1)
+    from jcompilemask.lower.dense import DenseMask
+    if isinstance(cm, DenseMask):
+        # (a bitmap's interval tables are empty: count its array's pairs)
+        pairs = int(np.asarray(cm.batch_array).sum()) * (b if cm.batch == 1 else 1)
+    else:
+        pairs = W.descriptor_pairs(count) * (b if count.batch == 1 else 1)
     ks = jax.random.split(jax.random.key(n), 4)
     q, k, v, do = (jax.random.normal(kk, (b, L, h, d), jnp.float32).astype(jnp.bfloat16)
                    for kk in ks)
@@ -251,7 +255,9 @@ def check_jcm(mask, smoke=False, implementation=None):
             return jnp.sum(f32(o) * f32(do))
 
         g = jax.jit(jax.grad(loss_ours, argnums=(0, 1, 2)))(q, k, v)
-        g_hi, g_lo = reference_gradients(q, k, v, do, spec.as_dense(md, L, L))
+        from jcompilemask.lower.dense import DenseMask
+        dense = spec.as_dense() if isinstance(spec, DenseMask) else spec.as_dense(md, L, L)
+        g_hi, g_lo = reference_gradients(q, k, v, do, dense)
         problems = []
         for name, a, hi, lo in zip(("dq", "dk", "dv"), g, g_hi, g_lo):
             try:

@@ -6,6 +6,7 @@ across runs) sees the same masks.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -27,6 +28,13 @@ PROBES = ("dilated_classes",)
 # reads its own segment ids (lower/classes.py).
 MASKS_CLASSES = ("dilated_documents",)
 DOCS_MIN, DOCS_MAX = 2, 8
+# Fixed masks given as dense arrays (jcm.from_dense), as a user porting a numpy mask would
+# write them: causal, a GLOBAL_WINDOW-wide window and DENSE_GLOBALS scattered global keys
+# (up to DENSE_GLOBALS + 1 runs per row, 1 per column). "dense_globals" takes from_dense's
+# default layout (interval tables where the CuTe kernels run), "dense_globals_bitmap" the
+# bitmap (the xla backend's form, which every mask of more than 8 runs per row got before).
+MASKS_DENSE = ("dense_globals", "dense_globals_bitmap")
+DENSE_GLOBALS = 24
 BLOCK, WINDOW, DILATION, GLOBALS, GLOBAL_WINDOW = 64, 128, 2, 16, 256
 HEADS, HEAD_DIM, TOKENS = 8, 128, 131072
 CLEAR_PAD = 384
@@ -46,7 +54,24 @@ def clear_width(n: int) -> int:
     return 2 ** math.ceil(math.log2(math.sqrt(n)))
 
 
+@functools.lru_cache(maxsize=4)
+def dense_globals_array(n: int) -> np.ndarray:
+    """bool [n, n] of the dense_globals workload (fixed global positions, seed 16)."""
+    glob = np.zeros(n, bool)
+    glob[np.random.default_rng(16).choice(n, min(DENSE_GLOBALS, n), replace=False)] = True
+    qi, ki = np.arange(n)[:, None], np.arange(n)[None, :]
+    return (ki <= qi) & ((ki > qi - GLOBAL_WINDOW) | glob[None, :])
+
+
+@functools.lru_cache(maxsize=4)
+def _dense_mask(mask: str, n: int):
+    layout = "bitmap" if mask.endswith("_bitmap") else "auto"
+    return jcm.from_dense(dense_globals_array(n), name=mask, layout=layout)
+
+
 def spec_for(mask: str, n: int):
+    if mask in MASKS_DENSE:
+        return _dense_mask(mask, n)
     if mask == "causal":
         return jcm.masks.causal()
     if mask == "hstu":
@@ -77,7 +102,7 @@ def metadata_for(mask: str, n: int, batch: int | None = None, seed: int = 0):
     """numpy metadata of docs/workloads.md (None for causal)."""
     b = batch_for(n) if batch is None else batch
     rng = np.random.default_rng(seed + n)
-    if mask == "causal" or mask in MASKS_16 or mask in PROBES:
+    if mask == "causal" or mask in MASKS_16 or mask in PROBES or mask in MASKS_DENSE:
         return None
     if mask == "hstu":
         a = rng.integers(n // 4, n // 2 + 1, b)
