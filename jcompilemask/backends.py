@@ -59,7 +59,7 @@ class Call:
     num_intervals: int = 1
     tiles: Optional[TileConfig] = None     # of a prebuilt descriptor, if one was passed
     bias: bool = False                     # an additive bias (or a dense mask) on the logits
-    dense_bitmap: bool = False             # a from_dense mask kept as a bitmap (> 8 runs/row)
+    dense_bitmap: bool = False             # a from_dense mask kept as a bitmap
     # With has_fallback: None when every residual predicate can be emitted as kernel code
     # (lower/residual_program.py), else why not.
     residual_reason: Optional[str] = None
@@ -440,8 +440,10 @@ def _cute_backend() -> Backend:
 
     def supports(call: Call):
         if call.dense_bitmap:
-            return ("a dense mask with more than 8 runs per row, kept as a bitmap (the CuTe "
-                    "kernels read interval tables); the xla backend checks the bitmap")
+            return ("a dense mask kept as a bitmap (from_dense keeps one past 32 runs per "
+                    "row or column, or with layout='bitmap'); the CuTe kernels read interval "
+                    "tables (any K: from_dense(..., layout='intervals') runs it on them); the "
+                    "xla backend checks the bitmap")
         if call.has_fallback and call.residual_reason:
             return (f"residual predicate: {call.residual_reason}; the xla backend evaluates "
                     "it per element in partial tiles")

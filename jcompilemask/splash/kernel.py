@@ -48,8 +48,8 @@ Differences, all deliberate:
 * Masks: structured splash masks (causal, local, chunked, full, and/or of them) become
   MaskSpecs that lower to intervals (every backend, GPU kernels included); a dense mask
   (``NumpyMask``, an array, an unknown class) becomes :func:`jcompilemask.from_dense`
-  -- interval tables up to 8 runs per row, a packed bitmap past that, whose cost does not
-  depend on the number of runs.
+  -- interval tables up to 8 runs per row (32 where the GPU kernels run), a packed bitmap
+  past that, whose cost does not depend on the number of runs.
 * Segment ids: splash lets query i see key j iff ``segment_ids.q[i] ==
   segment_ids.kv[j]`` (id equality, not runs).
 
