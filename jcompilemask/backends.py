@@ -32,6 +32,7 @@ import jax
 from ._install import missing, missing_hint, no_gpu_hint, pip_hint
 from ._progress import log_once, slow_step
 from .lower import compiled as _compiled
+from .lower import dense as _dense
 from .lower.compiled import DEFAULT_TILES
 from .lower.descriptor import TileConfig
 
@@ -875,3 +876,8 @@ def _tilelang_preprocess() -> Preprocess:
 # CompiledMask.instantiate asks this module (the planner of jcompilemask.lower) which
 # preprocess runs and which tiles to build at.
 _compiled.install_planner(sys.modules[__name__])
+
+
+# from_dense's "auto" layout keeps interval tables past 8 runs where the CuTe kernels run
+# (lower/dense.py asks through this probe: lower/ imports no backend).
+_dense.set_kernel_tables_probe(lambda: get("cute").available() is None)

@@ -52,13 +52,22 @@ def _max_runs(mask: np.ndarray) -> int:
     return int(starts.max(initial=0))
 
 
+# Whether the CuTe kernels can run in this process: a () -> bool that jcompilemask.backends
+# installs on import (lower/ imports no backend); None (this module alone) reads as False.
+_kernel_tables_probe = None
+
+
+def set_kernel_tables_probe(probe) -> None:
+    """Install the () -> bool that says whether the registry's CuTe kernels can run here
+    (an SM90 GPU with the GPU dependencies): ``layout="auto"`` then keeps interval tables
+    up to ``KERNEL_TABLE_INTERVALS`` runs. ``jcompilemask.backends`` installs it."""
+    global _kernel_tables_probe
+    _kernel_tables_probe = probe
+
+
 def _kernel_tables_usable() -> bool:
-    """True where the registry's CuTe kernels can run in this process (an SM90 GPU with
-    the GPU dependencies): "auto" then keeps interval tables up to
-    ``KERNEL_TABLE_INTERVALS`` runs."""
-    from .. import backends
     try:
-        return backends.get("cute").available() is None
+        return bool(_kernel_tables_probe is not None and _kernel_tables_probe())
     except Exception:       # pragma: no cover - a broken GPU install reads as absent
         return False
 
