@@ -21,7 +21,8 @@ import jax.numpy as jnp
 
 import jcompilemask as jcm
 from jcompilemask import splash
-from jcompilemask.lower.dense import DenseMask, SegmentedDenseMask
+from jcompilemask.lower.dense import (DenseMask, SegmentedDenseMask, SegmentRunsDenseMask,
+                                      segment_runs)
 from jcompilemask.splash import splash_attention_kernel as sk
 from jcompilemask.splash import splash_attention_mask as sm
 
@@ -256,6 +257,95 @@ def test_kernel_dense_mask_bf16_and_concrete_jax_array_mask():
                                               v.astype(jnp.float32), seg)
     assert out.dtype == jnp.bfloat16
     _close(out, ref, atol=2e-2, rtol=2e-2)
+
+
+def _few_runs(n, seed):
+    """A dense mask of at most 8 runs per row (interval tables on every machine): a causal
+    window, a few key stripes, the diagonal."""
+    rng = np.random.default_rng(seed)
+    qi, ki = np.arange(n)[:, None], np.arange(n)[None, :]
+    stripes = np.zeros(n, bool)
+    for s in rng.choice(n - 3, 4, replace=False):
+        stripes[s:s + 2] = True
+    return (ki <= qi) & ((qi - ki < 6) | stripes[None, :])
+
+
+def _few_runs_case(seed=20, n=64):
+    masks = sm.MultiHeadMask([sm.NumpyMask(_few_runs(n, seed + h)) for h in range(4)])
+    q = _rand((4, n, 16), seed + 10)
+    return masks, q, _rand((2, n, 16), seed + 11), _rand((2, n, 16), seed + 12)
+
+
+def test_dense_few_runs_with_segments_take_interval_tables():
+    """A dense mask kept as interval tables with segment ids runs as tables too (its runs
+    clipped per row: SegmentRunsDenseMask, the GPU kernels' form), eagerly and under jit,
+    matching the reference in value and gradients; contiguity is checked as for
+    structured masks (concrete ids: split ones take the exact bitmap form)."""
+    masks, q, k, v = _few_runs_case()
+    kernel = sk.make_splash_mha_single_device(masks, save_residuals=True)
+    assert kernel.masks.dense_tables
+    seg = _segments(64, [10, 29, 50])
+    assert kernel._segment_mode(seg, 64, 64)[2] == "dense_runs"
+    assert isinstance(kernel.masks.dense_runs, SegmentRunsDenseMask)
+    ref = sk.make_masked_mha_reference(masks)
+    for fn in (kernel, jax.jit(kernel)):        # jit: traced ids, the checked form
+        (o, (lse,)), vjp = jax.vjp(lambda q, k, v: fn(q, k, v, seg), q, k, v)
+        (o_r, (lse_r,)), vjp_r = jax.vjp(
+            lambda q, k, v: ref(q, k, v, seg, save_residuals=True), q, k, v)
+        _close(o, o_r, atol=1e-5)
+        _close(lse, lse_r, atol=1e-5)
+        cts = (_rand(o.shape, 8), (_rand(lse.shape, 9),))
+        for a, b in zip(vjp(cts), vjp_r(cts)):
+            _close(a, b, atol=1e-4, rtol=1e-4)
+    split = sk.SegmentIds(np.array([0] * 16 + [1] * 16 + [0] * 16 + [2] * 16, np.int32),
+                          np.array([0] * 16 + [1] * 16 + [0] * 16 + [2] * 16, np.int32))
+    assert kernel._segment_mode(split, 64, 64)[2] == "dense"        # concrete: exact form
+    out = sk.make_splash_mha_single_device(masks)
+    ref_split = ref(q, k, v, split)
+    _close(out(q, k, v, split), ref_split, atol=1e-5)
+    fast = np.asarray(jax.jit(out)(q, k, v, split))                  # traced: NaN, never wrong
+    bad = np.asarray(split.q == 0)
+    assert np.isnan(fast[:, bad]).all()
+    _close(fast[:, ~bad], np.asarray(ref_split)[:, ~bad], atol=1e-5)
+    exact = sk.make_splash_mha_single_device(masks, exact_segment_ids=True)
+    assert exact._segment_mode(split, 64, 64)[2] == "dense"
+    _close(jax.jit(exact)(q, k, v, split), ref_split, atol=1e-5)
+
+
+def test_segment_runs_dense_mask_matches_the_bitmap_form():
+    """SegmentRunsDenseMask against SegmentedDenseMask (exact for any ids): the same dense
+    views and tile states for contiguous ids (batch 2, cross lengths); a sequence whose
+    ids are split in the rows keeps exact forward rows and loses its column view
+    (bwd_exact False: the backward checks the row intervals)."""
+    arr = np.stack([_few_runs(48, 1)[:40], _few_runs(48, 2)[:40]])        # [2, 40, 48]
+    runs, bitmap = SegmentRunsDenseMask(arr), SegmentedDenseMask(arr)
+    assert runs.layout == "intervals" and "segment id" in runs.explain()
+    q_ids = np.stack([np.repeat([0, 1, 2], [10, 20, 10]), np.repeat([0, 1, 2], [30, 5, 5])])
+    kv_ids = np.stack([np.repeat([0, 1, 2], [12, 20, 16]), np.repeat([0, 1, 2], [8, 8, 32])])
+    tiles = dict(block_q=16, block_kv=16, bwd_block_q=8, bwd_block_kv=16)
+    md = {"q_segment_ids": jnp.asarray(q_ids, jnp.int32),
+          "kv_segment_ids": jnp.asarray(kv_ids, jnp.int32)}
+    a = runs.instantiate(md, 40, 48, **tiles)
+    b = bitmap.instantiate(md, 40, 48, **tiles)
+    assert np.asarray(a.bwd_exact).all()
+    for view in ("fwd", "bwd"):
+        np.testing.assert_array_equal(np.asarray(a.as_dense(view)), np.asarray(b.as_dense(view)))
+        np.testing.assert_array_equal(np.asarray(a.tile_states(view)),
+                                      np.asarray(b.tile_states(view)))
+    # rows split by id (0, 1, 0): every row's keys are contiguous, a column's rows are not
+    md2 = {"q_segment_ids": jnp.asarray(np.repeat([0, 1, 0], [10, 10, 20])[None], jnp.int32),
+           "kv_segment_ids": jnp.asarray(np.repeat([0, 1], [30, 18])[None], jnp.int32)}
+    a2 = runs.instantiate(md2, 40, 48, **tiles)
+    assert not bool(np.asarray(a2.bwd_exact)[0])
+    np.testing.assert_array_equal(np.asarray(a2.as_dense("fwd")),
+                                  np.asarray(bitmap.instantiate(md2, 40, 48, **tiles).as_dense("fwd")))
+    lo, hi, ok = segment_runs(md2["q_segment_ids"], md2["kv_segment_ids"])
+    assert np.asarray(ok).all() and int(hi[0, 0]) == 30
+    assert not np.asarray(segment_runs(md2["kv_segment_ids"], md2["q_segment_ids"])[2]).all()
+    with pytest.raises(ValueError, match="needs interval tables"):
+        SegmentRunsDenseMask(_many_runs(64, 0)[None], layout="bitmap")
+    with pytest.raises(ValueError, match="one mask"):
+        SegmentRunsDenseMask(arr[None])
 
 
 def test_dense_segments_need_not_be_contiguous():

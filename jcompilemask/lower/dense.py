@@ -9,7 +9,7 @@ import numpy as np
 from .compiled import CompiledMask, resolve_tiles
 from .descriptor import COMPUTE, MASKED, ExecutionDescriptor, pack_tiles
 
-__all__ = ["from_dense", "DenseMask", "SegmentedDenseMask"]
+__all__ = ["from_dense", "DenseMask", "SegmentedDenseMask", "SegmentRunsDenseMask", "segment_runs"]
 
 
 def _runs(mask: np.ndarray):
@@ -376,6 +376,108 @@ class SegmentedDenseMask(DenseMask):
         c = jnp.clip(cols, 0, desc.kv_len - 1)
         same = sq[:, r][:, None, :, None] == skv[:, c][:, None, None, :]
         return bits & same
+
+
+def segment_runs(ids_a, ids_b):
+    """For each position of ``ids_a`` [B, Na], the first and one-past-last position of
+    ``ids_b`` [B, Nb] holding the same id, and whether those positions are contiguous
+    (``lo, hi, ok``: int32 / int32 / bool [B, Na]; ``lo == hi == 0`` where the id is absent
+    from ``ids_b``). Jit-able: a stable sort and two searches per sequence."""
+    def one(a, b):
+        nb = b.shape[0]
+        order = jnp.argsort(b, stable=True).astype(jnp.int32)
+        sorted_b = b[order]
+        left = jnp.searchsorted(sorted_b, a, side="left").astype(jnp.int32)
+        right = jnp.searchsorted(sorted_b, a, side="right").astype(jnp.int32)
+        count = right - left
+        first = order[jnp.clip(left, 0, nb - 1)]
+        last = order[jnp.clip(right - 1, 0, nb - 1)]
+        lo = jnp.where(count > 0, first, 0)
+        hi = jnp.where(count > 0, last + 1, 0)
+        return lo, hi, (count == 0) | (hi - lo == count)
+
+    import jax
+    return jax.vmap(one)(ids_a, ids_b)
+
+
+def _clip_runs(starts, lens, lo, hi):
+    """Interval tables [Bm, Hm, N, K] clipped per (batch, row) to [lo, hi) ([B, N]):
+    [B, Hm, N, K], emptied slots (0, 0)."""
+    end = jnp.minimum(starts + lens, hi[:, None, :, None])
+    start = jnp.maximum(starts, lo[:, None, :, None])
+    length = jnp.maximum(end - start, 0)
+    return jnp.where(length > 0, start, 0), length
+
+
+class SegmentRunsDenseMask(SegmentedDenseMask):
+    """A fixed mask AND segment-id equality, as interval tables: the fixed mask's runs,
+    clipped per row to the keys of that row's id. The same mask as
+    :class:`SegmentedDenseMask` (same metadata), exact where every id's keys form one
+    contiguous stretch -- what packing produces -- and then served by every backend, the
+    GPU kernels included (the bitmap form only by ``xla``). A query row whose id's keys
+    are split is given only the first to last of them (so wrong there): callers that
+    cannot rule that out check ``segment_runs(...)[2]`` (the splash port does, and
+    returns NaN for such rows inside ``jit``). The column view is exact for each
+    sequence whose ids are contiguous in the rows too; elsewhere the backward checks the
+    row intervals (``bwd_exact``).
+
+    The fixed mask must keep interval tables (``from_dense``'s layout rule: at most 8
+    runs per row, or 32 where the CuTe kernels run).
+
+    >>> import numpy as np, jax.numpy as jnp
+    >>> m = SegmentRunsDenseMask(np.tril(np.ones((1, 4, 4), bool)))
+    >>> ids = jnp.array([0, 0, 1, 1])
+    >>> d = m.instantiate({"q_segment_ids": ids, "kv_segment_ids": ids}, 4, 4, block_q=2,
+    ...                   block_kv=2, bwd_block_q=2, bwd_block_kv=2)
+    >>> np.asarray(d.as_dense()[0, 0]).astype(int).tolist()
+    [[1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 1, 1]]
+    """
+
+    def __init__(self, mask: np.ndarray, name: str | None = None, layout: str = "auto"):
+        if mask.ndim != 3:
+            raise ValueError(f"SegmentRunsDenseMask takes one mask [Hm, Nq, Nk] for every "
+                             f"sequence (the segment ids vary per sequence), got shape "
+                             f"{mask.shape}")
+        DenseMask.__init__(self, mask, name, layout=layout)
+        if self.layout != "intervals":
+            raise ValueError(f"SegmentRunsDenseMask needs interval tables, but this mask has "
+                             f"{self.runs_per_row} runs per row (a bitmap): use "
+                             f"SegmentedDenseMask")
+
+    def key(self):
+        return ("dense+segment-runs",) + DenseMask.key(self)[1:]
+
+    def explain(self):
+        return (DenseMask.explain(self) + "; clipped per row to the keys of the row's "
+                "segment id (metadata; exact for contiguous ids)")
+
+    def __repr__(self):
+        return (f"<SegmentRunsDenseMask {self.array.shape} K={self.num_intervals} "
+                f"Kc={self.num_bwd_intervals}>")
+
+    def instantiate(self, metadata=None, q_len=None, kv_len=None, *, block_q=None,
+                    block_kv=None, bwd_block_q=None, bwd_block_kv=None, preprocess=None,
+                    row_classes=None):
+        from .preprocess import tile_states_from_intervals
+        _no_classes(row_classes)
+        q_len, kv_len = self._lengths(q_len, kv_len)
+        tiles = resolve_tiles(block_q, block_kv, bwd_block_q, bwd_block_kv)
+        sq, skv = self._segments(metadata, q_len, kv_len)
+        lo, hi, _ = segment_runs(sq.astype(jnp.int32), skv.astype(jnp.int32))
+        clo, chi, col_ok = segment_runs(skv.astype(jnp.int32), sq.astype(jnp.int32))
+        fs, fl = _clip_runs(jnp.asarray(self._fs), jnp.asarray(self._fl), lo, hi)
+        bs, bl = _clip_runs(jnp.asarray(self._bs), jnp.asarray(self._bl), clo, chi)
+        f_st = tile_states_from_intervals(fs, fl, q_len, kv_len, tiles.block_q, tiles.block_kv)
+        b_st = tile_states_from_intervals(fs, fl, q_len, kv_len, tiles.bwd_block_q,
+                                          tiles.bwd_block_kv)
+        b = sq.shape[0]
+        return ExecutionDescriptor(
+            jnp.stack([fs, fl], -1), jnp.stack([bs, bl], -1), pack_tiles(f_st),
+            pack_tiles(jnp.swapaxes(b_st, -1, -2)), jnp.zeros((b, q_len), jnp.int32),
+            jnp.all(col_ok, axis=-1), {}, mask=self, q_len=q_len, kv_len=kv_len, tiles=tiles)
+
+    def fallback_visibility(self, desc: ExecutionDescriptor, rows, cols):
+        return jnp.zeros((), bool)
 
 
 def from_dense(mask, name: str | None = None, *, layout: str = "auto",

@@ -53,8 +53,6 @@ Differences, all deliberate:
 * Segment ids: splash lets query i see key j iff ``segment_ids.q[i] ==
   segment_ids.kv[j]`` (id equality, not runs).
 
-  - With a dense mask, the bitmap is intersected with the id equality per tile at run
-    time (:class:`jcompilemask.lower.dense.SegmentedDenseMask`): exact for any ids.
   - With a structured mask, the kernel computes, per query row, the first and
     one-past-last key position holding that id and passes them as MaskSpec metadata;
     the rule ``static & (k >= lo(q)) & (k < hi(q))`` lowers to intervals (fast path) and
@@ -64,6 +62,12 @@ Differences, all deliberate:
     slower, served by the ``xla`` backend); inside ``jit`` rows whose id is split into
     several stretches return NaN -- never a silently wrong value. Pass
     ``exact_segment_ids=True`` to the factory to use the exact rule always.
+  - A dense mask kept as interval tables takes the same fast path: its runs clipped per
+    row to that row's id's keys (:class:`jcompilemask.lower.dense.SegmentRunsDenseMask`,
+    every backend), with the same contiguity check and fallback. The exact form (and
+    the only one for a dense mask kept as a bitmap) intersects the bitmap with the id
+    equality per tile at run time (:class:`jcompilemask.lower.dense.SegmentedDenseMask`,
+    ``xla``): exact for any ids.
 """
 from __future__ import annotations
 
@@ -78,7 +82,7 @@ import numpy as np
 
 from ..attention.api import mask_attention
 from ..lower.compiled import compile as _compile
-from ..lower.dense import SegmentedDenseMask
+from ..lower.dense import SegmentedDenseMask, SegmentRunsDenseMask, segment_runs
 from ..spec.expr import k, q
 from ..spec.maskspec import MaskSpec
 from ..spec.metadata import SegmentIds as _SegDecl
@@ -188,22 +192,6 @@ _RUN_RULE = (k >= _SEG_LO.id(q)) & (k < _SEG_HI.id(q))
 _EXACT_RULE = _SEG_Q.id(q) == _SEG_KV.id(k)
 
 
-def _segment_tables(q_ids, kv_ids):
-    """Per query row: first / one-past-last key position with the same id, and whether
-    those keys are contiguous (the fast rule is exact for that row)."""
-    nk = kv_ids.shape[0]
-    order = jnp.argsort(kv_ids, stable=True).astype(jnp.int32)
-    sorted_ids = kv_ids[order]
-    left = jnp.searchsorted(sorted_ids, q_ids, side="left").astype(jnp.int32)
-    right = jnp.searchsorted(sorted_ids, q_ids, side="right").astype(jnp.int32)
-    count = right - left
-    first = order[jnp.clip(left, 0, nk - 1)]
-    last = order[jnp.clip(right - 1, 0, nk - 1)]
-    lo = jnp.where(count > 0, first, 0)
-    hi = jnp.where(count > 0, last + 1, 0)
-    return lo, hi, (count == 0) | (hi - lo == count)
-
-
 def _contiguous_np(q_ids, kv_ids) -> bool:
     """Whether every query id's keys form one contiguous stretch (numpy, eager)."""
     kv_ids = np.asarray(kv_ids)
@@ -244,6 +232,18 @@ class _Masks:
     def dense_segmented(self):
         return SegmentedDenseMask(np.ascontiguousarray(
             _dense_all(self.groups, self.n_heads, self.shape)), name="splash+segments")
+
+    @property
+    def dense_tables(self) -> bool:
+        """A dense mask kept as interval tables (not a bitmap): its segment-id form can
+        be interval tables too (``dense_runs``)."""
+        return not self.structured and self.static.layout == "intervals"
+
+    @functools.cached_property
+    def dense_runs(self):
+        return SegmentRunsDenseMask(np.ascontiguousarray(
+            _dense_all(self.groups, self.n_heads, self.shape)), name="splash+segments",
+            layout="intervals")
 
 
 # ---------------------------------------------------------------------------------------
@@ -313,13 +313,15 @@ class SplashAttentionKernel:
         for name, x in (("segment_ids.q", sq), ("segment_ids.kv", skv)):
             if not jnp.issubdtype(jnp.result_type(x), jnp.integer):
                 raise TypeError(f"{name} must be integer, got {jnp.result_type(x)}")
-        if not self.masks.structured:
+        if not self.masks.structured and (self.exact_segment_ids
+                                          or not self.masks.dense_tables):
             return sq, skv, "dense"
+        exact, fast = ("dense", "dense_runs") if not self.masks.structured else ("exact", "fast")
         if self.exact_segment_ids:
-            return sq, skv, "exact"
+            return sq, skv, exact
         if _is_tracer(sq) or _is_tracer(skv):
-            return sq, skv, "fast_checked"
-        return sq, skv, ("fast" if _contiguous_np(sq, skv) else "exact")
+            return sq, skv, fast + "_checked"
+        return sq, skv, (fast if _contiguous_np(sq, skv) else exact)
 
     def _impl(self, q, k, v, sq, skv, sinks, *, mode):
         hq = q.shape[0]
@@ -340,9 +342,15 @@ class SplashAttentionKernel:
         elif mode == "exact":
             mask = m.exact
             metadata = {"seg_q": _pad_row(sq, n), "seg_kv": _pad_row(skv, n)}
+        elif mode in ("dense_runs", "dense_runs_checked"):
+            mask = m.dense_runs
+            metadata = {"q_segment_ids": sq[None], "kv_segment_ids": skv[None]}
+            if mode == "dense_runs_checked":
+                bad_rows = ~segment_runs(jnp.asarray(sq, jnp.int32)[None],
+                                         jnp.asarray(skv, jnp.int32)[None])[2][0]
         else:
-            lo, hi, ok = _segment_tables(jnp.asarray(sq, jnp.int32),
-                                         jnp.asarray(skv, jnp.int32))
+            lo, hi, ok = (x[0] for x in segment_runs(jnp.asarray(sq, jnp.int32)[None],
+                                                     jnp.asarray(skv, jnp.int32)[None]))
             mask = m.fast
             metadata = {"seg_lo": _pad_row(lo, n), "seg_hi": _pad_row(hi, n)}
             if mode == "fast_checked":
