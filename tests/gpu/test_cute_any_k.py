@@ -25,7 +25,8 @@ import jcompilemask as jcm
 from jcompilemask import backends
 from jcompilemask.lower.compiled import region_backend
 from jcompilemask.spec import MaskSpec, Region, Scalar, k, q, q_len
-from gpu_cases import (check_attention, random_many_intervals_case, random_many_runs_dense,  # noqa: E402  (tests/gpu is on sys.path under pytest)
+from gpu_cases import (check_attention, gradient_problems, random_many_intervals_case,  # noqa: E402  (tests/gpu is on sys.path under pytest)
+                       random_many_runs_dense,
                        registry_names_cute)
 
 import os
@@ -189,3 +190,62 @@ def test_dense_many_runs_same_attention_either_layout():
     np.testing.assert_allclose(o1, o2, atol=1e-5)
     for a, b in zip(g1, g2):
         np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+def _splash_dense_case(seed, n=700):
+    """A splash port call as ported TPU code makes it: a NumpyMask per head (9-32 runs per
+    row: interval tables where the kernels run) with packed (contiguous) segment ids."""
+    from jcompilemask.splash import splash_attention_kernel as sk
+    from jcompilemask.splash import splash_attention_mask as sm
+    arr = random_many_runs_dense(np.random.default_rng(1700 + seed), n, heads=2)
+    masks = sm.MultiHeadMask([sm.NumpyMask(a) for a in arr])
+    ids = np.repeat(np.arange(3, dtype=np.int32), [n // 3, n // 2, n - n // 3 - n // 2])
+    return arr, masks, sk.SegmentIds(ids, ids), ids, sk
+
+
+@needs_gpu
+def test_splash_dense_mask_with_segments_on_cute(any_k_on, monkeypatch):
+    """The splash port's dense mask with segment ids on the GPU kernels: the segment-id
+    form is interval tables (SegmentRunsDenseMask), the registry runs it on cute, and the
+    jitted kernel (traced ids: the checked fast path) matches the oracle in value and
+    gradients."""
+    from jcompilemask.testing import assert_within_policy, reference_attention, reference_gradients
+    if IMPL == "xla":       # the test logic on a CPU: the tables the GPU would keep
+        from jcompilemask.lower import dense as dense_mod
+        monkeypatch.setattr(dense_mod, "_kernel_tables_usable", lambda: True)
+    n = 700
+    arr, masks, seg, ids, sk = _splash_dense_case(0, n)
+    kernel = sk.make_splash_mha_single_device(masks, implementation=IMPL)
+    assert kernel._segment_mode(seg, n, n)[2] == "dense_runs"
+    if IMPL == "cute":
+        registry_names_cute(kernel.masks.dense_runs, hq=2, hkv=2)
+    ks = jax.random.split(jax.random.key(5), 4)
+    q, k, v, do = (jax.random.normal(kk, (2, n, 128), jnp.float32).astype(jnp.bfloat16)
+                   for kk in ks)
+    dense = (arr & (ids[:, None] == ids[None, :])[None])[None]          # [1, 2, n, n]
+    to4 = lambda x: jnp.swapaxes(x, 0, 1)[None]                         # noqa: E731
+    out = jax.jit(kernel)(q, k, v, seg)
+    # (splash does not scale the logits: scale 1)
+    hi = reference_attention(to4(q), to4(k), to4(v), dense, scale=1.0, precision="high")
+    lo = reference_attention(to4(q), to4(k), to4(v), dense, scale=1.0, precision="input")
+    assert_within_policy(to4(out), hi[0], lo[0], "out")
+
+    def loss(a, b_, c):
+        return jnp.sum(kernel(a, b_, c, seg).astype(jnp.float32) * do.astype(jnp.float32))
+
+    g = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+    g_hi, g_lo = reference_gradients(to4(q), to4(k), to4(v), to4(do), dense, scale=1.0)
+    problems = gradient_problems(tuple(to4(x) for x in g), g_hi, g_lo, jnp.bfloat16)
+    assert not problems, "; ".join(problems)
+
+
+def test_splash_dense_segments_registry_names_cute(monkeypatch):
+    """CPU twin: with the kernels marked usable, the case's mask keeps tables, its
+    segment-id form is SegmentRunsDenseMask, and explain() names cute for it."""
+    from jcompilemask.lower import dense
+    monkeypatch.setattr(dense, "_kernel_tables_usable", lambda: True)
+    monkeypatch.delenv(backends.CUTE_BACKWARD_ENV, raising=False)
+    _, masks, seg, _, sk = _splash_dense_case(0)
+    kernel = sk.make_splash_mha_single_device(masks)
+    assert kernel._segment_mode(seg, 700, 700)[2] == "dense_runs"
+    registry_names_cute(kernel.masks.dense_runs, hq=2, hkv=2, mark_available=True)
