@@ -249,3 +249,25 @@ def test_splash_dense_segments_registry_names_cute(monkeypatch):
     kernel = sk.make_splash_mha_single_device(masks)
     assert kernel._segment_mode(seg, 700, 700)[2] == "dense_runs"
     registry_names_cute(kernel.masks.dense_runs, hq=2, hkv=2, mark_available=True)
+
+
+@needs_gpu
+@pytest.mark.skipif(IMPL != "cute", reason="a kernel switch: the cute backend only")
+def test_interval_unroll_gives_identical_forward(any_k_on, monkeypatch):
+    """ForwardKey.interval_unroll (the K > 8 mask loop unrolled by 4): out and lse bit for
+    bit with the loop as it was, on the 25-run dense mask and a K 30 striped spec."""
+    from jcompilemask.kernels.cute import api
+    arr = random_many_runs_dense(np.random.default_rng(1600), 700, heads=2)
+    cases = [(jcm.from_dense(arr), None, 2), (CASES["stripes30"][0], None, 1)]
+    ks = jax.random.split(jax.random.key(11), 3)
+    for mask, md, hq in cases:
+        q_, k_, v_ = (jax.random.normal(kk, (2, 700, hq, 128), jnp.float32).astype(jnp.bfloat16)
+                      for kk in ks)
+        outs = []
+        for unroll in ("1", "4"):
+            monkeypatch.setenv(api.FWD_INTERVAL_UNROLL_ENV, unroll)
+            outs.append(jax.jit(lambda a, b_, c: jcm.mask_attention(
+                a, b_, c, mask, metadata=md, implementation="cute", return_residual=True))(
+                    q_, k_, v_))
+        for a, b_ in zip(*outs):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b_))

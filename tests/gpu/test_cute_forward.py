@@ -33,7 +33,7 @@ def registry_switches(monkeypatch, head_dim, head_dim_v, block_q, block_kv, num_
                  api.FWD_K_AHEAD_ENV, api.FWD_BITS_ABOVE_ENV, api.FWD_RESCALE_TAIL_ENV,
                  api.FWD_WORK_RUNS_ENV, api.FWD_RUNS_EARLY_ENV, api.FWD_SLOT_SKIP_ENV,
                  api.FWD_MASK_R2P_ENV, api.FWD_RESIDUAL_PERIODIC_ENV, api.FWD_RESCALE_EARLY_ENV,
-                 api.FWD_OPERANDS_EARLY_ENV, api.FWD_P_DOUBLE_ENV):
+                 api.FWD_OPERANDS_EARLY_ENV, api.FWD_P_DOUBLE_ENV, api.FWD_INTERVAL_UNROLL_ENV):
         monkeypatch.delenv(name, raising=False)
     switches = {**api.forward_switches(head_dim, head_dim_v, block_q, block_kv, num_stages), **changes}
     if "work_runs" not in changes and (switches["rescale_tail"] or not switches["work_list"]):
@@ -277,6 +277,45 @@ def test_any_k_compiles_for_sm90(head_dim, num_intervals, softcap, monkeypatch):
                      head_dim**-0.5, num_stages=stages, softcap=softcap,
                      **registry_switches(monkeypatch, head_dim, head_dim, bq, bk, stages))
     assert compile_forward(key) is not None
+
+
+def test_interval_unroll_env_and_key(monkeypatch):
+    """ForwardKey.interval_unroll (the K > 8 mask loop's unroll factor): its variable, its
+    tag in the target name, and bad values refused."""
+    from jcompilemask.kernels.cute import api
+    monkeypatch.delenv(api.FWD_INTERVAL_UNROLL_ENV, raising=False)
+    assert api._fwd_interval_unroll() == 1
+    assert api.forward_switches(128, 128, 128, 128, 2)["interval_unroll"] == 1
+    monkeypatch.setenv(api.FWD_INTERVAL_UNROLL_ENV, "4")
+    assert api._fwd_interval_unroll() == 4
+    assert api.forward_switches(128, 128, 128, 128, 2)["interval_unroll"] == 4
+    for bad in ("0", "two", "-1"):
+        monkeypatch.setenv(api.FWD_INTERVAL_UNROLL_ENV, bad)
+        with pytest.raises(ValueError, match="JCOMPILEMASK_CUTE_FWD_INTERVAL_UNROLL"):
+            api._fwd_interval_unroll()
+    base = api.ForwardKey("bfloat16", 128, 128, 25, 128, 128, False, False, 0.1)
+    assert "_iu" not in base.target_name
+    assert _tagged(api.ForwardKey("bfloat16", 128, 128, 25, 128, 128, False, False, 0.1,
+                                  interval_unroll=4), "iu4")
+    with pytest.raises(ValueError, match="interval_unroll"):
+        api.ForwardKey("bfloat16", 128, 128, 25, 128, 128, False, False, 0.1, interval_unroll=0)
+
+
+@needs_cutlass
+@knob
+def test_interval_unroll_compiles_for_sm90(monkeypatch, capfd):
+    """The registry's K 25 forward with its interval loop unrolled by 4: no stack, no
+    serialized wgmma (static SASS, session 48: 168 registers, 0 B, 16 LDG per masked-tile
+    copy in flight where the loop had 4)."""
+    from jcompilemask.kernels.cute import api
+    bq, bk = api.preferred_forward_tiles(128)
+    stages = api.preferred_forward_stages(128)
+    key = api.ForwardKey("bfloat16", 128, 128, 25, bq, bk, False, False, 128**-0.5,
+                         num_stages=stages,
+                         **registry_switches(monkeypatch, 128, 128, bq, bk, stages,
+                                             interval_unroll=4))
+    assert key.group_mask and _tagged(key, "iu4")
+    assert compile_checking_remarks(api.compile_forward, key, monkeypatch, capfd) is not None
 
 
 @needs_cutlass

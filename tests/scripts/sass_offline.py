@@ -221,7 +221,7 @@ def ours_forward(d: int, k: int = 1, fields: str = "", dilated: bool = False):
     changes = {}
     for item in filter(None, fields.split(",")):
         name, value = item.split("=")
-        changes[name] = int(value) if name == "bits_above" else value not in ("0", "false", "False")
+        changes[name] = int(value) if name in ("bits_above", "interval_unroll") else value not in ("0", "false", "False")
     residual = None
     if dilated:
         from jcompilemask.lower.residual_program import ResidualProgram

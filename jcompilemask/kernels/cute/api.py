@@ -145,6 +145,14 @@ class ForwardKey:
     # the tile skipped) into bit masks; 8 is the validated default, lower values are a
     # benchmark knob ($JCOMPILEMASK_CUTE_FWD_BITS_ABOVE; issue 14 item 3).
     bits_above: int = 8
+    # Past INTERVALS_UNROLLED intervals a masked tile walks the row's K intervals from the
+    # table in a loop (apply_mask_bits / apply_mask_bits_groups); interval_unroll > 1
+    # unrolls that loop by this factor, so several intervals' table loads are in flight
+    # (issue 16; $JCOMPILEMASK_CUTE_FWD_INTERVAL_UNROLL, a benchmark knob until timed). The
+    # motivating record: a 25-run dense mask at 8K spends ~3.5x a causal tile's time per
+    # visited tile in that loop (H100, run 2026-12-07T11:05:48Z, NOTES.md session 48).
+    # Bit-identical by construction (the same OR of the same runs). Ignored at K <= 8.
+    interval_unroll: int = 1
     # The compact work list in the forward (issue 14 item 1; what cute_forward compiles where
     # it fits, see _fwd_work_list): producer and consumers iterate the row's visited key
     # tiles instead of walking every tile's bits.
@@ -300,6 +308,8 @@ class ForwardKey:
             )
         if self.num_intervals < 1:
             raise ValueError(f"interval count K must be >= 1, got {self.num_intervals}")
+        if not isinstance(self.interval_unroll, int) or self.interval_unroll < 1:
+            raise ValueError(f"interval_unroll must be an int >= 1, got {self.interval_unroll!r}")
         smem = forward_smem_bytes(self.head_dim, self.block_q, self.block_kv, self.num_stages,
                                   head_dim_v=self.head_dim_v) + self.list_smem
         if self.num_stages < 1 or smem > _SMEM_LIMIT:
@@ -343,6 +353,7 @@ class ForwardKey:
                f"_c{np.float64(self.softcap).view(np.uint64):016x}{'f' if self.softcap_fast_tanh else ''}")
             + ("" if self.residual is None else f"_r{self.residual.tag}")
             + ("" if self.bits_above == 8 else f"_ba{self.bits_above}")
+            + ("" if self.interval_unroll == 1 else f"_iu{self.interval_unroll}")
             + ("_wl" if self.work_list else "")
             + ("_ls" if self.schedule and not self.persistent else "")
             + ("_lp" if self.persistent else "")
@@ -448,7 +459,8 @@ def compile_forward(key: ForwardKey):
             block_q=key.block_q, block_kv=key.block_kv,
             broadcast_batch=key.broadcast_batch, broadcast_head=key.broadcast_head,
             num_stages=key.num_stages, softcap=key.softcap, softcap_fast_tanh=key.softcap_fast_tanh,
-            residual=key.residual, bits_above=key.bits_above, work_list=key.work_list,
+            residual=key.residual, bits_above=key.bits_above,
+            interval_unroll=key.interval_unroll, work_list=key.work_list,
             schedule=key.schedule, persistent=key.persistent, o_buffer=key.o_buffer,
             k_ahead=key.k_ahead, group_mask=key.group_mask, rescale_tail=key.rescale_tail,
             work_runs=key.work_runs, runs_early=key.runs_early, slot_skip=key.slot_skip,
@@ -501,7 +513,7 @@ _HOST_ONLY = frozenset({
     "preferred_forward_stages", "_package_fingerprint", "_sources_fingerprint",
     "_strip_host_only", "_code_only",
     "_module_files", "_kernel_sources", "disk_cache_key", "kernel_function", "_ensure_registered",
-    "_fit_list_to_length", "_fwd_bits_above", "_env_flag", "_fwd_d128_loop", "_bwd_d128_config",
+    "_fit_list_to_length", "_fwd_bits_above", "_fwd_interval_unroll", "_env_flag", "_fwd_d128_loop", "_bwd_d128_config",
     "_fwd_work_list", "_fwd_schedule",
     "_fwd_k_ahead", "_fwd_group_mask", "_fwd_residual_words", "_fwd_rescale_tail",
     "_fwd_work_runs", "_fwd_masked_switches", "forward_switches", "_fwd_issue_switches", "num_sms",
@@ -780,6 +792,26 @@ FWD_RESIDUAL_REGS_ENV = "JCOMPILEMASK_CUTE_FWD_RESIDUAL_REGS"
 L2_BYTES = 50 * 1024 * 1024
 
 
+FWD_INTERVAL_UNROLL_ENV = "JCOMPILEMASK_CUTE_FWD_INTERVAL_UNROLL"
+
+
+def _fwd_interval_unroll() -> int:
+    """``$JCOMPILEMASK_CUTE_FWD_INTERVAL_UNROLL`` (read at trace time; benchmarks), default 1:
+    ForwardKey.interval_unroll."""
+    import os
+    text = os.environ.get(FWD_INTERVAL_UNROLL_ENV, "").strip()
+    if not text:
+        return 1
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"{FWD_INTERVAL_UNROLL_ENV}={text!r}: an int >= 1 (the unroll factor "
+                         "of a masked tile's loop over K > 8 intervals)")
+    return value
+
+
 def _fwd_bits_above() -> int:
     """``$JCOMPILEMASK_CUTE_FWD_BITS_ABOVE`` (read at trace time; benchmarks), default 8."""
     import os
@@ -905,7 +937,8 @@ def _fwd_masked_switches() -> dict:
 def forward_switches(head_dim: int, head_dim_v: int, block_q: int, block_kv: int, num_stages: int,
                      residual=None) -> dict:
     """The ForwardKey fields that ``cute_forward`` takes from the environment (read at
-    trace time) for a kernel of these sizes: ``bits_above``, ``work_list``, ``schedule``,
+    trace time) for a kernel of these sizes: ``bits_above``, ``interval_unroll``,
+    ``work_list``, ``schedule``,
     ``persistent``, ``k_ahead``, ``group_mask`` (never with a residual program),
     ``residual_words`` (only with one), ``rescale_tail``, ``work_runs``, ``runs_early``,
     ``slot_skip``, ``mask_r2p``, ``residual_periodic`` (only with a residual program),
@@ -916,7 +949,7 @@ def forward_switches(head_dim: int, head_dim_v: int, block_q: int, block_kv: int
     what users get.
 
     >>> sorted(forward_switches(128, 128, 128, 128, 2))
-    ['bits_above', 'group_mask', 'k_ahead', 'mask_r2p', 'operands_early', 'p_double', 'persistent', 'rescale_early', 'rescale_tail', 'residual_periodic', 'residual_regs', 'residual_words', 'runs_early', 'schedule', 'slot_skip', 'work_list', 'work_runs']
+    ['bits_above', 'group_mask', 'interval_unroll', 'k_ahead', 'mask_r2p', 'operands_early', 'p_double', 'persistent', 'rescale_early', 'rescale_tail', 'residual_periodic', 'residual_regs', 'residual_words', 'runs_early', 'schedule', 'slot_skip', 'work_list', 'work_runs']
     """
     schedule, persistent = _fwd_schedule()
     work_list = _fwd_work_list(head_dim, head_dim_v, block_q, block_kv, num_stages)
@@ -924,7 +957,8 @@ def forward_switches(head_dim: int, head_dim_v: int, block_q: int, block_kv: int
     work_runs = _fwd_work_runs(work_list, rescale_tail, head_dim, head_dim_v, block_q, block_kv,
                                num_stages)
     rescale_early = _env_flag(FWD_RESCALE_EARLY_ENV, "0") and not rescale_tail
-    return dict(bits_above=_fwd_bits_above(), work_list=work_list,
+    return dict(bits_above=_fwd_bits_above(), interval_unroll=_fwd_interval_unroll(),
+                work_list=work_list,
                 schedule=schedule, persistent=persistent, k_ahead=_fwd_k_ahead(),
                 group_mask=_fwd_group_mask() and residual is None,
                 residual_words=_fwd_residual_words(head_dim) and residual is not None,

@@ -103,6 +103,7 @@ class FlashForwardSm90(WarpSpecializedSm90):
         softcap_fast_tanh: bool = False,
         residual=None,
         bits_above: int = INTERVALS_UNROLLED,
+        interval_unroll: int = 1,
         group_mask: bool = False,
         residual_words: bool = False,
         rescale_tail: bool = False,
@@ -156,6 +157,9 @@ class FlashForwardSm90(WarpSpecializedSm90):
         # intervals too, with the slots unrolled: only the intervals that reach into the
         # tile are tested (clear: K 6, of which ~1-2 meet a 128-key tile).
         self.intervals_as_bits = num_intervals > bits_above
+        # The unroll factor of that path's loop over K > INTERVALS_UNROLLED intervals
+        # (ForwardKey.interval_unroll: several table loads in flight).
+        self.interval_unroll = interval_unroll
         # work_list (issue 14 item 1): the producer warp turns the row's tile words into a
         # list of visited key tiles (common.build_tile_list), chunks of FWD_LIST_CHUNK; it
         # and the consumers iterate the list instead of walking every tile's bits.
@@ -1283,7 +1287,7 @@ class FlashForwardSm90(WarpSpecializedSm90):
                             if _unsigned_lt(col0 + tScS[r, c][1] - start, length):
                                 seen[c // 32] = seen[c // 32] | Uint32(1 << (c % 32))
             else:
-                for m in cutlass.range(self.num_intervals, unroll=1):
+                for m in cutlass.range(self.num_intervals, unroll=self.interval_unroll):
                     start = mIntervals[mask_batch, mask_head, safe_row, m, 0]
                     length = mIntervals[mask_batch, mask_head, safe_row, m, 1]
                     if (length > 0) & (start < col_end) & (start + length > col0):
@@ -1315,7 +1319,7 @@ class FlashForwardSm90(WarpSpecializedSm90):
                     self.add_interval_runs(words, mIntervals, mask_batch, mask_head, safe_row, m,
                                            col0, col_end, base, groups)
             else:
-                for m in cutlass.range(self.num_intervals, unroll=1):
+                for m in cutlass.range(self.num_intervals, unroll=self.interval_unroll):
                     self.add_interval_runs(words, mIntervals, mask_batch, mask_head, safe_row, m,
                                            col0, col_end, base, groups)
             # Rows past Nq (their table row is row 0's) see nothing.
