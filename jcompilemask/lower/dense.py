@@ -254,17 +254,21 @@ class DenseMask(CompiledMask):
                 jnp.zeros((b, q_len), jnp.int32), jnp.zeros((b,), bool),
                 {BITMAP_KEY: jnp.asarray(self._words)},
                 mask=self, q_len=q_len, kv_len=kv_len, tiles=tiles)
+        return self._table_descriptor(jnp.asarray(self._fs), jnp.asarray(self._fl),
+                                      jnp.asarray(self._bs), jnp.asarray(self._bl),
+                                      jnp.ones((b,), bool), q_len, kv_len, tiles)
+
+    def _table_descriptor(self, fs, fl, bs, bl, bwd_exact, q_len, kv_len, tiles):
+        """The descriptor of row tables (fs, fl) and column tables (bs, bl), tile states
+        from the row tables at both passes' tiles."""
         from .preprocess import tile_states_from_intervals
-        fs = jnp.asarray(self._fs)
-        fl = jnp.asarray(self._fl)
-        fwd = jnp.stack([fs, fl], -1)
-        bwd = jnp.stack([jnp.asarray(self._bs), jnp.asarray(self._bl)], -1)
         f_st = tile_states_from_intervals(fs, fl, q_len, kv_len, tiles.block_q, tiles.block_kv)
         b_st = tile_states_from_intervals(fs, fl, q_len, kv_len, tiles.bwd_block_q,
                                           tiles.bwd_block_kv)
         return ExecutionDescriptor(
-            fwd, bwd, pack_tiles(f_st), pack_tiles(jnp.swapaxes(b_st, -1, -2)),
-            jnp.zeros((b, q_len), jnp.int32), jnp.ones((b,), bool), {},
+            jnp.stack([fs, fl], -1), jnp.stack([bs, bl], -1), pack_tiles(f_st),
+            pack_tiles(jnp.swapaxes(b_st, -1, -2)),
+            jnp.zeros((bwd_exact.shape[0], q_len), jnp.int32), bwd_exact, {},
             mask=self, q_len=q_len, kv_len=kv_len, tiles=tiles)
 
     def fallback_visibility(self, desc: ExecutionDescriptor, rows, cols):
@@ -458,23 +462,16 @@ class SegmentRunsDenseMask(SegmentedDenseMask):
     def instantiate(self, metadata=None, q_len=None, kv_len=None, *, block_q=None,
                     block_kv=None, bwd_block_q=None, bwd_block_kv=None, preprocess=None,
                     row_classes=None):
-        from .preprocess import tile_states_from_intervals
         _no_classes(row_classes)
         q_len, kv_len = self._lengths(q_len, kv_len)
         tiles = resolve_tiles(block_q, block_kv, bwd_block_q, bwd_block_kv)
-        sq, skv = self._segments(metadata, q_len, kv_len)
-        lo, hi, _ = segment_runs(sq.astype(jnp.int32), skv.astype(jnp.int32))
-        clo, chi, col_ok = segment_runs(skv.astype(jnp.int32), sq.astype(jnp.int32))
+        sq, skv = (x.astype(jnp.int32) for x in self._segments(metadata, q_len, kv_len))
+        lo, hi, _ = segment_runs(sq, skv)
+        clo, chi, col_ok = segment_runs(skv, sq)
         fs, fl = _clip_runs(jnp.asarray(self._fs), jnp.asarray(self._fl), lo, hi)
         bs, bl = _clip_runs(jnp.asarray(self._bs), jnp.asarray(self._bl), clo, chi)
-        f_st = tile_states_from_intervals(fs, fl, q_len, kv_len, tiles.block_q, tiles.block_kv)
-        b_st = tile_states_from_intervals(fs, fl, q_len, kv_len, tiles.bwd_block_q,
-                                          tiles.bwd_block_kv)
-        b = sq.shape[0]
-        return ExecutionDescriptor(
-            jnp.stack([fs, fl], -1), jnp.stack([bs, bl], -1), pack_tiles(f_st),
-            pack_tiles(jnp.swapaxes(b_st, -1, -2)), jnp.zeros((b, q_len), jnp.int32),
-            jnp.all(col_ok, axis=-1), {}, mask=self, q_len=q_len, kv_len=kv_len, tiles=tiles)
+        return self._table_descriptor(fs, fl, bs, bl, jnp.all(col_ok, axis=-1), q_len, kv_len,
+                                      tiles)
 
     def fallback_visibility(self, desc: ExecutionDescriptor, rows, cols):
         return jnp.zeros((), bool)

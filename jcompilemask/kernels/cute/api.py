@@ -513,7 +513,7 @@ _HOST_ONLY = frozenset({
     "preferred_forward_stages", "_package_fingerprint", "_sources_fingerprint",
     "_strip_host_only", "_code_only",
     "_module_files", "_kernel_sources", "disk_cache_key", "kernel_function", "_ensure_registered",
-    "_fit_list_to_length", "_fwd_bits_above", "_fwd_interval_unroll", "_env_flag", "_fwd_d128_loop", "_bwd_d128_config",
+    "_fit_list_to_length", "_fwd_bits_above", "_fwd_interval_unroll", "_env_int", "_env_flag", "_fwd_d128_loop", "_bwd_d128_config",
     "_fwd_work_list", "_fwd_schedule",
     "_fwd_k_ahead", "_fwd_group_mask", "_fwd_residual_words", "_fwd_rescale_tail",
     "_fwd_work_runs", "_fwd_masked_switches", "forward_switches", "_fwd_issue_switches", "num_sms",
@@ -795,37 +795,32 @@ L2_BYTES = 50 * 1024 * 1024
 FWD_INTERVAL_UNROLL_ENV = "JCOMPILEMASK_CUTE_FWD_INTERVAL_UNROLL"
 
 
-def _fwd_interval_unroll() -> int:
-    """``$JCOMPILEMASK_CUTE_FWD_INTERVAL_UNROLL`` (read at trace time; benchmarks), default 1:
-    ForwardKey.interval_unroll."""
+def _env_int(name: str, default: int, minimum: int, meaning: str) -> int:
+    """An int >= ``minimum`` from ``$name`` (read at trace time; unset or empty: default)."""
     import os
-    text = os.environ.get(FWD_INTERVAL_UNROLL_ENV, "").strip()
+    text = os.environ.get(name, "").strip()
     if not text:
-        return 1
+        return default
     try:
         value = int(text)
     except ValueError:
-        value = 0
-    if value < 1:
-        raise ValueError(f"{FWD_INTERVAL_UNROLL_ENV}={text!r}: an int >= 1 (the unroll factor "
-                         "of a masked tile's loop over K > 8 intervals)")
+        value = minimum - 1
+    if value < minimum:
+        raise ValueError(f"{name}={text!r}: an int >= {minimum} ({meaning})")
     return value
+
+
+def _fwd_interval_unroll() -> int:
+    """``$JCOMPILEMASK_CUTE_FWD_INTERVAL_UNROLL`` (read at trace time; benchmarks), default 1:
+    ForwardKey.interval_unroll."""
+    return _env_int(FWD_INTERVAL_UNROLL_ENV, 1, 1,
+                    "the unroll factor of a masked tile's loop over K > 8 intervals")
 
 
 def _fwd_bits_above() -> int:
     """``$JCOMPILEMASK_CUTE_FWD_BITS_ABOVE`` (read at trace time; benchmarks), default 8."""
-    import os
-    text = os.environ.get(FWD_BITS_ABOVE_ENV, "").strip()
-    if not text:
-        return 8
-    try:
-        value = int(text)
-    except ValueError:
-        raise ValueError(f"{FWD_BITS_ABOVE_ENV}={text!r}: an int >= 0 (K above it tests "
-                         "intervals one at a time into bit masks)") from None
-    if value < 0:
-        raise ValueError(f"{FWD_BITS_ABOVE_ENV}={value}: must be >= 0")
-    return value
+    return _env_int(FWD_BITS_ABOVE_ENV, 8, 0,
+                    "K above it tests intervals one at a time into bit masks")
 
 
 def _env_flag(name: str, default: str) -> bool:
