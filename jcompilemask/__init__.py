@@ -12,7 +12,7 @@ __version__ = "0.1.0"   # the one version source (pyproject.toml reads it; CHANG
 from . import backends, masks, spec
 from .attention import mask_attention
 from .lower import (ClassDescriptor, CompiledMask, ExecutionDescriptor, MaskFallbackWarning,
-                    TileConfig, compile, from_dense)
+                    RuntimeDense, TileConfig, compile, from_dense, runtime_dense)
 from .spec import MaskSpec, Region
 
 
@@ -24,4 +24,4 @@ def __getattr__(name):
     raise AttributeError(f"module 'jcompilemask' has no attribute {name!r}")
 __all__ = ["masks", "spec", "backends", "mask_attention", "MaskSpec", "Region", "compile", "CompiledMask",
            "ExecutionDescriptor", "ClassDescriptor", "TileConfig", "from_dense",
-           "MaskFallbackWarning"]
+           "runtime_dense", "RuntimeDense", "MaskFallbackWarning"]

@@ -274,8 +274,10 @@ def _check(b: Backend, call: Call | None) -> Optional[str]:
     return why
 
 
-def select(implementation: Optional[str], call: Call) -> Backend:
-    """The backend that runs ``call`` (raises :class:`BackendUnavailable` if none)."""
+def select(implementation: Optional[str], call: Call, *, quiet: bool = False) -> Backend:
+    """The backend that runs ``call`` (raises :class:`BackendUnavailable` if none).
+    ``quiet``: do not log the faster backends passed over (for a call that runs only in
+    a fallback branch, e.g. a run-time dense mask's bitmap)."""
     _ensure_builtin()
     if implementation is not None:
         b = get(implementation)
@@ -288,7 +290,7 @@ def select(implementation: Optional[str], call: Call) -> Backend:
     for b in backends():
         why = _check(b, call)
         if why is None:
-            for name, reason in passed_over:
+            for name, reason in ([] if quiet else passed_over):
                 # A faster backend runs on this machine but not this call: say so once
                 # per reason (a silent drop to the reference path costs 10x or more).
                 log_once(("passed-over", name, reason, b.name),
@@ -442,9 +444,10 @@ def _cute_backend() -> Backend:
     def supports(call: Call):
         if call.dense_bitmap:
             return ("a dense mask kept as a bitmap (from_dense keeps one past 32 runs per "
-                    "row or column, or with layout='bitmap'); the CuTe kernels read interval "
-                    "tables (any K: from_dense(..., layout='intervals') runs it on them); the "
-                    "xla backend checks the bitmap")
+                    "row or column, or with layout='bitmap'; a mask known at run time, past "
+                    "runtime_dense's widest tier); the CuTe kernels read interval tables "
+                    "(any K: from_dense(..., layout='intervals') runs it on them); the xla "
+                    "backend checks the bitmap")
         if call.has_fallback and call.residual_reason:
             return (f"residual predicate: {call.residual_reason}; the xla backend evaluates "
                     "it per element in partial tiles")

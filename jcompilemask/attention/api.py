@@ -163,8 +163,14 @@ def mask_attention(query, key, value, mask=None, *, bias=None,
         * a boolean array broadcastable to [batch, num_heads, q_len, kv_len] (True =
           attend), as jax takes it. Concrete and shared by the batch, it is compiled by
           :func:`jcompilemask.from_dense` (O(q_len * kv_len) host work per distinct mask,
-          then the fast path); otherwise (traced, batched) it is applied as a 0 / -inf
-          bias: O(q_len * kv_len) memory and the xla backend. Prefer a MaskSpec.
+          then the fast path). Otherwise (traced inside ``jit``, per sequence, or with
+          sequence lengths) its runs are found on the device at every call
+          (:func:`jcompilemask.runtime_dense`; about four reads of the mask): interval
+          tables of 1 and of 8 runs per row, each on the backend the registry picks (the
+          CuTe kernels on an SM90 GPU), the narrowest that holds every row running; a
+          mask with more runs in a row runs as a bitmap on the xla backend (exact, slower
+          on a GPU). ``jcm.runtime_dense(mask, tiers=...)`` chooses the widths. A
+          MaskSpec with metadata skips the O(q_len * kv_len) reads.
         * None: every key is visible (before ``is_causal`` and the options below).
 
         A descriptor's batch and mask heads broadcast when 1.
@@ -283,8 +289,13 @@ def mask_attention(query, key, value, mask=None, *, bias=None,
                              key_value_seq_lengths=key_value_seq_lengths,
                              batch=b, heads=hq, nq=nq, nk=nk)
     bias_grad = bias is not None
-    if plan.bias is not None:
-        bias = plan.bias if bias is None else bias + plan.bias.astype(bias.dtype)
+    if not isinstance(deterministic, (bool, np.bool_)):
+        raise TypeError(f"deterministic must be True or False, got {deterministic!r}")
+    if plan.runtime is not None:
+        out, lse = _runtime_dense_attention(
+            query, key, value, plan.runtime, bias, float(scale), logits_soft_cap,
+            implementation, bool(deterministic), hkv=hkv, dv=dv)
+        return _results(out, lse, unbatched, return_residual, return_residuals)
 
     desc = plan.desc
     cm = desc.mask if desc is not None else _compile(plan.mask)
@@ -297,20 +308,9 @@ def mask_attention(query, key, value, mask=None, *, bias=None,
     else:
         classes = 1
     run_cm = cm.class_mask if classes > 1 else cm
-    call = _backends.call_for(
-        run_cm, dtype=jnp.dtype(query.dtype).name, head_dim=d, head_dim_v=dv,
-        num_heads=hq * classes, num_kv_heads=hkv * classes,
-        softcap=logits_soft_cap is not None,
-        tiles=None if desc is None else desc.tiles, bias=bias is not None)
-    impl = _compat.implementation_name(implementation)
-    try:
-        backend = _backends.select(impl, call)
-    except _backends.BackendUnavailable as err:
-        if implementation == "cudnn":
-            raise _backends.BackendUnavailable(
-                f"implementation='cudnn' (jax's cuDNN kernel) maps to jcompilemask's GPU "
-                f"kernels, 'cute': {err}; pass implementation=None to fall back") from None
-        raise
+    call = _call(run_cm, query, dv, hq * classes, hkv * classes, logits_soft_cap,
+                 None if desc is None else desc.tiles, bias)
+    backend = _select(implementation, call)
     if desc is None:
         t = backend.tiles(call)
         desc = cm.instantiate(plan.metadata, nq, nk, block_q=t.block_q, block_kv=t.block_kv,
@@ -328,8 +328,6 @@ def mask_attention(query, key, value, mask=None, *, bias=None,
         raise ValueError(f"the mask has {desc.mask_heads} heads; the call has {hq} query "
                          "heads (mask heads must be 1 or the query head count)")
 
-    if not isinstance(deterministic, (bool, np.bool_)):
-        raise TypeError(f"deterministic must be True or False, got {deterministic!r}")
     if classes > 1 and bias is not None:
         out, lse = _class_attention_with_bias(query, key, value, desc, bias, float(scale),
                                               logits_soft_cap, backend.name, bias_grad,
@@ -339,6 +337,10 @@ def mask_attention(query, key, value, mask=None, *, bias=None,
         # arrays with the classes as heads, attention/partition.py)
         out, lse = _attention(query, key, value, desc, bias, float(scale), logits_soft_cap,
                               backend.name, bias_grad, bool(deterministic))
+    return _results(out, lse, unbatched, return_residual, return_residuals)
+
+
+def _results(out, lse, unbatched, return_residual, return_residuals):
     if unbatched:
         out, lse = out[0], lse[0]
     if return_residuals:
@@ -346,3 +348,113 @@ def mask_attention(query, key, value, mask=None, *, bias=None,
     if return_residual:
         return out, jnp.swapaxes(lse, -1, -2)
     return out
+
+
+def _call(cm, query, dv, heads, kv_heads, softcap, tiles, bias):
+    return _backends.call_for(
+        cm, dtype=jnp.dtype(query.dtype).name, head_dim=query.shape[-1], head_dim_v=dv,
+        num_heads=heads, num_kv_heads=kv_heads, softcap=softcap is not None, tiles=tiles,
+        bias=bias is not None)
+
+
+def _select(implementation, call):
+    impl = _compat.implementation_name(implementation)
+    try:
+        return _backends.select(impl, call)
+    except _backends.BackendUnavailable as err:
+        if implementation == "cudnn":
+            raise _backends.BackendUnavailable(
+                f"implementation='cudnn' (jax's cuDNN kernel) maps to jcompilemask's GPU "
+                f"kernels, 'cute': {err}; pass implementation=None to fall back") from None
+        raise
+
+
+# -- dense masks known at run time ---------------------------------------------------------
+# One descriptor per RuntimeDense tier (and the bitmap), each on its own backend; the
+# forward and the backward each run the one ``index`` names (lax.switch). It is one
+# custom_vjp around the switch, not a switch of ``_attention`` calls: differentiating a
+# switch keeps every branch's residuals (out, lse: one set per tier), this keeps one.
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
+def _tiered(q, k, v, descs, index, bias, scale, softcap, names, bias_grad, deterministic):
+    return _tiered_forward(q, k, v, descs, index, bias, scale, softcap, names)
+
+
+def _tiered_forward(q, k, v, descs, index, bias, scale, softcap, names):
+    def branch(i):
+        return lambda q, k, v, descs, bias: _forward(q, k, v, descs[i], bias, scale,
+                                                     softcap, names[i])
+    return jax.lax.switch(index, [branch(i) for i in range(len(names))], q, k, v, descs,
+                          bias)
+
+
+def _tiered_fwd(q, k, v, descs, index, bias, scale, softcap, names, bias_grad,
+                deterministic):
+    out, lse = _tiered_forward(q, k, v, descs, index, bias, scale, softcap, names)
+    return (out, lse), (q, k, v, descs, index, bias, out, lse)
+
+
+def _tiered_bwd(scale, softcap, names, bias_grad, deterministic, res, cts):
+    q, k, v, descs, index, bias, out, lse = res
+
+    def branch(i):
+        def run(q, k, v, descs, bias, out, lse, cts):
+            g = _attention_bwd(scale, softcap, names[i], bias_grad, deterministic,
+                               (q, k, v, descs[i], bias, out, lse), cts)
+            return g[0], g[1], g[2], g[4]
+        return run
+    dq, dk, dv, dbias = jax.lax.switch(index, [branch(i) for i in range(len(names))],
+                                       q, k, v, descs, bias, out, lse, cts)
+    return dq, dk, dv, None, None, dbias
+
+
+_tiered.defvjp(_tiered_fwd, _tiered_bwd)
+
+
+def runtime_dense_plan(query, key, runtime, *, head_dim_v=None, num_kv_heads=None,
+                       softcap=None, bias=None, implementation=None):
+    """How ``mask_attention`` runs a :class:`~jcompilemask.RuntimeDense` mask whose
+    ``mask`` is the call's whole bool [Bm, Hm, Nq, Nk] mask: ``(descs, names, index)``, a
+    descriptor per tier and the bitmap's last, the backend each runs on (the registry's
+    choice for that descriptor, or the named ``implementation``; the bitmap, used only
+    past the widest tier, runs where it can when the named one cannot take it), and the
+    int32 index of the one that runs (traced inside ``jit``).
+
+    >>> import jax, jax.numpy as jnp, jcompilemask as jcm
+    >>> q = jnp.zeros((1, 64, 2, 16))
+    >>> m = jnp.tril(jnp.ones((1, 1, 64, 64), bool))
+    >>> descs, names, index = runtime_dense_plan(q, q, jcm.runtime_dense(m))
+    >>> [d.num_intervals for d in descs], int(index)           # on a CPU: xla for all
+    ([1, 8, 1], 0)
+    """
+    b, nq, hq, _ = query.shape
+    nk, hkv = key.shape[1], key.shape[2] if num_kv_heads is None else num_kv_heads
+    dv = query.shape[-1] if head_dim_v is None else head_dim_v
+    masks, metas, index = runtime.plan(runtime.mask)
+    descs, names = [], []
+    for i, (cm, meta) in enumerate(zip(masks, metas)):
+        call = _call(cm, query, dv, hq, hkv, softcap, None, bias)
+        last = i == len(masks) - 1         # the bitmap: runs only past the widest tier
+        try:
+            backend = (_backends.select(None, call, quiet=True)
+                       if last and implementation is None else _select(implementation, call))
+        except _backends.BackendUnavailable:
+            if not last or implementation is None:
+                raise
+            backend = _backends.select(None, call, quiet=True)
+        t = backend.tiles(call)
+        descs.append(cm.instantiate(meta, nq, nk, block_q=t.block_q, block_kv=t.block_kv,
+                                    bwd_block_q=t.bwd_block_q, bwd_block_kv=t.bwd_block_kv))
+        names.append(backend.name)
+    return tuple(descs), tuple(names), index
+
+
+def _runtime_dense_attention(query, key, value, runtime, bias, scale, softcap,
+                             implementation, deterministic, *, hkv, dv):
+    """Attention under a :class:`~jcompilemask.RuntimeDense` mask: the descriptors of
+    :func:`runtime_dense_plan`, the narrowest that fits run (forward and backward)."""
+    descs, names, index = runtime_dense_plan(
+        query, key, runtime, head_dim_v=dv, num_kv_heads=hkv, softcap=softcap, bias=bias,
+        implementation=implementation)
+    return _tiered(query, key, value, descs, index, bias, scale, softcap, names,
+                   bias is not None, deterministic)

@@ -1,7 +1,7 @@
 """The ``jax.nn.dot_product_attention`` arguments of :func:`mask_attention`, checked and
 turned into what the pipeline takes: a MaskSpec (``is_causal``, ``local_window_size``
 and the sequence lengths become rules and metadata of the mask), a compiled dense mask
-(``from_dense``) or an additive bias.
+(``from_dense``) or a dense mask whose runs are found at run time (``RuntimeDense``).
 
 How each jax argument maps:
 
@@ -16,8 +16,10 @@ How each jax argument maps:
 * a boolean ``mask`` array: concrete and shared by the batch, it is compiled with
   :func:`~jcompilemask.from_dense` (host work and memory O(q_len * kv_len) per distinct
   mask; every backend, fast path included); traced (inside ``jit``), batched, or
-  combined with sequence lengths, it becomes a 0 / -inf bias (O(q_len * kv_len)
-  memory, xla backend).
+  combined with sequence lengths, its runs are found at run time
+  (:mod:`jcompilemask.lower.dense_runtime`: the mask AND the other arguments' masks,
+  packed into bits; interval tables at the :class:`~jcompilemask.RuntimeDense` tiers,
+  the bitmap past them), every backend included.
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ import numpy as np
 
 from ..lower.compiled import CompiledMask
 from ..lower.dense import DenseMask, from_dense
+from ..lower.dense_runtime import RuntimeDense
 from ..lower.descriptor import ClassDescriptor, ExecutionDescriptor
 from ..spec.expr import TRUE, And, k, kv_len, minimum, q, q_len
 from ..masks import full
@@ -158,15 +161,16 @@ def _with_extras(spec: MaskSpec, causal: bool, window, q_lens: bool, kv_lens: bo
 
 class MaskPlan:
     """What :func:`plan_mask` decided: ``mask`` (a CompiledMask/MaskSpec to instantiate,
-    or None when ``desc`` is given), ``desc``, ``metadata``, and ``bias`` (a 0/-inf
-    array from a dense mask, [Bm, Hm, Nq|1, Nk|1], or None)."""
+    or None when ``desc`` or ``runtime`` is given), ``desc``, ``metadata``, and
+    ``runtime`` (a :class:`RuntimeDense` whose ``mask`` is the whole call's bool [Bm, Hm,
+    Nq, Nk] mask, for a dense mask known at run time)."""
 
-    def __init__(self, mask=None, desc=None, metadata=None, bias=None):
-        self.mask, self.desc, self.metadata, self.bias = mask, desc, metadata, bias
+    def __init__(self, mask=None, desc=None, metadata=None, runtime=None):
+        self.mask, self.desc, self.metadata, self.runtime = mask, desc, metadata, runtime
 
 
 def _check_mask_object(mask):
-    if isinstance(mask, _MASK_TYPES) or mask is None:
+    if isinstance(mask, _MASK_TYPES + (RuntimeDense,)) or mask is None:
         return
     if isinstance(mask, (list, tuple)):
         raise TypeError(f"mask is a Python {type(mask).__name__}: pass a boolean array "
@@ -247,9 +251,12 @@ def plan_mask(mask, metadata, *, is_causal, window, query_seq_lengths, key_value
     if metadata is not None:
         raise ValueError("metadata is only used with a MaskSpec; a dense mask array has "
                          "none")
+    tiers = None
+    if isinstance(mask, RuntimeDense):
+        mask, tiers = mask.mask, mask.tiers
     arr = broadcast_4d(mask, "mask", (batch, heads, nq, nk), "[batch, heads, q_len, kv_len]")
     concrete = not isinstance(arr, jax.core.Tracer)
-    if concrete and arr.shape[0] == 1 and not lengths:
+    if concrete and tiers is None and arr.shape[0] == 1 and not lengths:
         dense = np.broadcast_to(np.asarray(arr)[0], (arr.shape[1], nq, nk))
         rows, cols = np.arange(nq)[:, None], np.arange(nk)[None, :]
         if is_causal:
@@ -257,8 +264,27 @@ def plan_mask(mask, metadata, *, is_causal, window, query_seq_lengths, key_value
         if window is not None:
             dense = dense & (cols >= rows - window[0]) & (cols <= rows + window[1])
         return MaskPlan(mask=from_dense(dense))
-    base = full()
-    if extras:
-        base = _with_extras(base, bool(is_causal), window, qsl is not None, kvsl is not None)
-    bias = jnp.where(arr, 0.0, -jnp.inf).astype(jnp.float32)
-    return MaskPlan(mask=base, metadata=lengths or None, bias=bias)
+    return MaskPlan(runtime=RuntimeDense(
+        _combined(arr, is_causal, window, qsl, kvsl, nq, nk),
+        *(() if tiers is None else (tiers,))))
+
+
+def _combined(arr, causal, window, qsl, kvsl, nq, nk):
+    """The bool [Bm, Hm, Nq, Nk] mask ``arr`` AND jax's other masking arguments (Bm is
+    the call's batch when sequence lengths are given)."""
+    rows = jnp.arange(nq, dtype=jnp.int32)[:, None]
+    cols = jnp.arange(nk, dtype=jnp.int32)[None, :]
+    extra = jnp.ones((nq, nk), bool)
+    if causal:
+        extra = extra & (cols <= rows)
+    if window is not None:
+        extra = extra & (cols >= rows - window[0]) & (cols <= rows + window[1])
+    m = jnp.asarray(arr, bool) & extra[None, None]
+    if qsl is not None or kvsl is not None:
+        b = (qsl if qsl is not None else kvsl).shape[0]
+        m = jnp.broadcast_to(m, (b,) + m.shape[1:])
+        if qsl is not None:
+            m = m & (rows[None, None] < qsl[:, None, None, None])
+        if kvsl is not None:
+            m = m & (cols[None, None] < kvsl[:, None, None, None])
+    return m

@@ -1,0 +1,423 @@
+"""Dense boolean masks known only at run time (a traced ``mask=`` array inside ``jit``):
+their runs found on the device by a jnp preprocess, as interval tables of a fixed width.
+
+:func:`~jcompilemask.from_dense` compiles a *concrete* array on the host. A mask computed
+inside the step (``nn.make_attention_mask(...)``, a padding mask, a per-batch packing
+mask) is a tracer there; this module turns it into descriptors at run time:
+
+1. :func:`pack_words` packs each row (and each key column) into uint32 words: one read of
+   the mask, 1/8 of its bytes written.
+2. :func:`runs_from_words` finds the first ``K`` runs of every row from the words: the
+   run starts are the bits ``w & ~(w << 1)``, the ends ``~w & (w << 1)`` (carrying bit 31
+   of the previous word); the m-th start is found by a binary search over the per-row
+   cumulative popcounts, then a 5-step search for the bit within its word. O(Nq * Nk / 32
+   + Nq * K * log(Nk)) work per head; no O(Nq * Nk) int32 temporaries.
+3. :class:`RuntimeDenseMask` holds a static shape and width: in its ``"intervals"`` layout
+   the tables are the runs (exact for rows with at most K runs, columns with at most Kc:
+   ``bwd_exact`` is False for a sequence with a longer column, whose backward then checks
+   the row tables), in its ``"bitmap"`` layout the packed words (the ``xla`` backend reads
+   them per tile; exact for any mask).
+
+``mask_attention`` builds one descriptor per width of :class:`RuntimeDense`'s ``tiers``
+(each on the backend the registry picks for it: the CuTe kernels on an SM90 GPU) plus the
+bitmap, and picks at run time (``lax.switch``) the narrowest whose K holds every row's
+runs; past the widest, the bitmap. So a traced mask is never wrong, and a structured one
+(causal, padding, packed documents: one run per row) runs on the kernels.
+"""
+from __future__ import annotations
+
+import hashlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from .compiled import resolve_tiles
+from .dense import BITMAP_KEY, DenseMask, _no_classes
+from .descriptor import COMPUTE, MASKED, ExecutionDescriptor, pack_tiles
+
+__all__ = ["pack_words", "runs_from_words", "dense_runs", "RuntimeDenseMask", "RuntimeDense",
+           "runtime_dense", "DEFAULT_TIERS", "tile_states_from_words"]
+
+I32, U32 = jnp.int32, jnp.uint32
+_WORD = 32
+# The interval widths a traced dense mask's tables are built at, narrowest first. One run
+# per row covers causal, padding and packed-document masks (their kernels check one
+# interval per masked element); 8 is the widest the CuTe kernels keep in registers.
+DEFAULT_TIERS = (1, 8)
+_ROW_TABLES = ("row_starts", "row_lens")
+_COL_TABLES = ("col_starts", "col_lens", "col_exact")
+
+
+def pack_words(mask, axis: int = -1):
+    """bool [..., N] -> uint32 [..., N // 32 + 1]: bit ``j % 32`` of word ``j // 32`` is
+    ``mask[..., j]`` (at least one zero bit of padding, so every run ends inside).
+
+    ``axis=-2`` packs along the second-to-last axis instead: bool [..., N, M] -> uint32
+    [..., M, N // 32 + 1] (each column's bits, without transposing the mask first).
+
+    >>> import numpy as np
+    >>> pack_words(np.array([True, False, True] + [False] * 29 + [True])).tolist()
+    [5, 1]
+    """
+    mask = jnp.asarray(mask, bool)
+    if axis not in (-1, -2):
+        raise ValueError(f"axis must be -1 or -2, got {axis}")
+    n = mask.shape[axis]
+    w = n // _WORD + 1
+    pad = [(0, 0)] * mask.ndim
+    pad[axis] = (0, w * _WORD - n)
+    m = jnp.pad(mask, pad)
+    if axis == -1:
+        m = m.reshape(m.shape[:-1] + (w, _WORD))
+        shifts = lax.broadcasted_iota(U32, m.shape, m.ndim - 1)
+        return jnp.sum(m.astype(U32) << shifts, axis=-1, dtype=U32)
+    m = m.reshape(m.shape[:-2] + (w, _WORD, m.shape[-1]))
+    shifts = lax.broadcasted_iota(U32, m.shape, m.ndim - 2)
+    words = jnp.sum(m.astype(U32) << shifts, axis=-2, dtype=U32)           # [..., W, M]
+    return jnp.swapaxes(words, -1, -2)
+
+
+def _nth_bit(x, r):
+    """The position of the ``r``-th (0-based) set bit of ``x`` (uint32), for r below its
+    popcount: a binary search over halves of the word."""
+    pos = jnp.zeros(x.shape, U32)
+    r = r.astype(U32)
+    for width in (16, 8, 4, 2, 1):
+        low = (x >> pos) & U32((1 << width) - 1)
+        c = lax.population_count(low)
+        go = r >= c
+        pos = pos + jnp.where(go, U32(width), U32(0))
+        r = r - jnp.where(go, c, U32(0))
+    return pos.astype(I32)
+
+
+def _select_bits(bits, k: int):
+    """Positions of the first ``k`` set bits of each row of words ``bits`` [..., W]:
+    int32 [..., k] (garbage past the row's popcount), and the popcount [...]."""
+    cnt = lax.population_count(bits).astype(I32)
+    cum = jnp.cumsum(cnt, axis=-1)                                        # inclusive
+    w = bits.shape[-1]
+    slot = jnp.arange(k, dtype=I32)
+    target = jnp.broadcast_to(slot, bits.shape[:-1] + (k,))
+    # wi = the number of words whose cumulative count is <= slot (binary lifting).
+    lo = jnp.zeros(target.shape, I32)
+    step = 1 << (w.bit_length() - 1)
+    while step:
+        cand = lo + step
+        val = jnp.take_along_axis(cum, jnp.clip(cand - 1, 0, w - 1), axis=-1)
+        lo = jnp.where((cand <= w) & (val <= target), cand, lo)
+        step >>= 1
+    wi = jnp.clip(lo, 0, w - 1)
+    before = jnp.take_along_axis(cum - cnt, wi, axis=-1)
+    word = jnp.take_along_axis(bits, wi, axis=-1)
+    return wi * _WORD + _nth_bit(word, target - before), cum[..., -1]
+
+
+def runs_from_words(words, k: int):
+    """The first ``k`` runs of True of each row of packed words (see :func:`pack_words`):
+    ``(starts, lens, count)``, int32 [..., k], [..., k] and [...]: slots past a row's run
+    count are (0, 0); ``count`` is the row's run count (it may exceed ``k``).
+
+    >>> import numpy as np
+    >>> row = np.array([0, 1, 1, 0, 1, 0, 0, 1], bool)
+    >>> s, l, c = runs_from_words(pack_words(row), 2)
+    >>> s.tolist(), l.tolist(), int(c)
+    ([1, 4], [2, 1], 3)
+    """
+    words = jnp.asarray(words, U32)
+    prev = jnp.concatenate([jnp.zeros(words.shape[:-1] + (1,), U32), words[..., :-1] >> 31],
+                           axis=-1)
+    left = (words << 1) | prev                       # bit j: the element before j
+    start_pos, count = _select_bits(words & ~left, k)
+    end_pos, _ = _select_bits(~words & left, k)
+    live = lax.broadcasted_iota(I32, start_pos.shape, start_pos.ndim - 1) < count[..., None]
+    starts = jnp.where(live, start_pos, 0)
+    return starts, jnp.where(live, end_pos - start_pos, 0), count
+
+
+def dense_runs(mask, k: int, kc: int):
+    """Row and column run tables of a bool [B, Hm, Nq, Nk] mask (traced or not):
+    ``(row_starts, row_lens, row_count, col_starts, col_lens, col_count, words)``, the
+    tables [B, Hm, N, k|kc], the counts [B, Hm, N] and the packed rows ``words`` [B, Hm, Nq,
+    Nk // 32 + 1] (the bitmap form)."""
+    words = pack_words(mask, -1)
+    rs, rl, rc = runs_from_words(words, k)
+    cs, cl, cc = runs_from_words(pack_words(mask, -2), kc)
+    return rs, rl, rc, cs, cl, cc, words
+
+
+def tile_states_from_words(words, q_len: int, kv_len: int, bq: int, bk: int):
+    """Exact 2-bit tile states uint8 [B, Hm, Tq, Tk] from packed rows [B, Hm, Nq, W]; a key
+    tile that is a multiple of 32 reads whole words, any other unpacks the bits."""
+    b, hm, nq, w = words.shape
+    tq, tk = -(-q_len // bq), -(-kv_len // bk)
+    if bk % _WORD:
+        bits = (words[..., None] >> lax.broadcasted_iota(U32, words.shape + (_WORD,),
+                                                          words.ndim)) & U32(1)
+        m = bits.reshape(b, hm, nq, w * _WORD)[..., :kv_len].astype(bool)
+        pad = jnp.pad(m, [(0, 0), (0, 0), (0, tq * bq - nq), (0, tk * bk - kv_len)])
+        inside = np.zeros((tq * bq, tk * bk), bool)
+        inside[:q_len, :kv_len] = True
+        pad = pad.reshape(b, hm, tq, bq, tk, bk)
+        inside = jnp.asarray(inside.reshape(tq, bq, tk, bk))[None, None]
+        vis = jnp.any(pad, axis=(3, 5))
+        masked = jnp.any(inside & ~pad, axis=(3, 5))
+    else:
+        per = bk // _WORD
+        ww = tk * per
+        x = jnp.pad(words[..., :min(w, ww)], [(0, 0), (0, 0), (0, tq * bq - nq),
+                                              (0, max(0, ww - w))])
+        # Bits outside [0, kv_len) and rows past q_len count as visible for "all" and
+        # invisible for "any".
+        valid = np.zeros((ww * _WORD,), bool)
+        valid[:kv_len] = True
+        valid_w = np.packbits(valid, bitorder="little").view("<u4").astype(np.uint32)
+        row_in = (np.arange(tq * bq) < q_len)[:, None]
+        valid_w = jnp.asarray(np.where(row_in, valid_w[None, :], 0).astype(np.uint32))[None, None]
+        x = x & valid_w
+        full = (x | ~valid_w) == U32(0xFFFFFFFF)
+        x = x.reshape(b, hm, tq, bq, tk, per)
+        full = full.reshape(b, hm, tq, bq, tk, per)
+        vis = jnp.any(x != 0, axis=(3, 5))
+        masked = ~jnp.all(full, axis=(3, 5))
+    return vis.astype(jnp.uint8) * COMPUTE + masked.astype(jnp.uint8) * MASKED
+
+
+class RuntimeDenseMask(DenseMask):
+    """A dense mask of static shape [B, Hm, Nq, Nk] whose values arrive at run time, as
+    metadata (see the module doc). Two layouts:
+
+    * ``"intervals"`` (``K`` row runs, ``Kc`` column runs): metadata ``row_starts`` /
+      ``row_lens`` int32 [B, Hm, Nq, K], ``col_starts`` / ``col_lens`` [B, Hm, Nk, Kc] and
+      ``col_exact`` bool [B] (whether every column of the sequence fits Kc), as
+      :func:`dense_runs` gives them. Exact for a mask whose rows have at most K runs (the
+      caller checks: :class:`RuntimeDense` picks the layout at run time); every backend
+      serves it.
+    * ``"bitmap"``: metadata ``dense_bitmap`` uint32 [B, Hm, Nq, Nk // 32 + 1]
+      (:func:`pack_words`); exact for any mask, served by ``xla``.
+
+    >>> import numpy as np, jax.numpy as jnp
+    >>> m = jnp.asarray(np.tril(np.ones((1, 1, 4, 4), bool)))
+    >>> rm = RuntimeDenseMask((1, 1, 4, 4), "intervals", 1, 1)
+    >>> d = rm.instantiate(rm.metadata_of(m), 4, 4, block_q=2, block_kv=2, bwd_block_q=2,
+    ...                    bwd_block_kv=2)
+    >>> np.asarray(d.as_dense()[0, 0]).astype(int).tolist()
+    [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1]]
+    """
+
+    def __init__(self, shape, layout: str, num_intervals: int = 0,
+                 num_bwd_intervals: int = 0, name: str | None = None):
+        if len(shape) != 4 or min(shape) < 1:
+            raise ValueError(f"RuntimeDenseMask takes a shape [B, Hm, Nq, Nk], got {shape}")
+        if layout not in ("intervals", "bitmap"):
+            raise ValueError(f"layout must be 'intervals' or 'bitmap', got {layout!r}")
+        self.shape = tuple(int(s) for s in shape)
+        self.array = self.batch_array = None
+        self.name = name
+        self.spec = None
+        self.regions = ()
+        self.q_len, self.kv_len = self.shape[2:]
+        self.layout = layout
+        if layout == "intervals":
+            if num_intervals < 1 or num_bwd_intervals < 1:
+                raise ValueError("the intervals layout needs num_intervals and "
+                                 "num_bwd_intervals >= 1")
+            self.fallback_regions = ()
+            self.num_intervals, self.num_bwd_intervals = int(num_intervals), int(num_bwd_intervals)
+            self.runs_per_row = self.num_intervals
+            self.has_column_view = True
+            self.METADATA = _ROW_TABLES + _COL_TABLES
+        else:
+            self.fallback_regions = (0,)
+            self.num_intervals, self.num_bwd_intervals = 1, 0
+            self.runs_per_row = 0
+            self.has_column_view = False
+            self.METADATA = (BITMAP_KEY,)
+        self._digest = hashlib.sha256(repr(self.key()).encode()).hexdigest()[:16]
+
+    def key(self):
+        return ("runtime-dense", self.layout, self.num_intervals, self.num_bwd_intervals,
+                self.shape)
+
+    def fingerprint(self):
+        return self._digest
+
+    @property
+    def batched(self):
+        return True
+
+    @property
+    def batch(self) -> int:
+        return self.shape[0]
+
+    @property
+    def mask_heads(self):
+        return self.shape[1]
+
+    def as_dense(self):
+        raise ValueError("a RuntimeDenseMask has no array of its own (its values are "
+                         "metadata): instantiate it and call the descriptor's as_dense()")
+
+    def metadata_of(self, mask, *, runs=None):
+        """This layout's metadata for the bool [B, Hm, Nq, Nk] ``mask`` (``runs``: a
+        :func:`dense_runs` result to reuse, at least this width)."""
+        if self.layout == "bitmap":
+            return {BITMAP_KEY: pack_words(mask) if runs is None else runs[6]}
+        if runs is None:
+            runs = dense_runs(mask, self.num_intervals, self.num_bwd_intervals)
+        return self.metadata_from_runs(runs)
+
+    def metadata_from_runs(self, runs):
+        rs, rl, _, cs, cl, cc, words = runs
+        k, kc = self.num_intervals, self.num_bwd_intervals
+        if self.layout == "bitmap":
+            return {BITMAP_KEY: words}
+        if rs.shape[-1] < k or cs.shape[-1] < kc:
+            raise ValueError(f"the runs hold {rs.shape[-1]} / {cs.shape[-1]} slots; this "
+                             f"layout needs {k} / {kc}")
+        return {"row_starts": rs[..., :k], "row_lens": rl[..., :k], "col_starts": cs[..., :kc],
+                "col_lens": cl[..., :kc],
+                "col_exact": jnp.all(cc <= kc, axis=(1, 2))}
+
+    def explain(self):
+        if self.layout == "bitmap":
+            return (f"RuntimeDenseMask {self.shape}: a dense mask known at run time, as a "
+                    "bitmap (any number of runs); served by the xla backend")
+        return (f"RuntimeDenseMask {self.shape}: a dense mask known at run time, as its "
+                f"runs: K = {self.num_intervals} per row, Kc = {self.num_bwd_intervals} per "
+                "column (exact for rows with at most K runs)")
+
+    def __repr__(self):
+        if self.layout == "bitmap":
+            return f"<RuntimeDenseMask {self.shape} bitmap>"
+        return (f"<RuntimeDenseMask {self.shape} K={self.num_intervals} "
+                f"Kc={self.num_bwd_intervals}>")
+
+    def _check_metadata(self, metadata):
+        if not isinstance(metadata, dict) or set(metadata) != set(self.METADATA):
+            got = sorted(metadata) if isinstance(metadata, dict) else type(metadata).__name__
+            raise ValueError(f"this mask takes metadata {sorted(self.METADATA)} (build it "
+                             f"with metadata_of(mask)), got {got}")
+        b, hm, nq, nk = self.shape
+        want = ({BITMAP_KEY: (b, hm, nq, nk // _WORD + 1)} if self.layout == "bitmap" else
+                {"row_starts": (b, hm, nq, self.num_intervals),
+                 "row_lens": (b, hm, nq, self.num_intervals),
+                 "col_starts": (b, hm, nk, self.num_bwd_intervals),
+                 "col_lens": (b, hm, nk, self.num_bwd_intervals), "col_exact": (b,)})
+        for name, shape in want.items():
+            if tuple(jnp.shape(metadata[name])) != shape:
+                raise ValueError(f"metadata {name!r} must have shape {shape}, got "
+                                 f"{tuple(jnp.shape(metadata[name]))}")
+
+    def instantiate(self, metadata=None, q_len=None, kv_len=None, *, block_q=None,
+                    block_kv=None, bwd_block_q=None, bwd_block_kv=None, preprocess=None,
+                    row_classes=None):
+        _no_classes(row_classes)
+        q_len, kv_len = self._lengths(q_len, kv_len)
+        self._check_metadata(metadata)
+        tiles = resolve_tiles(block_q, block_kv, bwd_block_q, bwd_block_kv)
+        b = self.batch
+        if self.layout == "bitmap":
+            words = jnp.asarray(metadata[BITMAP_KEY], U32)
+            fwd, bwd = self._empty_tables(b, q_len, kv_len)
+            f_st = tile_states_from_words(words, q_len, kv_len, tiles.block_q, tiles.block_kv)
+            b_st = tile_states_from_words(words, q_len, kv_len, tiles.bwd_block_q,
+                                          tiles.bwd_block_kv)
+            return ExecutionDescriptor(
+                fwd, bwd, pack_tiles(f_st), pack_tiles(jnp.swapaxes(b_st, -1, -2)),
+                jnp.zeros((b, q_len), I32), jnp.zeros((b,), bool), {BITMAP_KEY: words},
+                mask=self, q_len=q_len, kv_len=kv_len, tiles=tiles)
+        get = lambda n: jnp.asarray(metadata[n], I32)  # noqa: E731
+        return self._table_descriptor(get("row_starts"), get("row_lens"), get("col_starts"),
+                                      get("col_lens"), jnp.asarray(metadata["col_exact"], bool),
+                                      q_len, kv_len, tiles)
+
+
+@jax.tree_util.register_pytree_node_class
+class RuntimeDense:
+    """A dense boolean mask whose values may be known only at run time, for
+    :func:`jcompilemask.mask_attention` (``mask=``): the interval widths ``tiers`` its
+    tables are built at (see the module doc). ``mask_attention`` wraps a plain traced or
+    per-sequence boolean array in one with the default tiers; wrap it yourself to choose.
+
+    Args:
+      mask: bool, broadcastable to [batch, heads, q_len, kv_len] (as ``mask=``).
+      tiers: increasing positive ints, the K (row runs; the column tables use the same
+        width) of each set of tables. At run time the narrowest that holds every row of
+        the batch is used; a mask with more runs in some row than the widest runs as a
+        bitmap on the ``xla`` backend. Each tier costs one more compiled attention (both
+        passes) per shape; the kernels check up to K intervals per element of a partial
+        tile.
+
+    >>> import jax, jax.numpy as jnp, numpy as np, jcompilemask as jcm
+    >>> q = k = v = jax.random.normal(jax.random.key(0), (2, 16, 2, 8))
+    >>> @jax.jit
+    ... def f(q, k, v, lengths):          # a padding mask built inside the step
+    ...     m = jnp.arange(16)[None, :] < lengths[:, None]
+    ...     m = m[:, None, None, :] & jnp.tril(jnp.ones((16, 16), bool))
+    ...     return jcm.mask_attention(q, k, v, jcm.runtime_dense(m, tiers=(1, 4)))
+    >>> lens = jnp.array([16, 9])
+    >>> ref = jax.nn.dot_product_attention(q, k, v, is_causal=True,
+    ...                                    key_value_seq_lengths=lens)
+    >>> bool(jnp.allclose(f(q, k, v, lens), ref, atol=1e-5))
+    True
+    """
+
+    def __init__(self, mask, tiers=DEFAULT_TIERS):
+        tiers = tuple(tiers) if isinstance(tiers, (tuple, list)) else tiers
+        if (not isinstance(tiers, tuple) or not tiers or any(
+                isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer))
+                or t < 1 for t in tiers) or list(tiers) != sorted(set(tiers))):
+            raise ValueError(f"tiers must be a non-empty increasing tuple of positive ints "
+                             f"(row intervals per table), e.g. (1, 8); got {tiers!r}")
+        if not (hasattr(mask, "dtype") and hasattr(mask, "shape")):
+            raise TypeError(f"runtime_dense(mask): mask must be a boolean array, got "
+                            f"{type(mask).__name__}")
+        if mask.dtype != bool:
+            raise TypeError(f"runtime_dense(mask): mask must be boolean (True = attend), got "
+                            f"{mask.dtype}; pass mask.astype(bool)")
+        self.mask = mask
+        self.tiers = tuple(int(t) for t in tiers)
+
+    def tree_flatten(self):
+        return (self.mask,), self.tiers
+
+    @classmethod
+    def tree_unflatten(cls, tiers, children):
+        obj = object.__new__(cls)
+        obj.mask, obj.tiers = children[0], tiers
+        return obj
+
+    @property
+    def dtype(self):
+        return self.mask.dtype
+
+    @property
+    def shape(self):
+        return self.mask.shape
+
+    def __repr__(self):
+        return f"RuntimeDense(shape={tuple(self.mask.shape)}, tiers={self.tiers})"
+
+    def plan(self, mask4):
+        """For the bool [B, Hm, Nq, Nk] ``mask4`` (this mask combined with the call's other
+        masking): ``(masks, metadata, index)``: one :class:`RuntimeDenseMask` per tier and
+        the bitmap last, each one's metadata, and the int32 index of the one to run (the
+        narrowest tier that holds every row's runs; the bitmap past the widest)."""
+        shape = tuple(mask4.shape)
+        runs = dense_runs(mask4, self.tiers[-1], self.tiers[-1])
+        masks = [RuntimeDenseMask(shape, "intervals", t, t) for t in self.tiers]
+        masks.append(RuntimeDenseMask(shape, "bitmap"))
+        metas = [m.metadata_from_runs(runs) for m in masks]
+        most = jnp.max(runs[2])
+        index = jnp.sum(jnp.asarray(self.tiers, I32) < jnp.full((len(self.tiers),), most))
+        index = index.astype(I32)
+        return masks, metas, index
+
+
+def runtime_dense(mask, tiers=DEFAULT_TIERS) -> RuntimeDense:
+    """A dense boolean mask for :func:`jcompilemask.mask_attention` whose runs are found at
+    run time, with the interval widths ``tiers`` (see :class:`RuntimeDense`)."""
+    return RuntimeDense(mask, tiers)
