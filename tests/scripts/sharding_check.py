@@ -168,6 +168,24 @@ def main():
     for a, b in zip(compiled(*args), jax.jit(with_bias)(qx, kx, vx, bias, do)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=2e-5)
 
+    # A dense mask known at run time (a traced per-sequence mask), sharded with the batch:
+    # its runs are found per device; the only collective is the all-reduce of the run
+    # count that picks the tier (one int32).
+    dense = jnp.asarray(rng.random((B, 1, N, N)) < 0.05) | jnp.tril(
+        jnp.ones((N, N), bool))[None, None]
+
+    def with_dense(q, k, v, m, do):
+        out, vjp = jax.vjp(lambda a, b, c: jcm.mask_attention(a, b, c, m), q, k, v)
+        return (out, *vjp(do))
+    args = (put(qx), put(kx), put(vx), jax.device_put(dense, NamedSharding(mesh, P("data"))),
+            put(do))
+    compiled = jax.jit(with_dense).lower(*args).compile()
+    found = set(COLLECTIVE.findall(compiled.as_text())) - {"all-reduce"}
+    assert not found, f"runtime dense: collectives in the compiled HLO: {sorted(found)}"
+    for a, b in zip(compiled(*args), jax.jit(with_dense)(qx, kx, vx, dense, do)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=2e-5)
+    n += 1
+
     # A dilated window (residue classes) with a per-head bias, heads sharded: the class
     # views and the bias's same-class blocks are taken in mask_attention on the global
     # arrays, so XLA may move data between the head devices; the results must not change
