@@ -177,6 +177,8 @@ def jcm_workload(mask, n, smoke=False, implementation=None):
     import jcompilemask as jcm
 
     L, b, h, d = _shape(mask, n, smoke)
+    if mask == "documents_traced":
+        return _traced_workload(mask, n, smoke, implementation)
     spec = _spec(mask, n, smoke)
     md = _metadata(mask, n, b, smoke)
     md = None if md is None else {k: jnp.asarray(v) for k, v in md.items()}
@@ -214,6 +216,45 @@ def jcm_workload(mask, n, smoke=False, implementation=None):
     return dict(impl=impl, pairs=pairs, heads=h, head_dim=d, preprocess=preprocess,
                 instantiate=lambda: instantiate(md), fwd=lambda: fwd(q, k, v, desc),
                 step=lambda: step(q, k, v, desc))
+
+
+def _traced_workload(mask, n, smoke, implementation):
+    """``jcm_workload`` of a boolean mask computed in the step (``documents_traced``): the
+    bool [B, 1, L, L] array is the step's input, its runs found at every call;
+    ``instantiate()`` times that part alone (the tier descriptors and the index)."""
+    import jax
+    import jax.numpy as jnp
+
+    import jcompilemask as jcm
+    from jcompilemask.attention.api import runtime_dense_plan
+
+    L, b, h, d = _shape(mask, n, smoke)
+    ids = jnp.asarray(_metadata(mask, n, b, smoke)["segment_ids"])
+    arr = jax.jit(lambda s: ((s[:, :, None] == s[:, None, :])
+                             & jnp.tril(jnp.ones((L, L), bool))[None])[:, None])(ids)
+    ks = jax.random.split(jax.random.key(n), 4)
+    q, k, v, do = (jax.random.normal(kk, (b, L, h, d), jnp.float32).astype(jnp.bfloat16)
+                   for kk in ks)
+    seen = {}
+
+    def plan(m):
+        descs, seen["names"], index = runtime_dense_plan(q, k, jcm.runtime_dense(m),
+                                                         implementation=implementation)
+        return descs, index
+    instantiate = jax.jit(plan)
+    index = int(instantiate(arr)[1])
+    impl = seen["names"][index]
+    fwd = jax.jit(lambda q, k, v, m: jcm.mask_attention(q, k, v, m, implementation=impl))
+
+    def loss(q, k, v, m):
+        o = jcm.mask_attention(q, k, v, m, implementation=impl)
+        return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32))
+
+    step = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    pairs = int(np.asarray(jnp.sum(arr, axis=-1, dtype=jnp.int32)).sum(dtype=np.int64))
+    return dict(impl=impl, pairs=pairs, heads=h, head_dim=d, preprocess="runtime_dense",
+                instantiate=lambda: instantiate(arr), fwd=lambda: fwd(q, k, v, arr),
+                step=lambda: step(q, k, v, arr))
 
 
 def bench_jcm(mask, n, smoke=False, implementation=None, min_repeat_s=timing.MIN_REPEAT_S,

@@ -35,6 +35,12 @@ DOCS_MIN, DOCS_MAX = 2, 8
 # bitmap (the xla backend's form, which every mask of more than 8 runs per row got before).
 MASKS_DENSE = ("dense_globals", "dense_globals_bitmap")
 DENSE_GLOBALS = 24
+# Packed causal documents (dilated_documents' segment ids) two ways: "documents" as the
+# MaskSpec jcm.masks.document() with the ids as metadata, "documents_traced" as the boolean
+# array a jax.nn user builds inside the step (ids equal & causal), whose runs
+# mask_attention finds at run time (jcm.runtime_dense). Their difference is the price of
+# passing a dense mask.
+MASKS_RUNTIME = ("documents", "documents_traced")
 BLOCK, WINDOW, DILATION, GLOBALS, GLOBAL_WINDOW = 64, 128, 2, 16, 256
 HEADS, HEAD_DIM, TOKENS = 8, 128, 131072
 CLEAR_PAD = 384
@@ -95,6 +101,8 @@ def spec_for(mask: str, n: int):
         return MaskSpec([Region((0, q_len), (k <= q) & (k > q - WINDOW // DILATION))], name=mask)
     if mask == "dilated_documents":
         return jcm.masks.dilated_window(WINDOW - 1, 0, DILATION, documents=True)
+    if mask in MASKS_RUNTIME:
+        return jcm.masks.document()
     raise ValueError(mask)
 
 
@@ -119,7 +127,7 @@ def metadata_for(mask: str, n: int, batch: int | None = None, seed: int = 0):
     if mask == "clear":
         t = rng.integers(128, 385, b)
         return {"text_len": t.astype(np.int32), "image_len": np.full(b, n, np.int32)}
-    if mask == "dilated_documents":
+    if mask == "dilated_documents" or mask in MASKS_RUNTIME:
         ids = np.zeros((b, n), np.int32)
         for i in range(b):
             cuts = np.sort(rng.choice(np.arange(1, n), rng.integers(DOCS_MIN, DOCS_MAX + 1) - 1,

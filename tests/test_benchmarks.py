@@ -570,3 +570,15 @@ def test_bench_glue_times_the_xla_passes_on_cpu(tmp_path):
     assert len(json.loads(out.read_text())["records"]) == 3
     with pytest.raises(SystemExit):
         mod.main(["--impls", "xla-nope"])
+
+
+def test_bench_total_smoke_runs_a_traced_dense_mask(tmp_path):
+    """``documents_traced`` (packed causal documents as a boolean array computed in the
+    step) beside ``documents`` (the same mask as a MaskSpec): the same pairs."""
+    mod = _bench_module("bench_total")
+    import workloads as W
+    recs = mod.main(["--smoke", "--masks", ",".join(W.MASKS_RUNTIME),
+                     "--out", str(tmp_path / "r.json")])
+    assert [r["mask"] for r in recs] == list(W.MASKS_RUNTIME)
+    assert all("error" not in r and r["pairs"] > 0 for r in recs), recs
+    assert recs[0]["pairs"] == recs[1]["pairs"], recs
