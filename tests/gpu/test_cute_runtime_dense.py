@@ -79,17 +79,18 @@ def test_traced_dense_mask_on_cute(case, dtype):
     assert int(jax.jit(plan)(m)) == want_index
     assert seen["names"] == (IMPL, IMPL, "xla"), seen["names"]
 
+    # (every kernel runs before the first check: a compile-only pass reaches all of them)
     out, lse = jax.jit(lambda a, b_, c, mm: jcm.mask_attention(
         a, b_, c, mm, return_residual=True))(qx, kx, vx, m)
-    hi = reference_attention(qx, kx, vx, m, precision="high")
-    lo = reference_attention(qx, kx, vx, m, precision="input")
-    assert_within_policy(out, hi[0], lo[0], "out")
-    assert_within_policy(jnp.swapaxes(lse, 1, 2), hi[1], lo[1], "lse")
 
     def loss(a, b_, c, mm):
         o = jcm.mask_attention(a, b_, c, mm)
         return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32))
     g = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(qx, kx, vx, m)
+    hi = reference_attention(qx, kx, vx, m, precision="high")
+    lo = reference_attention(qx, kx, vx, m, precision="input")
+    assert_within_policy(out, hi[0], lo[0], "out")
+    assert_within_policy(jnp.swapaxes(lse, 1, 2), hi[1], lo[1], "lse")
     g_hi, g_lo = reference_gradients(qx, kx, vx, do, m)
     problems = gradient_problems(g, g_hi, g_lo, dtype)
     assert not problems, "; ".join(problems)
