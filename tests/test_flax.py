@@ -84,11 +84,35 @@ def test_attention_fn_takes_bias_is_causal_and_dense_masks():
     dense = jnp.tril(jnp.ones((N, N), jnp.float32))[None, None, None]   # nnx-style float
     want = jax.nn.dot_product_attention(flat(q), flat(k), flat(v), flat(bias),
                                         is_causal=True)
+    bool_dense = jnp.broadcast_to(dense != 0, (2, 3, 1, N, N))
     for kw in (dict(bias=bias, is_causal=True), dict(bias=bias, mask=dense),
-               dict(bias=bias, mask=jcm.masks.causal())):
+               dict(bias=bias, mask=jcm.masks.causal()),
+               dict(bias=bias, mask=jcm.runtime_dense(bool_dense, tiers=(2,)))):
         got = jax.jit(lambda q, k, v: jf.attention_fn(q, k, v, deterministic=True, **kw))(
             q, k, v)
         _close(got, want.reshape(q.shape))
+
+
+def test_flax_make_attention_mask_inside_jit_runs_its_runs():
+    """A Flax model's usual mask, ``nn.make_attention_mask`` of segment ids inside the
+    jitted step AND causal, through Flax's own module with our attention_fn: the same
+    output as Flax's module with the same mask, and it runs at the first tier (one run
+    per row)."""
+    from jcompilemask.attention.api import runtime_dense_plan
+    ours = nnx.MultiHeadAttention(4, D_MODEL, decode=False, attention_fn=jf.attention_fn,
+                                  rngs=nnx.Rngs(0))
+    theirs = nnx.MultiHeadAttention(4, D_MODEL, decode=False, rngs=nnx.Rngs(0))
+    x = _x(7)
+
+    def mask_of(seg):
+        return nnx.combine_masks(nnx.make_attention_mask(seg, seg, jnp.equal),
+                                 nnx.make_causal_mask(seg))
+    got = nnx.jit(lambda m, x, seg: m(x, mask=mask_of(seg)))(ours, x, SEG)
+    _close(got, theirs(x, mask=mask_of(SEG)))
+    q = jnp.zeros((2, N, 4, 8))
+    index = jax.jit(lambda seg: runtime_dense_plan(
+        q, q, jcm.runtime_dense(mask_of(seg).astype(bool)))[2])(SEG)
+    assert int(index) == 0
 
 
 def _decode_all(layer, x, mask, prefill):

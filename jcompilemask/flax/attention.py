@@ -9,8 +9,10 @@ accepts all of them:
 * ``mask``: an :class:`~jcompilemask.ExecutionDescriptor` (build it once per step and pass
   the same one to every layer: ``layer(x, mask=desc)``), or a MaskSpec / CompiledMask that
   reads no metadata, or a dense mask array as Flax makes them (``[batch..., heads|1,
-  q_len, kv_len]``, nonzero = attend; O(q_len * kv_len), see
-  :func:`jcompilemask.mask_attention`). With none, ``is_causal=True`` is the mask.
+  q_len, kv_len]``, nonzero = attend; inside ``jit`` its runs are found at every call
+  and a structured one runs on the GPU kernels, see :func:`jcompilemask.mask_attention`;
+  ``jcm.runtime_dense(mask, tiers=...)`` sets the interval widths). With none,
+  ``is_causal=True`` is the mask.
 * ``bias`` is added to the logits and ``is_causal=True`` AND-s ``k <= q`` into the mask,
   as in :func:`jcompilemask.mask_attention`.
 * ``dropout_rate > 0`` with ``deterministic=False`` raises (attention dropout is not
@@ -47,6 +49,7 @@ import jax.numpy as jnp
 
 from ..attention.api import mask_attention
 from ..lower.compiled import CompiledMask
+from ..lower.dense_runtime import RuntimeDense
 from ..lower.descriptor import ClassDescriptor, ExecutionDescriptor
 from ..spec.maskspec import MaskSpec
 
@@ -119,7 +122,9 @@ def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout: boo
                          f"value {value.shape}")
     b = math.prod(batch)
     q4, k4, v4 = (x.reshape((b,) + x.shape[-3:]) for x in (query, key, value))
-    if dense:
+    if isinstance(mask, RuntimeDense):
+        mask = RuntimeDense(_flat_batch(mask.mask, batch, "mask"), mask.tiers)
+    elif dense:
         mask = _flat_batch(jnp.asarray(mask) != 0, batch, "mask")
     if bias is not None:
         bias = _flat_batch(jnp.asarray(bias), batch, "bias")
