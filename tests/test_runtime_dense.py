@@ -153,7 +153,7 @@ def test_the_narrowest_tier_that_holds_every_row_runs(runs, tiers, want):
         return descs, index
     descs, index = jax.jit(plan)(m)
     names = seen["names"]
-    assert int(index) == want
+    assert int(index) == want == int(jcm.runtime_dense(m, tiers).tier_index())
     assert [d.num_intervals for d in descs] == list(tiers) + [1]
     assert names == ("xla",) * (len(tiers) + 1)
     assert descs[-1].mask.layout == "bitmap"

@@ -401,6 +401,23 @@ class RuntimeDense:
     def __repr__(self):
         return f"RuntimeDense(shape={tuple(self.mask.shape)}, tiers={self.tiers})"
 
+    def tier_index(self):
+        """int32 (traced inside ``jit``): which tier this mask alone runs at, ``len(tiers)``
+        for the bitmap (the call's ``is_causal`` and sequence lengths can only lower it),
+        e.g. for ``jax.debug.print`` in a training step.
+
+        >>> import jax.numpy as jnp, jcompilemask as jcm
+        >>> int(jcm.runtime_dense(jnp.tril(jnp.ones((8, 8), bool))).tier_index())
+        0
+        >>> int(jcm.runtime_dense(jnp.eye(8, dtype=bool) | (jnp.arange(8) % 3 == 0)).tier_index())
+        1
+        """
+        m = jnp.asarray(self.mask, bool)
+        m = m.reshape((1,) * (4 - m.ndim) + m.shape) if m.ndim < 4 else m
+        count = runs_from_words(pack_words(m), 1)[2]
+        return jnp.sum(jnp.asarray(self.tiers, I32) < jnp.full((len(self.tiers),),
+                                                               jnp.max(count))).astype(I32)
+
     def plan(self, mask4):
         """For the bool [B, Hm, Nq, Nk] ``mask4`` (this mask combined with the call's other
         masking): ``(masks, metadata, index)``: one :class:`RuntimeDenseMask` per tier and
