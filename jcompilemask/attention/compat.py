@@ -274,12 +274,14 @@ def _combined(arr, causal, window, qsl, kvsl, nq, nk):
     the call's batch when sequence lengths are given)."""
     rows = jnp.arange(nq, dtype=jnp.int32)[:, None]
     cols = jnp.arange(nk, dtype=jnp.int32)[None, :]
-    extra = jnp.ones((nq, nk), bool)
-    if causal:
-        extra = extra & (cols <= rows)
-    if window is not None:
-        extra = extra & (cols >= rows - window[0]) & (cols <= rows + window[1])
-    m = jnp.asarray(arr, bool) & extra[None, None]
+    m = jnp.asarray(arr, bool)
+    if causal or window is not None:       # (no all-True AND: each pass reads the mask)
+        extra = jnp.ones((nq, nk), bool)
+        if causal:
+            extra = extra & (cols <= rows)
+        if window is not None:
+            extra = extra & (cols >= rows - window[0]) & (cols <= rows + window[1])
+        m = m & extra[None, None]
     if qsl is not None or kvsl is not None:
         b = (qsl if qsl is not None else kvsl).shape[0]
         m = jnp.broadcast_to(m, (b,) + m.shape[1:])

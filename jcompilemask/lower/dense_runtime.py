@@ -51,11 +51,12 @@ _COL_TABLES = ("col_starts", "col_lens", "col_exact")
 
 
 def pack_words(mask, axis: int = -1):
-    """bool [..., N] -> uint32 [..., N // 32 + 1]: bit ``j % 32`` of word ``j // 32`` is
-    ``mask[..., j]`` (at least one zero bit of padding, so every run ends inside).
+    """bool [..., N] -> uint32 [..., ceil(N / 32)]: bit ``j % 32`` of word ``j // 32`` is
+    ``mask[..., j]``; bits past N are 0. The mask is read once (no padded copy when N is a
+    multiple of 32).
 
     ``axis=-2`` packs along the second-to-last axis instead: bool [..., N, M] -> uint32
-    [..., M, N // 32 + 1] (each column's bits, without transposing the mask first).
+    [..., M, ceil(N / 32)] (each column's bits, without transposing the mask first).
 
     >>> import numpy as np
     >>> pack_words(np.array([True, False, True] + [False] * 29 + [True])).tolist()
@@ -65,15 +66,16 @@ def pack_words(mask, axis: int = -1):
     if axis not in (-1, -2):
         raise ValueError(f"axis must be -1 or -2, got {axis}")
     n = mask.shape[axis]
-    w = n // _WORD + 1
-    pad = [(0, 0)] * mask.ndim
-    pad[axis] = (0, w * _WORD - n)
-    m = jnp.pad(mask, pad)
+    w = -(-n // _WORD)
+    if w * _WORD != n:                       # a ragged length: pad the last word with 0s
+        pad = [(0, 0)] * mask.ndim
+        pad[axis] = (0, w * _WORD - n)
+        mask = jnp.pad(mask, pad)
     if axis == -1:
-        m = m.reshape(m.shape[:-1] + (w, _WORD))
+        m = mask.reshape(mask.shape[:-1] + (w, _WORD))
         shifts = lax.broadcasted_iota(U32, m.shape, m.ndim - 1)
         return jnp.sum(m.astype(U32) << shifts, axis=-1, dtype=U32)
-    m = m.reshape(m.shape[:-2] + (w, _WORD, m.shape[-1]))
+    m = mask.reshape(mask.shape[:-2] + (w, _WORD, mask.shape[-1]))
     shifts = lax.broadcasted_iota(U32, m.shape, m.ndim - 2)
     words = jnp.sum(m.astype(U32) << shifts, axis=-2, dtype=U32)           # [..., W, M]
     return jnp.swapaxes(words, -1, -2)
@@ -127,6 +129,8 @@ def runs_from_words(words, k: int):
     ([1, 4], [2, 1], 3)
     """
     words = jnp.asarray(words, U32)
+    # one zero word past the end, so that a run reaching the last bit ends inside
+    words = jnp.concatenate([words, jnp.zeros(words.shape[:-1] + (1,), U32)], axis=-1)
     prev = jnp.concatenate([jnp.zeros(words.shape[:-1] + (1,), U32), words[..., :-1] >> 31],
                            axis=-1)
     left = (words << 1) | prev                       # bit j: the element before j
@@ -141,7 +145,7 @@ def dense_runs(mask, k: int, kc: int):
     """Row and column run tables of a bool [B, Hm, Nq, Nk] mask (traced or not):
     ``(row_starts, row_lens, row_count, col_starts, col_lens, col_count, words)``, the
     tables [B, Hm, N, k|kc], the counts [B, Hm, N] and the packed rows ``words`` [B, Hm, Nq,
-    Nk // 32 + 1] (the bitmap form)."""
+    ceil(Nk / 32)] (the bitmap form)."""
     words = pack_words(mask, -1)
     rs, rl, rc = runs_from_words(words, k)
     cs, cl, cc = runs_from_words(pack_words(mask, -2), kc)
@@ -195,7 +199,7 @@ class RuntimeDenseMask(DenseMask):
       :func:`dense_runs` gives them. Exact for a mask whose rows have at most K runs (the
       caller checks: :class:`RuntimeDense` picks the layout at run time); every backend
       serves it.
-    * ``"bitmap"``: metadata ``dense_bitmap`` uint32 [B, Hm, Nq, Nk // 32 + 1]
+    * ``"bitmap"``: metadata ``dense_bitmap`` uint32 [B, Hm, Nq, ceil(Nk / 32)]
       (:func:`pack_words`); exact for any mask, served by ``xla``.
 
     >>> import numpy as np, jax.numpy as jnp
@@ -301,7 +305,7 @@ class RuntimeDenseMask(DenseMask):
             raise ValueError(f"this mask takes metadata {sorted(self.METADATA)} (build it "
                              f"with metadata_of(mask)), got {got}")
         b, hm, nq, nk = self.shape
-        want = ({BITMAP_KEY: (b, hm, nq, nk // _WORD + 1)} if self.layout == "bitmap" else
+        want = ({BITMAP_KEY: (b, hm, nq, -(-nk // _WORD))} if self.layout == "bitmap" else
                 {"row_starts": (b, hm, nq, self.num_intervals),
                  "row_lens": (b, hm, nq, self.num_intervals),
                  "col_starts": (b, hm, nk, self.num_bwd_intervals),

@@ -286,9 +286,15 @@ def test_interval_unroll_env_and_key(monkeypatch):
     monkeypatch.delenv(api.FWD_INTERVAL_UNROLL_ENV, raising=False)
     assert api._fwd_interval_unroll() == 1
     assert api.forward_switches(128, 128, 128, 128, 2)["interval_unroll"] == 1
+    # the default past K 8 (a measured factor); K <= 8 never unrolls (same key)
+    sw = lambda k: api.forward_switches(128, 128, 128, 128, 2, num_intervals=k)["interval_unroll"]  # noqa: E731
+    assert (sw(8), sw(9), sw(25)) == (1, 4, 4)
     monkeypatch.setenv(api.FWD_INTERVAL_UNROLL_ENV, "4")
     assert api._fwd_interval_unroll() == 4
     assert api.forward_switches(128, 128, 128, 128, 2)["interval_unroll"] == 4
+    assert (sw(1), sw(25)) == (1, 4)
+    monkeypatch.setenv(api.FWD_INTERVAL_UNROLL_ENV, "1")
+    assert sw(25) == 1
     for bad in ("0", "two", "-1"):
         monkeypatch.setenv(api.FWD_INTERVAL_UNROLL_ENV, bad)
         with pytest.raises(ValueError, match="JCOMPILEMASK_CUTE_FWD_INTERVAL_UNROLL"):

@@ -810,10 +810,19 @@ def _env_int(name: str, default: int, minimum: int, meaning: str) -> int:
     return value
 
 
-def _fwd_interval_unroll() -> int:
-    """``$JCOMPILEMASK_CUTE_FWD_INTERVAL_UNROLL`` (read at trace time; benchmarks), default 1:
-    ForwardKey.interval_unroll."""
-    return _env_int(FWD_INTERVAL_UNROLL_ENV, 1, 1,
+def _fwd_interval_unroll(num_intervals=None, bits_above: int = 8) -> int:
+    """ForwardKey.interval_unroll: ``$JCOMPILEMASK_CUTE_FWD_INTERVAL_UNROLL`` (read at trace
+    time) where set, else 4 for a kernel of more than ``bits_above`` intervals; 1 (the
+    knob does nothing there, and the key stays the same) at ``num_intervals <=
+    bits_above`` or when ``num_intervals`` is None (unknown)."""
+    # 4: on a 25-run dense mask at 8K the forward took 4.845 ms against 5.562 unrolled once
+    # (-12.9%; H100, run 2026-12-07T14:56:22Z, benchmarks/results/h100/
+    # h100-interval-unroll-s49.json), bit for bit the same output (tests/gpu/
+    # test_cute_any_k.py::test_interval_unroll_gives_identical_forward, same call).
+    if num_intervals is not None and num_intervals <= bits_above:
+        return 1
+    default = 1 if num_intervals is None else 4
+    return _env_int(FWD_INTERVAL_UNROLL_ENV, default, 1,
                     "the unroll factor of a masked tile's loop over K > 8 intervals")
 
 
@@ -930,7 +939,7 @@ def _fwd_masked_switches() -> dict:
 
 
 def forward_switches(head_dim: int, head_dim_v: int, block_q: int, block_kv: int, num_stages: int,
-                     residual=None) -> dict:
+                     residual=None, num_intervals=None) -> dict:
     """The ForwardKey fields that ``cute_forward`` takes from the environment (read at
     trace time) for a kernel of these sizes: ``bits_above``, ``interval_unroll``,
     ``work_list``, ``schedule``,
@@ -941,7 +950,8 @@ def forward_switches(head_dim: int, head_dim_v: int, block_q: int, block_kv: int
     ``$JCOMPILEMASK_CUTE_FWD_RESIDUAL_REGS=0`` opts out), ``operands_early`` and ``p_double`` (with
     work runs, without the rescale knobs). With no ``JCOMPILEMASK_CUTE_FWD_*`` variable set these are the
     defaults the registry runs, so a compile test that builds its key with them compiles
-    what users get.
+    what users get. ``num_intervals`` (the kernel's K) decides ``interval_unroll`` (see
+    ``_fwd_interval_unroll``; None: 1 unless the variable is set).
 
     >>> sorted(forward_switches(128, 128, 128, 128, 2))
     ['bits_above', 'group_mask', 'interval_unroll', 'k_ahead', 'mask_r2p', 'operands_early', 'p_double', 'persistent', 'rescale_early', 'rescale_tail', 'residual_periodic', 'residual_regs', 'residual_words', 'runs_early', 'schedule', 'slot_skip', 'work_list', 'work_runs']
@@ -952,7 +962,9 @@ def forward_switches(head_dim: int, head_dim_v: int, block_q: int, block_kv: int
     work_runs = _fwd_work_runs(work_list, rescale_tail, head_dim, head_dim_v, block_q, block_kv,
                                num_stages)
     rescale_early = _env_flag(FWD_RESCALE_EARLY_ENV, "0") and not rescale_tail
-    return dict(bits_above=_fwd_bits_above(), interval_unroll=_fwd_interval_unroll(),
+    bits_above = _fwd_bits_above()
+    return dict(bits_above=bits_above,
+                interval_unroll=_fwd_interval_unroll(num_intervals, bits_above),
                 work_list=work_list,
                 schedule=schedule, persistent=persistent, k_ahead=_fwd_k_ahead(),
                 group_mask=_fwd_group_mask() and residual is None,
@@ -1128,7 +1140,7 @@ def cute_forward(q, k, v, fwd_intervals, fwd_tiles, *, scale=None, softcap=None,
         broadcast_head=(Hm == 1 and Hq > 1), scale=float(scale), num_stages=stages,
         softcap=None if softcap is None else float(softcap), softcap_fast_tanh=softcap_fast_tanh,
         residual=residual, io_head_dims=io,
-        **forward_switches(D, Dv, block_q, block_kv, stages, residual=residual),
+        **forward_switches(D, Dv, block_q, block_kv, stages, residual=residual, num_intervals=K),
     )
     extra = ()
     if key.residual is not None:
