@@ -88,6 +88,8 @@
 #                benchmarks/bench_head_dims.py (causal 32K + 8K beside FA4 native / cuDNN / xla)
 #   hdimstests   all of tests/gpu/test_cute_head_dims.py (+ the forward's 192/128 cases), one process
 #   jcmvar       jcm alone on JCM_BENCH_MASKS at JCM_BENCH_NS, once per JCM_MASKS16_VARIANTS entry
+#   rdense       a dense mask known at run time: its preprocess parts timed (bench_runtime_dense.py),
+#                then the packed documents as a MaskSpec beside the same mask as a traced array
 #   shortcols    issue 16 on the H200: the short-column switches' identity cases under a hang
 #                guard, then masks16 (dilated window 8K: default / hwlb / all / hi / persistent
 #                / persistent + dkv_staged / the register epilogues nt, ntv beside Flex+FA4),
@@ -864,6 +866,15 @@ PY
       ${JCM_MASKS16_VARIANTS:+--jcm-variants "$JCM_MASKS16_VARIANTS"} \
       --budget-s $(( b - 20 )) --out "$OUT/h200-$stage.json" > "$OUT/bench-$stage.log" 2>&1
     echo "bench rc $? ($SECONDS s)"; pkill -9 -f bench_total; grep -E '^\{' "$OUT/bench-$stage.log" | cut -c1-230
+    ;;
+  rdense)
+    # Run-time dense masks (lower/dense_runtime.py): the preprocess's parts at JCM_BENCH_NS
+    # (default 8192), then documents / documents_traced through bench_total (one run id).
+    export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
+    timeout -k 5 $(left ${JCM_RD_PARTS_S:-90}) python3 benchmarks/bench_runtime_dense.py \
+      --ns ${JCM_BENCH_NS:-8192} --out "$OUT/h200-runtime-dense-parts.json" > "$OUT/bench-rdparts.log" 2>&1
+    echo "parts rc $? ($SECONDS s)"; cat "$OUT/bench-rdparts.log" | grep -E '^\{' | cut -c1-200
+    JCM_BENCH_MASKS=documents,documents_traced JCM_BENCH_S=$(left ${JCM_RD_BENCH_S:-120}) bash "$0" jcmvar
     ;;
   classes)
     # Issue 16: the dilated window as residue classes (lower/classes.py: (q - k) % 2 == 0 in

@@ -47,7 +47,7 @@ _WORD = 32
 # interval per masked element); 8 is the widest the CuTe kernels keep in registers.
 DEFAULT_TIERS = (1, 8)
 _ROW_TABLES = ("row_starts", "row_lens")
-_COL_TABLES = ("col_starts", "col_lens", "col_exact")
+_COL_TABLES = ("col_starts", "col_lens", "col_exact", BITMAP_KEY)
 
 
 def pack_words(mask, axis: int = -1):
@@ -194,9 +194,9 @@ class RuntimeDenseMask(DenseMask):
     metadata (see the module doc). Two layouts:
 
     * ``"intervals"`` (``K`` row runs, ``Kc`` column runs): metadata ``row_starts`` /
-      ``row_lens`` int32 [B, Hm, Nq, K], ``col_starts`` / ``col_lens`` [B, Hm, Nk, Kc] and
+      ``row_lens`` int32 [B, Hm, Nq, K], ``col_starts`` / ``col_lens`` [B, Hm, Nk, Kc],
       ``col_exact`` bool [B] (whether every column of the sequence fits Kc), as
-      :func:`dense_runs` gives them. Exact for a mask whose rows have at most K runs (the
+      :func:`dense_runs` gives them, and the packed rows (below: the tile states). Exact for a mask whose rows have at most K runs (the
       caller checks: :class:`RuntimeDense` picks the layout at run time); every backend
       serves it.
     * ``"bitmap"``: metadata ``dense_bitmap`` uint32 [B, Hm, Nq, ceil(Nk / 32)]
@@ -283,7 +283,7 @@ class RuntimeDenseMask(DenseMask):
                              f"layout needs {k} / {kc}")
         return {"row_starts": rs[..., :k], "row_lens": rl[..., :k], "col_starts": cs[..., :kc],
                 "col_lens": cl[..., :kc],
-                "col_exact": jnp.all(cc <= kc, axis=(1, 2))}
+                "col_exact": jnp.all(cc <= kc, axis=(1, 2)), BITMAP_KEY: words}
 
     def explain(self):
         if self.layout == "bitmap":
@@ -309,7 +309,8 @@ class RuntimeDenseMask(DenseMask):
                 {"row_starts": (b, hm, nq, self.num_intervals),
                  "row_lens": (b, hm, nq, self.num_intervals),
                  "col_starts": (b, hm, nk, self.num_bwd_intervals),
-                 "col_lens": (b, hm, nk, self.num_bwd_intervals), "col_exact": (b,)})
+                 "col_lens": (b, hm, nk, self.num_bwd_intervals), "col_exact": (b,),
+                 BITMAP_KEY: (b, hm, nq, -(-nk // _WORD))})
         for name, shape in want.items():
             if tuple(jnp.shape(metadata[name])) != shape:
                 raise ValueError(f"metadata {name!r} must have shape {shape}, got "
@@ -323,20 +324,25 @@ class RuntimeDenseMask(DenseMask):
         self._check_metadata(metadata)
         tiles = resolve_tiles(block_q, block_kv, bwd_block_q, bwd_block_kv)
         b = self.batch
+        # Tile states from the packed rows in both layouts: exact, one read of the words
+        # (1/8 of the mask's bytes) per tile shape, and the same program for every tier
+        # (XLA computes it once).
+        words = jnp.asarray(metadata[BITMAP_KEY], U32)
+        f_st = pack_tiles(tile_states_from_words(words, q_len, kv_len, tiles.block_q,
+                                                 tiles.block_kv))
+        b_st = pack_tiles(jnp.swapaxes(tile_states_from_words(
+            words, q_len, kv_len, tiles.bwd_block_q, tiles.bwd_block_kv), -1, -2))
         if self.layout == "bitmap":
-            words = jnp.asarray(metadata[BITMAP_KEY], U32)
             fwd, bwd = self._empty_tables(b, q_len, kv_len)
-            f_st = tile_states_from_words(words, q_len, kv_len, tiles.block_q, tiles.block_kv)
-            b_st = tile_states_from_words(words, q_len, kv_len, tiles.bwd_block_q,
-                                          tiles.bwd_block_kv)
             return ExecutionDescriptor(
-                fwd, bwd, pack_tiles(f_st), pack_tiles(jnp.swapaxes(b_st, -1, -2)),
-                jnp.zeros((b, q_len), I32), jnp.zeros((b,), bool), {BITMAP_KEY: words},
-                mask=self, q_len=q_len, kv_len=kv_len, tiles=tiles)
+                fwd, bwd, f_st, b_st, jnp.zeros((b, q_len), I32), jnp.zeros((b,), bool),
+                {BITMAP_KEY: words}, mask=self, q_len=q_len, kv_len=kv_len, tiles=tiles)
         get = lambda n: jnp.asarray(metadata[n], I32)  # noqa: E731
-        return self._table_descriptor(get("row_starts"), get("row_lens"), get("col_starts"),
-                                      get("col_lens"), jnp.asarray(metadata["col_exact"], bool),
-                                      q_len, kv_len, tiles)
+        return ExecutionDescriptor(
+            jnp.stack([get("row_starts"), get("row_lens")], -1),
+            jnp.stack([get("col_starts"), get("col_lens")], -1), f_st, b_st,
+            jnp.zeros((b, q_len), I32), jnp.asarray(metadata["col_exact"], bool), {},
+            mask=self, q_len=q_len, kv_len=kv_len, tiles=tiles)
 
 
 @jax.tree_util.register_pytree_node_class
