@@ -366,7 +366,7 @@ class RuntimeDense:
     >>> @jax.jit
     ... def f(q, k, v, lengths):          # a padding mask built inside the step
     ...     m = jnp.arange(16)[None, :] < lengths[:, None]
-    ...     m = m[:, None, None, :] & jnp.tril(jnp.ones((16, 16), bool))
+    ...     m = m[:, None, None, :] & jnp.tril(jnp.ones((16, 16), bool))[None, None]
     ...     return jcm.mask_attention(q, k, v, jcm.runtime_dense(m, tiers=(1, 4)))
     >>> lens = jnp.array([16, 9])
     >>> ref = jax.nn.dot_product_attention(q, k, v, is_causal=True,
@@ -419,7 +419,7 @@ class RuntimeDense:
         >>> import jax.numpy as jnp, jcompilemask as jcm
         >>> int(jcm.runtime_dense(jnp.tril(jnp.ones((8, 8), bool))).tier_index())
         0
-        >>> int(jcm.runtime_dense(jnp.eye(8, dtype=bool) | (jnp.arange(8) % 3 == 0)).tier_index())
+        >>> int(jcm.runtime_dense(jnp.eye(8, dtype=bool) | (jnp.arange(8) % 3 == 0)[None]).tier_index())
         1
         """
         m = jnp.asarray(self.mask, bool)
