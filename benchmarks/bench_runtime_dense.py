@@ -48,23 +48,10 @@ def parts(n, batch, heads=W.HEADS, head_dim=W.HEAD_DIM):
     st_iv = jax.jit(lambda s_, l_: [tile_states_from_intervals(s_, l_, n, n, bq, bk)
                                     for bq, bk in ((128, 128), (64, 128))])
     return arr, {"pack_rows": lambda: rows(arr), "pack_cols": lambda: cols(arr),
-                 "pack_rows_bytes": lambda: rows_bytes(arr),
                  "row_tables_from_words": lambda: tables(row_words),
                  "tile_states_words_2cfg": lambda: st_words(row_words),
                  "tile_states_intervals_2cfg": lambda: st_iv(rs, rl),
                  "dense_runs_k8": lambda: runs(arr), "plan": lambda: plan(arr)}
-
-
-@__import__("functools").partial(__import__("jax").jit)
-def rows_bytes(m):
-    """A candidate row pack: 8 bools to a byte, then 4 bytes bitcast to a word."""
-    import jax.numpy as jnp
-    from jax import lax
-    u = m.reshape(m.shape[:-1] + (m.shape[-1] // 8, 8)).astype(jnp.uint8)
-    by = jnp.sum(u << lax.broadcasted_iota(jnp.uint8, u.shape, u.ndim - 1), axis=-1,
-                 dtype=jnp.uint8)
-    by = by.reshape(by.shape[:-1] + (by.shape[-1] // 4, 4))
-    return lax.bitcast_convert_type(by, jnp.uint32)
 
 
 def main(argv=None):

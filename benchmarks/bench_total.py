@@ -203,19 +203,36 @@ def jcm_workload(mask, n, smoke=False, implementation=None):
         pairs = int(np.asarray(cm.batch_array).sum()) * (b if cm.batch == 1 else 1)
     else:
         pairs = W.descriptor_pairs(count) * (b if count.batch == 1 else 1)
+    q, k, v, do = _inputs(n, b, L, h, d)
+    fwd, step = _fwd_and_step(do, impl)
+    return dict(impl=impl, pairs=pairs, heads=h, head_dim=d, preprocess=preprocess,
+                instantiate=lambda: instantiate(md), fwd=lambda: fwd(q, k, v, desc),
+                step=lambda: step(q, k, v, desc))
+
+
+def _inputs(n, b, L, h, d):
+    """q, k, v and the output cotangent of a workload: bf16 [b, L, h, d] normals."""
+    import jax
+    import jax.numpy as jnp
     ks = jax.random.split(jax.random.key(n), 4)
-    q, k, v, do = (jax.random.normal(kk, (b, L, h, d), jnp.float32).astype(jnp.bfloat16)
-                   for kk in ks)
+    return tuple(jax.random.normal(kk, (b, L, h, d), jnp.float32).astype(jnp.bfloat16)
+                 for kk in ks)
+
+
+def _fwd_and_step(do, impl):
+    """Jitted ``fwd(q, k, v, mask)`` and ``step(q, k, v, mask)`` (gradients of q, k, v for
+    the cotangent ``do``) of ``mask_attention`` on the backend ``impl``."""
+    import jax
+    import jax.numpy as jnp
+
+    import jcompilemask as jcm
     fwd = jax.jit(lambda q, k, v, dd: jcm.mask_attention(q, k, v, dd, implementation=impl))
 
     def loss(q, k, v, dd):
         o = jcm.mask_attention(q, k, v, dd, implementation=impl)
         return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32))
 
-    step = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
-    return dict(impl=impl, pairs=pairs, heads=h, head_dim=d, preprocess=preprocess,
-                instantiate=lambda: instantiate(md), fwd=lambda: fwd(q, k, v, desc),
-                step=lambda: step(q, k, v, desc))
+    return fwd, jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
 
 
 def _traced_workload(mask, n, smoke, implementation):
@@ -232,9 +249,7 @@ def _traced_workload(mask, n, smoke, implementation):
     ids = jnp.asarray(_metadata(mask, n, b, smoke)["segment_ids"])
     arr = jax.jit(lambda s: ((s[:, :, None] == s[:, None, :])
                              & jnp.tril(jnp.ones((L, L), bool))[None])[:, None])(ids)
-    ks = jax.random.split(jax.random.key(n), 4)
-    q, k, v, do = (jax.random.normal(kk, (b, L, h, d), jnp.float32).astype(jnp.bfloat16)
-                   for kk in ks)
+    q, k, v, do = _inputs(n, b, L, h, d)
     seen = {}
 
     def plan(m):
@@ -244,13 +259,7 @@ def _traced_workload(mask, n, smoke, implementation):
     instantiate = jax.jit(plan)
     index = int(instantiate(arr)[1])
     impl = seen["names"][index]
-    fwd = jax.jit(lambda q, k, v, m: jcm.mask_attention(q, k, v, m, implementation=impl))
-
-    def loss(q, k, v, m):
-        o = jcm.mask_attention(q, k, v, m, implementation=impl)
-        return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32))
-
-    step = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    fwd, step = _fwd_and_step(do, impl)
     pairs = int(np.asarray(jnp.sum(arr, axis=-1, dtype=jnp.int32)).sum(dtype=np.int64))
     return dict(impl=impl, pairs=pairs, heads=h, head_dim=d, preprocess="runtime_dense",
                 instantiate=lambda: instantiate(arr), fwd=lambda: fwd(q, k, v, arr),

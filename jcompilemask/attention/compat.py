@@ -33,7 +33,7 @@ import numpy as np
 
 from ..lower.compiled import CompiledMask
 from ..lower.dense import DenseMask, from_dense
-from ..lower.dense_runtime import RuntimeDense
+from ..lower.dense_runtime import DEFAULT_TIERS, RuntimeDense
 from ..lower.descriptor import ClassDescriptor, ExecutionDescriptor
 from ..spec.expr import TRUE, And, k, kv_len, minimum, q, q_len
 from ..masks import full
@@ -264,9 +264,8 @@ def plan_mask(mask, metadata, *, is_causal, window, query_seq_lengths, key_value
         if window is not None:
             dense = dense & (cols >= rows - window[0]) & (cols <= rows + window[1])
         return MaskPlan(mask=from_dense(dense))
-    return MaskPlan(runtime=RuntimeDense(
-        _combined(arr, is_causal, window, qsl, kvsl, nq, nk),
-        *(() if tiers is None else (tiers,))))
+    return MaskPlan(runtime=RuntimeDense(_combined(arr, is_causal, window, qsl, kvsl, nq, nk),
+                                         tiers or DEFAULT_TIERS))
 
 
 def _combined(arr, causal, window, qsl, kvsl, nq, nk):

@@ -258,13 +258,15 @@ class DenseMask(CompiledMask):
                                       jnp.asarray(self._bs), jnp.asarray(self._bl),
                                       jnp.ones((b,), bool), q_len, kv_len, tiles)
 
-    def _table_descriptor(self, fs, fl, bs, bl, bwd_exact, q_len, kv_len, tiles):
-        """The descriptor of row tables (fs, fl) and column tables (bs, bl), tile states
-        from the row tables at both passes' tiles."""
-        from .preprocess import tile_states_from_intervals
-        f_st = tile_states_from_intervals(fs, fl, q_len, kv_len, tiles.block_q, tiles.block_kv)
-        b_st = tile_states_from_intervals(fs, fl, q_len, kv_len, tiles.bwd_block_q,
-                                          tiles.bwd_block_kv)
+    def _table_descriptor(self, fs, fl, bs, bl, bwd_exact, q_len, kv_len, tiles, states=None):
+        """The descriptor of row tables (fs, fl) and column tables (bs, bl); ``states``:
+        the uint8 [B, Hm, Tq, Tk] tile states at both passes' tiles (fwd, bwd), or None to
+        derive them from the row tables."""
+        if states is None:
+            from .preprocess import tile_states_from_intervals
+            states = [tile_states_from_intervals(fs, fl, q_len, kv_len, bq, bk) for bq, bk in
+                      ((tiles.block_q, tiles.block_kv), (tiles.bwd_block_q, tiles.bwd_block_kv))]
+        f_st, b_st = states
         return ExecutionDescriptor(
             jnp.stack([fs, fl], -1), jnp.stack([bs, bl], -1), pack_tiles(f_st),
             pack_tiles(jnp.swapaxes(b_st, -1, -2)),

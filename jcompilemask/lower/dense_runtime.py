@@ -34,7 +34,7 @@ import numpy as np
 from jax import lax
 
 from .compiled import resolve_tiles
-from .dense import BITMAP_KEY, DenseMask, _no_classes
+from .dense import BITMAP_KEY, DenseMask, _no_classes, _pack_bits
 from .descriptor import COMPUTE, MASKED, ExecutionDescriptor, pack_tiles
 
 __all__ = ["pack_words", "transpose_words", "runs_from_words", "dense_runs", "RuntimeDenseMask", "RuntimeDense",
@@ -46,8 +46,8 @@ _WORD = 32
 # per row covers causal, padding and packed-document masks (their kernels check one
 # interval per masked element); 8 is the widest the CuTe kernels keep in registers.
 DEFAULT_TIERS = (1, 8)
-_ROW_TABLES = ("row_starts", "row_lens")
-_COL_TABLES = ("col_starts", "col_lens", "col_exact", BITMAP_KEY)
+# The intervals layout's metadata (the packed rows give its tile states).
+_TABLES = ("row_starts", "row_lens", "col_starts", "col_lens", "col_exact", BITMAP_KEY)
 
 
 def pack_words(mask, axis: int = -1):
@@ -143,6 +143,25 @@ def _select_bits(bits, k: int):
     return wi * _WORD + _nth_bit(word, target - before), cum[..., -1]
 
 
+def _run_edges(words):
+    """(start bits, end bits) of the runs in packed rows ``words`` [..., W], one zero word
+    longer (so that a run reaching the last bit ends inside): a start is a set bit whose
+    predecessor is clear, an end a clear bit whose predecessor is set."""
+    words = jnp.asarray(words, U32)
+    words = jnp.concatenate([words, jnp.zeros(words.shape[:-1] + (1,), U32)], axis=-1)
+    prev = jnp.concatenate([jnp.zeros(words.shape[:-1] + (1,), U32), words[..., :-1] >> 31],
+                           axis=-1)
+    left = (words << 1) | prev                       # bit j: the element before j
+    return words & ~left, ~words & left
+
+
+def _tier(tiers, count):
+    """int32: the index of the narrowest of ``tiers`` that holds ``count`` runs in every
+    row (``len(tiers)``: none, the bitmap)."""
+    most = jnp.max(count)
+    return jnp.sum(jnp.asarray(tiers, I32) < jnp.full((len(tiers),), most)).astype(I32)
+
+
 def runs_from_words(words, k: int):
     """The first ``k`` runs of True of each row of packed words (see :func:`pack_words`):
     ``(starts, lens, count)``, int32 [..., k], [..., k] and [...]: slots past a row's run
@@ -154,14 +173,9 @@ def runs_from_words(words, k: int):
     >>> s.tolist(), l.tolist(), int(c)
     ([1, 4], [2, 1], 3)
     """
-    words = jnp.asarray(words, U32)
-    # one zero word past the end, so that a run reaching the last bit ends inside
-    words = jnp.concatenate([words, jnp.zeros(words.shape[:-1] + (1,), U32)], axis=-1)
-    prev = jnp.concatenate([jnp.zeros(words.shape[:-1] + (1,), U32), words[..., :-1] >> 31],
-                           axis=-1)
-    left = (words << 1) | prev                       # bit j: the element before j
-    start_pos, count = _select_bits(words & ~left, k)
-    end_pos, _ = _select_bits(~words & left, k)
+    start_bits, end_bits = _run_edges(words)
+    start_pos, count = _select_bits(start_bits, k)
+    end_pos, _ = _select_bits(end_bits, k)
     live = lax.broadcasted_iota(I32, start_pos.shape, start_pos.ndim - 1) < count[..., None]
     starts = jnp.where(live, start_pos, 0)
     return starts, jnp.where(live, end_pos - start_pos, 0), count
@@ -203,7 +217,7 @@ def tile_states_from_words(words, q_len: int, kv_len: int, bq: int, bk: int):
         # invisible for "any".
         valid = np.zeros((ww * _WORD,), bool)
         valid[:kv_len] = True
-        valid_w = np.packbits(valid, bitorder="little").view("<u4").astype(np.uint32)
+        valid_w = _pack_bits(valid)
         row_in = (np.arange(tq * bq) < q_len)[:, None]
         valid_w = jnp.asarray(np.where(row_in, valid_w[None, :], 0).astype(np.uint32))[None, None]
         x = x & valid_w
@@ -258,7 +272,7 @@ class RuntimeDenseMask(DenseMask):
             self.num_intervals, self.num_bwd_intervals = int(num_intervals), int(num_bwd_intervals)
             self.runs_per_row = self.num_intervals
             self.has_column_view = True
-            self.METADATA = _ROW_TABLES + _COL_TABLES
+            self.METADATA = _TABLES
         else:
             self.fallback_regions = (0,)
             self.num_intervals, self.num_bwd_intervals = 1, 0
@@ -293,8 +307,8 @@ class RuntimeDenseMask(DenseMask):
     def metadata_of(self, mask, *, runs=None):
         """This layout's metadata for the bool [B, Hm, Nq, Nk] ``mask`` (``runs``: a
         :func:`dense_runs` result to reuse, at least this width)."""
-        if self.layout == "bitmap":
-            return {BITMAP_KEY: pack_words(mask) if runs is None else runs[6]}
+        if runs is None and self.layout == "bitmap":
+            return {BITMAP_KEY: pack_words(mask)}
         if runs is None:
             runs = dense_runs(mask, self.num_intervals, self.num_bwd_intervals)
         return self.metadata_from_runs(runs)
@@ -354,21 +368,18 @@ class RuntimeDenseMask(DenseMask):
         # (1/8 of the mask's bytes) per tile shape, and the same program for every tier
         # (XLA computes it once).
         words = jnp.asarray(metadata[BITMAP_KEY], U32)
-        f_st = pack_tiles(tile_states_from_words(words, q_len, kv_len, tiles.block_q,
-                                                 tiles.block_kv))
-        b_st = pack_tiles(jnp.swapaxes(tile_states_from_words(
-            words, q_len, kv_len, tiles.bwd_block_q, tiles.bwd_block_kv), -1, -2))
+        states = [tile_states_from_words(words, q_len, kv_len, bq, bk) for bq, bk in
+                  ((tiles.block_q, tiles.block_kv), (tiles.bwd_block_q, tiles.bwd_block_kv))]
         if self.layout == "bitmap":
             fwd, bwd = self._empty_tables(b, q_len, kv_len)
             return ExecutionDescriptor(
-                fwd, bwd, f_st, b_st, jnp.zeros((b, q_len), I32), jnp.zeros((b,), bool),
-                {BITMAP_KEY: words}, mask=self, q_len=q_len, kv_len=kv_len, tiles=tiles)
+                fwd, bwd, pack_tiles(states[0]), pack_tiles(jnp.swapaxes(states[1], -1, -2)),
+                jnp.zeros((b, q_len), I32), jnp.zeros((b,), bool), {BITMAP_KEY: words},
+                mask=self, q_len=q_len, kv_len=kv_len, tiles=tiles)
         get = lambda n: jnp.asarray(metadata[n], I32)  # noqa: E731
-        return ExecutionDescriptor(
-            jnp.stack([get("row_starts"), get("row_lens")], -1),
-            jnp.stack([get("col_starts"), get("col_lens")], -1), f_st, b_st,
-            jnp.zeros((b, q_len), I32), jnp.asarray(metadata["col_exact"], bool), {},
-            mask=self, q_len=q_len, kv_len=kv_len, tiles=tiles)
+        return self._table_descriptor(get("row_starts"), get("row_lens"), get("col_starts"),
+                                      get("col_lens"), jnp.asarray(metadata["col_exact"], bool),
+                                      q_len, kv_len, tiles, states)
 
 
 @jax.tree_util.register_pytree_node_class
@@ -450,9 +461,8 @@ class RuntimeDense:
         """
         m = jnp.asarray(self.mask, bool)
         m = m.reshape((1,) * (4 - m.ndim) + m.shape) if m.ndim < 4 else m
-        count = runs_from_words(pack_words(m), 1)[2]
-        return jnp.sum(jnp.asarray(self.tiers, I32) < jnp.full((len(self.tiers),),
-                                                               jnp.max(count))).astype(I32)
+        starts = _run_edges(pack_words(m))[0]
+        return _tier(self.tiers, jnp.sum(lax.population_count(starts).astype(I32), axis=-1))
 
     def plan(self, mask4):
         """For the bool [B, Hm, Nq, Nk] ``mask4`` (this mask combined with the call's other
@@ -463,11 +473,7 @@ class RuntimeDense:
         runs = dense_runs(mask4, self.tiers[-1], self.tiers[-1])
         masks = [RuntimeDenseMask(shape, "intervals", t, t) for t in self.tiers]
         masks.append(RuntimeDenseMask(shape, "bitmap"))
-        metas = [m.metadata_from_runs(runs) for m in masks]
-        most = jnp.max(runs[2])
-        index = jnp.sum(jnp.asarray(self.tiers, I32) < jnp.full((len(self.tiers),), most))
-        index = index.astype(I32)
-        return masks, metas, index
+        return masks, [m.metadata_from_runs(runs) for m in masks], _tier(self.tiers, runs[2])
 
 
 def runtime_dense(mask, tiers=DEFAULT_TIERS) -> RuntimeDense:

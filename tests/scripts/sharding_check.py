@@ -160,13 +160,18 @@ def main():
                            q, k, v, bias)
         return (out, *vjp(do))
     put = lambda x: jax.device_put(x, NamedSharding(mesh, LAYOUTS["batch_x_heads"]))  # noqa: E731
-    args = (put(qx), put(kx), put(vx), jax.device_put(bias, NamedSharding(mesh, P("data"))),
-            put(do))
-    compiled = jax.jit(with_bias).lower(*args).compile()
-    found = set(COLLECTIVE.findall(compiled.as_text())) - {"all-reduce"}
-    assert not found, f"bias: collectives in the compiled HLO: {sorted(found)}"
-    for a, b in zip(compiled(*args), jax.jit(with_bias)(qx, kx, vx, bias, do)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=2e-5)
+
+    def batch_sharded_matches(fn, extra, what):
+        """``fn(q, k, v, extra, do)`` with q / k / v / do over batch x heads and ``extra``
+        over the batch: no collective but all-reduces, the values of the unsharded call."""
+        args = (put(qx), put(kx), put(vx), jax.device_put(extra, NamedSharding(mesh, P("data"))),
+                put(do))
+        compiled = jax.jit(fn).lower(*args).compile()
+        found = set(COLLECTIVE.findall(compiled.as_text())) - {"all-reduce"}
+        assert not found, f"{what}: collectives in the compiled HLO: {sorted(found)}"
+        for a, b in zip(compiled(*args), jax.jit(fn)(qx, kx, vx, extra, do)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=2e-5)
+    batch_sharded_matches(with_bias, bias, "bias")
 
     # A dense mask known at run time (a traced per-sequence mask), sharded with the batch:
     # its runs are found per device; the only collective is the all-reduce of the run
@@ -177,13 +182,7 @@ def main():
     def with_dense(q, k, v, m, do):
         out, vjp = jax.vjp(lambda a, b, c: jcm.mask_attention(a, b, c, m), q, k, v)
         return (out, *vjp(do))
-    args = (put(qx), put(kx), put(vx), jax.device_put(dense, NamedSharding(mesh, P("data"))),
-            put(do))
-    compiled = jax.jit(with_dense).lower(*args).compile()
-    found = set(COLLECTIVE.findall(compiled.as_text())) - {"all-reduce"}
-    assert not found, f"runtime dense: collectives in the compiled HLO: {sorted(found)}"
-    for a, b in zip(compiled(*args), jax.jit(with_dense)(qx, kx, vx, dense, do)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=2e-5)
+    batch_sharded_matches(with_dense, dense, "runtime dense")
     n += 1
 
     # A dilated window (residue classes) with a per-head bias, heads sharded: the class
