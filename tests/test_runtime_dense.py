@@ -19,7 +19,7 @@ import jcompilemask as jcm
 from jcompilemask import backends
 from jcompilemask.attention.api import runtime_dense_plan
 from jcompilemask.lower.dense import _bitmap_tile_states, _runs
-from jcompilemask.lower.dense_runtime import (RuntimeDenseMask, dense_runs, pack_words,
+from jcompilemask.lower.dense_runtime import (RuntimeDense, RuntimeDenseMask, dense_runs, pack_words,
                                               runs_from_words, tile_states_from_words)
 from jcompilemask.testing import reference_attention
 
@@ -225,14 +225,27 @@ def test_traced_mask_with_jax_arguments_bias_and_unbatched_inputs():
 
 
 def test_vmap_over_traced_masks():
-    """Under vmap the tier index is batched: every tier runs and the batch selects (same
-    values); here one mapped mask fits tier 1 and the other needs the bitmap."""
+    """Under vmap one tier runs for the whole mapped batch, the widest any mapped mask
+    needs (the switch stays a switch: no select over every tier); here one mapped mask
+    fits tier 0, the other needs the bitmap, so both run on the bitmap; gradients too."""
     n = 40
     q, k, v = (jax.random.normal(jax.random.key(40 + i), (2, 1, n, 2, 8)) for i in range(3))
     ms = jnp.asarray(np.stack([_row_runs_mask(1, n, 1, 1), _row_runs_mask(11, n, 1, 2)]))
-    out = jax.jit(jax.vmap(lambda q, k, v, m: jcm.mask_attention(q, k, v, m)))(q, k, v, ms)
+    f = jax.vmap(lambda q, k, v, m: jcm.mask_attention(q, k, v, m))
+    out = jax.jit(f)(q, k, v, ms)
     for i in range(2):
         np.testing.assert_allclose(out[i], _oracle(q[i], k[i], v[i], ms[i])[0], atol=2e-5)
+    assert [int(jcm.runtime_dense(m).tier_index()) for m in ms] == [0, 2]
+    idx = jax.vmap(lambda m: RuntimeDense(m).plan(m)[2])(ms)
+    assert idx.tolist() == [2, 2]             # unbatched inside, broadcast by vmap on the way out
+    # the traced program keeps the switch (a batched index would have become a select of
+    # every tier's output, with no cond left)
+    assert "cond[" in str(jax.make_jaxpr(f)(q, k, v, ms))
+    g = jax.jit(jax.grad(lambda q, k, v, m: jnp.sum(jnp.sin(f(q, k, v, m))), (0, 1, 2)))(q, k, v, ms)
+    for i in range(2):
+        gr = jax.grad(lambda *a: jnp.sum(jnp.sin(_oracle(*a, ms[i])[0])), (0, 1, 2))(q[i], k[i], v[i])
+        for a, b_ in zip(g, gr):
+            np.testing.assert_allclose(a[i], b_, atol=5e-5)
 
 
 def test_runtime_dense_checks_its_arguments():

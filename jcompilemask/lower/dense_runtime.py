@@ -155,10 +155,29 @@ def _run_edges(words):
     return words & ~left, ~words & left
 
 
-def _tier(tiers, count):
+@jax.custom_batching.custom_vmap
+def _most_over_batch(most):
+    """``most`` (an int32 scalar) itself; under ``vmap`` the maximum over the mapped axis,
+    unbatched. A wider tier is exact wherever a narrower one is, so one index for the
+    whole mapped batch is always right, and ``lax.switch`` on an unbatched index stays a
+    switch: only the chosen tier runs (a batched index turns the switch into a select
+    that runs every tier and the bitmap)."""
+    return most
+
+
+@_most_over_batch.def_vmap
+def _most_over_batch_vmap(axis_size, in_batched, most):
+    del axis_size
+    return (jnp.max(most, axis=0) if in_batched[0] else most), False
+
+
+def _tier(tiers, count, *, one_for_vmap=False):
     """int32: the index of the narrowest of ``tiers`` that holds ``count`` runs in every
-    row (``len(tiers)``: none, the bitmap)."""
+    row (``len(tiers)``: none, the bitmap); ``one_for_vmap``: under ``vmap``, the one index
+    that holds every mapped mask (see :func:`_most_over_batch`)."""
     most = jnp.max(count)
+    if one_for_vmap:
+        most = _most_over_batch(most)
     return jnp.sum(jnp.asarray(tiers, I32) < jnp.full((len(tiers),), most)).astype(I32)
 
 
@@ -451,7 +470,8 @@ class RuntimeDense:
     def tier_index(self):
         """int32 (traced inside ``jit``): which tier this mask alone runs at, ``len(tiers)``
         for the bitmap (the call's ``is_causal`` and sequence lengths can only lower it),
-        e.g. for ``jax.debug.print`` in a training step.
+        e.g. for ``jax.debug.print`` in a training step. Under ``vmap`` this is per mapped
+        mask, while ``mask_attention`` runs the whole mapped batch at the widest of them.
 
         >>> import jax.numpy as jnp, jcompilemask as jcm
         >>> int(jcm.runtime_dense(jnp.tril(jnp.ones((8, 8), bool))).tier_index())
@@ -468,12 +488,14 @@ class RuntimeDense:
         """For the bool [B, Hm, Nq, Nk] ``mask4`` (this mask combined with the call's other
         masking): ``(masks, metadata, index)``: one :class:`RuntimeDenseMask` per tier and
         the bitmap last, each one's metadata, and the int32 index of the one to run (the
-        narrowest tier that holds every row's runs; the bitmap past the widest)."""
+        narrowest tier that holds every row's runs; the bitmap past the widest; under
+        ``vmap``, one index for every mapped mask, the widest any of them needs)."""
         shape = tuple(mask4.shape)
         runs = dense_runs(mask4, self.tiers[-1], self.tiers[-1])
         masks = [RuntimeDenseMask(shape, "intervals", t, t) for t in self.tiers]
         masks.append(RuntimeDenseMask(shape, "bitmap"))
-        return masks, [m.metadata_from_runs(runs) for m in masks], _tier(self.tiers, runs[2])
+        return (masks, [m.metadata_from_runs(runs) for m in masks],
+                _tier(self.tiers, runs[2], one_for_vmap=True))
 
 
 def runtime_dense(mask, tiers=DEFAULT_TIERS) -> RuntimeDense:
