@@ -315,7 +315,10 @@ def explain(call: Call | None = None, mask=None) -> str:
 
     ``mask`` (a MaskSpec or CompiledMask, optional) adds, per region, its interval count,
     its residual predicate if any, and which backend runs it and why; with ``mask`` and
-    no ``call``, the call is a bfloat16 one (head dim 128, 8 heads) of that mask.
+    no ``call``, the call is a bfloat16 one (head dim 128, 8 heads) of that mask. A dense
+    boolean array is explained as ``mask_attention`` would take it: a concrete mask shared
+    by the batch compiled by :func:`~jcompilemask.from_dense`, any other (or a
+    :class:`~jcompilemask.RuntimeDense`) as a mask found at run time, tier by tier.
 
     >>> import jcompilemask as jcm
     >>> from jcompilemask.spec import MaskSpec, Region, q, k, q_len
@@ -333,6 +336,10 @@ def explain(call: Call | None = None, mask=None) -> str:
     """
     _ensure_builtin()
     cm = None
+    if mask is not None and hasattr(mask, "dtype") and hasattr(mask, "shape"):
+        mask = _dense_for_explain(mask)
+        if not isinstance(mask, _compiled.CompiledMask):
+            return _explain_runtime_dense(mask, call)
     if mask is not None:
         cm = _compiled.compile(mask, warn=False)
         if call is None:
@@ -356,6 +363,67 @@ def explain(call: Call | None = None, mask=None) -> str:
     if cm is not None:
         lines += _explain_regions(cm, chosen, call)
     lines += _explain_preprocess()
+    return "\n".join(lines)
+
+
+def _dense_for_explain(mask):
+    """A bool array or RuntimeDense as ``mask_attention`` takes it (no other masking
+    arguments): a concrete array shared by the batch (2-D, 3-D [heads, Nq, Nk] or a
+    leading 1) becomes a ``from_dense`` mask, the rest a RuntimeDense."""
+    from .lower.dense_runtime import RuntimeDense
+    if isinstance(mask, RuntimeDense):
+        return mask
+    if mask.dtype != bool:
+        raise TypeError(f"explain(mask=...): a dense mask must be boolean (True = attend), "
+                        f"got {mask.dtype}")
+    if not 2 <= mask.ndim <= 4:
+        raise ValueError(f"explain(mask=...): a dense mask is [q_len, kv_len], [heads, "
+                         f"q_len, kv_len] or [batch, heads, q_len, kv_len], got shape "
+                         f"{tuple(mask.shape)}")
+    if not isinstance(mask, jax.core.Tracer) and (mask.ndim < 4 or mask.shape[0] == 1):
+        import numpy as np
+        arr = np.asarray(mask)
+        return _dense.from_dense(arr[0] if arr.ndim == 4 else arr)
+    return RuntimeDense(mask)
+
+
+def _explain_runtime_dense(rd, call) -> str:
+    """explain() of a RuntimeDense: the backends, then per tier (and the bitmap) the
+    backend that would run it and its backward, and the tier this mask takes."""
+    from .lower.dense_runtime import RuntimeDenseMask
+    shape = tuple(rd.shape)
+    shape = (1,) * (4 - len(shape)) + shape
+    kw = (dict(dtype="bfloat16", head_dim=128, head_dim_v=128, num_heads=8, num_kv_heads=8)
+          if call is None else
+          dict(dtype=call.dtype, head_dim=call.head_dim, head_dim_v=call.head_dim_v,
+               num_heads=call.num_heads, num_kv_heads=call.num_kv_heads,
+               softcap=call.softcap, bias=call.bias))
+    parts = [(f"tier {i}: K = {t} run(s) per row / column",
+              RuntimeDenseMask(shape, "intervals", t, t)) for i, t in enumerate(rd.tiers)]
+    parts.append((f"bitmap (past {rd.tiers[-1]} runs in a row)",
+                  RuntimeDenseMask(shape, "bitmap")))
+    lines = ["backends, best first:"]
+    for b in backends():
+        why = _check(b, None)
+        lines.append(f"  {b.name}: {'available' if why is None else f'skipped: {why}'}")
+    lines.append(f"mask: {rd!r}: its runs are found on the device at each call; the "
+                 f"narrowest tier that holds every row runs (forward and backward)")
+    cute_up = "cute" in _REGISTRY and _check(get("cute"), None) is None
+    for label, rm in parts:
+        c = call_for(rm, **kw)
+        chosen = next((b.name for b in backends() if _check(b, c) is None), None)
+        lines.append(f"  {label}: runs on {chosen}; {explain_backward(c)}")
+        if chosen != "cute" and cute_up:
+            lines.append(f"    (cute: {_check(get('cute'), c)})")
+    if isinstance(rd.mask, jax.core.Tracer):
+        lines.append("  this mask: traced; its tier is chosen at run time "
+                     "(RuntimeDense.tier_index() gives it inside the step)")
+    else:
+        i = int(rd.tier_index())
+        lines.append(f"  this mask: {parts[i][0].split(':')[0]} (its rows alone; sequence "
+                     f"lengths or is_causal can only lower it)")
+    lines.append("preprocess: jnp on the call's device (lower/dense_runtime.py: the mask packed "
+                 "into words, its runs found from them; no metadata)")
     return "\n".join(lines)
 
 

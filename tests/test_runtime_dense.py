@@ -294,3 +294,34 @@ def test_registry_runs_the_tiers_on_cute_and_the_bitmap_on_xla(caplog):
         assert names == ("xla",) * 3
     finally:
         backends.register(real)
+
+
+def test_explain_takes_dense_masks():
+    """explain(mask=...) takes a dense mask as mask_attention does: a RuntimeDense (or a
+    traced / per-sequence array) tier by tier with the backend of each and the tier this
+    mask takes; a concrete shared array as its from_dense mask; with the CuTe kernels
+    marked available the tiers name cute and the bitmap says why it stays on xla."""
+    m = jnp.tril(jnp.ones((1, 1, 64, 64), bool))
+    real = backends.get("cute")
+    backends.register(dataclasses.replace(real, available=lambda: None))
+    try:
+        text = backends.explain(mask=jcm.runtime_dense(m))
+        assert "tier 0: K = 1 run(s) per row / column: runs on cute" in text
+        assert "tier 1: K = 8 run(s) per row / column: runs on cute" in text
+        assert "bitmap (past 8 runs in a row): runs on xla" in text
+        assert "(cute: a dense mask kept as a bitmap" in text
+        assert "this mask: tier 0" in text
+        assert "this mask: bitmap" in backends.explain(
+            mask=jcm.runtime_dense(jnp.asarray(_row_runs_mask(11, 64, 1, 1)), (1, 4)))
+    finally:
+        backends.register(real)
+    per_seq = jnp.concatenate([m, m & (jnp.arange(64) != 10)[None, None, None, :]], axis=0)
+    assert "tier 1" in backends.explain(mask=per_seq)          # 2 runs in some row
+    seen = []
+    jax.jit(lambda a: seen.append(backends.explain(mask=a)) or 0)(m)
+    assert "this mask: traced" in seen[0]
+    assert "DenseMask" in backends.explain(mask=np.tril(np.ones((64, 64), bool)))
+    with pytest.raises(TypeError, match="boolean"):
+        backends.explain(mask=jnp.zeros((4, 4)))
+    with pytest.raises(ValueError, match="shape"):
+        backends.explain(mask=jnp.zeros((4,), bool))
