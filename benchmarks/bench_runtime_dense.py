@@ -1,5 +1,6 @@
 """The parts of a run-time dense mask's preprocess (``jcompilemask.lower.dense_runtime``),
-timed alone: packing the rows and the columns, the run tables, and the whole plan that
+timed alone: packing the rows and the columns, the run tables (K 8 by a search per slot;
+K 1 and the counts by one reduction), and the whole plan that
 ``mask_attention`` builds (every tier's descriptor and the bitmap's), on the packed
 causal documents mask of ``documents_traced`` (benchmarks/workloads.py).
 
@@ -40,6 +41,7 @@ def parts(n, batch, heads=W.HEADS, head_dim=W.HEAD_DIM):
     runs = jax.jit(lambda m: R.dense_runs(m, 8, 8)[:6])
     row_words = rows(arr)
     tables = jax.jit(lambda w: R.runs_from_words(w, 8))
+    first = jax.jit(R.first_runs_from_words)
     plan = jax.jit(lambda m: runtime_dense_plan(q, q, jcm.runtime_dense(m))[::2])
     from jcompilemask.lower.preprocess import tile_states_from_intervals
     rs, rl = tables(row_words)[:2]
@@ -49,6 +51,7 @@ def parts(n, batch, heads=W.HEADS, head_dim=W.HEAD_DIM):
                                     for bq, bk in ((128, 128), (64, 128))])
     return arr, {"pack_rows": lambda: rows(arr), "pack_cols": lambda: cols(arr),
                  "row_tables_from_words": lambda: tables(row_words),
+                 "row_first_runs_from_words": lambda: first(row_words),
                  "tile_states_words_2cfg": lambda: st_words(row_words),
                  "tile_states_intervals_2cfg": lambda: st_iv(rs, rl),
                  "dense_runs_k8": lambda: runs(arr), "plan": lambda: plan(arr)}

@@ -13,13 +13,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 
 import jcompilemask as jcm
 from jcompilemask import backends
 from jcompilemask.attention.api import runtime_dense_plan
 from jcompilemask.lower.dense import _bitmap_tile_states, _runs
-from jcompilemask.lower.dense_runtime import (RuntimeDense, RuntimeDenseMask, dense_runs, pack_words,
+from jcompilemask.lower.dense_runtime import (RuntimeDense, RuntimeDenseMask, dense_runs,
+                                              first_runs_from_words, pack_words,
                                               runs_from_words, tile_states_from_words)
 from jcompilemask.testing import reference_attention
 
@@ -60,6 +61,49 @@ def test_runs_match_numpy(m, k):
     bits = (np.asarray(words)[..., None] >> np.arange(32, dtype=np.uint32)) & 1
     np.testing.assert_array_equal(bits.reshape(m.shape[:3] + (-1,))[..., :m.shape[-1]], m)
     assert not bits.reshape(m.shape[:3] + (-1,))[..., m.shape[-1]:].any()
+
+
+@settings(max_examples=15)
+@given(masks())
+def test_first_runs_match_the_search(m):
+    """first_runs_from_words (one reduction) gives runs_from_words(words, 1) exactly, rows
+    and columns, all-False rows included."""
+    m = m.copy()
+    m[..., 0, :] = False
+    for words in (pack_words(m), pack_words(m, -2)):
+        got = jax.jit(first_runs_from_words)(words)
+        want = jax.jit(runs_from_words, static_argnums=1)(words, 1)
+        for a, b_ in zip(got, want):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b_))
+
+
+@settings(max_examples=6)
+@given(masks(), st.sampled_from([(1, 8), (1, 3, 8), (2, 8), (1,)]))
+@example(np.tril(np.ones((2, 1, 40, 40), bool)), (1, 8))          # index 0: zeros past it
+@example(np.tril(np.ones((2, 1, 40, 40), bool)) & (np.arange(40) != 7), (1, 8))   # index 1
+def test_plan_metadata_is_the_runs_of_its_tier(m, tiers):
+    """Each tier's metadata equals dense_runs' tables at its width when the index reaches
+    it (the wider tables are built under lax.cond); with a K = 1 first tier chosen, the
+    wider tiers' tables are zeros (they do not run) and the K = 1 tables are still exact."""
+    rd = RuntimeDense(jnp.asarray(m), tiers)
+    meta, index = jax.jit(lambda a: RuntimeDense(a, tiers).plan(a)[1:])(jnp.asarray(m))
+    index = int(index)
+    assert index == int(rd.tier_index())
+    masks_ = rd.plan(jnp.asarray(m))[0]
+    for cm, md in zip(masks_, meta):
+        if cm.layout == "bitmap":
+            assert set(md) == {"dense_bitmap"}
+            continue
+        k = cm.num_intervals
+        rs, rl, rc, cs, cl, cc, _ = dense_runs(m, k, k)
+        if k == 1 or index > 0 or tiers[0] > 1:
+            np.testing.assert_array_equal(md["row_starts"], rs)
+            np.testing.assert_array_equal(md["row_lens"], rl)
+            np.testing.assert_array_equal(md["col_starts"], cs)
+            np.testing.assert_array_equal(md["col_lens"], cl)
+        else:
+            assert not np.asarray(md["row_lens"]).any() and not np.asarray(md["col_lens"]).any()
+        np.testing.assert_array_equal(md["col_exact"], np.all(np.asarray(cc) <= k, axis=(1, 2)))
 
 
 @settings(max_examples=15)

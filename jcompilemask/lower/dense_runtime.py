@@ -11,7 +11,9 @@ mask) is a tracer there; this module turns it into descriptors at run time:
    run starts are the bits ``w & ~(w << 1)``, the ends ``~w & (w << 1)`` (carrying bit 31
    of the previous word); the m-th start is found by a binary search over the per-row
    cumulative popcounts, then a 5-step search for the bit within its word. O(Nq * Nk / 32
-   + Nq * K * log(Nk)) work per head; no O(Nq * Nk) int32 temporaries.
+   + Nq * K * log(Nk)) work per head; no O(Nq * Nk) int32 temporaries. The first run and
+   the run count need no search (:func:`first_runs_from_words`: one reduction), so a
+   mask that fits one run per row never builds the wider tables (``lax.cond``).
 3. :class:`RuntimeDenseMask` holds a static shape and width: in its ``"intervals"`` layout
    the tables are the runs (exact for rows with at most K runs, columns with at most Kc:
    ``bwd_exact`` is False for a sequence with a longer column, whose backward then checks
@@ -37,8 +39,9 @@ from .compiled import resolve_tiles
 from .dense import BITMAP_KEY, DenseMask, _no_classes, _pack_bits
 from .descriptor import COMPUTE, MASKED, ExecutionDescriptor, pack_tiles
 
-__all__ = ["pack_words", "transpose_words", "runs_from_words", "dense_runs", "RuntimeDenseMask", "RuntimeDense",
-           "runtime_dense", "DEFAULT_TIERS", "tile_states_from_words"]
+__all__ = ["pack_words", "transpose_words", "runs_from_words", "first_runs_from_words",
+           "dense_runs", "RuntimeDenseMask", "RuntimeDense", "runtime_dense", "DEFAULT_TIERS",
+           "tile_states_from_words"]
 
 I32, U32 = jnp.int32, jnp.uint32
 _WORD = 32
@@ -198,6 +201,34 @@ def runs_from_words(words, k: int):
     live = lax.broadcasted_iota(I32, start_pos.shape, start_pos.ndim - 1) < count[..., None]
     starts = jnp.where(live, start_pos, 0)
     return starts, jnp.where(live, end_pos - start_pos, 0), count
+
+
+def first_runs_from_words(words):
+    """:func:`runs_from_words` at ``k = 1``, without its scan and searches: the first run
+    start is the lowest set start bit of the row and its end the lowest end bit (no run
+    ends before the first starts), each a min over the words of ``32 j + ctz(word)``; the
+    count is the popcount sum. One reduction over the words: ``(starts, lens, count)``,
+    int32 [..., 1], [..., 1], [...].
+
+    >>> import numpy as np
+    >>> row = np.array([0, 1, 1, 0, 1, 0, 0, 1], bool)
+    >>> s, l, c = first_runs_from_words(pack_words(row))
+    >>> s.tolist(), l.tolist(), int(c)
+    ([1], [2], 3)
+    """
+    start_bits, end_bits = _run_edges(words)
+    base = lax.broadcasted_iota(I32, start_bits.shape, start_bits.ndim - 1) * _WORD
+    big = jnp.iinfo(I32).max
+
+    def lowest(bits):
+        ctz = lax.population_count((bits & (~bits + U32(1))) - U32(1)).astype(I32)
+        return jnp.min(jnp.where(bits != U32(0), base + ctz, big), axis=-1)
+
+    count = jnp.sum(lax.population_count(start_bits).astype(I32), axis=-1)
+    start, end = lowest(start_bits), lowest(end_bits)
+    live = count > 0
+    start = jnp.where(live, start, 0)
+    return start[..., None], jnp.where(live, end - start, 0)[..., None], count
 
 
 def dense_runs(mask, k: int, kc: int):
@@ -489,13 +520,43 @@ class RuntimeDense:
         masking): ``(masks, metadata, index)``: one :class:`RuntimeDenseMask` per tier and
         the bitmap last, each one's metadata, and the int32 index of the one to run (the
         narrowest tier that holds every row's runs; the bitmap past the widest; under
-        ``vmap``, one index for every mapped mask, the widest any of them needs)."""
+        ``vmap``, one index for every mapped mask, the widest any of them needs).
+
+        The run counts and a K = 1 tier's tables come from one reduction over the packed
+        words (:func:`first_runs_from_words`); the wider tiers' tables (a scan and a
+        search per slot, :func:`runs_from_words`) are built under ``lax.cond`` only when
+        the index is past a K = 1 first tier, and are zeros otherwise (their tier does
+        not run)."""
         shape = tuple(mask4.shape)
-        runs = dense_runs(mask4, self.tiers[-1], self.tiers[-1])
+        words, cwords = pack_words(mask4, -1), pack_words(mask4, -2)
+        rs1, rl1, rc = first_runs_from_words(words)
+        cs1, cl1, cc = first_runs_from_words(cwords)
+        index = _tier(self.tiers, rc, one_for_vmap=True)
+        kw = self.tiers[-1]
+        wide = None
+        if kw > 1:
+            def tables():
+                rs, rl, _ = runs_from_words(words, kw)
+                cs, cl, _ = runs_from_words(cwords, kw)
+                return rs, rl, cs, cl
+
+            if self.tiers[0] == 1:
+                shapes = jax.eval_shape(tables)
+                wide = lax.cond(index > 0, tables,
+                                lambda: tuple(jnp.zeros(a.shape, a.dtype) for a in shapes))
+            else:
+                wide = tables()
         masks = [RuntimeDenseMask(shape, "intervals", t, t) for t in self.tiers]
         masks.append(RuntimeDenseMask(shape, "bitmap"))
-        return (masks, [m.metadata_from_runs(runs) for m in masks],
-                _tier(self.tiers, runs[2], one_for_vmap=True))
+        metadata = []
+        for m in masks:
+            if m.layout == "intervals" and m.num_intervals == 1:
+                runs = (rs1, rl1, rc, cs1, cl1, cc, words)
+            else:
+                rs, rl, cs, cl = wide if wide is not None else (rs1, rl1, cs1, cl1)
+                runs = (rs, rl, rc, cs, cl, cc, words)
+            metadata.append(m.metadata_from_runs(runs))
+        return masks, metadata, index
 
 
 def runtime_dense(mask, tiers=DEFAULT_TIERS) -> RuntimeDense:
