@@ -564,7 +564,8 @@ def test_bench_glue_times_the_xla_passes_on_cpu(tmp_path):
     assert [r["impl"] for r in recs] == ["xla-prep", "xla-post", "cute-post"]
     for r in recs[:2]:
         assert "error" not in r, r
-        assert r["us"] > 0 and r["gbytes"] > 0 and r["tb_per_s"] > 0 and "run" in r
+        # tb_per_s is rounded: on a loaded CPU at these sizes it can read 0.0
+        assert r["us"] > 0 and r["gbytes"] > 0 and r["tb_per_s"] >= 0 and "run" in r
     assert recs[0]["gbytes"] == round(256 * 8 * 128 * 8 / 1e9, 4)
     assert "error" in recs[2]
     assert len(json.loads(out.read_text())["records"]) == 3
