@@ -176,23 +176,29 @@ def test_spec_with_metadata_on_one_device():
     f = jax.shard_map(lambda a: jcm.mask_attention(a, a, a, spec, metadata=md,
                                                    context_axis="cp"),
                       mesh=mesh, in_specs=P(None, "cp"), out_specs=P(None, "cp"))
-    ref = jcm.mask_attention(q, q, q, spec, metadata=md)
+    ref = jax.jit(lambda a: jcm.mask_attention(a, a, a, spec, metadata=md))(q)
     np.testing.assert_allclose(np.asarray(f(q)), np.asarray(ref), atol=1e-5)
 
 
 _EAGER = r'''
 import os
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+# XLA's CPU backend at optimization level 0 (as in the suite): op by op, each op is its own
+# compiled program.
+os.environ["XLA_FLAGS"] = ("--xla_force_host_platform_device_count=2 "
+                           "--xla_backend_optimization_level=0")
 import jax, jax.numpy as jnp, numpy as np, jcompilemask as jcm
 from jax.sharding import Mesh, PartitionSpec as P
 mesh = Mesh(np.array(jax.devices()[:2]), ("cp",))
 x = jax.random.normal(jax.random.key(0), (1, 64, 2, 8))
 for spec, md in ((jcm.masks.prefix_lm(), {"prefix_len": np.array([20], np.int32)}),
                  (jcm.masks.dilated_window(9, dilation=2), None)):
+    # the single-device values to compare with, jitted (one program each)
+    want_out = jax.jit(lambda a: jcm.mask_attention(a, a, a, spec, metadata=md))(x)
+    want = jax.jit(jax.grad(lambda a: jcm.mask_attention(a, a, a, spec, metadata=md).sum()))(x)
     f = jax.shard_map(lambda a: jcm.mask_attention(a, a, a, spec, metadata=md,
                                                    context_axis="cp"),
                       mesh=mesh, in_specs=P(None, "cp"), out_specs=P(None, "cp"))
-    err = float(jnp.abs(f(x) - jcm.mask_attention(x, x, x, spec, metadata=md)).max())
+    err = float(jnp.abs(f(x) - want_out).max())
     assert err < 1e-5, err
     # gradients of the unjitted shard_map: jax.grad's JVP trace sits above the shard_map's
     # and passes the preprocess's ops down to it one by one (the same crash without the fix)
@@ -204,7 +210,6 @@ for spec, md in ((jcm.masks.prefix_lm(), {"prefix_len": np.array([20], np.int32)
         with jax.set_mesh(mesh):
             got = jax.grad(lambda a: g(a).sum())(xs)
         if axis:
-            want = jax.grad(lambda a: jcm.mask_attention(a, a, a, spec, metadata=md).sum())(x)
             err = float(jnp.abs(got - want).max())
             assert err < 1e-4, err
 print("EAGER OK")

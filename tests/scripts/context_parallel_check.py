@@ -16,7 +16,7 @@ os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8 --xla_backen
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.sharding import Mesh, PartitionSpec as P  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import jcompilemask as jcm  # noqa: E402
 from jcompilemask import parallel as par  # noqa: E402
@@ -100,6 +100,22 @@ CASES += [
 ]
 
 
+@jax.jit
+def references(dense, q, k, v, do):
+    """Forward and gradients of the dense reference at both precisions of the tolerance
+    policy ("high" on float32 copies, "input" in the inputs' dtype), lse in jax's layout
+    [B, N, H] as return_residual gives it. One program, compiled once per shape and dtype
+    (the mask is an argument): the cases at one length share it."""
+    def at(prec, a, b_, c):
+        def f(a, b_, c):
+            out, lse = reference_attention(a, b_, c, dense, precision=prec)
+            return out, jnp.swapaxes(lse, 1, 2)
+        (out, lse), pull = jax.vjp(f, a, b_, c)
+        return out, lse, pull((do.astype(out.dtype), jnp.zeros_like(lse)))
+    f32 = lambda x: x.astype(jnp.float32)   # noqa: E731
+    return at("high", f32(q), f32(k), f32(v)), at("input", q, k, v)
+
+
 def run_case(name, mask, p, n, tile, kind, dtype, traced):
     rng = np.random.default_rng(sum(map(ord, name)))
     spec = {**BUILTINS, **EXTRA}[mask]
@@ -137,29 +153,24 @@ def run_case(name, mask, p, n, tile, kind, dtype, traced):
                                                 context_layout=layout, return_residual=True),
             mesh=mesh, in_specs=(seq, seq, seq), out_specs=(seq, seq))
 
-    def cp(a, b_, c):
-        perm = lambda x: par.permute_sequence(x, chunks)   # noqa: E731
-        out, lse = attend(perm(a), perm(b_), perm(c))
-        return par.unpermute_sequence(out, chunks), par.unpermute_sequence(lse, chunks)
-
-    def with_grads(f):
+    def with_grads(f, dout):
         def g(a, b_, c):
             (out, lse), pull = jax.vjp(f, a, b_, c)
-            return out, lse, pull((do.astype(out.dtype), jnp.zeros_like(lse)))
+            return out, lse, pull((dout.astype(out.dtype), jnp.zeros_like(lse)))
         return jax.jit(g)
 
-    out, lse, grads = with_grads(cp)(qx, kx, vx)
+    # The sequences are put in the layout on the host, before sharding (as
+    # permute_sequence's doc says to); the ring's results and gradients are put back in
+    # the original order. (Permuting inside the jitted program makes XLA reshard the
+    # chunks between devices: at 8 devices most of the program's compile time.)
+    perm = lambda x: par.permute_sequence(np.asarray(x), chunks)   # noqa: E731
+    shard = lambda x: jax.device_put(perm(x), NamedSharding(mesh, seq))   # noqa: E731
+    out, lse, grads = with_grads(attend, shard(do))(shard(qx), shard(kx), shard(vx))
+    out, lse, *grads = (par.unpermute_sequence(np.asarray(x), chunks)
+                        for x in (out, lse, *grads))
     single = lambda a, b_, c: jcm.mask_attention(a, b_, c, desc, return_residual=True)  # noqa: E731
-    s_out, s_lse, s_grads = with_grads(single)(qx, kx, vx)
-    dense = desc.as_dense()
-    def ref(prec):          # lse in jax's layout [B, N, H], as return_residual gives it
-        def f(a, b_, c):
-            out, lse = reference_attention(a, b_, c, dense, precision=prec)
-            return out, jnp.swapaxes(lse, 1, 2)
-        return f
-    f32 = lambda x: x.astype(jnp.float32)   # noqa: E731
-    hi = with_grads(ref("high"))(f32(qx), f32(kx), f32(vx))
-    lo = with_grads(ref("input"))(qx, kx, vx)
+    s_out, s_lse, s_grads = with_grads(single, do)(qx, kx, vx)
+    hi, lo = references(desc.as_dense(), qx, kx, vx, do)
     assert out.dtype == dtype and grads[0].dtype == dtype
     for what, a, h, l_, s in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads),
                                  (hi[0], hi[1], *hi[2]), (lo[0], lo[1], *lo[2]),

@@ -1,11 +1,12 @@
 """Run in a subprocess by tests/test_sharding.py (8 host devices must be set before JAX
 starts): ``mask_attention`` under a plain ``jax.jit`` whose q, k, v are sharded over a
-2 x 4 mesh along the batch, the heads, or both, for every built-in mask, random lowered
-specs, a per-head mask, a mask with fallback regions and a dilated window (residue
-classes). Forward (out, lse) and gradients are within the tolerance policy of the dense
-reference and agree with the single-device call; the compiled HLO of every sharded
-layout has no collective at all (so in particular no all-gather or all-to-all of q, k,
-v). Prints ``OK <cases>``."""
+2 x 4 mesh along the batch and the heads together (every mask) and along the batch or the
+heads alone (one mask of each descriptor structure, ``EVERY_LAYOUT``), for every built-in
+mask, random lowered specs, a per-head mask, a mask with fallback regions and a dilated
+window (residue classes). Forward (out, lse) and gradients are within the tolerance
+policy of the dense reference and agree with the single-device call; the compiled HLO of
+every sharded layout has no collective at all (so in particular no all-gather or
+all-to-all of q, k, v). Prints ``OK <cases>``."""
 import os
 import re
 import sys
@@ -32,14 +33,20 @@ TILES = dict(block_q=16, block_kv=16, bwd_block_q=16, bwd_block_kv=16)
 COLLECTIVE = re.compile(r"\b(all-gather|all-to-all|all-reduce|reduce-scatter|"
                         r"collective-permute|collective-broadcast)\b")
 mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
-BUILTIN = ("causal", "full", "sliding_window", "chunked_causal", "prefix_lm", "document",
-           "document_bidir", "hstu", "shared_prompt", "clear")
+# The masks also run under the batch-only and heads-only layouts: one of each descriptor
+# structure that the partitioning rules read (the descriptor's batch, mask heads and
+# classes): shared by the batch (causal), per sequence with one interval a row (document)
+# and with the most (clear: 6 forward, 7 column intervals), residue classes (dilated) and
+# per-class descriptors (document_dilated2). The other built-ins have one of these
+# structures (full, sliding_window and chunked_causal causal's; prefix_lm, document_bidir,
+# hstu and shared_prompt document's and clear's), so they run under batch x heads only.
+EVERY_LAYOUT = ("causal", "document", "clear", "dilated", "document_dilated2")
 LAYOUTS = {"batch": P("data"), "heads": P(None, None, "model"),
            "batch_x_heads": P("data", None, "model")}
 
 
 def cases(rng):
-    specs = {"causal": jcm.masks.causal(), "full": jcm.masks.full(),   # BUILTIN's order
+    specs = {"causal": jcm.masks.causal(), "full": jcm.masks.full(),
              "sliding_window": jcm.masks.sliding_window(9, 3, sinks=2),
              "chunked_causal": jcm.masks.chunked_causal(20), "prefix_lm": jcm.masks.prefix_lm(),
              "document": jcm.masks.document(), "document_bidir": jcm.masks.document(False),
@@ -104,8 +111,7 @@ def main():
         desc = jcm.compile(spec).instantiate(md, N, N, **TILES)
         hi, lo = jax.jit(references)(qx, kx, vx, desc.as_dense(), do)
         single = jax.jit(attend_and_grad)(qx, kx, vx, desc, do)
-        # Each built-in under every layout; the other masks under batch x heads only.
-        layouts = (LAYOUTS if name in BUILTIN + ("dilated", "document_dilated2")
+        layouts = (LAYOUTS if name in EVERY_LAYOUT
                    else {"batch_x_heads": LAYOUTS["batch_x_heads"]})
         if "dilated" in name:
             assert isinstance(desc, jcm.ClassDescriptor), desc
