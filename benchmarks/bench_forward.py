@@ -178,14 +178,6 @@ def bench_masks(ns, masks, variants=(("", {}),), save=None) -> list[dict]:
     return records
 
 
-def _device_name() -> str:
-    """The device the records were measured on (an H100 stands in when no H200 is lent:
-    the file says which)."""
-    import jax
-
-    return str(jax.devices()[0].device_kind)
-
-
 def _merge(path, records):
     """Replace records of the same (mask, n, impl) in an existing results file."""
     old = []
@@ -256,11 +248,13 @@ def main():
     if args.bench:
         records += bench_jcm(ns)
     def save(recs):
+        import jax
+
         os.makedirs(os.path.dirname(args.out), exist_ok=True)
         merged = _merge(args.out, recs)
         with open(args.out, "w") as f:
-            json.dump({"device": _device_name(), "run": clocks.run_id(), "records": merged},
-                      f, indent=1)
+            json.dump({"device": str(jax.devices()[0].device_kind), "run": clocks.run_id(),
+                       "records": merged}, f, indent=1)
 
     if args.masks:
         from bench_total import parse_variants

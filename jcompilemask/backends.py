@@ -345,6 +345,20 @@ def explain(call: Call | None = None, mask=None) -> str:
         if call is None:
             call = call_for(cm, dtype="bfloat16", head_dim=128, head_dim_v=128, num_heads=8,
                             num_kv_heads=8)
+    lines, chosen = _backend_lines(call)
+    if call is not None:
+        lines.append(f"chosen: {chosen}" + (_padding_note(call) if chosen == "cute" else ""))
+        if chosen is not None:
+            lines.append(explain_backward(call))
+    if cm is not None:
+        lines += _explain_regions(cm, chosen, call)
+    lines += _explain_preprocess()
+    return "\n".join(lines)
+
+
+def _backend_lines(call):
+    """explain()'s backend list for ``call`` (None: availability alone) and the name of
+    the first backend that takes it."""
     lines = ["backends, best first:"]
     chosen = None
     for b in backends():
@@ -356,14 +370,7 @@ def explain(call: Call | None = None, mask=None) -> str:
         if why is None and note:
             status += f" ({note})"
         lines.append(f"  {b.name}: {status}")
-    if call is not None:
-        lines.append(f"chosen: {chosen}" + (_padding_note(call) if chosen == "cute" else ""))
-        if chosen is not None:
-            lines.append(explain_backward(call))
-    if cm is not None:
-        lines += _explain_regions(cm, chosen, call)
-    lines += _explain_preprocess()
-    return "\n".join(lines)
+    return lines, chosen
 
 
 def _dense_for_explain(mask):
@@ -402,10 +409,7 @@ def _explain_runtime_dense(rd, call) -> str:
               RuntimeDenseMask(shape, "intervals", t, t)) for i, t in enumerate(rd.tiers)]
     parts.append((f"bitmap (past {rd.tiers[-1]} runs in a row)",
                   RuntimeDenseMask(shape, "bitmap")))
-    lines = ["backends, best first:"]
-    for b in backends():
-        why = _check(b, None)
-        lines.append(f"  {b.name}: {'available' if why is None else f'skipped: {why}'}")
+    lines = _backend_lines(None)[0]
     lines.append(f"mask: {rd!r}: its runs are found on the device at each call; the "
                  f"narrowest tier that holds every row runs (forward and backward)")
     cute_up = "cute" in _REGISTRY and _check(get("cute"), None) is None

@@ -512,8 +512,7 @@ class RuntimeDense:
         """
         m = jnp.asarray(self.mask, bool)
         m = m.reshape((1,) * (4 - m.ndim) + m.shape) if m.ndim < 4 else m
-        starts = _run_edges(pack_words(m))[0]
-        return _tier(self.tiers, jnp.sum(lax.population_count(starts).astype(I32), axis=-1))
+        return _tier(self.tiers, first_runs_from_words(pack_words(m))[2])
 
     def plan(self, mask4):
         """For the bool [B, Hm, Nq, Nk] ``mask4`` (this mask combined with the call's other
@@ -532,30 +531,26 @@ class RuntimeDense:
         rs1, rl1, rc = first_runs_from_words(words)
         cs1, cl1, cc = first_runs_from_words(cwords)
         index = _tier(self.tiers, rc, one_for_vmap=True)
+        runs1 = (rs1, rl1, rc, cs1, cl1, cc, words)
+        runs_wide = runs1                  # the bitmap reads only the words
         kw = self.tiers[-1]
-        wide = None
         if kw > 1:
             def tables():
                 rs, rl, _ = runs_from_words(words, kw)
                 cs, cl, _ = runs_from_words(cwords, kw)
                 return rs, rl, cs, cl
 
-            if self.tiers[0] == 1:
-                shapes = jax.eval_shape(tables)
-                wide = lax.cond(index > 0, tables,
-                                lambda: tuple(jnp.zeros(a.shape, a.dtype) for a in shapes))
-            else:
-                wide = tables()
+            def zeros():
+                r = jnp.zeros(words.shape[:-1] + (kw,), I32)
+                c = jnp.zeros(cwords.shape[:-1] + (kw,), I32)
+                return r, r, c, c
+
+            rs, rl, cs, cl = lax.cond(index > 0, tables, zeros) if self.tiers[0] == 1 else tables()
+            runs_wide = (rs, rl, rc, cs, cl, cc, words)
         masks = [RuntimeDenseMask(shape, "intervals", t, t) for t in self.tiers]
         masks.append(RuntimeDenseMask(shape, "bitmap"))
-        metadata = []
-        for m in masks:
-            if m.layout == "intervals" and m.num_intervals == 1:
-                runs = (rs1, rl1, rc, cs1, cl1, cc, words)
-            else:
-                rs, rl, cs, cl = wide if wide is not None else (rs1, rl1, cs1, cl1)
-                runs = (rs, rl, rc, cs, cl, cc, words)
-            metadata.append(m.metadata_from_runs(runs))
+        metadata = [m.metadata_from_runs(runs1 if m.layout == "intervals" and m.num_intervals == 1
+                                         else runs_wide) for m in masks]
         return masks, metadata, index
 
 
