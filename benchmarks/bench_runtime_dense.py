@@ -23,31 +23,6 @@ import timing  # noqa: E402
 import workloads as W  # noqa: E402
 
 
-def transpose_words_or(words, n_rows: int, n_cols: int):
-    """Candidate for ``dense_runtime.transpose_words`` (the column pack), timed beside it:
-    each output word built in one pass, bit r of column c's word = bit c of row r's, as
-    an OR over the block's 32 row words (32 shift-and-mask steps per word, one fusion for
-    XLA) where the library's runs five rounds of masked swaps over whole arrays."""
-    import jax.numpy as jnp
-    from jax import lax
-
-    u32 = jnp.uint32
-    w = words.shape[-1]
-    wq = -(-n_rows // 32)
-    lead = words.shape[:-2]
-    if wq * 32 != n_rows:
-        words = jnp.pad(words, [(0, 0)] * len(lead) + [(0, wq * 32 - n_rows), (0, 0)])
-    x = words.reshape(lead + (wq, 32, w, 1))                  # [..., Wq, r, W, 1]
-    pre = (1,) * (x.ndim - 3)
-    c = lax.broadcasted_iota(u32, pre + (32, 1, 32), len(pre) + 2)   # [r, 1, c]: column in word
-    r = lax.broadcasted_iota(u32, pre + (32, 1, 32), len(pre))
-    bits = ((x >> c) & u32(1)) << r                            # [..., Wq, r, W, c]
-    out = lax.reduce(bits, u32(0), lax.bitwise_or, (bits.ndim - 3,))
-    # out[..., i, j, c]: column 32 j + c's bits of rows 32 i .. 32 i + 31
-    cols = jnp.moveaxis(out, -3, -1).reshape(lead + (w * 32, wq))
-    return cols[..., :n_cols, :]
-
-
 def parts(n, batch, heads=W.HEADS, head_dim=W.HEAD_DIM):
     """{name: zero-argument callable} of the preprocess parts on one mask."""
     import jax
@@ -63,7 +38,6 @@ def parts(n, batch, heads=W.HEADS, head_dim=W.HEAD_DIM):
     q = jnp.zeros((batch, n, heads, head_dim), jnp.bfloat16)
     rows = jax.jit(lambda m: R.pack_words(m, -1))
     cols = jax.jit(lambda m: R.pack_words(m, -2))
-    cols_or = jax.jit(lambda m: transpose_words_or(R.pack_words(m, -1), n, n))
     runs = jax.jit(lambda m: R.dense_runs(m, 8, 8)[:6])
     row_words = rows(arr)
     tables = jax.jit(lambda w: R.runs_from_words(w, 8))
@@ -75,10 +49,7 @@ def parts(n, batch, heads=W.HEADS, head_dim=W.HEAD_DIM):
                                   for bq, bk in ((128, 128), (64, 128))])
     st_iv = jax.jit(lambda s_, l_: [tile_states_from_intervals(s_, l_, n, n, bq, bk)
                                     for bq, bk in ((128, 128), (64, 128))])
-    if not bool(jnp.all(cols_or(arr) == cols(arr))):
-        raise AssertionError("transpose_words_or differs from pack_words(mask, -2)")
     return arr, {"pack_rows": lambda: rows(arr), "pack_cols": lambda: cols(arr),
-                 "pack_cols_or32": lambda: cols_or(arr),
                  "row_tables_from_words": lambda: tables(row_words),
                  "row_first_runs_from_words": lambda: first(row_words),
                  "tile_states_words_2cfg": lambda: st_words(row_words),
