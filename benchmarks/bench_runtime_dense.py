@@ -49,7 +49,26 @@ def parts(n, batch, heads=W.HEADS, head_dim=W.HEAD_DIM):
                                   for bq, bk in ((128, 128), (64, 128))])
     st_iv = jax.jit(lambda s_, l_: [tile_states_from_intervals(s_, l_, n, n, bq, bk)
                                     for bq, bk in ((128, 128), (64, 128))])
-    return arr, {"pack_rows": lambda: rows(arr), "pack_cols": lambda: cols(arr),
+    fns = {}
+    if jcm.backends.get("cute").available() is None:
+        # the column pack in one CuTe kernel (glue.TransposeWords), checked equal first,
+        # and the plan with it ($JCOMPILEMASK_CUTE_TRANSPOSE_WORDS=1, read while tracing)
+        from jcompilemask.kernels.cute import api as cute_api
+        cols_k = jax.jit(lambda m: cute_api.transpose_words(R.pack_words(m, -1), n, n))
+        if not bool(jnp.all(cols_k(arr) == cols(arr))):
+            raise AssertionError("the CuTe column pack differs from pack_words(mask, -2)")
+        plan_k = jax.jit(lambda m: runtime_dense_plan(q, q, jcm.runtime_dense(m))[::2])
+        old = os.environ.get("JCOMPILEMASK_CUTE_TRANSPOSE_WORDS")
+        os.environ["JCOMPILEMASK_CUTE_TRANSPOSE_WORDS"] = "1"
+        try:
+            jax.block_until_ready(plan_k(arr))
+        finally:
+            if old is None:
+                os.environ.pop("JCOMPILEMASK_CUTE_TRANSPOSE_WORDS")
+            else:
+                os.environ["JCOMPILEMASK_CUTE_TRANSPOSE_WORDS"] = old
+        fns = {"pack_cols_kernel": lambda: cols_k(arr), "plan_kernel_cols": lambda: plan_k(arr)}
+    return arr, {**fns, "pack_rows": lambda: rows(arr), "pack_cols": lambda: cols(arr),
                  "row_tables_from_words": lambda: tables(row_words),
                  "row_first_runs_from_words": lambda: first(row_words),
                  "tile_states_words_2cfg": lambda: st_words(row_words),

@@ -94,6 +94,7 @@
 #                guard, then masks16 (dilated window 8K: default / hwlb / all / hi / persistent
 #                / persistent + dkv_staged / the register epilogues nt, ntv beside Flex+FA4),
 #                then ktimes (~590 s: JCM_STAGE_S=595)
+#   rdcols       the run-time dense column pack as one CuTe kernel: its GPU cases, then rdense both ways
 #   classes      issue 16: the dilated window as residue classes beside the residual lowering and Flex+FA4
 #   h200cands    issue 16 on the H200 (session 41's plan): the dilated window beside Flex+FA4 at 8K
 #                (default / prep / pz / post / hwlb / all / hi) then 32K (default / hi / prep /
@@ -875,6 +876,18 @@ PY
       --ns ${JCM_BENCH_NS:-8192} --out "$OUT/h200-runtime-dense-parts.json" > "$OUT/bench-rdparts.log" 2>&1
     echo "parts rc $? ($SECONDS s)"; cat "$OUT/bench-rdparts.log" | grep -E '^\{' | cut -c1-200
     JCM_BENCH_MASKS=documents,documents_traced JCM_BENCH_S=$(left ${JCM_RD_BENCH_S:-120}) bash "$0" jcmvar
+    ;;
+  rdcols)
+    # A run-time dense mask's column pack in one CuTe kernel (glue.TransposeWords, opt-in
+    # $JCOMPILEMASK_CUTE_TRANSPOSE_WORDS=1): its GPU cases (bit for bit against XLA's pack,
+    # under vmap, attention with and without it), then rdense with the plan and the step
+    # both ways (tw). JCM_RDC_TESTS_S splits the stage.
+    export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
+    JCM_STAGE_S=$(left ${JCM_RDC_TESTS_S:-120}) JCM_PAR=${JCM_PAR:-2} JCM_PAR_ONLY='transpose_words' \
+      JCM_PAR_FILES="tests/gpu/test_cute_runtime_dense.py tests/gpu/test_cute_glue.py" \
+      OUT=$OUT/tw bash "$0" hdimspar
+    JCM_STAGE_S=$(left 200) JCM_RD_PARTS_S=${JCM_RD_PARTS_S:-70} JCM_RD_BENCH_S=${JCM_RD_BENCH_S:-100} \
+      JCM_MASKS16_VARIANTS='base=;tw=JCOMPILEMASK_CUTE_TRANSPOSE_WORDS=1' bash "$0" rdense
     ;;
   classes)
     # Issue 16: the dilated window as residue classes (lower/classes.py: (q - k) % 2 == 0 in

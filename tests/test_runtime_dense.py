@@ -365,3 +365,77 @@ def test_explain_takes_dense_masks():
         backends.explain(mask=jnp.zeros((4, 4)))
     with pytest.raises(ValueError, match="shape"):
         backends.explain(mask=jnp.zeros((4,), bool))
+
+
+def _transpose_kernel_twin(words3, n_cols):
+    """numpy twin of ``kernels/cute/glue.TransposeWords`` (the GPU column pack), step for
+    step: per CTA (256-row x 8-word tile) each of its 256 threads loads its row's 8 words,
+    each warp's lanes run the five butterfly rounds (the shuffle partner is lane ^ s), the
+    words meet in the shared tile [256 columns, 8 row words], and thread t stores element
+    i 256 + t of it. The kernel itself runs in tests/gpu/test_cute_runtime_dense.py."""
+    bh, nr, w = words3.shape
+    wq = -(-nr // 32)
+    out = np.zeros((bh, n_cols, wq), np.uint32)
+    tid = np.arange(256)
+    warp, lane = tid // 32, tid % 32
+    rounds = ((16, 0x0000FFFF), (8, 0x00FF00FF), (4, 0x0F0F0F0F), (2, 0x33333333),
+              (1, 0x55555555))
+    for b in range(bh):
+        for rt in range(-(-wq // 8)):
+            for wt in range(-(-w // 8)):
+                row, w0 = rt * 256 + tid, wt * 8
+                x = np.zeros((256, 8), np.uint32)
+                for j in range(min(8, w - w0)):
+                    ok = row < nr
+                    x[ok, j] = words3[b, row[ok], w0 + j]
+                for s, m in rounds:
+                    y = x[(warp * 32 + (lane ^ s))]                 # shuffle_sync_bfly
+                    up = ((lane & s) != 0)[:, None]
+                    m, ms = np.uint32(m), np.uint32((m << s) & 0xFFFFFFFF)
+                    x = np.where(up, (x & ~m) | ((y >> np.uint32(s)) & m),
+                                 (x & ~ms) | ((y << np.uint32(s)) & ms))
+                sc = np.zeros((256, 8), np.uint32)
+                for j in range(8):
+                    sc[j * 32 + lane, warp] = x[:, j]
+                for i in range(8):
+                    f = i * 256 + tid
+                    c, kk = f // 8, f % 8
+                    ok = (wt * 256 + c < n_cols) & (rt * 8 + kk < wq)
+                    out[b, wt * 256 + c[ok], rt * 8 + kk[ok]] = sc[c[ok], kk[ok]]
+    return out
+
+
+@pytest.mark.parametrize("lead,nr,nc", [((2,), 700, 700), ((1,), 256, 300), ((2,), 33, 1000),
+                                        ((1,), 1025, 40), ((1,), 1, 1)])
+def test_transpose_kernel_twin_is_the_jnp_pack(lead, nr, nc):
+    """The GPU column pack's algorithm and indexing (its numpy twin) against
+    ``transpose_words`` and the pack of the transposed mask: ragged rows, columns and
+    tiles."""
+    from jcompilemask.lower.dense_runtime import transpose_words
+    m = np.random.default_rng(nr + nc).random(lead + (nr, nc)) < 0.4
+    words = np.asarray(pack_words(m, -1))
+    got = _transpose_kernel_twin(words, nc)
+    np.testing.assert_array_equal(got, np.asarray(transpose_words(words, nr, nc)))
+    np.testing.assert_array_equal(got, np.asarray(pack_words(np.swapaxes(m, -1, -2), -1)))
+
+
+def test_plan_takes_a_column_pack():
+    """``RuntimeDense.plan(transpose=...)`` packs the columns with the function given (as
+    mask_attention passes the CuTe kernel's) and gives the same plan."""
+    from jcompilemask.lower.dense_runtime import transpose_words
+    m = jnp.asarray(np.random.default_rng(2).random((2, 1, 100, 70)) < 0.3)
+    calls = []
+
+    def twin(words, nr, nc):
+        calls.append((words.shape, nr, nc))
+        lead = words.shape[:-2]
+        return jnp.asarray(_transpose_kernel_twin(
+            np.asarray(words).reshape((-1,) + words.shape[-2:]), nc).reshape(
+                lead + (nc, -(-nr // 32))))
+    rd = jcm.runtime_dense(m)
+    base, got = rd.plan(m), rd.plan(m, transpose=twin)
+    assert calls == [((2, 1, 100, 3), 100, 70)]
+    assert [x.num_intervals for x in got[0]] == [x.num_intervals for x in base[0]]
+    for a, b in zip(jax.tree.leaves((got[1], got[2])), jax.tree.leaves((base[1], base[2]))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert transpose_words is not None

@@ -430,9 +430,9 @@ def runtime_dense_plan(query, key, runtime, *, head_dim_v=None, num_kv_heads=Non
     b, nq, hq, _ = query.shape
     nk, hkv = key.shape[1], key.shape[2] if num_kv_heads is None else num_kv_heads
     dv = query.shape[-1] if head_dim_v is None else head_dim_v
-    masks, metas, index = runtime.plan(runtime.mask)
-    descs, names = [], []
-    for i, (cm, meta) in enumerate(zip(masks, metas)):
+    masks = runtime.masks(runtime.mask.shape)
+    backends = []
+    for i, cm in enumerate(masks):
         call = _call(cm, query, dv, hq, hkv, softcap, None, bias)
         last = i == len(masks) - 1         # the bitmap: runs only past the widest tier
         try:
@@ -442,6 +442,15 @@ def runtime_dense_plan(query, key, runtime, *, head_dim_v=None, num_kv_heads=Non
             if not last or implementation is None:
                 raise
             backend = _backends.select(None, call, quiet=True)
+        backends.append((backend, call))
+    transpose = None
+    if any(b.name == "cute" for b, _ in backends[:-1]):
+        from ..kernels.cute import api as _cute_api
+        if _cute_api.transpose_words_on():
+            transpose = _cute_api.transpose_words      # the column pack in one kernel
+    masks, metas, index = runtime.plan(runtime.mask, transpose=transpose)
+    descs, names = [], []
+    for cm, meta, (backend, call) in zip(masks, metas, backends):
         t = backend.tiles(call)
         descs.append(cm.instantiate(meta, nq, nk, block_q=t.block_q, block_kv=t.block_kv,
                                     bwd_block_q=t.bwd_block_q, bwd_block_kv=t.bwd_block_kv))

@@ -514,12 +514,23 @@ class RuntimeDense:
         m = m.reshape((1,) * (4 - m.ndim) + m.shape) if m.ndim < 4 else m
         return _tier(self.tiers, first_runs_from_words(pack_words(m))[2])
 
-    def plan(self, mask4):
+    def masks(self, shape=None):
+        """The :class:`RuntimeDenseMask` of each tier and the bitmap's last (the first
+        thing :meth:`plan` returns) for masks of ``shape`` [B, Hm, Nq, Nk] (default: this
+        mask's shape)."""
+        shape = tuple(self.mask.shape if shape is None else shape)
+        return ([RuntimeDenseMask(shape, "intervals", t, t) for t in self.tiers]
+                + [RuntimeDenseMask(shape, "bitmap")])
+
+    def plan(self, mask4, transpose=None):
         """For the bool [B, Hm, Nq, Nk] ``mask4`` (this mask combined with the call's other
         masking): ``(masks, metadata, index)``: one :class:`RuntimeDenseMask` per tier and
         the bitmap last, each one's metadata, and the int32 index of the one to run (the
         narrowest tier that holds every row's runs; the bitmap past the widest; under
         ``vmap``, one index for every mapped mask, the widest any of them needs).
+        ``transpose(words, n_rows, n_cols)`` packs the columns from the row words (default
+        :func:`transpose_words`; ``mask_attention`` passes the CuTe kernel's where it is on,
+        ``kernels.cute.api.transpose_words``, which gives the same words).
 
         The run counts and a K = 1 tier's tables come from one reduction over the packed
         words (:func:`first_runs_from_words`); the wider tiers' tables (a scan and a
@@ -527,7 +538,8 @@ class RuntimeDense:
         the index is past a K = 1 first tier, and are zeros otherwise (their tier does
         not run)."""
         shape = tuple(mask4.shape)
-        words, cwords = pack_words(mask4, -1), pack_words(mask4, -2)
+        words = pack_words(mask4, -1)
+        cwords = (transpose or transpose_words)(words, shape[-2], shape[-1])
         rs1, rl1, rc = first_runs_from_words(words)
         cs1, cl1, cc = first_runs_from_words(cwords)
         index = _tier(self.tiers, rc, one_for_vmap=True)
@@ -547,8 +559,7 @@ class RuntimeDense:
 
             rs, rl, cs, cl = lax.cond(index > 0, tables, zeros) if self.tiers[0] == 1 else tables()
             runs_wide = (rs, rl, rc, cs, cl, cc, words)
-        masks = [RuntimeDenseMask(shape, "intervals", t, t) for t in self.tiers]
-        masks.append(RuntimeDenseMask(shape, "bitmap"))
+        masks = self.masks(shape)
         metadata = [m.metadata_from_runs(runs1 if m.layout == "intervals" and m.num_intervals == 1
                                          else runs_wide) for m in masks]
         return masks, metadata, index

@@ -55,6 +55,24 @@ def test_backward_prep_compiles_for_sm90(dtype, d, dv, bq, with_dlse, zero_only)
                                  zero_only=zero_only) is not None
 
 
+@needs_cutlass
+def test_transpose_words_compiles_for_sm90():
+    from jcompilemask.kernels.cute.glue import compile_transpose_words
+    assert compile_transpose_words("--enable-tvm-ffi") is not None
+
+
+def test_transpose_words_key_and_switch_rules(monkeypatch):
+    assert api.TransposeWordsKey().target_name == "jcompilemask_cute_transpose_words"
+    monkeypatch.delenv("JCOMPILEMASK_CUTE_TRANSPOSE_WORDS", raising=False)
+    assert api.transpose_words_on() is False
+    monkeypatch.setenv("JCOMPILEMASK_CUTE_TRANSPOSE_WORDS", "1")
+    assert api.transpose_words_on() is True
+    with pytest.raises(ValueError, match="are not the uint32 rows"):
+        api.transpose_words(jnp.zeros((2, 64, 3), jnp.uint32), 64, 100)
+    # an empty batch never launches: XLA's pack (no GPU needed)
+    assert api.transpose_words(jnp.zeros((0, 64, 2), jnp.uint32), 64, 64).shape == (0, 64, 2)
+
+
 def test_backward_prep_key_rules():
     key = api.BackwardPrepKey("float16", 192, 128, 64, True)
     assert key.target_name == "jcompilemask_cute_bwd_prep_float16_d192x128_q64_dlse"

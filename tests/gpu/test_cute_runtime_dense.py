@@ -114,3 +114,69 @@ def test_jax_style_call_with_lengths_on_cute():
     hi = reference_attention(qx, kx, vx, full, precision="high")
     lo = reference_attention(qx, kx, vx, full, precision="input")
     assert_within_policy(ours, hi[0], lo[0], "out")
+
+
+# ------------------------------------------- the column pack in one kernel (glue.TransposeWords)
+@needs_gpu
+@pytest.mark.skipif(IMPL != "cute", reason="the CuTe column-pack kernel runs only on cute")
+@pytest.mark.parametrize("lead,nr,nc", [((2, 1), 700, 700), ((3,), 256, 8192), ((1, 2), 33, 1000),
+                                        ((2,), 1025, 40), ((1,), 1, 1), ((5, 3), 300, 257)])
+def test_transpose_words_kernel_is_the_jnp_pack(lead, nr, nc):
+    """The kernel's column words equal ``dense_runtime.transpose_words``'s bit for bit: ragged
+    rows (a partial last 32-row block, a partial 256-row tile) and columns (a partial last
+    word, a partial 8-word tile), several matrices, one row or column."""
+    from jcompilemask.kernels.cute import api
+    from jcompilemask.lower import dense_runtime as R
+    m = np.random.default_rng(nr * 7 + nc).random(lead + (nr, nc)) < 0.4
+    words = jax.jit(lambda x: R.pack_words(x, -1))(m)
+    got = jax.jit(lambda w: api.transpose_words(w, nr, nc))(words)
+    want = R.transpose_words(words, nr, nc)
+    assert got.shape == want.shape == lead + (nc, -(-nr // 32)) and got.dtype == jnp.uint32
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(R.pack_words(np.swapaxes(m, -1, -2))))
+
+
+@needs_gpu
+@pytest.mark.skipif(IMPL != "cute", reason="the CuTe column-pack kernel runs only on cute")
+def test_transpose_words_kernel_under_vmap():
+    """Under ``vmap`` the mapped axis folds into the kernel's matrices (one launch), batched
+    or not, nested or not."""
+    from jcompilemask.kernels.cute import api
+    from jcompilemask.lower import dense_runtime as R
+    m = np.random.default_rng(1).random((3, 2, 300, 500)) < 0.5
+    words = R.pack_words(m, -1)
+    f = lambda w: api.transpose_words(w, 300, 500)                     # noqa: E731
+    want = R.transpose_words(words, 300, 500)
+    np.testing.assert_array_equal(np.asarray(jax.jit(jax.vmap(f))(words)), np.asarray(want))
+    np.testing.assert_array_equal(np.asarray(jax.jit(jax.vmap(jax.vmap(f)))(words)),
+                                  np.asarray(want))
+    one = jax.jit(jax.vmap(lambda _, w: f(w), in_axes=(0, None)))(jnp.arange(4), words[0])
+    np.testing.assert_array_equal(np.asarray(one), np.broadcast_to(np.asarray(want[0]),
+                                                                   (4,) + want.shape[1:]))
+
+
+@needs_gpu
+@pytest.mark.skipif(IMPL != "cute", reason="the CuTe column-pack kernel runs only on cute")
+@pytest.mark.parametrize("case", ["packed_causal", "window_globals"])
+def test_transpose_words_switch_gives_identical_results(case, monkeypatch):
+    """``$JCOMPILEMASK_CUTE_TRANSPOSE_WORDS=1`` (the column pack in one kernel) gives the
+    same output, lse and gradients bit for bit as XLA's pack, at each tier on cute."""
+    b, hq, hkv, d = 2, 4, 2, 128            # test_traced_dense_mask_on_cute's kernels
+    m, _ = CASES[case](np.random.default_rng(11), b)
+    m = np.ascontiguousarray(m[:, None])
+    ks = jax.random.split(jax.random.key(9), 4)
+    qx, kx, vx, do = (jax.random.normal(kk, (b, N, h, d), jnp.bfloat16)
+                      for kk, h in zip(ks, (hq, hkv, hkv, hq)))
+
+    def run():
+        def loss(a, b_, c, mm):
+            o, lse = jcm.mask_attention(a, b_, c, mm, return_residual=True)
+            return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32)), (o, lse)
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))(qx, kx, vx, m)
+    monkeypatch.setenv("JCOMPILEMASK_CUTE_TRANSPOSE_WORDS", "0")
+    base = run()
+    monkeypatch.setenv("JCOMPILEMASK_CUTE_TRANSPOSE_WORDS", "1")
+    got = run()
+    for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(base)):
+        np.testing.assert_array_equal(np.asarray(x.astype(jnp.float32)),
+                                      np.asarray(y.astype(jnp.float32)))

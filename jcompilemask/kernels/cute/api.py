@@ -527,6 +527,8 @@ _HOST_ONLY = frozenset({
     # the backward's pre- and postprocess kernels (kernels/cute/glue.py, their own fingerprint)
     "BackwardPrepKey", "_glue_fingerprint", "_bwd_prep_mode", "backward_prep",
     "BackwardPostKey", "_bwd_post_on", "backward_post", "backward_stats", "backward_dq",
+    # the run-time dense mask's column pack (glue.TransposeWords)
+    "TransposeWordsKey", "transpose_words_on", "transpose_words", "_transpose_words_fn",
 })
 # Where the kernels' code lives: the kernel modules, and the residual programs they emit
 # into partial tiles; their imports inside the package are followed (_kernel_sources).
@@ -664,7 +666,7 @@ def disk_cache_key(key):
         return None
     if os.environ.get("JCOMPILEMASK_CUTE_DUMP_DIR") or _ptxas_remarks():
         return None
-    glue = isinstance(key, (BackwardPrepKey, BackwardPostKey))
+    glue = isinstance(key, (BackwardPrepKey, BackwardPostKey, TransposeWordsKey))
     kind = "cute-glue" if glue else "cute-forward" if isinstance(key, ForwardKey) \
         else "cute-backward"
     sources = _glue_fingerprint() if glue else _package_fingerprint()
@@ -707,7 +709,15 @@ def kernel_function(key):
     """The TVM-FFI function of a ForwardKey / BackwardKey / BackwardPrepKey / BackwardPostKey:
     from this process's memory, else from the disk cache (:func:`disk_cache_key`), else
     compiled (and then saved for the next process; this one keeps the function it compiled)."""
-    if isinstance(key, (BackwardPrepKey, BackwardPostKey)):
+    if isinstance(key, TransposeWordsKey):
+        def build():
+            with _lock:
+                if key not in _compiled:
+                    _import_cutlass()
+                    from . import glue
+                    _compiled[key] = glue.compile_transpose_words(_options())
+                return _compiled[key]
+    elif isinstance(key, (BackwardPrepKey, BackwardPostKey)):
         def build():
             with _lock:
                 if key not in _compiled:
@@ -2923,3 +2933,71 @@ def backward_dq(dq_acc, nq: int, head_dim: int, block_q: int, scale: float, dtyp
         return backward_post(dq_acc, nq, head_dim, block_q, scale, dtype)
     dq = dq_fragment_unpermute(dq_acc, nq, head_dim, block_q, blocked=blocked)
     return (dq * np.float32(scale)).astype(dtype)
+
+
+# ------------------------------------------------- a run-time dense mask's column pack
+@dataclasses.dataclass(frozen=True)
+class TransposeWordsKey:
+    """The one compiled ``glue.TransposeWords`` (int32 words of any shape).
+
+    >>> TransposeWordsKey().target_name
+    'jcompilemask_cute_transpose_words'
+    """
+
+    dtype: str = "int32"
+
+    @property
+    def target_name(self) -> str:
+        return "jcompilemask_cute_transpose_words"
+
+
+def transpose_words_on() -> bool:
+    """``$JCOMPILEMASK_CUTE_TRANSPOSE_WORDS``: ``1`` packs a run-time dense mask's columns
+    with the CuTe kernel (``glue.TransposeWords``) wherever its tiers run on the ``cute``
+    backend; ``0`` (the default until it is timed on a GPU) keeps XLA's five rounds of
+    word swaps (``lower.dense_runtime.transpose_words``), which give the same words."""
+    return _env_flag("JCOMPILEMASK_CUTE_TRANSPOSE_WORDS", "0")
+
+
+@functools.lru_cache(maxsize=None)
+def _transpose_words_fn(n_cols: int):
+    """The kernel on int32 [BH, Nr, W] -> [BH, n_cols, ceil(Nr / 32)], as a function whose
+    ``vmap`` folds the mapped axis into the kernel's matrices (one launch for the batch)."""
+    @jax.custom_batching.custom_vmap
+    def run(words3):
+        bh, nr, _ = words3.shape
+        name = _ensure_registered(TransposeWordsKey())
+        out = jax.ShapeDtypeStruct((bh, n_cols, -(-nr // 32)), jnp.int32)
+        call = jax.ffi.ffi_call(name, out, vmap_method="sequential")
+        return match_varying(call(words3), words3)
+
+    @run.def_vmap
+    def _(axis_size, in_batched, words3):
+        if not in_batched[0]:
+            out = run(words3)
+            return jnp.broadcast_to(out[None], (axis_size,) + out.shape), True
+        out = run(words3.reshape((-1,) + words3.shape[2:]))
+        return out.reshape((axis_size, -1) + out.shape[1:]), True
+    return run
+
+
+def transpose_words(words, n_rows: int, n_cols: int):
+    """The packed rows ``words`` uint32 [..., n_rows, ceil(n_cols / 32)] of bit matrices as
+    their packed columns [..., n_cols, ceil(n_rows / 32)] (bit ``r % 32`` of word ``r // 32``
+    of column c is element (r, c)), in one CuTe kernel (``glue.TransposeWords``): the same
+    words as ``lower.dense_runtime.transpose_words``, which this falls back to for an empty
+    array or more matrices than one launch's grid takes. Needs the GPU (the ``cute``
+    backend); bits past ``n_cols`` in the last word of a row must be 0 (``pack_words``
+    leaves them so)."""
+    from ...lower import dense_runtime
+    lead, (nr, w) = words.shape[:-2], words.shape[-2:]
+    if nr != n_rows or w != -(-n_cols // 32) or words.dtype != jnp.uint32:
+        raise ValueError(f"transpose_words: words {words.shape} {words.dtype} are not the uint32 "
+                         f"rows of a {n_rows} x {n_cols} bit matrix")
+    bh = math.prod(lead)
+    grid_max = 65535      # the grid's y (256-row tiles) and z (matrices) are 16-bit
+    if bh == 0 or n_rows == 0 or n_cols == 0 or bh > grid_max or -(-n_rows // 256) > grid_max:
+        return dense_runtime.transpose_words(words, n_rows, n_cols)
+    x = jax.lax.bitcast_convert_type(words, jnp.int32).reshape((bh, nr, w))
+    out = _transpose_words_fn(int(n_cols))(x)
+    return jax.lax.bitcast_convert_type(out, jnp.uint32).reshape(lead + out.shape[1:])

@@ -319,3 +319,94 @@ def compile_backward_post(dtype_name: str, head_dim: int, block_q: int, dq_wgs: 
     kernel = BackwardPost(dtype, head_dim, block_q, dq_wgs, splits_queries, scale)
     return cute.compile(kernel, acc, dq, cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
                         options=options)
+
+
+def _i32(bits: int):
+    """The Int32 constant of a 32-bit pattern (a Python int, masked to 32 bits)."""
+    bits &= 0xFFFFFFFF
+    return cutlass.Int32(bits - (1 << 32) if bits >= 1 << 31 else bits)
+
+
+class TransposeWords:
+    """A bit matrix's packed rows as its packed columns (``lower.dense_runtime``'s
+    ``transpose_words``, the column side of a run-time dense mask): words [BH, Nr, W] int32
+    (bit ``c % 32`` of word ``c // 32`` of row r: element (r, c)) -> [BH, Nc, Wq] (bit
+    ``r % 32`` of word ``r // 32`` of column c), Wq = ceil(Nr / 32), rows past Nr read as 0.
+
+    One CTA of 256 threads per tile of 256 rows x 8 words (256 columns) of one matrix: each
+    thread loads its row's 8 words (a warp's rows are one 32-row block), each warp
+    transposes its 8 blocks of 32 x 32 bits by five rounds of butterfly shuffles and masked
+    bit swaps (lane c then holds column c's word), the columns' words meet in a shared tile (a row of
+    8 words padded to 9: the warps' writes fall in distinct banks), and each column's 8
+    consecutive words are stored by 8 consecutive threads. XLA's five rounds of masked
+    swaps on whole arrays (the jnp form) took 1.14 ms on an 8K x 8K x 16 mask on an H100
+    (session 51), 0.1 TB/s of words.
+    """
+
+    rows = 256      # rows (8 blocks of 32) and 8 words (256 columns) per CTA
+    words = 8
+    num_threads = 256
+
+    @cute.jit
+    def __call__(self, mW: cute.Tensor, mC: cute.Tensor, stream):
+        self.kernel(mW, mC).launch(
+            grid=(cute.ceil_div(mW.shape[2], self.words), cute.ceil_div(mC.shape[2], self.words),
+                  mW.shape[0]),
+            block=(self.num_threads, 1, 1), stream=stream)
+
+    @cute.kernel
+    def kernel(self, mW: cute.Tensor, mC: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        word_tile, row_tile, bh = cute.arch.block_idx()
+        warp = tidx // 32
+        lane = tidx % 32
+        n_rows, n_words = mW.shape[1], mW.shape[2]
+        n_cols, n_row_words = mC.shape[1], mC.shape[2]
+        allocator = cutlass_memory.SmemAllocator()
+        sC = allocator.allocate_tensor(
+            cutlass.Int32, cute.make_layout((self.rows, self.words), stride=(self.words + 1, 1)),
+            16)
+        row = row_tile * self.rows + tidx
+        w0 = word_tile * self.words
+        x = cute.make_rmem_tensor((self.words,), cutlass.Int32)
+        x.fill(0)
+        if row < n_rows:
+            for j in cutlass.range_constexpr(self.words):
+                if w0 + j < n_words:
+                    x[j] = mW[bh, row, w0 + j]
+        # Five rounds of masked swaps across the warp (rows r and r ^ s exchange their
+        # bits c and c ^ s for every c with bit s clear): lane c then holds column c's word.
+        for j in cutlass.range_constexpr(self.words):
+            for s, m in ((16, 0x0000FFFF), (8, 0x00FF00FF), (4, 0x0F0F0F0F), (2, 0x33333333),
+                         (1, 0x55555555)):
+                y = cute.arch.shuffle_sync_bfly(x[j], offset=s)
+                if (lane & s) != 0:     # the upper row: its bits m take the lower's m << s
+                    x[j] = (x[j] & _i32(~m)) | ((y >> s) & _i32(m))
+                else:                   # the lower row: its bits m << s take the upper's m
+                    x[j] = (x[j] & _i32(~(m << s))) | ((y << s) & _i32(m << s))
+            # column 32 (w0 + j) + lane's word of row block 8 row_tile + warp
+            sC[j * 32 + lane, warp] = x[j]
+        cute.arch.sync_threads()
+        c0 = word_tile * self.words * 32
+        k0 = row_tile * self.words
+        for i in cutlass.range_constexpr(self.rows * self.words // self.num_threads):
+            f = i * self.num_threads + tidx
+            c = f // self.words
+            kk = f % self.words
+            if c0 + c < n_cols:
+                if k0 + kk < n_row_words:
+                    mC[bh, c0 + c, k0 + kk] = sC[c, kk]
+
+
+def compile_transpose_words(options: str):
+    """The TVM-FFI function of :class:`TransposeWords` (no GPU needed with
+    CUTE_DSL_ARCH=sm_90a). Operand: words [BH, Nr, W] int32 (row-major); result: the
+    columns' words [BH, Nc, Wq] int32."""
+    sym, sym64 = cute.sym_int, cute.sym_int64
+    bh, nr, w, nc, wq = sym(), sym(), sym(), sym(), sym()
+    words = cute.runtime.make_fake_tensor(cutlass.Int32, (bh, nr, w), stride=(sym64(), sym64(), 1),
+                                          assumed_align=4)
+    cols = cute.runtime.make_fake_tensor(cutlass.Int32, (bh, nc, wq), stride=(sym64(), sym64(), 1),
+                                         assumed_align=4)
+    return cute.compile(TransposeWords(), words, cols,
+                        cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True), options=options)
