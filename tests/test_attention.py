@@ -85,22 +85,24 @@ def _reference_fn(scale, softcap):
 
 
 def check_against_reference(spec_or_dense, desc, qx, kx, vx, do, *, softcap=None,
-                            scale=None, grads=True):
+                            scale=None, grads=True, ours=None):
     """Forward (out, lse) and, with ``grads``, dq, dk, dv of ``sum(out * do)`` under the
     tolerance policy. Ours runs as one jitted forward + vjp (one compilation per test);
-    the cotangent of out is ``do`` and that of lse zero, as for ``jax.grad`` of the loss."""
+    the cotangent of out is ``do`` and that of lse zero, as for ``jax.grad`` of the loss.
+    ``ours``: that program's (out, lse, (dq, dk, dv)) where the test already ran it (the
+    same program compiled again would give the same arrays)."""
     dense = desc.as_dense() if not isinstance(spec_or_dense, jax.Array) else spec_or_dense
 
-    def ours(a, b_, c):
+    def ours_fn(a, b_, c):
         return bhq_lse(jcm.mask_attention(a, b_, c, desc, scale=scale, logits_soft_cap=softcap,
                                           return_residual=True))
 
     @jax.jit
     def ours_and_grads(a, b_, c):
-        (out, lse), vjp = jax.vjp(ours, a, b_, c)
+        (out, lse), vjp = jax.vjp(ours_fn, a, b_, c)
         return out, lse, (vjp((do, jnp.zeros_like(lse))) if grads else None)
 
-    out, lse, g = ours_and_grads(qx, kx, vx)
+    out, lse, g = ours_and_grads(qx, kx, vx) if ours is None else ours
     ref = _reference_fn(scale, softcap)(jnp.asarray(dense), qx, kx, vx, do)
     (hi_out, hi_lse, g_hi), (lo_out, lo_lse, g_lo) = ref["high"], ref["input"]
     assert out.dtype == qx.dtype and lse.dtype == jnp.float32
@@ -156,13 +158,20 @@ def test_fully_masked_rows_give_zero_and_no_nan():
     md = {"start": np.array([5, 40])}
     desc = jcm.compile(spec).instantiate(md, N, N, **TILES)
     qx, kx, vx, do = _inputs(jax.random.key(6), 2, N, N, 2, 2, 16, 16, jnp.bfloat16)
-    out, lse = bhq_lse(jcm.mask_attention(qx, kx, vx, desc, return_residual=True))
+
+    @jax.jit   # one compiled program (eagerly, each op of the xla backend compiles alone)
+    def out_lse_grads(qx, kx, vx):
+        out, lse = bhq_lse(jcm.mask_attention(qx, kx, vx, desc, return_residual=True))
+        grads = jax.grad(lambda a, b_, c: jnp.sum(
+            jcm.mask_attention(a, b_, c, desc).astype(jnp.float32)), argnums=(0, 1, 2))(
+                qx, kx, vx)
+        return out, lse, grads
+
+    out, lse, grads = out_lse_grads(qx, kx, vx)
     assert not np.isnan(np.asarray(out, np.float32)).any()
     assert (np.asarray(out[0, :5], np.float32) == 0).all()
     assert np.isneginf(np.asarray(lse[0, :, :5])).all()
     assert (np.asarray(out[1], np.float32) == 0).all()
-    grads = jax.grad(lambda a, b_, c: jnp.sum(
-        jcm.mask_attention(a, b_, c, desc).astype(jnp.float32)), argnums=(0, 1, 2))(qx, kx, vx)
     for g in grads:
         assert not np.isnan(np.asarray(g, np.float32)).any()
     assert (np.asarray(grads[0][0, :5], np.float32) == 0).all()
@@ -176,7 +185,8 @@ def test_lse_is_differentiable():
     qx, kx, vx, _ = _inputs(jax.random.key(7), 1, N, N, 2, 2, 8, 8, jnp.float32)
     f = lambda a: jnp.sum(jcm.mask_attention(a, kx, vx, desc, return_residual=True)[1])
     r = lambda a: jnp.sum(reference_attention(a, kx, vx, desc.as_dense())[1])
-    np.testing.assert_allclose(jax.grad(f)(qx), jax.grad(r)(qx), atol=2e-5)
+    # jitted: eagerly each op of the forward and backward compiles on its own
+    np.testing.assert_allclose(jax.jit(jax.grad(f))(qx), jax.jit(jax.grad(r))(qx), atol=2e-5)
 
 
 def test_differentiating_the_gradient_says_it_is_unsupported():
@@ -212,18 +222,21 @@ def test_spec_with_metadata_under_jit_vmap_and_retrace():
         traces.append(1)
         return jcm.mask_attention(a, b_, c, spec, metadata={"prefix_len": p})
 
+    # the reference and the per-slice calls jitted, each compiled once (eagerly every op
+    # compiles on its own)
+    reference = jax.jit(lambda m: reference_attention(qx, kx, vx, m)[0])
     for pv in ([3, 9], [20, 1]):
         p = jnp.array(pv)
-        ref = reference_attention(qx, kx, vx, spec.as_dense({"prefix_len": p}, N, N))[0]
+        ref = reference(spec.as_dense({"prefix_len": p}, N, N))
         np.testing.assert_allclose(f(qx, kx, vx, p), ref, atol=1e-5)
     assert len(traces) == 1
     # vmap over an extra leading axis of the inputs
     desc = jcm.compile(spec).instantiate({"prefix_len": np.array([4, 4])}, N, N, **TILES)
     stacked = jnp.stack([qx, qx * 0.5])
-    out = jax.vmap(lambda a: jcm.mask_attention(a, kx, vx, desc))(stacked)
+    out = jax.jit(jax.vmap(lambda a: jcm.mask_attention(a, kx, vx, desc)))(stacked)
+    one = jax.jit(lambda a: jcm.mask_attention(a, kx, vx, desc))
     for i in range(2):
-        np.testing.assert_allclose(out[i], jcm.mask_attention(stacked[i], kx, vx, desc),
-                                   atol=1e-6)
+        np.testing.assert_allclose(out[i], one(stacked[i]), atol=1e-6)
 
 
 def test_x64_enabled():
@@ -276,10 +289,11 @@ def test_random_specs(data):
         md = None
     cm = jcm.compile(spec)
     desc = cm.instantiate(md, n, n, block_q=8, block_kv=8, bwd_block_q=4, bwd_block_kv=8)
-    np.testing.assert_array_equal(desc.as_dense(), jnp.broadcast_to(
-        spec.as_dense(md, n, n), desc.as_dense().shape))
+    dense = desc.as_dense()         # once: it is also check_against_reference's reference mask
+    np.testing.assert_array_equal(dense, jnp.broadcast_to(
+        spec.as_dense(md, n, n), dense.shape))
     qx, kx, vx, do = _inputs(jax.random.key(10), b, n, n, 2, 1, 8, 8, jnp.float32)
-    check_against_reference(spec, desc, qx, kx, vx, do)
+    check_against_reference(dense, desc, qx, kx, vx, do)
 
 
 # -- errors -----------------------------------------------------------------------------
@@ -359,7 +373,9 @@ def test_batched_tile_loop_matches(name, monkeypatch):
     bat = run()
     for a, b_ in zip(jax.tree.leaves(seq), jax.tree.leaves(bat)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b_), rtol=1e-5, atol=1e-6)
-    check_against_reference(BUILTINS[name], desc, qx, kx, vx, do)
+    # `bat` is check_against_reference's own program (forward + vjp of the same call,
+    # same cotangents, same tile batch): checked as it is rather than compiled again
+    check_against_reference(BUILTINS[name], desc, qx, kx, vx, do, ours=bat)
     monkeypatch.setenv("JCOMPILEMASK_XLA_TILE_BATCH", "x")
     with pytest.raises(ValueError, match="JCOMPILEMASK_XLA_TILE_BATCH"):
         xla.tile_batch(3, 1)

@@ -79,13 +79,49 @@ def decode_bwd(words: np.ndarray, tq: int) -> np.ndarray:
     return np.swapaxes(col_major, -1, -2).astype(np.uint8)
 
 
-@jax.jit
-def _dense_views(desc):
-    """Both dense views and both passes' decoded tile states of a descriptor, as one
-    compiled program (cached per shape): evaluated eagerly each op compiles on its own,
-    ~5x the time (the descriptor fuzz stage spent a fifth of its time there)."""
+def _views(desc):
     return ({v: desc.as_dense(v) for v in ("fwd", "bwd")},
             {v: desc.tile_states(v) for v in ("fwd", "bwd")})
+
+
+# (treedef, leaf avals) -> compiled program; HLO text -> compiled program.
+_VIEWS_BY_TREE: dict = {}
+_VIEWS_BY_HLO: dict = {}
+
+
+def _dense_views(desc):
+    """Both dense views and both passes' decoded tile states of a descriptor, as one
+    compiled program: evaluated eagerly each op compiles on its own, ~5x the time (the
+    descriptor fuzz stage spent a fifth of its time there).
+
+    The program is a function of the descriptor's arrays; the descriptor's static data
+    (its mask among them) is closed over. A plain ``jax.jit`` caches per mask, but masks
+    without residual predicates give the same program at the same shapes (half of this
+    file's compilations of it were repeats): a program is compiled once per distinct
+    lowered text and reused for every descriptor that lowers to it."""
+    leaves, treedef = jax.tree_util.tree_flatten(desc)
+    key = (treedef, tuple((x.shape, x.dtype) for x in leaves))
+    exe = _VIEWS_BY_TREE.get(key)
+    if exe is None:
+        # keep_unused: every leaf a parameter, in order, so equal text is an equal
+        # signature as well as an equal computation
+        lowered = jax.jit(lambda xs: _views(jax.tree_util.tree_unflatten(treedef, xs)),
+                          keep_unused=True).lower(leaves)
+        text = lowered.as_text()
+        exe = _VIEWS_BY_HLO.get(text)
+        if exe is None:
+            exe = _VIEWS_BY_HLO[text] = lowered.compile()
+        _VIEWS_BY_TREE[key] = exe
+    return exe(leaves)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_views():
+    """Drop the compiled dense-view programs with this module (they hold executables;
+    tests/compiled_programs.py bounds the process's)."""
+    yield
+    _VIEWS_BY_TREE.clear()
+    _VIEWS_BY_HLO.clear()
 
 
 def check_descriptor(desc, want: np.ndarray, nq: int, nk: int, expect_column_view=None):
@@ -199,16 +235,27 @@ def test_builtin_descriptor_under_jit(builtin, params, data):
                      expect_column_view=_expect_column_view(name, md))
 
 
+@functools.lru_cache(maxsize=None)
+def _count_le_programs(n):
+    """count_le_sorted at ``n`` keys, unbatched and vmapped, each jitted once per ``n``
+    (and compiled once per input length): the 80 examples below draw only ~22 distinct
+    (length, n) pairs, and a fresh ``jax.jit`` per example (or eager dispatch, every op
+    compiled on its own) recompiled each."""
+    from jcompilemask.lower.preprocess import count_le_sorted
+    return (jax.jit(lambda x: count_le_sorted(x, n)),
+            jax.jit(jax.vmap(lambda x: count_le_sorted(x, n))))
+
+
 @settings(max_examples=80, deadline=None)
 @given(v=st.lists(st.integers(-4, 24), min_size=1, max_size=30), n=st.integers(1, 20))
 def test_count_le_sorted_matches_a_count(v, n):
     """The column view's per-key row count (one scatter with distinct runs, no histogram)
     equals a brute count on every non-decreasing input, endpoints out of range included."""
-    from jcompilemask.lower.preprocess import count_le_sorted
+    single, batched = _count_le_programs(n)
     v = np.sort(np.asarray(v, np.int32))
     want = [int(np.sum(v <= j)) for j in range(n)]
-    assert np.asarray(count_le_sorted(jnp.asarray(v), n)).tolist() == want
-    got = jax.jit(jax.vmap(lambda x: count_le_sorted(x, n)))(jnp.asarray(np.stack([v, v])))
+    assert np.asarray(single(jnp.asarray(v))).tolist() == want
+    got = batched(jnp.asarray(np.stack([v, v])))
     assert np.asarray(got).tolist() == [want, want]
 
 
@@ -583,7 +630,10 @@ def test_from_dense(arr, tiles):
     assert dm.num_bwd_intervals == max(int(runs(np.swapaxes(arr3, -1, -2)).max()), 1)
     assert dm.mask_heads == arr3.shape[0]
     nq, nk = arr3.shape[1:]
-    desc = dm.instantiate(None, **_tile_kwargs(tiles))
+    # Built under jit: one compiled program per example; eagerly every op of the
+    # instantiation compiled on its own at each new shape (~4x the time). The eager
+    # path is compared with this one field by field in test_from_dense_under_jit.
+    desc = jax.jit(lambda: dm.instantiate(None, **_tile_kwargs(tiles)))()
     check_descriptor(desc, arr3[None], nq, nk, expect_column_view=True)
 
 
@@ -593,6 +643,12 @@ def test_from_dense_under_jit():
     desc = jax.jit(lambda: dm.instantiate(None, 9, 7, block_q=4, block_kv=4,
                                           bwd_block_q=2, bwd_block_kv=3))()
     check_descriptor(desc, arr[None], 9, 7, expect_column_view=True)
+    # outside jit (the path test_from_dense took per example): the same descriptor
+    eager = dm.instantiate(None, 9, 7, block_q=4, block_kv=4, bwd_block_q=2, bwd_block_kv=3)
+    check_descriptor(eager, arr[None], 9, 7, expect_column_view=True)
+    assert jax.tree_util.tree_structure(eager) == jax.tree_util.tree_structure(desc)
+    for x, y in zip(jax.tree_util.tree_leaves(eager), jax.tree_util.tree_leaves(desc)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
 def test_from_dense_errors():
