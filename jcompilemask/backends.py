@@ -397,7 +397,6 @@ def _dense_for_explain(mask):
 def _explain_runtime_dense(rd, call) -> str:
     """explain() of a RuntimeDense: the backends, then per tier (and the bitmap) the
     backend that would run it and its backward, and the tier this mask takes."""
-    from .lower.dense_runtime import RuntimeDenseMask
     shape = tuple(rd.shape)
     shape = (1,) * (4 - len(shape)) + shape
     kw = (dict(dtype="bfloat16", head_dim=128, head_dim_v=128, num_heads=8, num_kv_heads=8)
@@ -405,10 +404,9 @@ def _explain_runtime_dense(rd, call) -> str:
           dict(dtype=call.dtype, head_dim=call.head_dim, head_dim_v=call.head_dim_v,
                num_heads=call.num_heads, num_kv_heads=call.num_kv_heads,
                softcap=call.softcap, bias=call.bias))
-    parts = [(f"tier {i}: K = {t} run(s) per row / column",
-              RuntimeDenseMask(shape, "intervals", t, t)) for i, t in enumerate(rd.tiers)]
-    parts.append((f"bitmap (past {rd.tiers[-1]} runs in a row)",
-                  RuntimeDenseMask(shape, "bitmap")))
+    labels = [f"tier {i}: K = {t} run(s) per row / column" for i, t in enumerate(rd.tiers)]
+    labels.append(f"bitmap (past {rd.tiers[-1]} runs in a row)")
+    parts = list(zip(labels, rd.masks(shape)))
     lines = _backend_lines(None)[0]
     lines.append(f"mask: {rd!r}: its runs are found on the device at each call; the "
                  f"narrowest tier that holds every row runs (forward and backward)")

@@ -706,30 +706,28 @@ def _load_exported(path: str):
 
 
 def kernel_function(key):
-    """The TVM-FFI function of a ForwardKey / BackwardKey / BackwardPrepKey / BackwardPostKey:
+    """The TVM-FFI function of a ForwardKey / BackwardKey or a glue kernel's key (BackwardPrepKey,
+    BackwardPostKey, TransposeWordsKey):
     from this process's memory, else from the disk cache (:func:`disk_cache_key`), else
     compiled (and then saved for the next process; this one keeps the function it compiled)."""
-    if isinstance(key, TransposeWordsKey):
+    if isinstance(key, (BackwardPrepKey, BackwardPostKey, TransposeWordsKey)):
         def build():
             with _lock:
                 if key not in _compiled:
                     _import_cutlass()
                     from . import glue
-                    _compiled[key] = glue.compile_transpose_words(_options())
-                return _compiled[key]
-    elif isinstance(key, (BackwardPrepKey, BackwardPostKey)):
-        def build():
-            with _lock:
-                if key not in _compiled:
-                    _import_cutlass()
-                    from . import glue
-                    _compiled[key] = glue.compile_backward_prep(
-                        key.dtype, key.head_dim, key.head_dim_v, key.block_q, key.with_dlse,
-                        _options(), zero_only=key.zero_only) \
-                        if isinstance(key, BackwardPrepKey) else glue.compile_backward_post(
+                    if isinstance(key, TransposeWordsKey):
+                        fn = glue.compile_transpose_words(_options())
+                    elif isinstance(key, BackwardPrepKey):
+                        fn = glue.compile_backward_prep(
+                            key.dtype, key.head_dim, key.head_dim_v, key.block_q,
+                            key.with_dlse, _options(), zero_only=key.zero_only)
+                    else:
+                        fn = glue.compile_backward_post(
                             key.dtype, key.head_dim, key.block_q,
                             dq_warpgroups(key.head_dim, block_q=key.block_q),
                             dq_splits_queries(key.block_q), key.scale, _options())
+                    _compiled[key] = fn
                 return _compiled[key]
     else:
         build = (lambda: compile_forward(key)) if isinstance(key, ForwardKey) \
