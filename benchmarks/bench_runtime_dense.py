@@ -23,6 +23,22 @@ import timing  # noqa: E402
 import workloads as W  # noqa: E402
 
 
+def _traced_with_switch(fn, arg, value):
+    """``fn`` (jitted) traced once on ``arg`` with ``$JCOMPILEMASK_CUTE_TRANSPOSE_WORDS`` set
+    to ``value`` (the switch is read while tracing); later calls reuse that trace."""
+    import jax
+    old = os.environ.get("JCOMPILEMASK_CUTE_TRANSPOSE_WORDS")
+    os.environ["JCOMPILEMASK_CUTE_TRANSPOSE_WORDS"] = value
+    try:
+        jax.block_until_ready(fn(arg))
+    finally:
+        if old is None:
+            os.environ.pop("JCOMPILEMASK_CUTE_TRANSPOSE_WORDS")
+        else:
+            os.environ["JCOMPILEMASK_CUTE_TRANSPOSE_WORDS"] = old
+    return fn
+
+
 def parts(n, batch, heads=W.HEADS, head_dim=W.HEAD_DIM):
     """{name: zero-argument callable} of the preprocess parts on one mask."""
     import jax
@@ -42,7 +58,8 @@ def parts(n, batch, heads=W.HEADS, head_dim=W.HEAD_DIM):
     row_words = rows(arr)
     tables = jax.jit(lambda w: R.runs_from_words(w, 8))
     first = jax.jit(R.first_runs_from_words)
-    plan = jax.jit(lambda m: runtime_dense_plan(q, q, jcm.runtime_dense(m))[::2])
+    plan = _traced_with_switch(
+        jax.jit(lambda m: runtime_dense_plan(q, q, jcm.runtime_dense(m))[::2]), arr, "0")
     from jcompilemask.lower.preprocess import tile_states_from_intervals
     rs, rl = tables(row_words)[:2]
     st_words = jax.jit(lambda w: [R.tile_states_from_words(w, n, n, bq, bk)
@@ -52,21 +69,14 @@ def parts(n, batch, heads=W.HEADS, head_dim=W.HEAD_DIM):
     fns = {}
     if jcm.backends.get("cute").available() is None:
         # the column pack in one CuTe kernel (glue.TransposeWords), checked equal first,
-        # and the plan with it ($JCOMPILEMASK_CUTE_TRANSPOSE_WORDS=1, read while tracing)
+        # and the plan with it (the default where the tiers run on cute; "plan" is the
+        # plan with XLA's pack, $JCOMPILEMASK_CUTE_TRANSPOSE_WORDS=0)
         from jcompilemask.kernels.cute import api as cute_api
         cols_k = jax.jit(lambda m: cute_api.transpose_words(R.pack_words(m, -1), n, n))
         if not bool(jnp.all(cols_k(arr) == cols(arr))):
             raise AssertionError("the CuTe column pack differs from pack_words(mask, -2)")
-        plan_k = jax.jit(lambda m: runtime_dense_plan(q, q, jcm.runtime_dense(m))[::2])
-        old = os.environ.get("JCOMPILEMASK_CUTE_TRANSPOSE_WORDS")
-        os.environ["JCOMPILEMASK_CUTE_TRANSPOSE_WORDS"] = "1"
-        try:
-            jax.block_until_ready(plan_k(arr))
-        finally:
-            if old is None:
-                os.environ.pop("JCOMPILEMASK_CUTE_TRANSPOSE_WORDS")
-            else:
-                os.environ["JCOMPILEMASK_CUTE_TRANSPOSE_WORDS"] = old
+        plan_k = _traced_with_switch(
+            jax.jit(lambda m: runtime_dense_plan(q, q, jcm.runtime_dense(m))[::2]), arr, "1")
         fns = {"pack_cols_kernel": lambda: cols_k(arr), "plan_kernel_cols": lambda: plan_k(arr)}
     return arr, {**fns, "pack_rows": lambda: rows(arr), "pack_cols": lambda: cols(arr),
                  "row_tables_from_words": lambda: tables(row_words),

@@ -878,16 +878,17 @@ PY
     JCM_BENCH_MASKS=documents,documents_traced JCM_BENCH_S=$(left ${JCM_RD_BENCH_S:-120}) bash "$0" jcmvar
     ;;
   rdcols)
-    # A run-time dense mask's column pack in one CuTe kernel (glue.TransposeWords, opt-in
-    # $JCOMPILEMASK_CUTE_TRANSPOSE_WORDS=1): its GPU cases (bit for bit against XLA's pack,
-    # under vmap, attention with and without it), then rdense with the plan and the step
-    # both ways (tw). JCM_RDC_TESTS_S splits the stage.
+    # A run-time dense mask's column pack in one CuTe kernel (glue.TransposeWords, the
+    # default since session 52; $JCOMPILEMASK_CUTE_TRANSPOSE_WORDS=0 is XLA's pack): its GPU
+    # cases (bit for bit against XLA's pack, under vmap, attention with and without it),
+    # then rdense with the plan and the step both ways (base: the kernel; xla: XLA's pack).
+    # JCM_RDC_TESTS_S splits the stage.
     export JCM_RUN_ID=${JCM_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)}
     JCM_STAGE_S=$(left ${JCM_RDC_TESTS_S:-120}) JCM_PAR=${JCM_PAR:-2} JCM_PAR_ONLY='transpose_words' \
       JCM_PAR_FILES="tests/gpu/test_cute_runtime_dense.py tests/gpu/test_cute_glue.py" \
       OUT=$OUT/tw bash "$0" hdimspar
     JCM_STAGE_S=$(left 200) JCM_RD_PARTS_S=${JCM_RD_PARTS_S:-70} JCM_RD_BENCH_S=${JCM_RD_BENCH_S:-100} \
-      JCM_MASKS16_VARIANTS='base=;tw=JCOMPILEMASK_CUTE_TRANSPOSE_WORDS=1' bash "$0" rdense
+      JCM_MASKS16_VARIANTS='base=;xla=JCOMPILEMASK_CUTE_TRANSPOSE_WORDS=0' bash "$0" rdense
     ;;
   classes)
     # Issue 16: the dilated window as residue classes (lower/classes.py: (q - k) % 2 == 0 in

@@ -312,11 +312,23 @@ def test_runtime_dense_checks_its_arguments():
     assert jax.tree_util.tree_unflatten(tree, leaves).tiers == (2,) and "tiers=(2,)" in repr(r)
 
 
-def test_registry_runs_the_tiers_on_cute_and_the_bitmap_on_xla(caplog):
+def test_registry_runs_the_tiers_on_cute_and_the_bitmap_on_xla(caplog, monkeypatch):
     """CPU twin of the GPU file: with the CuTe kernels marked available, a bf16 D 128 call
     runs every tier on cute and only the bitmap on xla, without logging the bitmap's
     fallback (it runs only past the widest tier); a named implementation="cute" keeps
-    the bitmap on xla; a bias puts every tier on xla (the CuTe kernels take none)."""
+    the bitmap on xla; a bias puts every tier on xla (the CuTe kernels take none). The
+    column pack goes to the CuTe kernel (``kernels.cute.api.transpose_words``; here a
+    stand-in that records its call and packs with XLA's words) unless
+    ``$JCOMPILEMASK_CUTE_TRANSPOSE_WORDS=0``, and never when no tier runs on cute."""
+    from jcompilemask.kernels.cute import api as cute_api
+    from jcompilemask.lower import dense_runtime
+    packs = []
+
+    def kernel_stand_in(words, n_rows, n_cols):
+        packs.append((words.shape, n_rows, n_cols))
+        return dense_runtime.transpose_words(words, n_rows, n_cols)
+    monkeypatch.setattr(cute_api, "transpose_words", kernel_stand_in)
+    monkeypatch.delenv("JCOMPILEMASK_CUTE_TRANSPOSE_WORDS", raising=False)
     real = backends.get("cute")
     backends.register(dataclasses.replace(real, available=lambda: None))
     try:
@@ -329,9 +341,14 @@ def test_registry_runs_the_tiers_on_cute_and_the_bitmap_on_xla(caplog):
         assert "bitmap" not in caplog.text
         _, names, _ = runtime_dense_plan(q, k, jcm.runtime_dense(m), implementation="cute")
         assert names == ("cute", "cute", "xla")
+        assert packs == [((1, 1, 256, 8), 256, 256)] * 2    # the default: the kernel's pack
         _, names, _ = runtime_dense_plan(q, k, jcm.runtime_dense(m),
                                          bias=jnp.zeros((1, 1, 256, 256), jnp.bfloat16))
         assert names == ("xla",) * 3
+        assert len(packs) == 2                                  # no tier on cute: XLA's pack
+        monkeypatch.setenv("JCOMPILEMASK_CUTE_TRANSPOSE_WORDS", "0")
+        _, names, _ = runtime_dense_plan(q, k, jcm.runtime_dense(m))
+        assert names == ("cute", "cute", "xla") and len(packs) == 2
     finally:
         backends.register(real)
 

@@ -64,9 +64,9 @@ def test_transpose_words_compiles_for_sm90():
 def test_transpose_words_key_and_switch_rules(monkeypatch):
     assert api.TransposeWordsKey().target_name == "jcompilemask_cute_transpose_words"
     monkeypatch.delenv("JCOMPILEMASK_CUTE_TRANSPOSE_WORDS", raising=False)
+    assert api.transpose_words_on() is True            # the default (session 52)
+    monkeypatch.setenv("JCOMPILEMASK_CUTE_TRANSPOSE_WORDS", "0")
     assert api.transpose_words_on() is False
-    monkeypatch.setenv("JCOMPILEMASK_CUTE_TRANSPOSE_WORDS", "1")
-    assert api.transpose_words_on() is True
     with pytest.raises(ValueError, match="are not the uint32 rows"):
         api.transpose_words(jnp.zeros((2, 64, 3), jnp.uint32), 64, 100)
     # an empty batch never launches: XLA's pack (no GPU needed)

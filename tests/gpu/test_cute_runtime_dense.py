@@ -159,7 +159,7 @@ def test_transpose_words_kernel_under_vmap():
 @pytest.mark.skipif(IMPL != "cute", reason="the CuTe column-pack kernel runs only on cute")
 @pytest.mark.parametrize("case", ["packed_causal", "window_globals"])
 def test_transpose_words_switch_gives_identical_results(case, monkeypatch):
-    """``$JCOMPILEMASK_CUTE_TRANSPOSE_WORDS=1`` (the column pack in one kernel) gives the
+    """``$JCOMPILEMASK_CUTE_TRANSPOSE_WORDS=1`` (the column pack in one kernel, the default) gives the
     same output, lse and gradients bit for bit as XLA's pack, at each tier on cute."""
     b, hq, hkv, d = 2, 4, 2, 128            # test_traced_dense_mask_on_cute's kernels
     m, _ = CASES[case](np.random.default_rng(11), b)

@@ -2950,11 +2950,14 @@ class TransposeWordsKey:
 
 
 def transpose_words_on() -> bool:
-    """``$JCOMPILEMASK_CUTE_TRANSPOSE_WORDS``: ``1`` packs a run-time dense mask's columns
-    with the CuTe kernel (``glue.TransposeWords``) wherever its tiers run on the ``cute``
-    backend; ``0`` (the default until it is timed on a GPU) keeps XLA's five rounds of
-    word swaps (``lower.dense_runtime.transpose_words``), which give the same words."""
-    return _env_flag("JCOMPILEMASK_CUTE_TRANSPOSE_WORDS", "0")
+    """``$JCOMPILEMASK_CUTE_TRANSPOSE_WORDS``: ``1`` (the default) packs a run-time dense
+    mask's columns with the CuTe kernel (``glue.TransposeWords``) wherever its tiers run on
+    the ``cute`` backend; ``0`` keeps XLA's five rounds of word swaps
+    (``lower.dense_runtime.transpose_words``), which give the same words, bit for bit.
+    Default since session 52: on an H100 (run ``2026-12-08T00:32:42Z``) the 8K x 8K x 16
+    pack took 0.64 ms against XLA's 1.14 and the plan 1.43 against 1.94; the traced
+    documents step (run ``2026-12-08T00:36:53Z``) 8.34 ms against 8.84."""
+    return _env_flag("JCOMPILEMASK_CUTE_TRANSPOSE_WORDS", "1")
 
 
 @functools.lru_cache(maxsize=None)
