@@ -367,21 +367,29 @@ def _backward(q, k, v, desc, scale, softcap, axis_name, plan, backend, determini
     return dq.astype(q.dtype), dk, dvv
 
 
+# The ring's forward and backward as one program each: under jax.jit these inline (the
+# compiled step is the same); in an unjitted shard_map they run as one program instead
+# of op by op (each ring step's concatenates, conds, merges and ppermutes dispatched and
+# compiled one at a time: seconds per call on a CPU, tests/test_context_parallel.py).
+_forward_one = jax.jit(_forward, static_argnums=(4, 5, 6, 7, 8))
+_backward_one = jax.jit(_backward, static_argnums=(4, 5, 6, 7, 8, 9))
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9))
 def _ring(q, k, v, desc, scale, softcap, axis_name, plan, backend, deterministic):
-    return _forward(q, k, v, desc, scale, softcap, axis_name, plan, backend)
+    return _forward_one(q, k, v, desc, scale, softcap, axis_name, plan, backend)
 
 
 def _ring_fwd(q, k, v, desc, scale, softcap, axis_name, plan, backend, deterministic):
-    out, lse = _forward(q, k, v, desc, scale, softcap, axis_name, plan, backend)
+    out, lse = _forward_one(q, k, v, desc, scale, softcap, axis_name, plan, backend)
     return (out, lse), (q, k, v, desc, out, lse)
 
 
 def _ring_bwd(scale, softcap, axis_name, plan, backend, deterministic, res, cts):
     q, k, v, desc, out, lse = res
     do, dlse = cts
-    dq, dk, dv = _backward(q, k, v, desc, scale, softcap, axis_name, plan, backend,
-                           deterministic, out, lse, do, dlse)
+    dq, dk, dv = _backward_one(q, k, v, desc, scale, softcap, axis_name, plan, backend,
+                               deterministic, out, lse, do, dlse)
     return dq, dk, dv, None
 
 
